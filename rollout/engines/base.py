@@ -1,0 +1,61 @@
+"""The one interface every rollout engine implements (embedded torch, SGLang over HTTP, ...)."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Any
+
+import torch
+
+from rollout.types import GenerateRequest, GenerateResult
+
+
+class RolloutEngine(abc.ABC):
+    """Generates completions for requests that each name their adapter (or none for the base).
+
+    Weight sync contract: `pause()` stops generation steps (in-flight requests either finish after
+    `resume()` or come back with finish_reason "abort"), `load_adapter` / `unload_adapter` change
+    adapters while paused, `resume()` continues. Each adapter has its own weight version, which
+    every result reports, so stale samples can be detected.
+    """
+
+    @abc.abstractmethod
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Run a batch of requests to completion; results are in request order."""
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Async form used by GenerateState. Engines that batch concurrent calls override this."""
+        return await asyncio.to_thread(self.generate, requests)
+
+    @abc.abstractmethod
+    def load_adapter(
+        self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
+    ) -> int:
+        """Load (or replace) adapter `name` from in-memory PEFT-named tensors and a PEFT config dict.
+
+        Returns the adapter's new weight version (`version` if given, else the previous one + 1).
+        """
+
+    @abc.abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name`; later requests naming it fail with a clear error."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop running generation steps until `resume()`."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Continue generation after `pause()`."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve requests."""
+
+    def adapter_versions(self) -> dict[str, int]:
+        """Loaded adapters and their current weight versions."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (threads, processes, connections)."""

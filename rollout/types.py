@@ -1,0 +1,118 @@
+"""Typed records that cross every boundary between data, engine, rewards and trainer.
+
+`AdapterRef` and `RewardSpec` are frozen: they are stamped on samples and must not drift while a
+sample is in flight. `Sample` is mutable because it is filled in stage by stage (prompt, then
+response, then reward, then advantage).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which tenant a sample belongs to: its adapter name and the slot it occupies."""
+
+    name: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """How to score a tenant's samples.
+
+    Exactly one of `name` (a built-in from `rewards`, e.g. "gsm8k", "math") or `path`
+    (`module:function`, a custom reward) is set. `kwargs` are passed to the function as keyword
+    arguments. A call that raises or runs past `timeout_s` scores `failure_value` and is counted.
+    `format_bonus` adds that much for a response in the reward's expected answer format (0 = off).
+    """
+
+    name: str | None = None
+    path: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    timeout_s: float = 10.0
+    failure_value: float = 0.0
+    format_bonus: float = 0.0
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One prompt-response pair of one adapter, with everything the trainer needs.
+
+    `group_index` identifies the prompt group (the `n_samples_per_prompt` samples of one prompt,
+    over which GRPO normalizes advantages); `index` is the sample's position within the step.
+    `weight_version` is the version of `adapter` that produced the response: the trainer checks it
+    so that a response generated on stale weights is never trained on as if current.
+    """
+
+    prompt: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response: str = ""
+    response_ids: list[int] = field(default_factory=list)
+    label: Any = None
+    reward: float | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.PENDING
+    finish_reason: str | None = None
+    group_index: int = 0
+    index: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    adapter: AdapterRef | None = None
+    reward_spec: RewardSpec | None = None
+    weight_version: int | None = None
+    advantage: float = 0.0
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (names follow SGLang's `sampling_params`).
+
+    `top_k = -1` and `top_p = 1.0` disable those filters; `temperature = 0` is greedy.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request. `adapter` is the adapter name, or None for the base model."""
+
+    input_ids: list[int]
+    adapter: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+
+
+@dataclass
+class GenerateResult:
+    """What the engine returns for one request.
+
+    `finish_reason` is "stop" (EOS, stop token or stop string), "length" (max_new_tokens),
+    "abort" (cut off by a pause in abort mode; resubmit it) or "error" (see `error`).
+    `weight_version` is the version of the request's adapter that produced every token
+    (None for base rows).
+    """
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    weight_version: int | None = None
+    error: str | None = None
