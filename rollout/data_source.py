@@ -1,0 +1,515 @@
+"""Per-adapter prompt streams: each tenant draws prompt groups from its own dataset with its own cursor.
+
+Design choices:
+- One `_AdapterStream` per adapter. Streams share nothing but the tokenizer, so adding or removing a
+  tenant never moves another tenant's cursor, and an adapter's prompts, order and sampling seeds are
+  the same whether it trains alone or next to others (the isolation invariant).
+- Each epoch visits the rows in a permutation derived only from `(seed, epoch)`, so the whole data
+  state is `epoch + cursor + counters`: a resumed stream re-derives the permutation instead of
+  storing it, and hands out exactly the prompts the uninterrupted one would have.
+- Rows are validated and tokenized lazily when they are drawn (a dataset may be far larger than
+  what a run consumes). A bad row (missing prompt or label, empty prompt, too many tokens, a prompt
+  template that does not apply) is skipped and remembered by index, so it is counted once and never
+  re-tokenized; a dataset where every row is bad reports itself exhausted instead of looping.
+- Budgets: `max_epochs` counts rows visited (good or bad) over the dataset size, so 0.5 epochs is
+  half a pass (rounded up to a whole row); `max_rows` counts prompts actually served. Whichever ends first exhausts the stream;
+  the step in which it ends gets the groups that were still available (possibly fewer than its quota).
+- `group_index` is the adapter's running group counter, not a position in the step: it is unique
+  per adapter for the whole run (so groups never collide even if a step draws twice) and, with the
+  adapter seed and sample index, it is the only input of the per-sample `sampling_seed`.
+- `Sample.index` is the sample's position in the flattened result of one `next_groups` call (in
+  the order of `names`); it is bookkeeping only and feeds no seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout.types import AdapterRef, RewardSpec, Sample
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+# File extensions that a bare local file path may have, and the `datasets` builder that reads them.
+_BUILDER_BY_EXTENSION = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
+
+
+class DatasetError(ValueError):
+    """A dataset spec or dataset that cannot be used; the message names the field and the fix."""
+
+
+@dataclass
+class DatasetSpec:
+    """Where an adapter's prompts come from and how each row becomes a prompt."""
+
+    path: str
+    """`datasets.load_dataset` path: a builder name ("json", "csv", "parquet") used with `data_files`,
+    a local file or directory, or a Hub id."""
+    name: str | None = None
+    """Dataset configuration name (the `name` argument of `datasets.load_dataset`)."""
+    data_files: str | list[str] | dict | None = None
+    """Files for a builder path such as "json"."""
+    split: str = "train"
+    """Split to read."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages ({"role", "content"})."""
+    label_key: str = "label"
+    """Column holding the reference answer passed to the reward function."""
+    metadata_key: str | None = None
+    """Optional column holding a dict of per-row metadata copied into `Sample.metadata`."""
+    apply_chat_template: bool = True
+    """Wrap the prompt in the tokenizer's chat template (user turn + generation prompt)."""
+    system_prompt: str | None = None
+    """System message (chat template) or text prepended to the prompt (no template)."""
+    prompt_template: str | None = None
+    """Python format string applied to the prompt text before the chat template, e.g.
+    "{prompt}\\nPut the final answer in \\\\boxed{{}}."; other row columns are available by name."""
+    max_prompt_tokens: int | None = None
+    """Rows whose final prompt has more tokens than this are bad rows (skipped and counted)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise DatasetError(f"dataset.path={self.path!r} is invalid: give a builder name, a local path or a Hub id")
+        if not self.split:
+            raise DatasetError(f"dataset.split={self.split!r} is invalid: give a split name such as 'train'")
+        for key_field in ("prompt_key", "label_key"):
+            value = getattr(self, key_field)
+            if not isinstance(value, str) or not value:
+                raise DatasetError(f"dataset.{key_field}={value!r} is invalid: give a column name")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise DatasetError(
+                f"dataset.max_prompt_tokens={self.max_prompt_tokens!r} is invalid: give a positive integer or None"
+            )
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            raise DatasetError(
+                f"dataset.prompt_template={self.prompt_template!r} is invalid: it must contain '{{prompt}}'"
+            )
+
+
+def _is_local_path(path: str) -> bool:
+    return "://" not in path and not any(ch in path for ch in "*?[")
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user meant as a local file or folder (a Hub id like "openai/gsm8k" also has a slash)."""
+    return path.startswith(("/", "./", "../", "~")) or os.path.splitext(path)[1].lower() in _BUILDER_BY_EXTENSION
+
+
+def _check_data_files_exist(data_files: str | list[str] | dict) -> None:
+    """Fail early, naming the file, instead of letting `datasets` raise from deep inside a builder."""
+    if isinstance(data_files, str):
+        files = [data_files]
+    elif isinstance(data_files, Mapping):
+        files = []
+        for value in data_files.values():
+            files.extend([value] if isinstance(value, str) else list(value))
+    else:
+        files = list(data_files)
+    for file in files:
+        if isinstance(file, str) and _is_local_path(file) and not os.path.exists(file):
+            raise DatasetError(f"dataset.data_files: file {file!r} does not exist")
+
+
+def load_dataset_rows(spec: DatasetSpec):
+    """Load `spec`'s split as a `datasets.Dataset` and check that the prompt and label columns exist.
+
+    A local file is read with the builder its extension names, a directory written by
+    `Dataset.save_to_disk` with `load_from_disk`; anything else goes to `datasets.load_dataset`.
+    Every failure is a `DatasetError` naming the spec field at fault.
+    """
+    import datasets
+
+    path, data_files = os.path.expanduser(spec.path), spec.data_files
+    if data_files is not None:
+        _check_data_files_exist(data_files)
+    is_saved_dir = os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, marker)) for marker in ("state.json", "dataset_dict.json")
+    )
+    try:
+        if is_saved_dir:
+            loaded = datasets.load_from_disk(path)
+            if isinstance(loaded, datasets.DatasetDict):
+                if spec.split not in loaded:
+                    raise DatasetError(
+                        f"dataset.split={spec.split!r} not found in {path!r}; available: {sorted(loaded)}"
+                    )
+                loaded = loaded[spec.split]
+            rows = loaded
+        else:
+            extension = os.path.splitext(path)[1].lower()
+            if os.path.isfile(path) and data_files is None and extension in _BUILDER_BY_EXTENSION:
+                path, data_files = _BUILDER_BY_EXTENSION[extension], path
+            elif _looks_local(path) and not os.path.exists(path):
+                raise DatasetError(f"dataset.path={spec.path!r} does not exist")
+            rows = datasets.load_dataset(path, name=spec.name, data_files=data_files, split=spec.split)
+    except DatasetError:
+        raise
+    except FileNotFoundError as exc:
+        raise DatasetError(f"dataset.path={spec.path!r} / data_files={spec.data_files!r}: {exc}") from exc
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise DatasetError(f"dataset.split={spec.split!r} cannot be read from {spec.path!r}: {exc}") from exc
+        raise DatasetError(f"dataset {spec.path!r} cannot be loaded: {exc}") from exc
+    except Exception as exc:  # datasets raises many types (hub, network, parsing): report them all the same way
+        raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    _check_columns(spec, list(rows.column_names))
+    return rows
+
+
+def _check_columns(spec: DatasetSpec, columns: list[str]) -> None:
+    for key_field in ("prompt_key", "label_key", "metadata_key"):
+        column = getattr(spec, key_field)
+        if column is not None and column not in columns:
+            raise DatasetError(f"dataset.{key_field}={column!r} is not a column of {spec.path!r}; columns: {columns}")
+
+
+@dataclass
+class _PreparedRow:
+    prompt: str
+    prompt_ids: list[int]
+    label: Any
+    metadata: dict[str, Any]
+
+
+@dataclass
+class _AdapterStream:
+    """One adapter's dataset, budget, cursor and counters."""
+
+    ref: AdapterRef
+    spec: DatasetSpec
+    reward_spec: RewardSpec
+    rows: Any  # datasets.Dataset or a sequence of dicts: anything with len() and [int] -> dict
+    seed: int
+    prompts_per_step: int
+    n_samples_per_prompt: int
+    max_epochs: float | None
+    max_rows: int | None
+    epoch: int = 0
+    cursor: int = 0  # position in the current epoch's permutation
+    rows_served: int = 0
+    samples_served: int = 0
+    group_counter: int = 0
+    bad_rows: dict[int, str] = field(default_factory=dict)  # row index -> reason
+    _perm_epoch: int = -1
+    _perm: np.ndarray | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def positions_visited(self) -> int:
+        return self.epoch * self.n_rows + self.cursor
+
+    def exhausted(self) -> bool:
+        if self.n_rows == 0 or len(self.bad_rows) >= self.n_rows:
+            return True
+        if self.max_rows is not None and self.rows_served >= self.max_rows:
+            return True
+        # ceil: any positive epoch budget serves at least one row; the epsilon absorbs float error (0.3 * 10).
+        epoch_limit = math.ceil(self.max_epochs * self.n_rows - 1e-9) if self.max_epochs is not None else None
+        return epoch_limit is not None and self.positions_visited >= epoch_limit
+
+    def permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            # The permutation depends only on (seed, epoch), so resuming needs no stored order.
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_rows)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def next_row(self) -> tuple[int, int] | None:
+        """Advance the cursor by one row; return (row index, epoch of that row) or None when exhausted."""
+        if self.exhausted():
+            return None
+        row_index = int(self.permutation()[self.cursor])
+        epoch = self.epoch
+        self.cursor += 1
+        if self.cursor >= self.n_rows:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        return row_index, epoch
+
+    def sampling_seed(self, group: int, sample: int) -> int:
+        # Only (adapter seed, group counter, sample index): the seed is the same whoever shares the batch.
+        return int(np.random.SeedSequence([self.seed, group, sample]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class MultiLoRADataSource:
+    """Draws each adapter's quota of prompt groups from that adapter's own dataset.
+
+    Usage::
+
+        source = MultiLoRADataSource(tokenizer)
+        source.add_adapter(AdapterRef("a", 0), DatasetSpec("json", data_files="a.jsonl"),
+                           RewardSpec(name="gsm8k"), seed=0, prompts_per_step=4, n_samples_per_prompt=8)
+        groups = source.next_groups(["a"])["a"]   # 4 groups of 8 samples each
+    """
+
+    def __init__(self, tokenizer) -> None:
+        if tokenizer is None:
+            raise DatasetError("tokenizer=None is invalid: MultiLoRADataSource needs a tokenizer to build prompt_ids")
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _AdapterStream] = {}
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._streams)
+
+    def add_adapter(
+        self,
+        ref: AdapterRef,
+        spec: DatasetSpec,
+        reward_spec: RewardSpec,
+        *,
+        seed: int,
+        prompts_per_step: int,
+        n_samples_per_prompt: int,
+        max_epochs: float | None = None,
+        max_rows: int | None = None,
+        dataset=None,
+    ) -> None:
+        """Register adapter `ref.name` with its dataset (loaded from `spec` unless `dataset` is given).
+
+        `dataset` may be a `datasets.Dataset` or a list of row dicts (rows missing a key become bad rows).
+        """
+        name = ref.name
+        if name in self._streams:
+            raise DatasetError(f"adapter {name!r} is already in the data source; remove it first")
+        if not isinstance(seed, int) or seed < 0:
+            raise DatasetError(f"adapter {name!r}: seed={seed!r} is invalid: give a non-negative integer")
+        if prompts_per_step < 1:
+            raise DatasetError(f"adapter {name!r}: prompts_per_step={prompts_per_step!r} is invalid: must be >= 1")
+        if n_samples_per_prompt < 1:
+            raise DatasetError(
+                f"adapter {name!r}: n_samples_per_prompt={n_samples_per_prompt!r} is invalid: must be >= 1"
+            )
+        if max_epochs is not None and not max_epochs > 0:
+            raise DatasetError(f"adapter {name!r}: max_epochs={max_epochs!r} is invalid: must be > 0 or None")
+        if max_rows is not None and max_rows < 1:
+            raise DatasetError(f"adapter {name!r}: max_rows={max_rows!r} is invalid: must be >= 1 or None")
+        if spec.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise DatasetError(
+                f"adapter {name!r}: dataset.apply_chat_template=True but the tokenizer has no chat template; "
+                "set apply_chat_template: false"
+            )
+        if dataset is None:
+            rows = load_dataset_rows(spec)
+        else:
+            rows = dataset
+            if hasattr(rows, "column_names"):
+                _check_columns(spec, list(rows.column_names))
+        self._streams[name] = _AdapterStream(
+            ref=ref,
+            spec=spec,
+            reward_spec=reward_spec,
+            rows=rows,
+            seed=seed,
+            prompts_per_step=prompts_per_step,
+            n_samples_per_prompt=n_samples_per_prompt,
+            max_epochs=max_epochs,
+            max_rows=max_rows,
+        )
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name` and its cursor; no other adapter's state changes."""
+        self._stream(name)
+        del self._streams[name]
+
+    def next_groups(self, names: list[str]) -> dict[str, list[list[Sample]]]:
+        """For each adapter in `names`, up to `prompts_per_step` groups of `n_samples_per_prompt` samples.
+
+        An adapter whose budget ends mid-step gets the groups still available; an exhausted one gets [].
+        """
+        streams = [self._stream(name) for name in names]
+        if len(set(names)) != len(names):
+            raise DatasetError(f"names={names!r} is invalid: each adapter may appear once")
+        out: dict[str, list[list[Sample]]] = {}
+        position = 0
+        for stream in streams:
+            groups = []
+            for _ in range(stream.prompts_per_step):
+                group = self._next_group(stream, position)
+                if group is None:
+                    break
+                position += len(group)
+                groups.append(group)
+            out[stream.ref.name] = groups
+        return out
+
+    def exhausted(self, name: str) -> bool:
+        """True when the adapter's data budget (epochs or rows) is used up or it has no usable row."""
+        return self._stream(name).exhausted()
+
+    def stats(self, name: str) -> dict[str, Any]:
+        """Counters for metrics: rows and samples served, epoch progress, bad rows by reason."""
+        stream = self._stream(name)
+        reasons: dict[str, int] = {}
+        for reason in stream.bad_rows.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        return {
+            "rows_served": stream.rows_served,
+            "samples_served": stream.samples_served,
+            "groups_served": stream.group_counter,
+            "epoch": stream.epoch,
+            "epoch_progress": stream.positions_visited / stream.n_rows if stream.n_rows else 0.0,
+            "cursor": stream.cursor,
+            "n_rows": stream.n_rows,
+            "bad_rows": len(stream.bad_rows),
+            "bad_row_reasons": reasons,
+            "exhausted": stream.exhausted(),
+        }
+
+    def state_dict(self, name: str) -> dict[str, Any]:
+        """JSON-serializable cursor state; the per-epoch permutation is re-derived from (seed, epoch)."""
+        stream = self._stream(name)
+        return {
+            "version": _STATE_VERSION,
+            "seed": stream.seed,
+            "n_rows": stream.n_rows,
+            "epoch": stream.epoch,
+            "cursor": stream.cursor,
+            "rows_served": stream.rows_served,
+            "samples_served": stream.samples_served,
+            "group_counter": stream.group_counter,
+            "bad_rows": {str(index): reason for index, reason in sorted(stream.bad_rows.items())},
+        }
+
+    def load_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
+        """Restore `name`'s cursor; the adapter must be added with the same seed and dataset first."""
+        stream = self._stream(name)
+        if state.get("version") != _STATE_VERSION:
+            raise DatasetError(
+                f"data state of {name!r}: version={state.get('version')!r} is not supported (expected {_STATE_VERSION})"
+            )
+        if state["seed"] != stream.seed:
+            raise DatasetError(
+                f"data state of {name!r}: seed={state['seed']!r} differs from the adapter's seed={stream.seed!r}; "
+                "resume with the seed the run started with"
+            )
+        if state["n_rows"] != stream.n_rows:
+            raise DatasetError(
+                f"data state of {name!r}: n_rows={state['n_rows']!r} differs from the dataset's {stream.n_rows} rows; "
+                "resume with the same dataset"
+            )
+        if not 0 <= state["cursor"] < max(stream.n_rows, 1):
+            raise DatasetError(f"data state of {name!r}: cursor={state['cursor']!r} is outside [0, {stream.n_rows})")
+        stream.epoch = int(state["epoch"])
+        stream.cursor = int(state["cursor"])
+        stream.rows_served = int(state["rows_served"])
+        stream.samples_served = int(state["samples_served"])
+        stream.group_counter = int(state["group_counter"])
+        stream.bad_rows = {int(index): str(reason) for index, reason in state["bad_rows"].items()}
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _stream(self, name: str) -> _AdapterStream:
+        try:
+            return self._streams[name]
+        except KeyError:
+            raise DatasetError(f"adapter {name!r} is not in the data source; known: {sorted(self._streams)}") from None
+
+    def _next_group(self, stream: _AdapterStream, position: int) -> list[Sample] | None:
+        """Skip bad rows until a good one; build its group. None when the budget ends first."""
+        while True:
+            drawn = stream.next_row()
+            if drawn is None:
+                return None
+            row_index, epoch = drawn
+            if row_index in stream.bad_rows:
+                continue
+            prepared = self._prepare_row(stream, row_index)
+            if isinstance(prepared, str):
+                stream.bad_rows[row_index] = prepared
+                logger.warning("adapter %r: skipping bad row %d (%s)", stream.ref.name, row_index, prepared)
+                continue
+            break
+        group_index = stream.group_counter
+        stream.group_counter += 1
+        stream.rows_served += 1
+        stream.samples_served += stream.n_samples_per_prompt
+        group = []
+        for sample_index in range(stream.n_samples_per_prompt):
+            metadata = copy.deepcopy(prepared.metadata)
+            metadata.update(
+                row_index=row_index,
+                epoch=epoch,
+                sample_index=sample_index,
+                sampling_seed=stream.sampling_seed(group_index, sample_index),
+            )
+            group.append(
+                Sample(
+                    prompt=prepared.prompt,
+                    prompt_ids=list(prepared.prompt_ids),
+                    label=copy.deepcopy(prepared.label),
+                    group_index=group_index,
+                    index=position + sample_index,
+                    metadata=metadata,
+                    adapter=stream.ref,
+                    reward_spec=stream.reward_spec,
+                )
+            )
+        return group
+
+    def _prepare_row(self, stream: _AdapterStream, row_index: int) -> _PreparedRow | str:
+        """The row as a prompt, or the reason it is a bad row."""
+        spec = stream.spec
+        row = stream.rows[row_index]
+        if not isinstance(row, Mapping):
+            return "row_not_a_dict"
+        prompt = row.get(spec.prompt_key)
+        label = row.get(spec.label_key)
+        if prompt is None:
+            return f"missing_{spec.prompt_key}"
+        if label is None:
+            return f"missing_{spec.label_key}"
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                return "empty_prompt"
+            if spec.prompt_template is not None:
+                try:
+                    prompt = spec.prompt_template.format_map({**row, "prompt": prompt})
+                except (KeyError, IndexError, ValueError):
+                    return "prompt_template_error"
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            messages = [dict(m) for m in prompt]  # already chat messages; the template applies as is
+        else:
+            return "empty_prompt" if isinstance(prompt, Sequence) and not prompt else "prompt_not_text"
+
+        if spec.apply_chat_template:
+            if spec.system_prompt is not None and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # The template already holds BOS/role tokens; letting the tokenizer add them again would double them.
+            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            if len(messages) != 1 or messages[0].get("role") != "user":
+                return "chat_prompt_without_template"
+            text = str(messages[0]["content"])
+            if spec.system_prompt is not None:
+                text = f"{spec.system_prompt}\n\n{text}"
+            prompt_ids = self.tokenizer(text)["input_ids"]
+        if spec.max_prompt_tokens is not None and len(prompt_ids) > spec.max_prompt_tokens:
+            return "prompt_too_long"
+        raw_metadata = row.get(spec.metadata_key) if spec.metadata_key else None
+        if raw_metadata is None:
+            metadata: dict[str, Any] = {}
+        elif isinstance(raw_metadata, Mapping):
+            metadata = dict(raw_metadata)
+        else:
+            metadata = {"row_metadata": raw_metadata}  # keep non-dict metadata rather than dropping the row
+        return _PreparedRow(prompt=text, prompt_ids=list(prompt_ids), label=label, metadata=metadata)
