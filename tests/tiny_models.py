@@ -1,0 +1,97 @@
+"""Tiny random causal LMs (Qwen2, Qwen3, Llama) built offline, for tests and benchmarks.
+
+Nothing is downloaded: each model is built from its config class with a fixed seed, so two calls with
+the same arguments give bit-identical weights (tests rely on this to build an oracle copy of a base).
+`save_tiny_model` also writes a character-level tokenizer (printable ASCII, newline, tab and three
+specials) whose ids fit in the default vocabulary, so the folder loads with `AutoTokenizer` and
+`AutoModelForCausalLM` like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+# A role-tagged template made of plain characters, so prompts built with apply_chat_template stay in the vocab.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tiny_config(family: str = "qwen2", hidden: int = 32, layers: int = 2, vocab: int = 128, heads: int = 4):
+    """Config of a tiny `family` model: `heads` query heads, half as many KV heads (exercises GQA)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not supported; allowed: {', '.join(FAMILIES)}")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+    )
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=hidden // heads, **common)
+    return LlamaConfig(head_dim=hidden // heads, **common)
+
+
+def tiny_model(
+    family: str = "qwen2", seed: int = 0, hidden: int = 32, layers: int = 2, vocab: int = 128, heads: int = 4
+) -> PreTrainedModel:
+    """A float32 random `family` causal LM in eval mode; the same arguments give the same weights."""
+    config = tiny_config(family, hidden=hidden, layers=layers, vocab=vocab, heads=heads)
+    # Seed a private RNG state: the caller's global RNG stream is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_tokenizer():
+    """Character-level fast tokenizer: one token per character, ids below 100, decode joins characters."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable[:95]) + ["\n", "\t"]  # printable ASCII letters, digits, punctuation, space
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({c: len(SPECIAL_TOKENS) + i for i, c in enumerate(chars)})
+    # BPE without merges and without a pre-tokenizer splits text into single characters.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_model(
+    dir: str | Path, family: str = "qwen2", seed: int = 0, hidden: int = 32, layers: int = 2, vocab: int = 128
+) -> Path:
+    """Save a tiny model and its character tokenizer under `dir`; returns the folder path."""
+    if vocab < 100:
+        raise ValueError(f"vocab={vocab} is too small for the character tokenizer; allowed: >= 100")
+    path = Path(dir)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(family, seed=seed, hidden=hidden, layers=layers, vocab=vocab)
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
