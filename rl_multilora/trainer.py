@@ -1,0 +1,713 @@
+"""GRPO trainer for many LoRA adapters on one frozen base, one optimizer per tenant.
+
+Design choices (and where they differ from a single-adapter GRPO trainer such as TRL's or verl's):
+
+- Tenant isolation is the first invariant. Every aggregation is expressed as a per-token weight that depends only on
+  the token's own adapter (token-mean: 1 / that adapter's token count in the whole batch; seq-mean-*: 1 / that
+  adapter's row count, times 1 / the row's token count for token-mean rows). Each adapter's loss is therefore
+  normalized over its own rows only, and its gradient does not depend on who else shares the batch or how the batch
+  is cut into micro-batches. The adapters' normalized losses are summed and each micro-batch has one backward; since
+  every adapter's parameters only see their own rows, the sum keeps the gradients separate.
+- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name)` only. After the backward passes each
+  adapter with rows checks its own grads for NaN/inf (skip and count, nobody else affected), clips its own grad norm
+  and steps. Adapters with no rows are not touched at all: AdamW with weight decay would otherwise still move them,
+  and their schedules and step counters would drift from the data they saw.
+- Old log-probs are the trainer's own (not the rollout engine's): the forward of the first PPO epoch runs before any
+  optimizer step, so its detached log-probs are exactly the "old" policy and no extra no-grad pass is needed. The
+  rollout log-probs are only compared against them (`logprob_gap`) to expose train/inference mismatch.
+- The KL reference is the base model: the same rows with every adapter switched off (`adapter_names=None` per row),
+  under no_grad. No second model is kept.
+- Forward passes run with the model in eval mode (dropout off) so that the old, new and reference log-probs come from
+  the same deterministic function; autograd is unaffected. The previous mode is restored afterwards.
+- Non-finite rewards or advantages are caught before the forward: that adapter's rows leave the batch and its step is
+  skipped. Non-finite losses or grads produced by the model itself (e.g. a diverged adapter) are caught per adapter
+  after the backward. `adapter_step` counts optimizer steps (`ppo_epochs` per `train_step` when nothing is skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from rollout.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rl_multilora.lora import MultiLoRAModel
+
+KL_TYPES = ("k1", "k3", "low_var_kl")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+SCHEDULES = ("constant", "cosine")
+EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED)
+
+
+def _raise_problems(cls_name: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"invalid {cls_name}:\n  " + "\n  ".join(problems))
+
+
+def _problem(field_name: str, value: Any, allowed: str) -> str:
+    return f"{field_name}={value!r}: {allowed}"
+
+
+@dataclass
+class GRPOConfig:
+    """Loss settings shared by all adapters (per-adapter optimizer settings live in `OptimConfig`)."""
+
+    eps_clip: float = field(
+        default=0.2, metadata={"help": "PPO clip range below 1: ratio is clipped at 1 - eps_clip."}
+    )
+    eps_clip_high: float = field(
+        default=0.28,
+        metadata={"help": "PPO clip range above 1 (DAPO clip-higher): ratio clipped at 1 + eps_clip_high."},
+    )
+    kl_coef: float = field(default=0.0, metadata={"help": "Weight of the KL penalty to the base model (0 = off)."})
+    kl_type: str = field(
+        default="k3", metadata={"help": "KL estimator: 'k1' (logp - ref) or 'k3' (alias 'low_var_kl', Schulman's k3)."}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (loss -= coef * H)."})
+    loss_agg: str = field(
+        default="token-mean",
+        metadata={"help": "Per-adapter aggregation: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'."},
+    )
+    normalize_std: bool = field(
+        default=True, metadata={"help": "Divide group advantages by the group std (False = Dr. GRPO)."}
+    )
+    drop_uniform_groups: bool = field(
+        default=True, metadata={"help": "Drop groups whose rewards are all equal (zero advantage, no signal)."}
+    )
+    micro_batch_size: int = field(default=16, metadata={"help": "Rows per forward/backward (rows of many adapters)."})
+    ppo_epochs: int = field(
+        default=1, metadata={"help": "Optimizer steps per rollout batch; with 1 the ratio is 1 but the loss is PPO's."}
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature of the rollouts; logits are divided by it before softmax."},
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0.0 <= self.eps_clip < 1.0:
+            problems.append(_problem("eps_clip", self.eps_clip, "must be in [0, 1)"))
+        if not self.eps_clip_high >= 0.0:
+            problems.append(_problem("eps_clip_high", self.eps_clip_high, "must be >= 0"))
+        if not self.kl_coef >= 0.0:
+            problems.append(_problem("kl_coef", self.kl_coef, "must be >= 0"))
+        if self.kl_type not in KL_TYPES:
+            problems.append(_problem("kl_type", self.kl_type, f"must be one of {KL_TYPES}"))
+        if not self.entropy_coef >= 0.0:
+            problems.append(_problem("entropy_coef", self.entropy_coef, "must be >= 0"))
+        if self.loss_agg not in LOSS_AGGS:
+            problems.append(_problem("loss_agg", self.loss_agg, f"must be one of {LOSS_AGGS}"))
+        if not (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1):
+            problems.append(_problem("micro_batch_size", self.micro_batch_size, "must be an integer >= 1"))
+        if not (isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1):
+            problems.append(_problem("ppo_epochs", self.ppo_epochs, "must be an integer >= 1"))
+        if not self.temperature > 0.0:
+            problems.append(_problem("temperature", self.temperature, "must be > 0"))
+        _raise_problems("GRPOConfig", problems)
+
+
+@dataclass
+class OptimConfig:
+    """One adapter's optimizer (AdamW) and learning-rate schedule."""
+
+    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay."})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW (beta1, beta2)."})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    schedule: str = field(
+        default="constant", metadata={"help": "'constant' or 'cosine'; both start with `warmup_steps` linear warmup."}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps: step k < warmup uses (k+1)/warmup."})
+    total_steps: int | None = field(
+        default=None, metadata={"help": "Optimizer steps over which cosine decays to min_lr_ratio (cosine only)."}
+    )
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "Cosine floor as a fraction of lr."})
+    max_grad_norm: float | None = field(
+        default=1.0, metadata={"help": "Clip this adapter's grad norm to this value (None = no clipping)."}
+    )
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # YAML gives lists
+        problems = []
+        if not self.lr > 0.0:
+            problems.append(_problem("lr", self.lr, "must be > 0"))
+        if not self.weight_decay >= 0.0:
+            problems.append(_problem("weight_decay", self.weight_decay, "must be >= 0"))
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            problems.append(_problem("betas", self.betas, "must be two numbers in [0, 1)"))
+        if not self.eps > 0.0:
+            problems.append(_problem("eps", self.eps, "must be > 0"))
+        if self.schedule not in SCHEDULES:
+            problems.append(_problem("schedule", self.schedule, f"must be one of {SCHEDULES}"))
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            problems.append(_problem("warmup_steps", self.warmup_steps, "must be an integer >= 0"))
+        if self.schedule == "cosine":
+            if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
+                problems.append(
+                    _problem("total_steps", self.total_steps, "schedule 'cosine' needs an integer > warmup_steps")
+                )
+        elif self.total_steps is not None and not (isinstance(self.total_steps, int) and self.total_steps >= 1):
+            problems.append(_problem("total_steps", self.total_steps, "must be None or an integer >= 1"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(_problem("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]"))
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0.0:
+            problems.append(_problem("max_grad_norm", self.max_grad_norm, "must be > 0, or None to disable clipping"))
+        _raise_problems("OptimConfig", problems)
+
+
+def lr_multiplier(step: int, optim: OptimConfig) -> float:
+    """The factor on `optim.lr` for 0-based optimizer step `step` (the LambdaLR lambda).
+
+    Warmup is (step + 1) / warmup_steps so that the first step already learns (HF's step / warmup wastes step 0);
+    cosine then decays from 1 at `warmup_steps` to `min_lr_ratio` at `total_steps` and stays there.
+
+    >>> cfg = OptimConfig(schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    >>> [round(lr_multiplier(k, cfg), 4) for k in range(7)]
+    [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+    """
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / (optim.total_steps - optim.warmup_steps))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped surrogate with asymmetric clip (DAPO) and where the clipped branch was taken.
+
+    Returns (loss, clipped), both (N,): loss = -min(r * A, clip(r, 1 - eps_clip, 1 + eps_clip_high) * A) with
+    r = exp(logp - old_logp); clipped is True where the clipped term is strictly the active (larger-loss) one.
+    """
+    ratio = torch.exp(logp - old_logp)  # (N,)
+    unclipped = -ratio * advantages  # (N,)
+    clipped_loss = -torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages  # (N,)
+    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate from sampled-token log-probs; (N,) -> (N,).
+
+    k1 = logp - ref (unbiased, can be negative); k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0,
+    lower variance; verl's 'low_var_kl' which additionally clamps to [-10, 10] for stability).
+    """
+    if kl_type == "k1":
+        return logp - ref_logp
+    if kl_type in ("k3", "low_var_kl"):
+        log_ratio = ref_logp - logp  # (N,)
+        kl = torch.exp(log_ratio) - log_ratio - 1.0  # (N,)
+        return torch.clamp(kl, -10.0, 10.0) if kl_type == "low_var_kl" else kl
+    raise ValueError(f"kl_type={kl_type!r}: must be one of {KL_TYPES}")
+
+
+@dataclass
+class AdvantageStats:
+    """What `compute_advantages` did: which samples keep a learning signal and how many groups were dropped."""
+
+    kept: list[bool]  # per input sample; False for members of dropped uniform groups
+    groups: dict[str, int]  # groups seen per adapter
+    dropped_groups: dict[str, int]  # uniform groups dropped per adapter
+
+
+def _adapter_name(sample: Sample) -> str:
+    if sample.adapter is None:
+        raise ValueError(
+            f"sample index={sample.index} group_index={sample.group_index} has adapter=None: the trainer trains "
+            "adapters only, every sample must carry an AdapterRef"
+        )
+    return sample.adapter.name
+
+
+def compute_advantages(
+    samples: Sequence[Sample], normalize_std: bool = True, drop_uniform_groups: bool = True
+) -> AdvantageStats:
+    """GRPO advantages, written to `sample.advantage`, per (adapter name, group_index) group.
+
+    A = r - mean(r), divided by (std(r) + 1e-6) when `normalize_std` (std is the unbiased one, as in TRL and verl;
+    a one-sample group has std 0). Groups of different adapters never mix even when their group_index is equal.
+    A group whose rewards are all equal has A = 0 everywhere; with `drop_uniform_groups` it is marked not kept and
+    counted. Non-finite rewards are not dropped here: they give non-finite advantages, which the trainer turns into a
+    skipped step for that adapter.
+    """
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        if s.reward is None:
+            raise ValueError(
+                f"sample index={s.index} of adapter {_adapter_name(s)!r} (group_index={s.group_index}) has "
+                "reward=None: score every sample before training (failed reward calls score failure_value)"
+            )
+        groups[(_adapter_name(s), s.group_index)].append(i)
+
+    kept = [True] * len(samples)
+    n_groups: dict[str, int] = defaultdict(int)
+    n_dropped: dict[str, int] = defaultdict(int)
+    for (name, _), idx in groups.items():
+        n_groups[name] += 1
+        rewards = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # (G,)
+        centered = rewards - rewards.mean()  # (G,)
+        uniform = bool(torch.all(rewards == rewards[0]))
+        if normalize_std and len(idx) > 1:
+            centered = centered / (rewards.std() + 1e-6)
+        for i, a in zip(idx, centered.tolist(), strict=True):
+            samples[i].advantage = 0.0 if uniform else a
+        if uniform and drop_uniform_groups:
+            n_dropped[name] += 1
+            for i in idx:
+                kept[i] = False
+    return AdvantageStats(kept=kept, groups=dict(n_groups), dropped_groups=dict(n_dropped))
+
+
+@dataclass
+class AdapterStepStats:
+    """One adapter's numbers for one `train_step`. Loss terms use the configured aggregation, so
+    loss = pg_loss + kl_coef * kl - entropy_coef * entropy; with ppo_epochs > 1 they are means over epochs."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    grad_norm: float | None = None  # pre-clip norm of the last step attempted; None when nothing was attempted
+    lr: float = 0.0  # learning rate of the last step taken (or the next one when none was taken)
+    clip_frac: float = 0.0  # fraction of response tokens where the clipped branch is active
+    n_rows: int = 0
+    n_tokens: int = 0
+    logprob_gap: float | None = None  # mean |rollout logprob - trainer old logprob|; None without rollout logprobs
+    skipped_nonfinite: bool = False
+    dropped_groups: int = 0
+    stepped: bool = False
+    stale: int = 0  # samples generated by an older weight version than current, excluded
+    excluded: int = 0  # samples excluded as FAILED/ABORTED, with an empty response or an all-zero loss mask
+    n_steps: int = 0  # optimizer steps taken in this train_step (ppo_epochs when nothing was skipped)
+
+
+@dataclass
+class _Row:
+    """One training row: prompt + response token ids and the loss positions inside it."""
+
+    adapter: str
+    input_ids: list[int]
+    targets: list[int]  # positions (into input_ids) of the response tokens that carry loss
+    advantage: float
+    rollout_logprobs: list[float] | None  # aligned with `targets`
+
+
+@dataclass
+class _Tenant:
+    optim_cfg: OptimConfig
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step: int = 0
+
+
+class _Sums:
+    """Per-adapter running sums over micro-batches and epochs (plain floats: they are only reported)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add(self, name: str, key: str, value: float) -> None:
+        self.values[name][key] += value
+
+    def get(self, name: str, key: str) -> float:
+        return self.values[name][key]
+
+
+class MultiLoRATrainer:
+    """GRPO over a `MultiLoRAModel`: one mixed batch, one AdamW + LR schedule + step counter per adapter."""
+
+    def __init__(self, model: MultiLoRAModel, cfg: GRPOConfig, pad_token_id: int):
+        if not isinstance(cfg, GRPOConfig):
+            raise TypeError(f"cfg must be a GRPOConfig, got {type(cfg).__name__}")
+        if not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"pad_token_id={pad_token_id!r}: must be a non-negative token id")
+        self.model = model
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self._tenants: dict[str, _Tenant] = {}
+
+    # ----- tenants -----
+
+    def add_adapter(self, name: str, optim: OptimConfig) -> None:
+        """Create `name`'s AdamW (over its own slot's parameters only) and LR schedule; the model must hold it."""
+        if name in self._tenants:
+            raise ValueError(f"adapter {name!r} already has an optimizer; remove_adapter it first")
+        if name not in self.model.adapters:
+            raise ValueError(f"adapter {name!r} is not in the model (model has {sorted(self.model.adapters)})")
+        if not isinstance(optim, OptimConfig):
+            raise TypeError(f"optim for adapter {name!r} must be an OptimConfig, got {type(optim).__name__}")
+        params = list(self.model.adapter_parameters(name))
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        optimizer = torch.optim.AdamW(
+            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim))
+        self._tenants[name] = _Tenant(optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler)
+
+    def remove_adapter(self, name: str) -> None:
+        """Drop `name`'s optimizer, schedule and step counter (the model's slot is the caller's to free)."""
+        tenant = self._tenant(name)
+        for p in tenant.params:
+            p.grad = None
+        del self._tenants[name]
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._tenants)
+
+    def adapter_step(self, name: str) -> int:
+        """Optimizer steps `name` has taken."""
+        return self._tenant(name).step
+
+    def adapter_lr(self, name: str) -> float:
+        """The learning rate `name`'s next optimizer step will use."""
+        return self._tenant(name).optimizer.param_groups[0]["lr"]
+
+    def optimizer_state_dict(self, name: str) -> dict[str, Any]:
+        """`name`'s optimizer, scheduler and step counter, for checkpoints."""
+        tenant = self._tenant(name)
+        return {
+            "optimizer": tenant.optimizer.state_dict(),
+            "scheduler": tenant.scheduler.state_dict(),
+            "step": tenant.step,
+        }
+
+    def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
+        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimConfig)."""
+        tenant = self._tenant(name)
+        missing = {"optimizer", "scheduler", "step"} - set(state)
+        if missing:
+            raise ValueError(f"optimizer state for adapter {name!r} lacks keys {sorted(missing)}")
+        tenant.optimizer.load_state_dict(state["optimizer"])
+        tenant.scheduler.load_state_dict(state["scheduler"])
+        tenant.step = int(state["step"])
+
+    def _tenant(self, name: str) -> _Tenant:
+        if name not in self._tenants:
+            raise KeyError(f"adapter {name!r} has no optimizer in the trainer (known: {sorted(self._tenants)})")
+        return self._tenants[name]
+
+    # ----- training -----
+
+    def train_step(
+        self, samples: Sequence[Sample], current_versions: dict[str, int] | None = None
+    ) -> dict[str, AdapterStepStats]:
+        """One GRPO update of every adapter that has rows in `samples`; returns stats per adapter seen in them.
+
+        `current_versions` maps adapter name to its current weight version; samples with an older
+        `weight_version` are excluded and counted as stale.
+        """
+        stats: dict[str, AdapterStepStats] = {}
+        live: list[Sample] = []
+        for s in samples:
+            name = _adapter_name(s)
+            self._tenant(name)  # unknown adapters are a caller bug, fail before any work
+            st = stats.setdefault(name, AdapterStepStats())
+            current = (current_versions or {}).get(name)
+            if s.status in EXCLUDED_STATUSES or not s.response_ids:
+                st.excluded += 1
+            elif current is not None and s.weight_version is not None and s.weight_version < current:
+                st.stale += 1
+            else:
+                live.append(s)
+
+        adv = compute_advantages(live, self.cfg.normalize_std, self.cfg.drop_uniform_groups)
+        for name, n in adv.dropped_groups.items():
+            stats[name].dropped_groups = n
+
+        rows: list[_Row] = []  # in the caller's order, so adapters stay interleaved across micro-batches
+        for s, kept in zip(live, adv.kept, strict=True):
+            if not kept:
+                continue
+            row = _make_row(s)
+            if row is None:
+                stats[_adapter_name(s)].excluded += 1  # all-zero loss mask: nothing to learn from
+            else:
+                rows.append(row)
+
+        # Non-finite rewards/advantages: the tenant's step is skipped before its rows can reach the forward.
+        for name in {r.adapter for r in rows if not math.isfinite(r.advantage)}:
+            stats[name].skipped_nonfinite = True
+        rows = [r for r in rows if not stats[r.adapter].skipped_nonfinite]
+        rows_by_adapter: dict[str, list[_Row]] = defaultdict(list)
+        for r in rows:
+            rows_by_adapter[r.adapter].append(r)
+
+        for name, own in rows_by_adapter.items():
+            stats[name].n_rows = len(own)
+            stats[name].n_tokens = sum(len(r.targets) for r in own)
+        for name, st in stats.items():
+            st.lr = self.adapter_lr(name)
+        if rows_by_adapter:
+            was_training = self.model.training
+            self.model.eval()  # dropout off: old, new and reference log-probs must be the same function
+            try:
+                self._optimize(rows, rows_by_adapter, stats)
+            finally:
+                self.model.train(was_training)
+        return stats
+
+    def _optimize(
+        self, order: list[_Row], rows_by_adapter: dict[str, list[_Row]], stats: dict[str, AdapterStepStats]
+    ) -> None:
+        """Run `ppo_epochs` passes over the rows, stepping each adapter after every pass."""
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(row) -> (old_logp, ref_logp)
+        weights = self._token_weights(rows_by_adapter)
+        sums = _Sums()
+        active = set(rows_by_adapter)
+        for tenant_name in active:
+            for p in self._tenants[tenant_name].params:
+                p.grad = None
+        for epoch in range(self.cfg.ppo_epochs):
+            rows = [r for r in order if r.adapter in active]
+            if not rows:
+                break
+            nonfinite_loss: set[str] = set()
+            for start in range(0, len(rows), self.cfg.micro_batch_size):
+                micro = rows[start : start + self.cfg.micro_batch_size]
+                nonfinite_loss |= self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
+            for name in sorted({r.adapter for r in rows}):
+                sums.add(name, "epochs", 1.0)
+                lr = self.adapter_lr(name)
+                stepped, grad_norm = self._step_adapter(name, skip=name in nonfinite_loss)
+                st = stats[name]
+                st.grad_norm = grad_norm
+                if stepped:
+                    st.stepped = True
+                    st.n_steps += 1
+                    st.lr = lr
+                else:
+                    st.skipped_nonfinite = True
+                    active.discard(name)  # a diverged tenant sits out the remaining epochs of this batch
+        for name in rows_by_adapter:
+            st = stats[name]
+            n_epochs = max(1.0, sums.get(name, "epochs"))
+            for key in ("loss", "pg_loss", "kl", "entropy"):
+                setattr(st, key, sums.get(name, key) / n_epochs)
+            st.clip_frac = sums.get(name, "clipped") / max(1.0, sums.get(name, "tokens"))
+            n_gap = sums.get(name, "gap_tokens")
+            st.logprob_gap = sums.get(name, "gap") / n_gap if n_gap > 0 else None
+
+    def _token_weights(self, rows_by_adapter: dict[str, list[_Row]]) -> dict[int, float]:
+        """Per-row weight of each of its tokens, so that sum(weight * token_loss) is that adapter's own aggregate."""
+        weights: dict[int, float] = {}
+        for rows in rows_by_adapter.values():
+            n_rows = len(rows)
+            n_tokens = sum(len(r.targets) for r in rows)
+            for r in rows:
+                if self.cfg.loss_agg == "token-mean":
+                    weights[id(r)] = 1.0 / n_tokens
+                elif self.cfg.loss_agg == "seq-mean-token-mean":
+                    weights[id(r)] = 1.0 / (n_rows * len(r.targets))
+                else:  # seq-mean-token-sum
+                    weights[id(r)] = 1.0 / n_rows
+        return weights
+
+    def _forward_logp(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: list[str | None], tok: _TokenIndex
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,) float32."""
+        logits = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names).logits  # (B, T, V)
+        # logits at position t predict token t + 1; gathering first keeps the softmax at (N, V), not (B, T, V)
+        picked = logits[tok.row, tok.pos - 1].float() / self.cfg.temperature  # (N, V)
+        logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
+        logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+        return logp, entropy
+
+    def _micro_step(
+        self,
+        micro: list[_Row],
+        weights: dict[int, float],
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+        sums: _Sums,
+        first_epoch: bool,
+    ) -> set[str]:
+        """Forward + backward of one micro-batch; returns the adapters whose loss here was not finite."""
+        device = next(self.model.parameters()).device
+        names = sorted({r.adapter for r in micro})
+        slot_of = {n: i for i, n in enumerate(names)}
+        input_ids, attention_mask = _pad(micro, self.pad_token_id, device)  # (B, T), (B, T)
+        tok = _TokenIndex.build(micro, slot_of, weights, device)
+        adapter_names: list[str | None] = [r.adapter for r in micro]
+
+        need_ref = self.cfg.kl_coef > 0.0
+        if first_epoch and need_ref:
+            with torch.no_grad():
+                ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(micro), tok)  # (N,)
+        logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok)  # (N,), (N,)
+        if first_epoch:
+            # No optimizer step has happened yet in this train_step: this forward IS the old policy.
+            old_logp = logp.detach()
+            splits_old = old_logp.split(tok.counts)
+            splits_ref = ref_logp.split(tok.counts) if need_ref else [None] * len(micro)
+            for r, o, f in zip(micro, splits_old, splits_ref, strict=True):
+                cache[id(r)] = (o, f)
+        else:
+            old_logp = torch.cat([cache[id(r)][0] for r in micro])  # (N,)
+            if need_ref:
+                ref_logp = torch.cat([cache[id(r)][1] for r in micro])  # (N,)
+
+        pg_tok, clipped = policy_loss(logp, old_logp, tok.advantage, self.cfg.eps_clip, self.cfg.eps_clip_high)
+        kl_tok = kl_penalty(logp, ref_logp, self.cfg.kl_type) if need_ref else torch.zeros_like(logp)  # (N,)
+        ent_term = entropy if self.cfg.entropy_coef > 0.0 else entropy.detach()  # (N,)
+        tok_loss = pg_tok + self.cfg.kl_coef * kl_tok - self.cfg.entropy_coef * ent_term  # (N,)
+
+        def per_adapter(values: torch.Tensor) -> torch.Tensor:
+            # out[a] = sum_{i: adapter(i) = a} values[i]; values: (N,) -> (n_adapters,)
+            return torch.zeros(len(names), device=device, dtype=values.dtype).index_add_(0, tok.adapter, values)
+
+        loss_a = per_adapter(tok.weight * tok_loss)  # (n_adapters,)
+        finite = torch.isfinite(loss_a)  # (n_adapters,)
+        if bool(finite.any()):
+            # Only finite terms enter the backward; a non-finite tenant is skipped by name below.
+            loss_a[finite].sum().backward()
+        nonfinite = {n for n, ok in zip(names, finite.tolist(), strict=True) if not ok}
+
+        with torch.no_grad():
+            pg_a = per_adapter(tok.weight * pg_tok.detach()).tolist()
+            kl_a = per_adapter(tok.weight * kl_tok.detach()).tolist()
+            ent_a = per_adapter(tok.weight * entropy.detach()).tolist()
+            clip_a = per_adapter(clipped.float()).tolist()
+            ntok_a = per_adapter(torch.ones_like(logp)).tolist()
+            gap = torch.where(tok.has_rollout, (tok.rollout_logp - old_logp).abs(), torch.zeros_like(old_logp))
+            gap_a = per_adapter(gap).tolist()
+            gap_n_a = per_adapter(tok.has_rollout.float()).tolist()
+            loss_vals = loss_a.detach().tolist()
+        for n, i in slot_of.items():
+            sums.add(n, "loss", loss_vals[i])
+            sums.add(n, "pg_loss", pg_a[i])
+            sums.add(n, "kl", kl_a[i])
+            sums.add(n, "entropy", ent_a[i])
+            sums.add(n, "clipped", clip_a[i])
+            sums.add(n, "tokens", ntok_a[i])
+            if first_epoch:
+                sums.add(n, "gap", gap_a[i])
+                sums.add(n, "gap_tokens", gap_n_a[i])
+        return nonfinite
+
+    def _step_adapter(self, name: str, skip: bool) -> tuple[bool, float | None]:
+        """Check, clip and apply `name`'s accumulated grads; returns (stepped, pre-clip grad norm)."""
+        tenant = self._tenants[name]
+        params = [p for p in tenant.params if p.grad is not None]
+        grad_norm: float | None = None
+        if params:
+            max_norm = tenant.optim_cfg.max_grad_norm
+            if max_norm is None or skip:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            grad_norm = float(norm)
+        ok = not skip and (grad_norm is None or math.isfinite(grad_norm))
+        if ok:
+            tenant.optimizer.step()
+            tenant.scheduler.step()
+            tenant.step += 1
+        tenant.optimizer.zero_grad(set_to_none=True)
+        return ok, grad_norm
+
+
+@dataclass
+class _TokenIndex:
+    """Flat per-loss-token tensors of one micro-batch, all (N,), tokens ordered row by row."""
+
+    row: torch.Tensor  # row in the micro-batch
+    pos: torch.Tensor  # position of the target token in the row
+    target: torch.Tensor  # target token id
+    adapter: torch.Tensor  # index into the micro-batch's sorted adapter names
+    advantage: torch.Tensor
+    weight: torch.Tensor  # aggregation weight (see MultiLoRATrainer._token_weights)
+    rollout_logp: torch.Tensor
+    has_rollout: torch.Tensor  # bool
+    counts: list[int]  # tokens per row
+
+    @staticmethod
+    def build(micro: list[_Row], slot_of: dict[str, int], weights: dict[int, float], device) -> _TokenIndex:
+        row, pos, target, adapter, advantage, weight, rollout, has_rollout, counts = ([] for _ in range(9))
+        for b, r in enumerate(micro):
+            n = len(r.targets)
+            counts.append(n)
+            row += [b] * n
+            pos += r.targets
+            target += [r.input_ids[t] for t in r.targets]
+            adapter += [slot_of[r.adapter]] * n
+            advantage += [r.advantage] * n
+            weight += [weights[id(r)]] * n
+            rollout += r.rollout_logprobs if r.rollout_logprobs is not None else [0.0] * n
+            has_rollout += [r.rollout_logprobs is not None] * n
+
+        def long(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        def flt(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.float32, device=device)
+
+        return _TokenIndex(
+            row=long(row),
+            pos=long(pos),
+            target=long(target),
+            adapter=long(adapter),
+            advantage=flt(advantage),
+            weight=flt(weight),
+            rollout_logp=flt(rollout),
+            has_rollout=torch.tensor(has_rollout, dtype=torch.bool, device=device),
+            counts=counts,
+        )
+
+
+def _make_row(s: Sample) -> _Row | None:
+    """The training row of a finished sample, or None when no response token carries loss."""
+    name = _adapter_name(s)
+    where = f"sample index={s.index} of adapter {name!r}"
+    n_resp = len(s.response_ids)
+    if not s.prompt_ids:
+        raise ValueError(f"{where}: prompt_ids is empty; the first response token needs a prompt to be predicted from")
+    mask = s.loss_mask if s.loss_mask else [1] * n_resp
+    if len(mask) != n_resp:
+        raise ValueError(f"{where}: loss_mask has {len(mask)} entries, response_ids has {n_resp}; they must match")
+    if s.rollout_logprobs and len(s.rollout_logprobs) != n_resp:
+        raise ValueError(
+            f"{where}: rollout_logprobs has {len(s.rollout_logprobs)} entries, response_ids has {n_resp}; "
+            "they must match (or be empty)"
+        )
+    start = len(s.prompt_ids)
+    keep = [j for j, m in enumerate(mask) if m]
+    if not keep:
+        return None
+    rollout = [float(s.rollout_logprobs[j]) for j in keep] if s.rollout_logprobs else None
+    return _Row(
+        adapter=name,
+        input_ids=list(s.prompt_ids) + list(s.response_ids),
+        targets=[start + j for j in keep],
+        advantage=float(s.advantage),
+        rollout_logprobs=rollout,
+    )
+
+
+def _pad(rows: list[_Row], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad rows into (B, T) input ids and a (B, T) attention mask."""
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)  # (B, T)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # (B, T)
+    for b, r in enumerate(rows):
+        ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.long, device=device)
+        mask[b, : len(r.input_ids)] = 1
+    return ids, mask
+
+
+def _lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
+    def fn(step: int) -> float:
+        return lr_multiplier(step, optim)
+
+    return fn
