@@ -1,0 +1,369 @@
+"""Run and adapter configuration: pydantic models loaded from YAML, with `key=value` overrides.
+
+Design choices:
+- Every field has a help string (`Field(description=...)`); `rl-multilora run --help-config` prints them.
+- Validation reports every problem at once: first the structural errors pydantic finds (types, ranges, unknown
+  keys), then the cross-field checks (rank <= max_rank, unique names, ...). Each line names the field path, the
+  value and what is allowed. `ConfigError` carries the list; the CLI prints it and exits 2 without a traceback.
+- Checks that need the outside world (does the dataset load, does the reward resolve) run when an adapter is
+  registered with the controller (`validate_adapter_resources`), so a service rejects a bad submission the same way
+  a run rejects a bad config.
+- Unknown keys are errors (`extra="forbid"`): a typo such as `learning_rate:` must not be silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each a line `field: value -> what is allowed`."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{len(problems)} configuration problem(s){where}:\n{lines}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    path: str = Field(description="Base model: a local folder (e.g. artifacts/tiny/model) or a Hub id.")
+    max_loras: int = Field(
+        4, ge=1, le=256, description="Adapter slots pre-allocated on the base (max concurrent tenants)."
+    )
+    max_rank: int = Field(
+        16, ge=1, le=1024, description="Largest LoRA rank a slot can hold; smaller ranks are zero-padded."
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear", description='"all-linear" (every linear layer but lm_head) or a list of module names.'
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the frozen base.")
+    device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
+
+
+class DatasetConfig(_Strict):
+    path: str = Field(
+        description='`datasets.load_dataset` path: "json" (with data_files), a local folder, or a Hub id.'
+    )
+    name: str | None = Field(None, description="Dataset configuration name (e.g. 'main' for openai/gsm8k).")
+    data_files: str | list[str] | dict[str, Any] | None = Field(None, description="Files for path='json'/'csv'.")
+    split: str = Field("train", description="Split to train on.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    label_key: str = Field("label", description="Column holding the reference answer passed to the reward.")
+    metadata_key: str | None = Field(None, description="Optional column of per-row metadata passed to the reward.")
+    apply_chat_template: bool = Field(
+        True, description="Wrap the prompt as a user turn with the tokenizer's template."
+    )
+    system_prompt: str | None = Field(None, description="Optional system message when the chat template is applied.")
+    prompt_template: str | None = Field(None, description="Optional format string with {prompt}, applied first.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts are skipped as bad rows.")
+
+
+class RewardConfig(_Strict):
+    name: str | None = Field(None, description="Built-in reward: gsm8k, math, dapo, exact_match, f1, format.")
+    path: str | None = Field(None, description="Custom reward `module:function` (see README for the signature).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-call timeout; a call past it scores failure_value.")
+    failure_value: float = Field(0.0, description="Reward given to a sample whose reward call raised or timed out.")
+    format_bonus: float = Field(0.0, ge=0, description="Added when the response has the reward's answer format.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RewardConfig:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("set exactly one of reward.name (a built-in) or reward.path (module:function)")
+        return self
+
+    def to_spec(self):
+        from rollout.types import RewardSpec
+
+        return RewardSpec(
+            name=self.name,
+            path=self.path,
+            kwargs=dict(self.kwargs),
+            timeout_s=self.timeout_s,
+            failure_value=self.failure_value,
+            format_bonus=self.format_bonus,
+        )
+
+
+class OptimSettings(_Strict):
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="LR schedule: constant or warmup + cosine."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (adapter steps).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Per-adapter gradient clipping norm.")
+
+
+class AdapterConfig(_Strict):
+    name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+; used as a folder name.")
+    rank: int = Field(8, ge=1, description="LoRA rank r (<= model.max_rank).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; scaling is alpha / r (as PEFT and SGLang).")
+    target_modules: str | list[str] | None = Field(
+        None, description="Modules this adapter trains; must equal the model's targets or be a subset. None = model's."
+    )
+    dataset: DatasetConfig = Field(description="The adapter's own dataset.")
+    reward: RewardConfig = Field(description="The adapter's own reward function.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
+    optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
+    prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")
+    n_samples_per_prompt: int | None = Field(None, ge=1, description="Group size override (default: rollout's).")
+    max_steps: int | None = Field(None, ge=1, description="Adapter step budget; the adapter drains when reached.")
+    epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
+    seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
+
+    @model_validator(mode="after")
+    def _budget(self) -> AdapterConfig:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set max_steps and/or epochs: an adapter needs a budget to finish")
+        return self
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["embedded", "sglang", "http"] = Field(
+        "embedded",
+        description="embedded (in-process torch), sglang (launch/attach a server), http (any server at url).",
+    )
+    url: str | None = Field(None, description="Server URL for engine http, or sglang to attach instead of launching.")
+    api_key: str | None = Field(None, description="Bearer token for the server's state-changing endpoints.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="GRPO group size (samples per prompt).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(-1, description="Top-k sampling (-1 = off).")
+    max_new_tokens: int = Field(64, ge=1, description="Response length limit.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    hooks: str | None = Field(
+        None, description="GenerateStateHooks subclass `module:Class` (default: multi-LoRA hooks)."
+    )
+    max_batch_size: int = Field(256, ge=1, description="Embedded engine: most rows in one decode batch.")
+    sglang_port: int = Field(30000, ge=1, le=65535, description="Port for a launched SGLang server.")
+    sglang_lora_backend: str = Field("triton", description="SGLang --lora-backend.")
+    sglang_args: list[str] = Field(default_factory=list, description="Extra sglang.launch_server arguments.")
+
+
+class GRPOSettings(_Strict):
+    eps_clip: float = Field(0.2, ge=0, description="PPO clip, low side.")
+    eps_clip_high: float = Field(0.28, ge=0, description="PPO clip, high side (DAPO clip-higher).")
+    kl_coef: float = Field(0.0, ge=0, description="KL to the base model (adapter switched off); 0 = off.")
+    kl_type: Literal["k1", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="Loss aggregation within each adapter."
+    )
+    normalize_std: bool = Field(True, description="Divide advantages by the group std (False = Dr. GRPO).")
+    drop_uniform_groups: bool = Field(True, description="Drop groups whose rewards are all equal (no signal).")
+    micro_batch_size: int = Field(16, ge=1, description="Rows per forward/backward micro-batch.")
+
+
+class RewardsSettings(_Strict):
+    num_workers: int = Field(2, ge=1, description="Reward worker processes (killable on timeout).")
+    fail_steps: int = Field(3, ge=1, description="Consecutive all-failing reward steps before a tenant is reported.")
+
+
+class CheckpointSettings(_Strict):
+    save_every: int = Field(10, ge=1, description="Checkpoint an adapter every N adapter steps (and when it drains).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept per adapter.")
+    resume: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: resume when the run dir has checkpoints; always: require them; never: start fresh."
+    )
+
+
+class FaultSettings(_Strict):
+    max_nonfinite_steps: int = Field(3, ge=1, description="Consecutive NaN/inf steps before an adapter FAILS.")
+    max_reward_fail_steps: int = Field(3, ge=1, description="Consecutive all-failing reward steps before it FAILS.")
+
+
+class WandbSettings(_Strict):
+    mode: Literal["disabled", "offline", "online"] = Field("disabled", description="wandb logging mode.")
+    project: str = Field("rl-multilora", description="wandb project.")
+    entity: str | None = Field(None, description="wandb entity.")
+    name: str | None = Field(None, description="wandb run name (default: run_dir's name).")
+
+
+class LoggingSettings(_Strict):
+    wandb: WandbSettings = Field(default_factory=WandbSettings, description="Weights & Biases (off by default).")
+    plot: bool = Field(True, description="Write reward_curves.png at the end of the run.")
+    progress: bool = Field(True, description="Show a progress bar.")
+
+
+class RunConfig(_Strict):
+    run_dir: str = Field("runs/default", description="Where config.yaml, metrics.jsonl and checkpoints go.")
+    seed: int = Field(0, description="Global seed (base init of slots uses each adapter's own seed).")
+    model: ModelConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    rewards: RewardsSettings = Field(default_factory=RewardsSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    faults: FaultSettings = Field(default_factory=FaultSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    max_global_steps: int | None = Field(None, ge=1, description="Stop after this many global steps (None = budgets).")
+    service_poll_s: float = Field(2.0, gt=0, description="Service mode: idle polling interval.")
+    adapters: list[AdapterConfig] = Field(default_factory=list, description="Tenants trained in this run.")
+
+
+def _format_pydantic(err: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            problems.append(f"{loc}: missing -> this field is required")
+        elif e["type"] == "extra_forbidden":
+            problems.append(f"{loc}: unknown key (value {e['input']!r}) -> remove it or check the spelling")
+        else:
+            problems.append(f"{loc}: {e['input']!r} -> {msg}")
+    return problems
+
+
+def adapter_problems(a: AdapterConfig, model: ModelConfig, where: str = "") -> list[str]:
+    """Cross-field checks of one adapter against the model (no I/O)."""
+    p = []
+    if not ADAPTER_NAME_RE.match(a.name) or a.name in (".", ".."):
+        p.append(f"{where}name: {a.name!r} -> use letters, digits, '.', '_' and '-' only (it becomes a folder name)")
+    if a.rank > model.max_rank:
+        p.append(f"{where}rank: {a.rank} -> must be <= model.max_rank ({model.max_rank})")
+    if a.target_modules is not None and a.target_modules != model.target_modules:
+        if isinstance(a.target_modules, str) or isinstance(model.target_modules, str):
+            if model.target_modules != "all-linear":
+                p.append(
+                    f"{where}target_modules: {a.target_modules!r} -> must be a subset of {model.target_modules!r}"
+                )
+        elif not set(a.target_modules) <= set(model.target_modules):
+            p.append(f"{where}target_modules: {a.target_modules!r} -> must be a subset of {model.target_modules!r}")
+    return p
+
+
+def _semantic_problems(cfg: RunConfig) -> list[str]:
+    problems = []
+    seen: set[str] = set()
+    for i, a in enumerate(cfg.adapters):
+        where = f"adapters.{i}."
+        problems += adapter_problems(a, cfg.model, where)
+        if a.name in seen:
+            problems.append(f"{where}name: {a.name!r} -> adapter names must be unique")
+        seen.add(a.name)
+    if cfg.rollout.engine == "http" and not cfg.rollout.url:
+        problems.append("rollout.url: None -> engine 'http' needs the server URL (e.g. http://127.0.0.1:30000)")
+    return problems
+
+
+def parse_run_config(data: Any, source: str | None = None) -> RunConfig:
+    """Validate a dict (already YAML-loaded) into a RunConfig, raising ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"(top level): {type(data).__name__} -> the config must be a YAML mapping"], source)
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        problems = _format_pydantic(e)
+        # Cross-field checks still run on the adapters that did validate, so one pass reports everything.
+        problems += _partial_adapter_problems(data)
+        raise ConfigError(problems, source) from None
+    problems = _semantic_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _partial_adapter_problems(data: dict) -> list[str]:
+    try:
+        model = ModelConfig.model_validate(data.get("model", {}))
+    except ValidationError:
+        return []
+    problems = []
+    for i, raw in enumerate(data.get("adapters") or []):
+        try:
+            a = AdapterConfig.model_validate(raw)
+        except ValidationError:
+            continue
+        problems += adapter_problems(a, model, f"adapters.{i}.")
+    return problems
+
+
+def parse_adapter_config(data: Any, model: ModelConfig, source: str | None = None) -> AdapterConfig:
+    """Validate one adapter (a service submission) against the running model."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"(top level): {type(data).__name__} -> an adapter config must be a YAML mapping"], source)
+    try:
+        a = AdapterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_pydantic(e), source) from None
+    problems = adapter_problems(a, model)
+    if problems:
+        raise ConfigError(problems, source)
+    return a
+
+
+def _set_path(data: Any, dotted: str, value: Any, original: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if key.isdigit() and int(key) < len(node):
+                idx = int(key)
+            else:  # adapters.<name>.field addresses an adapter by name
+                matches = [j for j, item in enumerate(node) if isinstance(item, dict) and item.get("name") == key]
+                if not matches:
+                    raise ConfigError([f"--set {original}: no list item {key!r} (use an index or an adapter name)"])
+                idx = matches[0]
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+        else:
+            raise ConfigError([f"--set {original}: {'.'.join(keys[:i])} is not a mapping or list"])
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `key.sub=value` overrides (values parsed as YAML: 1e-3, true, [a, b])."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"--set {item!r}: expected key=value (e.g. grpo.kl_coef=0.01)"])
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        _set_path(data, key.strip(), value, item)
+    return data
+
+
+def load_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config: {str(path)!r} -> no such file"])
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError([f"config: {str(path)!r} is not valid YAML -> {e}"]) from None
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    data = load_yaml(path)
+    if isinstance(data, dict):
+        data = apply_overrides(data, overrides or [])
+    return parse_run_config(data, source=str(path))
+
+
+def dump_config(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

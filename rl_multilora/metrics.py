@@ -1,0 +1,108 @@
+"""Per-adapter metrics: metrics.jsonl (one object per adapter per step), console lines, optional wandb, and a PNG.
+
+Each tenant's metrics are namespaced by its name (`<adapter>/reward_mean` in wandb), so tenants never share a
+series. wandb is imported only when enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rl_multilora.config import WandbSettings
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null keeps the line parseable
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, wandb_cfg: WandbSettings | None = None, config: dict | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a")
+        self._wandb = None
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name or Path(run_dir).name,
+                mode=wandb_cfg.mode,
+                dir=str(run_dir),
+                config=config,
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One adapter's metrics for one step; must hold `step`, `adapter`, `adapter_step`, `reward_mean`."""
+        rec = {k: _clean(v) for k, v in record.items()}
+        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.flush()
+        if self._wandb is not None:
+            name = rec["adapter"]
+            payload = {
+                f"{name}/{k}": v for k, v in rec.items() if k not in ("adapter",) and isinstance(v, int | float)
+            }
+            self._wandb.log(payload, step=rec["step"])
+
+    def log_global(self, step: int, values: dict[str, float]) -> None:
+        if self._wandb is not None:
+            self._wandb.log({f"run/{k}": v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def console_line(rec: dict[str, Any]) -> str:
+    def f(k, fmt="{:.3f}"):
+        v = rec.get(k)
+        return "-" if v is None else fmt.format(v)
+
+    return (
+        f"step {rec['step']:>4} | {rec['adapter']:<12} | astep {rec['adapter_step']:>3} | reward {f('reward_mean')} "
+        f"± {f('reward_std')} | len {f('response_len_mean', '{:.1f}')} | loss {f('loss', '{:+.4f}')} "
+        f"| kl {f('kl', '{:.4f}')} | gnorm {f('grad_norm')} | lr {f('lr', '{:.2e}')} | v{rec.get('weight_version')}"
+    )
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """One reward curve per adapter (per adapter step) into reward_curves.png; None when there is nothing to plot."""
+    rows = [r for r in read_metrics(run_dir) if r.get("reward_mean") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_adapter: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        by_adapter.setdefault(r["adapter"], []).append((r["adapter_step"], r["reward_mean"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in sorted(by_adapter.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker=".")
+    ax.set_xlabel("adapter step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("Reward per adapter")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(out) if out else Path(run_dir) / "reward_curves.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
