@@ -1,0 +1,172 @@
+"""`rl-multilora` command line: provision, run, export, engine-serve, and the service verbs.
+
+A user mistake (bad config, missing file, unknown adapter) prints one clear message and exits 2 without a
+traceback; a bug still shows its traceback. Heavy imports (torch, transformers) happen inside the commands so
+`--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from rl_multilora.config import ConfigError
+    from rl_multilora.controller import ControllerError
+
+    errors: list[type[BaseException]] = [ConfigError, ControllerError, FileNotFoundError]
+    for mod, name in [
+        ("rewards", "RewardConfigError"),
+        ("rollout.data_source", "DatasetError"),
+        ("rollout.generate_state", "HooksError"),
+        ("rl_multilora.service", "ServiceError"),
+    ]:
+        try:
+            errors.append(getattr(__import__(mod, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def cmd_provision(args) -> int:
+    from rl_multilora.provision import provision
+
+    out = provision(args.preset, args.out, seed=args.seed, force=args.force)
+    print(f"provisioned {args.preset} into {out}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from rl_multilora.config import load_run_config
+    from rl_multilora.loop import run, summarize
+
+    cfg = load_run_config(args.config, args.set)
+    if args.resume:
+        cfg.checkpoint.resume = "always"
+    if args.fresh:
+        cfg.checkpoint.resume = "never"
+    if args.dry_run:
+        from rl_multilora.loop import validate_adapter_resources
+
+        problems = [p for a in cfg.adapters for p in validate_adapter_resources(a)]
+        if problems:
+            from rl_multilora.config import ConfigError
+
+            raise ConfigError(problems, args.config)
+        print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
+        return 0
+    rt = run(cfg)
+    summary = summarize(cfg.run_dir)
+    print(f"run finished: {cfg.run_dir}")
+    for name, s in sorted(summary.items()):
+        state = rt.controller.records[name].state.value if name in rt.controller.records else "?"
+        print(
+            f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
+            f"(gain {s['gain']:+.3f}, {s['steps']} steps)"
+        )
+    return 0
+
+
+def cmd_export(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    from rl_multilora.checkpoint import CheckpointManager
+
+    ck = CheckpointManager(Path(args.run_dir)).find(args.name, args.step)
+    if ck is None:
+        which = f"step {args.step}" if args.step is not None else "any step"
+        raise FileNotFoundError(f"no complete checkpoint of adapter {args.name!r} ({which}) in {args.run_dir}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(ck / f, out / f)
+    print(f"exported {ck} -> {out}")
+    return 0
+
+
+def cmd_engine_serve(args) -> int:
+    from rollout.engines.http_server import main as serve_main
+
+    return serve_main(args.rest) or 0
+
+
+def cmd_service(args) -> int:
+    from rl_multilora import service
+
+    return service.cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rl-multilora", description="GRPO training of many LoRA adapters at once.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("provision", help="build the offline tiny preset (or download a Hub model + datasets)")
+    s.add_argument("--preset", default="tiny", help='"tiny" (offline) or a Hub model id such as Qwen/Qwen3-4B')
+    s.add_argument("--out", default="artifacts/tiny", help="output folder")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--force", action="store_true", help="rebuild even if already provisioned")
+    s.set_defaults(fn=cmd_provision)
+
+    s = sub.add_parser("run", help="train every adapter in CONFIG until all are done")
+    s.add_argument("config")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. grpo.kl_coef=0.01")
+    s.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
+    s.add_argument("--fresh", action="store_true", help="ignore checkpoints in the run dir")
+    s.add_argument("--dry-run", action="store_true", help="validate the config, datasets and rewards, then exit")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("export", help="copy an adapter's checkpointed PEFT folder out of a run dir")
+    s.add_argument("run_dir")
+    s.add_argument("name")
+    s.add_argument("out")
+    s.add_argument("--step", type=int, default=None, help="adapter step (default: latest)")
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("engine-serve", help="serve the embedded engine over SGLang's HTTP protocol", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_engine_serve)
+
+    s = sub.add_parser("serve", help="run the trainer as a long-running service on Ray")
+    s.add_argument("config")
+    s.add_argument("--address", default=None, help="join an existing Ray cluster")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_service)
+    for verb, helptext in [("submit", "submit ADAPTER.yaml to the service"), ("remove", "drain adapter NAME")]:
+        s = sub.add_parser(verb, help=helptext)
+        s.add_argument("target", help="ADAPTER.yaml" if verb == "submit" else "NAME")
+        s.add_argument("--address", default=None)
+        s.set_defaults(fn=cmd_service)
+    s = sub.add_parser("status", help="show every adapter's state, slot, steps and last reward")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--address", default=None)
+    s.set_defaults(fn=cmd_service)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # Plugins (`module:function` rewards, `module:Class` hooks) resolve from the current directory, as with
+    # `python -m`; the console script alone would not put it on sys.path (spawned reward workers inherit it).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        return args.fn(args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
