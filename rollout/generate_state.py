@@ -1,0 +1,333 @@
+"""One rollout: submit every prompt group of every adapter to one engine at once, collect the samples.
+
+Design choices:
+- One `engine.agenerate` call per prompt group, all groups launched together with `asyncio.gather`,
+  so the engine sees the groups of all adapters at the same time and can put them in the same
+  decode batches. Per-adapter bookkeeping lives in hooks, not here.
+- Hooks are called from the event loop only (never from engine threads), in a fixed order:
+  `on_rollout_start`, `on_group_submit` for every group (all before any request is sent, so a hook
+  that rejects a group fails the rollout before anything is in flight), then per group each
+  `on_sample_done` followed by that group's `on_group_done`, and finally `on_rollout_end`.
+- A result with finish_reason "abort" (the engine was paused in abort mode for a weight sync) is
+  thrown away whole and the sample is resubmitted with the same seed, up to `max_resubmits` times,
+  then marked ABORTED. A sample is always filled from exactly one result, so it never mixes tokens
+  generated under two weight versions.
+- Failure is per request: an "error" result, or an engine call that raises, marks only the samples
+  of that call FAILED (with `metadata["error"]`); every other group still completes.
+- Each request's seed is the sample's `metadata["sampling_seed"]` (set by the data source from the
+  adapter's own counters), so an adapter's rollouts do not depend on who shares the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rollout.engines.base import RolloutEngine
+from rollout.types import AdapterRef, GenerateRequest, GenerateResult, RewardSpec, Sample, SampleStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATUS_BY_FINISH_REASON = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+}
+
+
+class HooksError(ValueError):
+    """A hooks import path that cannot be loaded, or a sample the hooks reject."""
+
+
+class GenerateStateHooks:
+    """Lifecycle callbacks of one rollout; every method is a no-op here. Subclass and override.
+
+    Custom hooks are loaded by import path (`module:Class`, see `load_hooks`) and built with no
+    arguments, so their `__init__` must take none (or only defaulted ones).
+    """
+
+    def on_rollout_start(self, state: GenerateState) -> None:
+        """Before any group is submitted."""
+
+    def on_group_submit(self, state: GenerateState, group: list[Sample]) -> None:
+        """Before the group's requests are sent; may fix up the samples' tags or raise to reject them."""
+
+    def on_sample_done(self, state: GenerateState, sample: Sample) -> None:
+        """A sample reached its final status (COMPLETED, TRUNCATED, ABORTED or FAILED)."""
+
+    def on_group_done(self, state: GenerateState, group: list[Sample]) -> None:
+        """Every sample of the group is done (after their `on_sample_done`)."""
+
+    def on_rollout_end(self, state: GenerateState, samples: list[Sample]) -> None:
+        """All groups are done; `samples` is every sample in submission order."""
+
+
+@dataclass(frozen=True)
+class AdapterTags:
+    """What every sample of a tenant must carry: its adapter (name, slot) and its reward spec."""
+
+    adapter: AdapterRef
+    reward_spec: RewardSpec
+
+
+class MultiLoRAHooks(GenerateStateHooks):
+    """Default hooks: every sample must carry an AdapterRef and a RewardSpec; in-flight groups per adapter.
+
+    A sample missing its RewardSpec (or its AdapterRef, when `metadata["adapter_name"]` names the
+    tenant) is tagged from `registry`; a sample that cannot be tagged is rejected with a HooksError,
+    because an untagged request would silently run on the base model and be scored by no one.
+    `in_flight(name)` counts the adapter's submitted groups that are not done yet; the weight sync
+    uses `drained(name)` to know when an adapter can be unloaded. One rollout at a time per hooks
+    object: `on_rollout_start` clears counts left behind by a rollout that raised.
+    """
+
+    def __init__(self, registry: Mapping[str, AdapterTags] | None = None) -> None:
+        self.registry: dict[str, AdapterTags] = dict(registry or {})
+        self._in_flight: dict[str, int] = {}
+        self._groups_done: dict[str, int] = {}
+        self._status_counts: dict[str, dict[str, int]] = {}
+
+    def register(self, adapter: AdapterRef, reward_spec: RewardSpec) -> None:
+        self.registry[adapter.name] = AdapterTags(adapter, reward_spec)
+
+    def unregister(self, name: str) -> None:
+        self.registry.pop(name, None)
+
+    def in_flight(self, name: str) -> int:
+        """Groups of adapter `name` submitted and not yet done."""
+        return self._in_flight.get(name, 0)
+
+    def drained(self, name: str) -> bool:
+        """True when adapter `name` has no group in flight."""
+        return self.in_flight(name) == 0
+
+    def stats(self, name: str) -> dict[str, Any]:
+        """Per-adapter counters over the hooks' lifetime: groups done and samples by final status."""
+        return {
+            "in_flight_groups": self.in_flight(name),
+            "groups_done": self._groups_done.get(name, 0),
+            "samples_by_status": dict(self._status_counts.get(name, {})),
+        }
+
+    def on_rollout_start(self, state: GenerateState) -> None:
+        # One rollout at a time per hooks object: counts left by a rollout that raised are stale, not in flight.
+        stale = {name: count for name, count in self._in_flight.items() if count}
+        if stale:
+            logger.warning("in-flight group counts %s left by an interrupted rollout; resetting them", stale)
+        self._in_flight = dict.fromkeys(self._in_flight, 0)
+
+    def on_group_submit(self, state: GenerateState, group: list[Sample]) -> None:
+        for sample in group:
+            self._tag(sample)
+        names = {sample.adapter.name for sample in group}
+        if len(names) != 1:
+            raise HooksError(f"a prompt group must belong to one adapter; this group mixes {sorted(names)}")
+        name = names.pop()
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+
+    def on_sample_done(self, state: GenerateState, sample: Sample) -> None:
+        counts = self._status_counts.setdefault(sample.adapter.name, {})
+        counts[sample.status.value] = counts.get(sample.status.value, 0) + 1
+
+    def on_group_done(self, state: GenerateState, group: list[Sample]) -> None:
+        name = group[0].adapter.name
+        self._in_flight[name] -= 1
+        self._groups_done[name] = self._groups_done.get(name, 0) + 1
+
+    def _tag(self, sample: Sample) -> None:
+        if sample.adapter is not None and sample.reward_spec is not None:
+            return
+        name = sample.adapter.name if sample.adapter is not None else sample.metadata.get("adapter_name")
+        tags = self.registry.get(name) if name is not None else None
+        if tags is None:
+            missing = "AdapterRef" if sample.adapter is None else "RewardSpec"
+            raise HooksError(
+                f"sample (group_index={sample.group_index}, index={sample.index}) has no {missing} and adapter "
+                f"{name!r} is not in the hooks registry (known: {sorted(self.registry)}); tag samples in the data "
+                "source or register the adapter"
+            )
+        if sample.adapter is None:
+            sample.adapter = tags.adapter
+        if sample.reward_spec is None:
+            sample.reward_spec = tags.reward_spec
+
+
+def load_hooks(path: str | None, **kwargs: Any) -> GenerateStateHooks:
+    """Build the hooks named by `path` ("module:Class"); None gives `MultiLoRAHooks(**kwargs)`.
+
+    `kwargs` go to the class's constructor (a custom class that takes none is built with none).
+    """
+    if path is None:
+        return MultiLoRAHooks(**kwargs)
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise HooksError(f"hooks path={path!r} is invalid: use 'module:Class', e.g. 'my_pkg.hooks:MyHooks'")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HooksError(f"hooks path={path!r}: cannot import module {module_name!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise HooksError(f"hooks path={path!r}: module {module_name!r} has no attribute {attr!r}")
+    cls = getattr(module, attr)
+    if not isinstance(cls, type) or not issubclass(cls, GenerateStateHooks):
+        raise HooksError(
+            f"hooks path={path!r}: {attr!r} is {cls!r}, not a subclass of rollout.generate_state.GenerateStateHooks"
+        )
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise HooksError(f"hooks path={path!r}: cannot construct {attr}(**{sorted(kwargs)}): {exc}") from exc
+
+
+class GenerateState:
+    """Runs one rollout of many adapters' prompt groups on one engine, calling the hooks on the way."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        hooks: GenerateStateHooks,
+        sampling: SamplingParams,
+        max_resubmits: int = 3,
+        resubmit_backoff_s: float = 0.0,
+    ) -> None:
+        if max_resubmits < 0:
+            raise ValueError(f"max_resubmits={max_resubmits!r} is invalid: must be >= 0")
+        if resubmit_backoff_s < 0:
+            raise ValueError(f"resubmit_backoff_s={resubmit_backoff_s!r} is invalid: must be >= 0")
+        if not isinstance(hooks, GenerateStateHooks):
+            raise HooksError(f"hooks={hooks!r} is not a GenerateStateHooks; build it with load_hooks()")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.hooks = hooks
+        self.sampling = sampling
+        self.max_resubmits = max_resubmits
+        self.resubmit_backoff_s = resubmit_backoff_s
+        self._pending = 0
+        self._running = False
+        self.resubmits = 0  # over this object's lifetime, for metrics
+
+    @property
+    def pending(self) -> int:
+        """Samples submitted and not yet done."""
+        return self._pending
+
+    async def run(self, groups: list[list[Sample]]) -> list[Sample]:
+        """Generate every group concurrently; return all samples in submission order, filled in."""
+        for position, group in enumerate(groups):
+            if not group:
+                raise ValueError(f"groups[{position}] is empty: every prompt group needs at least one sample")
+        if self._running:
+            raise RuntimeError("GenerateState.run is already running: use one GenerateState per concurrent rollout")
+        self._running = True
+        tasks: list[asyncio.Task] = []
+        try:
+            self.hooks.on_rollout_start(self)
+            for group in groups:
+                self.hooks.on_group_submit(self, group)
+                self._pending += len(group)
+            tasks = [asyncio.create_task(self._run_group(group)) for group in groups]
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # A hook that raised (or a cancellation) ends the rollout: stop the other groups instead of
+            # leaving them running against the engine with nobody collecting their results.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            self._pending = 0
+            self._running = False
+        samples = [sample for group in groups for sample in group]
+        self.hooks.on_rollout_end(self, samples)
+        return samples
+
+    def run_sync(self, groups: list[list[Sample]]) -> list[Sample]:
+        """`run` from synchronous code. Inside a running event loop (a notebook, an async server) it runs
+        on a fresh loop in a worker thread, because `asyncio.run` cannot nest."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run(groups))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(asyncio.run, self.run(groups)).result()
+
+    async def _run_group(self, group: list[Sample]) -> None:
+        todo = list(group)
+        attempt = 0
+        while todo:
+            results = await self._generate(todo, attempt)
+            retry = []
+            for sample, result in zip(todo, results, strict=True):
+                if result.finish_reason == "abort" and attempt < self.max_resubmits:
+                    retry.append(sample)
+                    continue
+                self._fill(sample, result, attempt)
+                self._pending -= 1
+                self.hooks.on_sample_done(self, sample)
+            if retry:
+                attempt += 1
+                self.resubmits += len(retry)
+                if self.resubmit_backoff_s:
+                    await asyncio.sleep(self.resubmit_backoff_s * attempt)
+            todo = retry
+        self.hooks.on_group_done(self, group)
+
+    async def _generate(self, samples: list[Sample], attempt: int) -> list[GenerateResult]:
+        """One engine call for `samples`; an engine exception or a wrong result count fails these samples only."""
+        requests = [self._request(sample, attempt) for sample in samples]
+        try:
+            results = await self.engine.agenerate(requests)
+        except Exception as exc:  # the engine's failure costs this group, never the whole rollout
+            logger.warning("engine call for %d request(s) failed: %r", len(requests), exc)
+            return [GenerateResult(finish_reason="error", error=f"{type(exc).__name__}: {exc}") for _ in requests]
+        if len(results) != len(requests):
+            error = f"engine returned {len(results)} results for {len(requests)} requests"
+            return [GenerateResult(finish_reason="error", error=error) for _ in requests]
+        return list(results)
+
+    def _request(self, sample: Sample, attempt: int) -> GenerateRequest:
+        name = sample.adapter.name if sample.adapter is not None else None
+        # Same seed on every attempt: a resubmitted sample is the same draw, not a new one.
+        seed = sample.metadata.get("sampling_seed", self.sampling.seed)
+        rid = f"{name or 'base'}/g{sample.group_index}/s{sample.index}/a{attempt}"
+        return GenerateRequest(
+            input_ids=list(sample.prompt_ids), adapter=name, sampling=replace(self.sampling, seed=seed), rid=rid
+        )
+
+    def _fill(self, sample: Sample, result: GenerateResult, attempt: int) -> None:
+        """Set every response field from this one result (overwriting, never appending)."""
+        sample.response_ids = list(result.output_ids)
+        sample.rollout_logprobs = list(result.output_logprobs)
+        sample.loss_mask = [1] * len(sample.response_ids)
+        sample.finish_reason = result.finish_reason
+        sample.weight_version = result.weight_version
+        sample.metadata["resubmits"] = attempt
+        sample.metadata.pop("error", None)
+        try:
+            sample.response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        except Exception as exc:  # an id outside the vocabulary is this sample's failure, not the rollout's
+            sample.response = ""
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = f"cannot decode response_ids: {type(exc).__name__}: {exc}"
+            return
+        if result.finish_reason == "abort":
+            sample.status = SampleStatus.ABORTED
+        elif result.finish_reason == "error":
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = result.error or "engine reported an error without a message"
+        elif result.finish_reason not in _STATUS_BY_FINISH_REASON:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = f"unknown finish_reason {result.finish_reason!r}"
+        elif result.output_logprobs and len(result.output_logprobs) != len(result.output_ids):
+            # Training on misaligned logprobs would silently corrupt the importance ratios.
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = (
+                f"engine returned {len(result.output_logprobs)} logprobs for {len(result.output_ids)} tokens"
+            )
+        else:
+            sample.status = _STATUS_BY_FINISH_REASON[result.finish_reason]
