@@ -1,0 +1,659 @@
+"""The embedded rollout engine: in-process torch generation with many LoRA adapters in one batch.
+
+Design choices (and where they differ from a textbook `model.generate` loop):
+
+- The frozen base is shared with the trainer (same process, same module), but the LoRA weights are
+  not: the engine owns a `LoRABank` (`model.new_bank()`), its own copy of every loaded adapter's
+  slot tensors. Only `load_adapter` changes it, so an optimizer step on the model's slots never
+  leaks into a running rollout. The engine allocates bank slots itself (lowest free slot), which
+  need not match the trainer's slot numbers.
+- One background worker thread owns every model call. `generate` and `agenerate` only enqueue
+  rows; the worker takes everything queued (up to `max_batch_size` rows, after a short
+  coalescing wait so concurrent `agenerate` calls of one rollout land in the same batch) and runs
+  it as one *wave*: a batched, left-padded prefill, then batched decode steps until every row
+  has finished. Rows of different adapters and base rows (slot -1) share every forward; each row
+  is routed to its adapter by `adapter_slots`. Finished rows are dropped from the batch and the
+  KV cache after each step. Requests that arrive during a wave wait for the next one (no
+  continuous admission: a GRPO rollout submits all its groups at once, so one wave usually holds
+  the whole step).
+- Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
+  prefilled once; the cache, the mask and the last logits are then expanded by index.
+- Sampling is per row: temperature (0 = greedy argmax), top-k (-1 = off), top-p, then inverse-CDF
+  sampling with one uniform drawn from the row's own `torch.Generator` (seeded from the request's
+  `seed`, else from the engine's seed sequence). A row's random stream therefore does not depend
+  on which other rows share the batch.
+- `output_logprobs` are the log-softmax of the RAW logits (temperature 1, before top-k/top-p) at
+  the chosen token, in float32. At temperature 1 they equal the trainer's log-probs of the same
+  tokens, which is what importance ratios (GRPO/PPO) need; at other temperatures they are still the
+  policy's own log-probs, not the tempered sampling distribution's.
+- Stops: EOS (the tokenizer's plus the model's `generation_config`), `stop_token_ids` and stop
+  strings finish a row with "stop"; `max_new_tokens` with "length". Output ids and log-probs are
+  never trimmed: the token that ended the row (EOS, stop token, or the token completing a stop
+  string) is included, exactly as SGLang's `output_ids` include it. SGLang trims only the *text*;
+  callers that want SGLang's text decode the ids and cut at the stop string. Stop strings are
+  matched on the decoded text of the last few tokens (enough to cover the longest stop string).
+- Weight versions: every adapter has a version (`version` if given, else previous + 1, starting
+  at 0 for a name never loaded before; unloading keeps the counter so versions of a name only go
+  up). A row records its adapter's version when its wave starts. Before every forward the worker
+  checks it again; a row whose adapter was reloaded or unloaded mid-flight comes back "abort",
+  so no result ever mixes tokens of two versions, even when `load_adapter` is called without a
+  pause.
+- Pause: `pause(mode="abort")` (default) aborts in-flight rows at the next step boundary (they
+  come back with finish_reason "abort" and no output: resubmit them); `pause(mode="wait")` lets
+  the running wave finish on the weights it started with. Either way `pause()` returns only once
+  no model call is running, and no new wave starts until `resume()`. Requests queued but not yet
+  started are kept and run after `resume()` on the then-current weights.
+- Bad requests (unknown adapter, bad sampling values, empty prompt) fail that request only, with
+  finish_reason "error" and a message naming the field, the value and what is allowed; the other
+  requests of the call run normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from rollout.engines.base import RolloutEngine
+from rollout.types import GenerateRequest, GenerateResult, SamplingParams
+
+PAUSE_MODES = ("abort", "wait")
+_LORA_KEY_PREFIX = "base_model.model."
+
+
+@dataclass
+class _AdapterEntry:
+    """One adapter loaded in the engine's bank."""
+
+    slot: int
+    version: int
+    rank: int
+    alpha: float
+
+
+class _Job:
+    """One `generate` / `agenerate` call: its results in request order and who to tell when done."""
+
+    def __init__(self, n: int, on_done: Callable[[list[GenerateResult]], None]) -> None:
+        self.results: list[GenerateResult | None] = [None] * n
+        self.remaining = n
+        self.on_done = on_done
+        self.cancelled = False
+
+    def set(self, index: int, result: GenerateResult) -> None:
+        self.results[index] = result
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.on_done(list(self.results))  # type: ignore[arg-type]
+
+
+@dataclass
+class _Row:
+    """One request in flight: its sampling state and what it has produced so far."""
+
+    job: _Job
+    index: int
+    request: GenerateRequest
+    seed: int
+    slot: int = -1
+    version: int | None = None
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
+
+    `model` is the `MultiLoRAModel` (its frozen base is shared; its LoRA slots are not used),
+    `tokenizer` is used for EOS and stop strings (may be None when no request uses stop strings),
+    `max_batch_size` caps the rows of one wave, `batch_wait_s` is how long the worker waits for
+    more requests once the first one arrives, `seed` seeds the per-row generators of requests
+    without their own seed, `eos_token_ids` overrides the EOS set.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        max_batch_size: int = 256,
+        *,
+        batch_wait_s: float = 0.002,
+        seed: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} is invalid: use an integer >= 1")
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s={batch_wait_s!r} is invalid: use a number of seconds >= 0")
+        self._model = model
+        self._tokenizer = tokenizer
+        self._max_batch_size = max_batch_size
+        self._batch_wait_s = batch_wait_s
+        self._base = model.base_model
+        self._config = self._base.config
+        self._vocab_size = int(self._config.get_text_config(decoder=True).vocab_size)
+        self._device = next(self._base.parameters()).device
+        self._max_loras = int(model.max_loras)
+        self._max_rank = int(model.max_rank)
+        self._eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else self._default_eos_ids()
+        self._seed_rng = random.Random(seed)
+        self._bank = model.new_bank()
+        self._adapters: dict[str, _AdapterEntry] = {}
+        self._last_version: dict[str, int] = {}
+
+        # `_cond` guards the queue, the pause flags and `_busy`; `_weights_lock` is held by the
+        # worker around each model call and by load/unload, so weights never change mid-forward.
+        self._cond = threading.Condition()
+        self._weights_lock = threading.Lock()
+        self._queue: deque[_Row] = deque()
+        self._paused = False
+        self._pause_mode = "abort"
+        self._busy = False
+        self._closed = False
+        self._worker_error: BaseException | None = None
+        self._worker = threading.Thread(target=self._worker_loop, name="embedded-engine", daemon=True)
+        self._worker.start()
+
+    def _default_eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        eos = getattr(self._tokenizer, "eos_token_id", None) if self._tokenizer is not None else None
+        gen_eos = getattr(getattr(self._base, "generation_config", None), "eos_token_id", None)
+        for value in (eos, gen_eos):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------ adapters
+
+    def load_adapter(
+        self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
+    ) -> int:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter name={name!r} is invalid: use a non-empty string")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ValueError(f"version={version!r} for adapter {name!r} is invalid: use an int or None")
+        rank, alpha = self._validate_config(name, config)
+        self._validate_tensors(name, tensors, rank)
+        with self._weights_lock:
+            entry = self._adapters.get(name)
+            if entry is not None:
+                slot = entry.slot
+            else:
+                used = {e.slot for e in self._adapters.values()}
+                free = [s for s in range(self._max_loras) if s not in used]
+                if not free:
+                    raise RuntimeError(
+                        f"cannot load adapter {name!r}: all {self._max_loras} engine slots are in use by "
+                        f"{sorted(self._adapters)}; unload one first"
+                    )
+                slot = free[0]
+            new_version = version if version is not None else self._last_version.get(name, -1) + 1
+            self._bank.set_adapter(slot, tensors, config)
+            self._adapters[name] = _AdapterEntry(slot=slot, version=new_version, rank=rank, alpha=alpha)
+            self._last_version[name] = new_version
+        return new_version
+
+    def unload_adapter(self, name: str) -> None:
+        with self._weights_lock:
+            entry = self._adapters.pop(name, None)
+            if entry is None:
+                raise KeyError(f"adapter {name!r} is not loaded in the engine; loaded: {sorted(self._adapters)}")
+            self._bank.clear(entry.slot)
+
+    def adapter_versions(self) -> dict[str, int]:
+        with self._weights_lock:
+            return {name: entry.version for name, entry in self._adapters.items()}
+
+    def _validate_config(self, name: str, config: dict[str, Any]) -> tuple[int, float]:
+        if not isinstance(config, dict):
+            raise ValueError(f"config of adapter {name!r} is a {type(config).__name__}: use a PEFT config dict")
+        peft_type = config.get("peft_type", "LORA")
+        peft_type = getattr(peft_type, "value", peft_type)
+        if str(peft_type).upper() != "LORA":
+            raise ValueError(f"config.peft_type={peft_type!r} of adapter {name!r} is not supported: only 'LORA'")
+        rank = config.get("r")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self._max_rank:
+            raise ValueError(
+                f"config.r={rank!r} of adapter {name!r} is invalid: use an int in [1, max_rank={self._max_rank}]"
+            )
+        alpha = config.get("lora_alpha", rank)
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+            raise ValueError(f"config.lora_alpha={alpha!r} of adapter {name!r} is invalid: use a number > 0")
+        for flag in ("use_rslora", "use_dora"):
+            if config.get(flag):
+                raise ValueError(
+                    f"config.{flag}={config[flag]!r} of adapter {name!r} is not supported: the engine scales by "
+                    "lora_alpha / r (as SGLang does); set it to false"
+                )
+        return rank, float(alpha)
+
+    def _validate_tensors(self, name: str, tensors: dict[str, torch.Tensor], rank: int) -> None:
+        if not isinstance(tensors, dict) or not tensors:
+            raise ValueError(f"tensors of adapter {name!r} must be a non-empty dict of PEFT-named tensors")
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"tensors[{key!r}] of adapter {name!r} is a {type(value).__name__}, not a tensor")
+            if not key.startswith(_LORA_KEY_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise ValueError(
+                    f"tensors key {key!r} of adapter {name!r} is not a PEFT LoRA key: use "
+                    f"'{_LORA_KEY_PREFIX}<module>.lora_A.weight' / '.lora_B.weight'"
+                )
+            module, kind = key[len(_LORA_KEY_PREFIX) :].rsplit(".", 2)[:2]
+            pairs.setdefault(module, {})[kind] = value
+        targets = self._lora_target_shapes()
+        for module, pair in pairs.items():
+            if set(pair) != {"lora_A", "lora_B"}:
+                raise ValueError(
+                    f"adapter {name!r}: module {module!r} needs both lora_A and lora_B, got {sorted(pair)}"
+                )
+            if module not in targets:
+                raise ValueError(
+                    f"adapter {name!r}: module {module!r} is not a LoRA target of the model "
+                    f"(targets look like {sorted(targets)[:3]}...)"
+                )
+            in_features, out_features = targets[module]
+            a_shape, b_shape = tuple(pair["lora_A"].shape), tuple(pair["lora_B"].shape)
+            if a_shape != (rank, in_features) or b_shape != (out_features, rank):
+                raise ValueError(
+                    f"adapter {name!r}: module {module!r} has lora_A {a_shape} / lora_B {b_shape}; expected "
+                    f"({rank}, {in_features}) / ({out_features}, {rank}) for r={rank}"
+                )
+
+    def _lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+        """Module name (relative to the HF model) -> (in_features, out_features) of every LoRA target."""
+        shapes = getattr(self, "_target_shapes", None)
+        if shapes is None:
+            shapes = self._model.lora_target_shapes()
+            self._target_shapes = shapes
+        return shapes
+
+    # ------------------------------------------------------------------ generation API
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        done = threading.Event()
+        box: list[list[GenerateResult]] = []
+
+        def on_done(results: list[GenerateResult]) -> None:
+            box.append(results)
+            done.set()
+
+        self._submit(requests, on_done)
+        done.wait()
+        return box[0]
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[GenerateResult]] = loop.create_future()
+
+        def set_result(results: list[GenerateResult]) -> None:
+            if not future.done():
+                future.set_result(results)
+
+        def on_done(results: list[GenerateResult]) -> None:
+            loop.call_soon_threadsafe(set_result, results)
+
+        job = self._submit(requests, on_done)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Nobody will read the results: let the worker drop these rows at its next step.
+            job.cancelled = True
+            raise
+
+    def _submit(self, requests: list[GenerateRequest], on_done: Callable[[list[GenerateResult]], None]) -> _Job:
+        job = _Job(len(requests), on_done)
+        if not requests:
+            on_done([])
+            return job
+        rows: list[_Row] = []
+        with self._cond:
+            for i, request in enumerate(requests):
+                error = self._check_request(request)
+                if error is None and self._closed:
+                    error = "the engine is closed"
+                if error is not None:
+                    version = None
+                    if request.adapter is not None and request.adapter in self._adapters:
+                        version = self._adapters[request.adapter].version
+                    job.set(i, GenerateResult(finish_reason="error", weight_version=version, error=error))
+                    continue
+                seed = request.sampling.seed if request.sampling.seed is not None else self._seed_rng.getrandbits(63)
+                rows.append(_Row(job=job, index=i, request=request, seed=seed))
+            self._queue.extend(rows)
+            self._cond.notify_all()
+        return job
+
+    def _check_request(self, request: GenerateRequest) -> str | None:
+        """A clear message when the request cannot run, else None."""
+        if not isinstance(request, GenerateRequest):
+            return f"request is a {type(request).__name__}: use rollout.types.GenerateRequest"
+        ids = request.input_ids
+        if not ids:
+            return "input_ids=[] is invalid: a request needs at least one prompt token"
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self._vocab_size]
+        if bad:
+            return f"input_ids contains {bad[:3]!r}: token ids must be ints in [0, {self._vocab_size})"
+        if request.adapter is not None and request.adapter not in self._adapters:
+            return f"adapter={request.adapter!r} is not loaded in the engine; loaded: {sorted(self._adapters)}"
+        p = request.sampling
+        if not isinstance(p.temperature, (int, float)) or p.temperature < 0:
+            return f"sampling.temperature={p.temperature!r} is invalid: use a number >= 0 (0 = greedy)"
+        if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+            return f"sampling.top_p={p.top_p!r} is invalid: use a number in (0, 1]"
+        if not isinstance(p.top_k, int) or (p.top_k != -1 and p.top_k < 1):
+            return f"sampling.top_k={p.top_k!r} is invalid: use -1 (off) or an int >= 1"
+        if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 0:
+            return f"sampling.max_new_tokens={p.max_new_tokens!r} is invalid: use an int >= 0"
+        if p.stop and (self._tokenizer is None or any(not isinstance(s, str) or not s for s in p.stop)):
+            return f"sampling.stop={p.stop!r} is invalid: stop strings must be non-empty and need a tokenizer"
+        if any(not isinstance(t, int) for t in p.stop_token_ids):
+            return f"sampling.stop_token_ids={p.stop_token_ids!r} is invalid: use a list of ints"
+        return None
+
+    # ------------------------------------------------------------------ pause / lifecycle
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generation steps; returns once no model call is running (see the module docstring)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode={mode!r} is invalid: use one of {PAUSE_MODES}")
+        with self._cond:
+            self._paused = True
+            self._pause_mode = mode
+            self._cond.notify_all()
+            while self._busy and self._worker.is_alive():
+                self._cond.wait()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def is_paused(self) -> bool:
+        with self._cond:
+            return self._paused
+
+    def health(self) -> bool:
+        return not self._closed and self._worker.is_alive() and self._worker_error is None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join()
+        with self._cond:
+            leftover = list(self._queue)
+            self._queue.clear()
+        for row in leftover:
+            self._finish(row, "error", error="the engine was closed before this request ran")
+
+    # ------------------------------------------------------------------ worker
+
+    def _worker_loop(self) -> None:
+        try:
+            while True:
+                rows = self._next_wave()
+                if rows is None:
+                    return
+                try:
+                    self._run_wave(rows)
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
+        except BaseException as exc:  # a bug or an OOM: fail loudly for every waiting caller
+            self._worker_error = exc
+            with self._cond:
+                leftover = list(self._queue)
+                self._queue.clear()
+                self._cond.notify_all()
+            for row in leftover:
+                self._finish(row, "error", error=f"engine worker died: {exc!r}")
+            raise
+
+    def _next_wave(self) -> list[_Row] | None:
+        """Block until rows may run; take up to `max_batch_size` of them. None when closed."""
+        with self._cond:
+            while not self._closed and (self._paused or not self._queue):
+                self._cond.wait()
+            if self._closed:
+                return None
+            # Coalesce: concurrent agenerate calls of one rollout arrive within a few ms.
+            deadline = time.monotonic() + self._batch_wait_s
+            while len(self._queue) < self._max_batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                before = len(self._queue)
+                self._cond.wait(left)
+                if len(self._queue) == before:
+                    break
+            if self._closed or self._paused:
+                return self._next_wave() if not self._closed else None
+            n = min(len(self._queue), self._max_batch_size)
+            rows = [self._queue.popleft() for _ in range(n)]
+            self._busy = True
+            return rows
+
+    def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
+        keep_output = reason in ("stop", "length")
+        result = GenerateResult(
+            output_ids=list(row.output_ids) if keep_output else [],
+            output_logprobs=list(row.logprobs) if keep_output else [],
+            finish_reason=reason,
+            weight_version=row.version,
+            error=error,
+        )
+        row.job.set(row.index, result)
+
+    def _abort_requested(self) -> bool:
+        with self._cond:
+            return self._closed or (self._paused and self._pause_mode == "abort")
+
+    def _stale_reason(self, row: _Row) -> str | None:
+        """Why `row` must not take another step on the current weights (caller holds `_weights_lock`)."""
+        if row.job.cancelled:
+            return "cancelled"
+        name = row.request.adapter
+        if name is None:
+            return None
+        entry = self._adapters.get(name)
+        if entry is None:
+            return f"adapter {name!r} was unloaded while the request was running; resubmit it"
+        if entry.version != row.version or entry.slot != row.slot:
+            return f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request; resubmit it"
+        return None
+
+    def _run_wave(self, rows: list[_Row]) -> None:
+        """Prefill `rows` together, then decode them in lockstep until each one finishes."""
+        with torch.inference_mode(), self._eval_mode():
+            with self._weights_lock:
+                if self._abort_requested():
+                    # Paused (or closed) before the first token: these rows never ran, so they go back
+                    # to the queue instead of coming back "abort".
+                    with self._cond:
+                        self._queue.extendleft(reversed(rows))
+                    return
+                rows = self._resolve_adapters(rows)
+                if not rows:
+                    return
+                logits, mask, last_pos, slots, cache = self._prefill(rows)
+            while True:
+                tokens, logprobs = self._sample(logits, rows)  # (B,), (B,)
+                keep = [i for i, row in enumerate(rows) if not self._append_and_check(row, tokens[i], logprobs[i])]
+                with self._weights_lock:
+                    if self._abort_requested():
+                        return self._abort(
+                            [rows[i] for i in keep], "aborted by pause(mode='abort') or close(); resubmit the request"
+                        )
+                    live = []
+                    for i in keep:
+                        reason = self._stale_reason(rows[i])
+                        if reason is None:
+                            live.append(i)
+                        else:
+                            self._finish(rows[i], "abort", error=reason)
+                    if not live:
+                        return
+                    if len(live) < len(rows):
+                        index = torch.tensor(live, device=self._device)  # (B',) rows that go on
+                        cache.batch_select_indices(index)
+                        mask, last_pos, slots = mask[index], last_pos[index], slots[index]
+                        rows = [rows[i] for i in live]
+                    next_ids = torch.tensor([[row.output_ids[-1]] for row in rows], device=self._device)  # (B, 1)
+                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # (B, T + 1)
+                    last_pos = last_pos + 1  # (B,) each row's position id continues from its own length
+                    logits = self._forward(next_ids, mask, last_pos[:, None], slots, cache)
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Run a wave with the model in eval mode (no dropout), restoring the caller's mode after.
+
+        Training and rollout of a colocated model alternate (the run loop trains only after the
+        rollout returns), so flipping the mode here never races a training forward.
+        """
+        was_training = self._model.training
+        if was_training:
+            self._model.eval()
+        try:
+            yield
+        finally:
+            if was_training:
+                self._model.train()
+
+    def _resolve_adapters(self, rows: list[_Row]) -> list[_Row]:
+        """Give each row its adapter's slot and current version; error rows whose adapter is gone."""
+        active = []
+        for row in rows:
+            name = row.request.adapter
+            if row.job.cancelled:
+                self._finish(row, "abort", error="cancelled")
+                continue
+            if name is not None:
+                entry = self._adapters.get(name)
+                if entry is None:
+                    loaded = sorted(self._adapters)
+                    self._finish(row, "error", error=f"adapter={name!r} is not loaded in the engine; loaded: {loaded}")
+                    continue
+                row.slot, row.version = entry.slot, entry.version
+            if row.params.max_new_tokens == 0:
+                self._finish(row, "length")
+                continue
+            if row.params.temperature > 0:
+                row.generator = torch.Generator().manual_seed(row.seed)
+            active.append(row)
+        return active
+
+    def _abort(self, rows: list[_Row], error: str) -> None:
+        for row in rows:
+            self._finish(row, "abort", error=error)
+
+    def _prefill(self, rows: list[_Row]):
+        """Left-padded batched prefill of each distinct (prompt, adapter), expanded to one cache row per row."""
+        unique: dict[tuple[tuple[int, ...], int], int] = {}
+        row_to_unique = [unique.setdefault((tuple(r.request.input_ids), r.slot), len(unique)) for r in rows]
+        prompts = list(unique)
+        width = max(len(ids) for ids, _ in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, T) left-padded with token 0
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, T) 1 = real token
+        for i, (ids, _) in enumerate(prompts):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            mask[i, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (U, T) real tokens count from 0 after the padding
+        slots = torch.tensor([slot for _, slot in prompts], device=self._device)  # (U,) -1 = base
+        cache = DynamicCache(config=self._config)
+        logits = self._forward(input_ids, mask, positions, slots, cache)  # (U, V)
+        last_pos = positions[:, -1]  # (U,)
+        if len(prompts) < len(rows):
+            index = torch.tensor(row_to_unique, device=self._device)  # (B,) unique prompt of each row
+            cache.batch_select_indices(index)
+            logits, mask, last_pos, slots = logits[index], mask[index], last_pos[index], slots[index]
+        return logits, mask, last_pos, slots, cache
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        """One model call through the engine's bank; returns the last position's logits, (B, V) float32."""
+        out = self._model(
+            input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            adapter_slots=slots,
+            lora_bank=self._bank,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
+        """Pick each row's next token and its raw log-prob; logits: (B, V) float32."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) temperature-1 policy log-probs
+        tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
+        sampled = [i for i, row in enumerate(rows) if row.params.temperature > 0]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            sub = [rows[i].params for i in sampled]
+            temperature = torch.tensor([p.temperature for p in sub], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in sub], device=logits.device)
+            vocab = logits.shape[-1]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sub], device=logits.device)
+            scaled = logits[index] / temperature[:, None]  # (S, V)
+            values, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
+            probs = torch.softmax(values, dim=-1)  # (S, V)
+            rank = torch.arange(vocab, device=logits.device)[None, :]  # (1, V)
+            # Keep the top-k, and the smallest prefix whose mass reaches top_p (SGLang's rule); the
+            # first token always survives both filters.
+            keep = (rank < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])  # (S, V)
+            cdf = (probs * keep).cumsum(-1)  # (S, V) unnormalized CDF over the kept prefix
+            # One uniform per row from the row's own generator: independent of the batch's make-up.
+            u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled]).to(logits.device)  # (S,)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (S,)
+            pick = torch.minimum(pick, keep.sum(-1) - 1)  # guard the u * total == total rounding edge
+            tokens[index] = order.gather(-1, pick[:, None]).squeeze(-1)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
+        return tokens.tolist(), chosen.tolist()
+
+    def _append_and_check(self, row: _Row, token: int, logprob: float) -> bool:
+        """Record the row's new token; finish the row and return True when it is done."""
+        row.output_ids.append(token)
+        row.logprobs.append(logprob)
+        params = row.params
+        if token in self._eos_ids or token in params.stop_token_ids:
+            self._finish(row, "stop")
+        elif params.stop and self._hits_stop_string(row.output_ids, params.stop):
+            self._finish(row, "stop")
+        elif len(row.output_ids) >= params.max_new_tokens:
+            self._finish(row, "length")
+        else:
+            return False
+        return True
+
+    def _hits_stop_string(self, output_ids: list[int], stops: list[str]) -> bool:
+        # A stop string of n characters spans at most 4n tokens (a byte-level token can carry a
+        # single byte of a 4-byte character), so decoding that tail is enough and stays O(1) per step.
+        window = 4 * max(len(s) for s in stops) + 1
+        text = self._tokenizer.decode(output_ids[-window:])
+        return any(s in text for s in stops)
