@@ -1,0 +1,320 @@
+"""The tiny base of the offline preset: tokenizer, small Qwen2 causal LM, a minute of pretraining, base stats.
+
+Design choices:
+
+- Tokenizer: byte-level BPE trained with `tokenizers` on the synthetic chat corpus. A `Digits(individual_digits)`
+  pre-tokenizer runs first, so every digit is its own token (numbers are learnable digit by digit) and the byte-level
+  alphabet means any text round-trips exactly (`\\boxed{42}`, newlines, `####`). No BOS is added on encode: the chat
+  template writes it, so `tokenizer(apply_chat_template(..., tokenize=False))` does not double it (as in Qwen).
+- Chat format: `<|bos|><|user|>\\n{content}<|end|>\\n<|assistant|>\\n{response}<|end|>\\n`. `<|end|>` is the EOS
+  token, so generation stops at the end of the assistant turn. `<|pad|>` is a separate token; padding is on the left
+  (generation-ready).
+- Model: a real `Qwen2ForCausalLM` (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings, ~0.9M parameters),
+  so PEFT, the embedded engine and SGLang-style module names all apply unchanged.
+- Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
+  response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format with
+  probability `right_format_rate` (0.4), else an off-format one: the base answers often correctly but in the right
+  format only ~40 % of the time, which is the headroom GRPO is meant to find quickly.
+- Base stats: sample at temperature 1.0 (no top-k/top-p) on held-out test prompts through the chat template and
+  score with `tiny_tasks.score_response`: format rate, correct rate, reward (both), EOS rate, response length.
+- Everything is seeded: Python `random.Random` streams named by purpose and `torch.manual_seed`, so the same seed
+  gives the same files (on the same torch build and thread count).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_example, render_response, score_response
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
+ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, *ROLE_TOKENS)
+
+# Roles map to their own special tokens; an unknown role is an error rather than a silently new token string.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, got ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyPresetConfig:
+    """Knobs of the tiny preset. Defaults take about a minute and a half on 2 CPU cores."""
+
+    hidden_size: int = 128  # model width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
+    intermediate_size: int = 384  # MLP width
+    vocab_size: int = 512  # BPE vocabulary target: 6 special tokens + 256 bytes + merges
+    max_positions: int = 256  # model context; prompts + responses stay under ~100 tokens
+    n_train: int = 2000  # rows per task in data/<task>/train.jsonl
+    n_test: int = 200  # rows per task in data/<task>/test.jsonl (held out of pretraining)
+    right_format_rate: float = 0.4  # share of pretraining responses in the task's answer format
+    pretrain_steps: int = 300  # AdamW steps; tests pass a handful
+    batch_size: int = 48  # examples per step, tasks mixed
+    lr: float = 3e-3  # peak learning rate (tiny models take a high one)
+    warmup_steps: int = 20  # linear warmup, then cosine decay to 10 % of `lr`
+    eval_prompts: int = 96  # test prompts sampled per task for the base stats (0 = skip)
+    eval_max_new_tokens: int = 48  # generation cap for the base stats
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            floor = 0 if f.name in ("pretrain_steps", "warmup_steps", "eval_prompts") else 1
+            if f.type == "int" and (not isinstance(value, int) or value < floor):
+                problems.append(f"{f.name}={value!r} must be an integer >= {floor}")
+        if not 0.0 <= self.right_format_rate <= 1.0:
+            problems.append(f"right_format_rate={self.right_format_rate!r} must be in [0, 1]")
+        if not self.lr > 0:
+            problems.append(f"lr={self.lr!r} must be > 0")
+        if self.num_heads and self.hidden_size % max(self.num_heads, 1):
+            problems.append(f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}")
+        if self.num_kv_heads and self.num_heads % max(self.num_kv_heads, 1):
+            problems.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            problems.append(f"vocab_size={self.vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
+        if problems:
+            raise ValueError("invalid TinyPresetConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class TaskBaseStats:
+    """The pretrained base on one task's test prompts, sampled at temperature 1.0."""
+
+    n: int  # responses scored
+    format_rate: float  # share in the task's strict answer format
+    correct_rate: float  # share whose final number is the right answer, whatever the format
+    reward: float  # share both right and in format: what the strict built-in reward pays
+    eos_rate: float  # share that ended with EOS within the generation cap
+    mean_response_tokens: float  # generated tokens, EOS included
+    examples: tuple[str, ...]  # the first few responses, for a human to look at
+
+
+@dataclass(frozen=True)
+class PretrainStats:
+    steps: int
+    first_loss: float
+    final_loss: float  # mean over the last 10 steps
+    seconds: float
+
+
+def named_rng(seed: int, purpose: str) -> random.Random:
+    """An independent, reproducible stream per purpose, so adding draws in one place does not shift the others."""
+    return random.Random(f"{seed}:{purpose}")
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerFast, question: str) -> str:
+    """The chat-template text of a one-turn user question, ready for the assistant's answer."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE (digits split one per token) on `texts` and wrap it with special tokens + template."""
+    tok = Tokenizer(models.BPE())
+    # Digits first: BPE merges never cross pre-tokens, so no multi-digit token can ever be learned.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",
+        model_max_length=TinyPresetConfig.max_positions,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def tokenizer_corpus(seed: int, per_task: int = 400) -> list[str]:
+    """Chat-formatted texts of all tasks, in both answer formats, for BPE training."""
+    rng = named_rng(seed, "tokenizer-corpus")
+    texts = []
+    for task in TASKS:
+        for i in range(per_task):
+            ex = generate_example(task, rng)
+            response = render_response(ex, right_format=i % 2 == 0, rng=rng)
+            texts.append(f"{BOS}<|user|>\n{ex.question}{EOS}\n<|assistant|>\n{response}{EOS}\n")
+    return texts
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed: int) -> Qwen2ForCausalLM:
+    """A freshly initialized Qwen2 causal LM sized by `cfg`, with the tokenizer's special-token ids."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _training_batch(
+    tokenizer: PreTrainedTokenizerFast, examples: list[TaskExample], responses: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 on prompt and padding) for prompt + response + EOS."""
+    prompts = tokenizer([chat_prompt(tokenizer, ex.question) for ex in examples], add_special_tokens=False)
+    answers = tokenizer(responses, add_special_tokens=False)
+    rows = [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts["input_ids"], answers["input_ids"], strict=True)]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T), 1 = real token
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # (B, T), loss only on response + EOS
+    for i, (p, a) in enumerate(rows):
+        n = len(p) + len(a)
+        ids[i, :n] = torch.tensor(p + a)
+        mask[i, :n] = 1
+        labels[i, len(p) : n] = torch.tensor(a)
+    return ids, mask, labels
+
+
+def pretrain(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    cfg: TinyPresetConfig,
+    seed: int,
+    exclude: set[str],
+) -> PretrainStats:
+    """Pretrain in place on freshly drawn examples whose questions are not in `exclude` (the test questions)."""
+    rng = named_rng(seed, "pretrain")
+    torch.manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.pretrain_steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.pretrain_steps):
+        examples = []
+        while len(examples) < cfg.batch_size:
+            ex = generate_example(rng.choice(TASKS), rng)
+            if ex.question not in exclude:
+                examples.append(ex)
+        responses = [render_response(ex, rng.random() < cfg.right_format_rate, rng) for ex in examples]
+        ids, mask, labels = _training_batch(tokenizer, examples, responses)
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        losses.append(loss.item())
+    model.eval()
+    tail = losses[-10:] or [float("nan")]
+    return PretrainStats(
+        steps=cfg.pretrain_steps,
+        first_loss=losses[0] if losses else float("nan"),
+        final_loss=sum(tail) / len(tail),
+        seconds=time.perf_counter() - start,
+    )
+
+
+@torch.no_grad()
+def evaluate_base(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    test: dict[str, list[TaskExample]],
+    cfg: TinyPresetConfig,
+    seed: int,
+) -> dict[str, TaskBaseStats]:
+    """Sample one response per test prompt at temperature 1.0 and score it; the first `eval_prompts` per task."""
+    model.eval()
+    torch.manual_seed(seed)
+    stats = {}
+    for task, examples in test.items():
+        examples = examples[: cfg.eval_prompts]
+        if not examples:
+            continue
+        batch = tokenizer(
+            [chat_prompt(tokenizer, ex.question) for ex in examples],
+            add_special_tokens=False,
+            padding=True,
+            return_tensors="pt",
+        )  # left-padded (B, P)
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=cfg.eval_max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # (B, P + new)
+        generated = out[:, batch["input_ids"].shape[1] :].tolist()
+        scores, lengths, ended, texts = [], [], 0, []
+        for ex, ids in zip(examples, generated, strict=True):
+            if tokenizer.eos_token_id in ids:
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+                ended += 1
+            lengths.append(len(ids))
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            texts.append(text)
+            scores.append(score_response(task, text, ex.label))
+        n = len(examples)
+        stats[task] = TaskBaseStats(
+            n=n,
+            format_rate=sum(s.format_ok for s in scores) / n,
+            correct_rate=sum(s.correct for s in scores) / n,
+            reward=sum(s.reward for s in scores) / n,
+            eos_rate=ended / n,
+            mean_response_tokens=sum(lengths) / n,
+            examples=tuple(texts[:3]),
+        )
+    return stats
+
+
+def stats_to_json(stats: dict[str, TaskBaseStats]) -> dict[str, dict]:
+    return {task: {**asdict(s), "examples": list(s.examples)} for task, s in stats.items()}
