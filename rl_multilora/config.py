@@ -280,17 +280,21 @@ def parse_run_config(data: Any, source: str | None = None) -> RunConfig:
 
 
 def _partial_adapter_problems(data: dict) -> list[str]:
+    """Cross-field checks on raw adapter dicts, so they are reported even when pydantic found other problems."""
     try:
         model = ModelConfig.model_validate(data.get("model", {}))
     except ValidationError:
         return []
     problems = []
-    for i, raw in enumerate(data.get("adapters") or []):
-        try:
-            a = AdapterConfig.model_validate(raw)
-        except ValidationError:
+    raw_adapters = data.get("adapters") or []
+    for i, raw in enumerate(raw_adapters if isinstance(raw_adapters, list) else []):
+        if not isinstance(raw, dict):
             continue
-        problems += adapter_problems(a, model, f"adapters.{i}.")
+        name, rank = raw.get("name"), raw.get("rank")
+        if isinstance(name, str) and (not ADAPTER_NAME_RE.match(name) or name in (".", "..")):
+            problems.append(f"adapters.{i}.name: {name!r} -> use letters, digits, '.', '_' and '-' only")
+        if isinstance(rank, int) and rank > model.max_rank:
+            problems.append(f"adapters.{i}.rank: {rank} -> must be <= model.max_rank ({model.max_rank})")
     return problems
 
 

@@ -1,0 +1,113 @@
+"""Config validation: every shipped YAML validates; mistakes are all reported at once; overrides; CLI exit codes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl_multilora.config import ConfigError, apply_overrides, load_run_config, parse_adapter_config, parse_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "examples" / "multi_lora" / "configs").glob("*.yaml"))
+
+
+def _adapter(**kw):
+    a = {
+        "name": "a",
+        "rank": 4,
+        "dataset": {"path": "json", "data_files": "x.jsonl"},
+        "reward": {"name": "gsm8k"},
+        "max_steps": 3,
+    }
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_run_config(path)
+    assert cfg.model.path
+    names = [a.name for a in cfg.adapters]
+    assert len(names) == len(set(names))
+
+
+def test_shipped_configs_exist():
+    assert any(p.name == "tiny.yaml" for p in SHIPPED)
+
+
+def test_every_mistake_reported_at_once():
+    data = {
+        "model": {"path": "m", "max_rank": 8},
+        "rollout": {"engine": "vllm", "temperature": -1},
+        "adapters": [
+            _adapter(name="bad/name", rank=16),
+            _adapter(name="b", lr=-1, learning_rate=1e-3),
+            _adapter(name="c", reward={"name": "gsm8k", "path": "m:f"}),
+        ],
+    }
+    with pytest.raises(ConfigError) as ei:
+        parse_run_config(data, source="x.yaml")
+    msg = str(ei.value)
+    for fragment in [
+        "rollout.engine: 'vllm'",
+        "rollout.temperature: -1",
+        "adapters.1.lr: -1",
+        "adapters.1.learning_rate: unknown key",
+        "adapters.2.reward",
+        "adapters.0.name: 'bad/name'",
+        "adapters.0.rank: 16 -> must be <= model.max_rank (8)",
+    ]:
+        assert fragment in msg, (fragment, msg)
+    assert len(ei.value.problems) == 7
+
+
+def test_duplicate_names_and_budget():
+    data = {"model": {"path": "m"}, "adapters": [_adapter(), _adapter()]}
+    with pytest.raises(ConfigError, match="adapters.1.name: 'a' -> adapter names must be unique"):
+        parse_run_config(data)
+    no_budget = _adapter()
+    del no_budget["max_steps"]
+    with pytest.raises(ConfigError, match="needs a budget"):
+        parse_run_config({"model": {"path": "m"}, "adapters": [no_budget]})
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a b", "x/../y", ""])
+def test_adapter_names_that_would_escape_paths_are_rejected(name):
+    model = parse_run_config({"model": {"path": "m"}}).model
+    with pytest.raises(ConfigError, match="name"):
+        parse_adapter_config(_adapter(name=name), model)
+
+
+def test_overrides_by_index_and_by_adapter_name():
+    data = {"model": {"path": "m"}, "adapters": [_adapter(name="x"), _adapter(name="y")]}
+    apply_overrides(data, ["adapters.y.lr=3e-4", "adapters.0.rank=2", "grpo.kl_coef=0.05", "rollout.stop=[a, b]"])
+    cfg = parse_run_config(data)
+    assert cfg.adapters[1].lr == 3e-4 and cfg.adapters[0].rank == 2
+    assert cfg.grpo.kl_coef == 0.05 and cfg.rollout.stop == ["a", "b"]
+    with pytest.raises(ConfigError, match="no list item 'zzz'"):
+        apply_overrides(data, ["adapters.zzz.lr=1"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_overrides(data, ["grpo.kl_coef"])
+
+
+def test_cli_bad_config_exits_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {"model": {"path": "m", "max_rank": 4}, "adapters": [_adapter(rank=8, lr=0), _adapter(name="..")]}
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_multilora.cli", "run", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert (
+        "adapters.0.lr: 0" in proc.stderr and "adapters.0.rank: 8" in proc.stderr and "adapters.1.name" in proc.stderr
+    )
+    missing = subprocess.run(
+        [sys.executable, "-m", "rl_multilora.cli", "run", str(tmp_path / "nope.yaml")], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
