@@ -1,0 +1,657 @@
+"""An SGLang-compatible HTTP server around any `RolloutEngine` (aiohttp).
+
+It exposes the endpoints and payloads of SGLang's native API that `SGLangEngine` uses, so the same client
+drives a real SGLang server on a GPU box and the embedded torch engine anywhere else.
+
+Design choices (each follows SGLang unless said otherwise):
+- Unknown request fields are ignored, as SGLang's request schemas do (`extra_behavior="ignore"`); a missing
+  required field or a wrong type answers 400. Unknown `sampling_params` keys answer 400 (SGLang builds
+  `SamplingParams(**d)`, which rejects them), and so do SGLang sampling options this engine cannot honour
+  (e.g. `min_p`) unless they are at their default.
+- Deviation: `/load_lora_adapter_from_tensors` accepts only `load_format="safetensors"` (base64 safetensors
+  bytes in `serialized_named_tensors`). SGLang's own encoding is pickle; unpickling request data runs
+  arbitrary code (CVE-2025-10164), so it is refused with a 400 that says so, and nothing here ever unpickles.
+- Auth: with `api_key` set, every endpoint but `/health*` needs `Authorization: Bearer <key>` (or
+  `x-api-key`), as SGLang does; otherwise 401 `{"error": "Unauthorized"}`. Binds 127.0.0.1 by default.
+- `/pause_generation` implements `mode="abort"` itself: every `/generate` in flight answers at once with
+  finish_reason `{"type": "abort"}` (the engine's result, when it comes, is dropped), and requests that arrive
+  while paused wait until `/continue_generation`, as in SGLang. `retract` and `in_place` answer 400: the
+  weight sync never uses them because unloading in those modes deadlocks SGLang.
+- The engine's blocking calls (generate, load, unload, pause, resume) run in worker threads
+  (`engine.agenerate`, `asyncio.to_thread`), never on the event loop.
+- Deviation: `meta_info.weight_version` is the request's adapter version (SGLang's is one server-wide string;
+  base rows report "default"), and `/get_model_info` and the LoRA endpoints add `adapter_versions`. The
+  adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's structs have no field for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from safetensors.torch import load_file
+
+from rollout.engines.base import RolloutEngine
+from rollout.engines.sglang import ADAPTER_VERSION_HEADER, SAFETENSORS_LOAD_FORMAT, decode_tensors_safetensors
+from rollout.engines.sglang import check_lora_config as _check_lora_config
+from rollout.types import GenerateRequest, GenerateResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# SGLang's SamplingParams API fields (tests/fixtures/sglang_api.json) -> the default a request may leave them at.
+_SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed"}
+_UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "stop_regex": None,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "custom_params": None,
+    "stream_interval": None,
+    "logit_bias": None,
+}
+_STATE_KEY = web.AppKey("rl_multilora_state", object)
+_FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class RequestError(ValueError):
+    """A request that fails validation; answered with 400 and this message."""
+
+
+@dataclass
+class _ServerState:
+    engine: RolloutEngine
+    api_key: str | None
+    model_name: str
+    tokenizer: Any = None
+    # Set while generation may run; cleared by /pause_generation.
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    # One event per /generate call in flight; set by an abort-mode pause.
+    inflight: set[asyncio.Event] = field(default_factory=set)
+    # Engine calls abandoned by an abort, kept referenced until they finish.
+    orphans: set[asyncio.Task] = field(default_factory=set)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _bad_request(message: str) -> web.Response:
+    """SGLang's validation-error body (an OpenAI-style ErrorResponse with code 400)."""
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return web.json_response(body, status=400)
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _lora_response(state: _ServerState, ok: bool, error: str | None = None) -> web.Response:
+    """SGLang's LoRAUpdateOutput, plus our per-adapter versions."""
+    versions = state.engine.adapter_versions()
+    body = {
+        "rid": None,
+        "http_worker_ipc": None,
+        "success": ok,
+        "error_message": error,
+        "loaded_adapters": {name: "__tensor__" for name in versions} if ok else None,
+        "adapter_versions": versions,
+    }
+    return web.json_response(body, status=200 if ok else 400)
+
+
+async def _json_body(request: web.Request, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not request.can_read_body:
+        body: Any = {}
+    else:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    missing = [k for k in required if k not in body]
+    if missing:
+        raise RequestError(f"missing required field(s): {', '.join(missing)}")
+    return body
+
+
+def _want(body: dict[str, Any], key: str, kind: type | tuple[type, ...], allowed: str) -> Any:
+    value = body.get(key)
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise RequestError(f"{key}={value!r} is invalid; expected {allowed}")
+    if not isinstance(value, kind):
+        raise RequestError(f"{key}={value!r} is invalid; expected {allowed}")
+    return value
+
+
+def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
+    """Validate one SGLang `sampling_params` dict and convert it to our `SamplingParams`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"{where}={raw!r} is invalid; expected a JSON object")
+    for key, value in raw.items():
+        if key in _SUPPORTED_SAMPLING:
+            continue
+        if key not in _UNSUPPORTED_SAMPLING_DEFAULTS:
+            allowed = ", ".join(sorted(_SUPPORTED_SAMPLING))
+            raise RequestError(f"{where}.{key} is not an SGLang sampling parameter; this server supports: {allowed}")
+        if value is not None and value != _UNSUPPORTED_SAMPLING_DEFAULTS[key]:
+            raise RequestError(
+                f"{where}.{key}={value!r} is not supported by this server; leave it at "
+                f"{_UNSUPPORTED_SAMPLING_DEFAULTS[key]!r}"
+            )
+    sp = SamplingParams()
+    if raw.get("temperature") is not None:
+        sp.temperature = float(_want(raw, "temperature", (int, float), "a number >= 0"))
+        if sp.temperature < 0:
+            raise RequestError(f"{where}.temperature={sp.temperature} is invalid; expected a number >= 0")
+    if raw.get("top_p") is not None:
+        sp.top_p = float(_want(raw, "top_p", (int, float), "a number in (0, 1]"))
+        if not 0.0 < sp.top_p <= 1.0:
+            raise RequestError(f"{where}.top_p={sp.top_p} is invalid; expected a number in (0, 1]")
+    if raw.get("top_k") is not None:
+        sp.top_k = _want(raw, "top_k", int, "-1 (off) or an integer >= 1")
+        if sp.top_k != -1 and sp.top_k < 1:
+            raise RequestError(f"{where}.top_k={sp.top_k} is invalid; expected -1 (off) or an integer >= 1")
+    if raw.get("max_new_tokens") is not None:
+        sp.max_new_tokens = _want(raw, "max_new_tokens", int, "an integer >= 0")
+        if sp.max_new_tokens < 0:
+            raise RequestError(f"{where}.max_new_tokens={sp.max_new_tokens} is invalid; expected an integer >= 0")
+    stop = raw.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"{where}.stop={raw['stop']!r} is invalid; expected a string or a list of strings")
+        sp.stop = list(stop)
+    ids = raw.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError(f"{where}.stop_token_ids={ids!r} is invalid; expected a list of token ids")
+        sp.stop_token_ids = list(ids)
+    if raw.get("sampling_seed") is not None:
+        sp.seed = _want(raw, "sampling_seed", int, "an integer")
+    return sp
+
+
+def _per_item(value: Any, n: int, name: str, single: bool) -> list[Any]:
+    """Broadcast a scalar field over the batch, or check a per-item list's length (SGLang's normalization)."""
+    if single or not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} entries for a batch of {n} prompts")
+    return value
+
+
+def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], list[bool], bool]:
+    """SGLang `/generate` body -> (requests, return_logprob per request, is_single)."""
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported by this server; send stream=false")
+    if body.get("input_ids") is None:
+        if body.get("text") is not None:
+            raise RequestError("text prompts are not supported by this server; send input_ids (token ids)")
+        raise RequestError("input_ids is required (a list of token ids, or a list of such lists for a batch)")
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"input_ids={str(ids)[:80]} is invalid; expected a non-empty list of token ids")
+
+    def _check_row(row: Any, where: str) -> list[int]:
+        if (
+            not isinstance(row, list)
+            or not row
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+        ):
+            raise RequestError(f"{where}={str(row)[:80]} is invalid; expected a non-empty list of token ids")
+        return row
+
+    single = isinstance(ids[0], int)
+    rows = [_check_row(ids, "input_ids")] if single else [_check_row(r, f"input_ids[{i}]") for i, r in enumerate(ids)]
+    n = len(rows)
+    sampling = body.get("sampling_params")
+    if isinstance(sampling, list) and single:
+        raise RequestError("sampling_params is a list but input_ids is a single prompt")
+    sampling_items = _per_item(sampling, n, "sampling_params", single)
+    loras = _per_item(body.get("lora_path"), n, "lora_path", single)
+    logprob_flags = _per_item(body.get("return_logprob"), n, "return_logprob", single)
+    rid = body.get("rid")
+    if isinstance(rid, str) and not single:
+        rids = [f"{rid}_{i}" for i in range(n)]  # SGLang's expansion of a string rid over a batch
+    else:
+        rids = _per_item(rid, n, "rid", single)
+    requests = []
+    for i in range(n):
+        where = "sampling_params" if single else f"sampling_params[{i}]"
+        sp = _sampling_from_dict(sampling_items[i], where)
+        lora = loras[i]
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise RequestError(f"lora_path={lora!r} is invalid; expected a loaded adapter name or null for the base")
+        requests.append(GenerateRequest(input_ids=list(rows[i]), adapter=lora, sampling=sp, rid=rids[i]))
+    return requests, [bool(f) for f in logprob_flags], single
+
+
+def _finish_json(result: GenerateResult) -> dict[str, Any]:
+    """Our finish reason -> SGLang's `BaseFinishReason.to_json()` shape."""
+    if result.finish_reason == "stop":
+        return {"type": "stop", "matched": result.output_ids[-1] if result.output_ids else None}
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.output_ids)}
+    if result.finish_reason == "abort":
+        return {"type": "abort", "message": "Aborted by /pause_generation", "status_code": None, "err_type": None}
+    # An engine-side failure for this row: SGLang reports request errors as an abort with an HTTP status.
+    return {
+        "type": "abort",
+        "message": result.error or "generation failed",
+        "status_code": 500,
+        "err_type": "InternalServerError",
+    }
+
+
+def _response_item(
+    state: _ServerState, req: GenerateRequest, result: GenerateResult, rid: str, with_logprob: bool
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish_json(result),
+        "prompt_tokens": len(req.input_ids),
+        "weight_version": "default" if result.weight_version is None else str(result.weight_version),
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+    }
+    if with_logprob:
+        # SGLang rows are [logprob, token_id, text]; text is null unless return_text_in_logprobs.
+        meta["output_token_logprobs"] = [
+            [float(lp), int(t), None] for lp, t in zip(result.output_logprobs, result.output_ids, strict=False)
+        ]
+    text = ""
+    if state.tokenizer is not None and result.output_ids:
+        text = state.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    return {"text": text, "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    state: _ServerState = request.app[_STATE_KEY]
+    if state.api_key and not request.path.startswith("/health"):
+        authz = request.headers.get("Authorization", "")
+        scheme, _, token = authz.partition(" ")
+        ok = scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), state.api_key.encode())
+        x_key = request.headers.get("x-api-key")
+        ok = ok or (x_key is not None and secrets.compare_digest(x_key.encode(), state.api_key.encode()))
+        if not ok:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _bad_request(str(exc))
+
+
+async def _generate(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    body = await _json_body(request)
+    reqs, logprob_flags, single = parse_generate_body(body)
+    rids = [r.rid or uuid.uuid4().hex for r in reqs]
+    await state.running.wait()  # requests that arrive during a pause wait for /continue_generation
+    aborted = asyncio.Event()
+    state.inflight.add(aborted)
+    task = asyncio.ensure_future(state.engine.agenerate(reqs))
+    abort_wait = asyncio.ensure_future(aborted.wait())
+    try:
+        await asyncio.wait({task, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        state.inflight.discard(aborted)
+        abort_wait.cancel()
+    if not task.done():
+        # Aborted by /pause_generation: SGLang answers at once, and the engine's late result is dropped.
+        state.orphans.add(task)
+        task.add_done_callback(_forget_orphan(state))
+        results = [GenerateResult(finish_reason="abort") for _ in reqs]
+    else:
+        try:
+            results = task.result()
+        except (ValueError, KeyError) as exc:
+            return _error(f"Invalid request: {exc}", 400)
+        except Exception as exc:
+            logger.exception("engine.agenerate failed")
+            return _error(f"{type(exc).__name__}: {exc}", 500)
+        if len(results) != len(reqs):
+            return _error(f"engine returned {len(results)} results for {len(reqs)} requests", 500)
+    items = [
+        _response_item(state, q, r, rid, flag)
+        for q, r, rid, flag in zip(reqs, results, rids, logprob_flags, strict=True)
+    ]
+    return web.json_response(items[0] if single else items)
+
+
+def _forget_orphan(state: _ServerState):
+    def _done(task: asyncio.Task) -> None:
+        state.orphans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("aborted engine call ended with %r", task.exception())
+
+    return _done
+
+
+def _version_header(request: web.Request) -> int | None:
+    raw = request.headers.get(ADAPTER_VERSION_HEADER)
+    if raw is None:
+        return None
+    try:
+        version = int(raw)
+    except ValueError:
+        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is invalid; expected a non-negative integer") from None
+    if version < 0:
+        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is invalid; expected a non-negative integer")
+    return version
+
+
+async def _load_tensors(
+    state: _ServerState, name: str, tensors: dict, config: dict, version: int | None
+) -> web.Response:
+    try:
+        _check_lora_config(config)
+        await asyncio.to_thread(state.engine.load_adapter, name, tensors, config, version)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        return _lora_response(state, False, f"Failed to load LoRA adapter {name}: {exc}")
+    return _lora_response(state, True)
+
+
+async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    body = await _json_body(request, ("lora_name", "config_dict"))
+    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    config = _want(body, "config_dict", dict, "the PEFT adapter_config as a JSON object")
+    load_format = body.get("load_format")
+    if load_format != SAFETENSORS_LOAD_FORMAT:
+        raise RequestError(
+            f"load_format={load_format!r} is refused: this server accepts only load_format='safetensors' "
+            "(base64 safetensors bytes in serialized_named_tensors). SGLang's default encoding is pickle, and "
+            "unpickling request data can run arbitrary code, so it is never unpickled here."
+        )
+    if body.get("added_tokens_config"):
+        raise RequestError("added_tokens_config is not supported by this server; send null")
+    blobs = body.get("serialized_named_tensors")
+    if blobs is None and isinstance(body.get("serialized_tensors"), str):
+        blobs = [body["serialized_tensors"]]  # SGLang releases before the msgspec rewrite
+    if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
+        raise RequestError("serialized_named_tensors is required: a list of base64 safetensors strings")
+    try:
+        tensors = decode_tensors_safetensors(blobs[0])
+    except ValueError as exc:
+        raise RequestError(f"serialized_named_tensors[0]: {exc}") from exc
+    return await _load_tensors(state, name, tensors, config, _version_header(request))
+
+
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    body = await _json_body(request, ("lora_name", "lora_path"))
+    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise RequestError(
+            f"lora_path={str(folder)!r} is not a PEFT folder on this host (needs adapter_config.json and "
+            "adapter_model.safetensors)"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+        tensors = await asyncio.to_thread(load_file, str(weights_file))
+    except (OSError, ValueError) as exc:
+        raise RequestError(f"lora_path={str(folder)!r} could not be read: {exc}") from exc
+    return await _load_tensors(state, name, tensors, config, _version_header(request))
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    body = await _json_body(request, ("lora_name",))
+    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    if name not in state.engine.adapter_versions():
+        return _lora_response(state, False, f"LoRA adapter {name} is not loaded")
+    try:
+        await asyncio.to_thread(state.engine.unload_adapter, name)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        return _lora_response(state, False, f"Failed to unload LoRA adapter {name}: {exc}")
+    return _lora_response(state, True)
+
+
+async def _pause_generation(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    body = await _json_body(request)
+    mode = body.get("mode", "abort")
+    if mode != "abort":
+        allowed = "'abort', 'retract', 'in_place'"
+        if mode in ("retract", "in_place"):
+            raise RequestError(
+                f"mode={mode!r} is not supported by this server: only 'abort' is (unloading an adapter while "
+                "paused in 'retract' or 'in_place' mode deadlocks SGLang, so the weight sync never uses them)"
+            )
+        raise RequestError(f"mode={mode!r} is invalid; SGLang allows {allowed} and this server implements 'abort'")
+    state.running.clear()
+    for event in list(state.inflight):
+        event.set()
+    await asyncio.to_thread(state.engine.pause)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def _continue_generation(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    await _json_body(request)
+    await asyncio.to_thread(state.engine.resume)
+    state.running.set()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    flush = getattr(state.engine, "flush_cache", None)
+    ok = True
+    if callable(flush):
+        ok = await asyncio.to_thread(flush) is not False
+    return web.Response(text=_FLUSH_TEXT, status=200 if ok else 400)
+
+
+async def _health(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    healthy = await asyncio.to_thread(state.engine.health)
+    return web.Response(status=200 if healthy else 503)
+
+
+async def _health_generate(request: web.Request) -> web.Response:
+    """SGLang's deep check: generate one token on the base model (skipped while paused, as no step can run)."""
+    state: _ServerState = request.app[_STATE_KEY]
+    if not state.running.is_set():
+        return await _health(request)
+    probe = GenerateRequest(input_ids=[0], sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
+    try:
+        results = await asyncio.wait_for(state.engine.agenerate([probe]), timeout=20)
+    except Exception as exc:
+        logger.warning("health_generate failed: %r", exc)
+        return web.Response(status=503)
+    return web.Response(status=200 if results and results[0].finish_reason != "error" else 503)
+
+
+async def _get_model_info(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[_STATE_KEY]
+    return web.json_response(
+        {
+            "model_path": state.model_name,
+            "tokenizer_path": state.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "adapter_versions": state.engine.adapter_versions(),
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------- app + run
+
+
+def make_app(
+    engine: RolloutEngine, api_key: str | None = None, model_name: str = "rl-multilora", tokenizer: Any = None
+) -> web.Application:
+    """The aiohttp app. `tokenizer` (optional, with `.decode`) fills the `text` field of responses."""
+    if not isinstance(engine, RolloutEngine):
+        raise TypeError(f"engine must be a RolloutEngine, got {type(engine).__name__}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
+    app = web.Application(middlewares=[_auth_middleware], client_max_size=1024**3)
+
+    async def _on_startup(app: web.Application) -> None:
+        # Events must be created on the serving loop.
+        state = _ServerState(engine=engine, api_key=api_key, model_name=model_name, tokenizer=tokenizer)
+        state.running.set()
+        app[_STATE_KEY] = state
+
+    app.on_startup.append(_on_startup)
+    app.router.add_route("POST", "/generate", _generate)
+    app.router.add_route("PUT", "/generate", _generate)
+    app.router.add_post("/load_lora_adapter_from_tensors", _load_lora_adapter_from_tensors)
+    app.router.add_post("/load_lora_adapter", _load_lora_adapter)
+    app.router.add_post("/unload_lora_adapter", _unload_lora_adapter)
+    app.router.add_post("/pause_generation", _pause_generation)
+    app.router.add_post("/continue_generation", _continue_generation)
+    app.router.add_route("GET", "/flush_cache", _flush_cache)
+    app.router.add_route("POST", "/flush_cache", _flush_cache)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/health_generate", _health_generate)
+    app.router.add_get("/get_model_info", _get_model_info)
+    return app
+
+
+def serve(
+    engine: RolloutEngine,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    api_key: str | None = None,
+    model_name: str = "rl-multilora",
+    tokenizer: Any = None,
+) -> None:
+    """Serve `engine` until interrupted. Binds 127.0.0.1 unless told otherwise."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without an api_key: anyone who can reach it can load adapters", host)
+    web.run_app(make_app(engine, api_key, model_name, tokenizer), host=host, port=port, print=None)
+
+
+class BackgroundServer:
+    """Runs `make_app(...)` on its own event loop in a daemon thread (tests, in-process serving).
+
+    `port=0` picks a free ephemeral port; `url` is valid after `start()`.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        model_name: str = "rl-multilora",
+        tokenizer: Any = None,
+    ) -> None:
+        self.app = make_app(engine, api_key, model_name, tokenizer)
+        self.host, self.port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rl-multilora-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self.app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+            self._runner = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rl-multilora engine-serve`: serve the embedded engine over SGLang's HTTP API."""
+    parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__)
+    parser.add_argument("--model", required=True, help="model folder (HF format) to serve")
+    parser.add_argument("--port", type=int, default=30000, help="TCP port (default 30000, as SGLang)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this host only)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("RL_MULTILORA_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health* (env RL_MULTILORA_API_KEY)",
+    )
+    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots")
+    parser.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank a slot holds")
+    parser.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated names")
+    args = parser.parse_args(argv)
+    for key in ("port", "max_loras", "max_rank"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; a positive integer is required")
+    if not Path(args.model).is_dir():
+        parser.error(f"--model={args.model!r} is not a folder")
+    # Heavy imports stay inside main: the server module itself only needs aiohttp.
+    from transformers import AutoTokenizer
+
+    from rl_multilora.lora import MultiLoRAModel
+    from rollout.engines.embedded import EmbeddedEngine
+
+    targets: str | list[str] = args.target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    model = MultiLoRAModel.from_pretrained(
+        args.model, max_loras=args.max_loras, max_rank=args.max_rank, target_modules=targets
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    engine = EmbeddedEngine(model, tokenizer)
+    try:
+        serve(engine, host=args.host, port=args.port, api_key=args.api_key, model_name=args.model, tokenizer=tokenizer)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
