@@ -77,7 +77,7 @@ class DatasetSpec:
     system_prompt: str | None = None
     """System message (chat template) or text prepended to the prompt (no template)."""
     prompt_template: str | None = None
-    """Python format string applied to the prompt text before the chat template, e.g.
+    """Python format string applied to a string prompt (not to chat messages) before the chat template, e.g.
     "{prompt}\\nPut the final answer in \\\\boxed{{}}."; other row columns are available by name."""
     max_prompt_tokens: int | None = None
     """Rows whose final prompt has more tokens than this are bad rows (skipped and counted)."""
