@@ -67,7 +67,6 @@ from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 PAUSE_MODES = ("abort", "wait")
-_LORA_KEY_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -76,8 +75,6 @@ class _AdapterEntry:
 
     slot: int
     version: int
-    rank: int
-    alpha: float
 
 
 class _Job:
@@ -151,7 +148,11 @@ class EmbeddedEngine(RolloutEngine):
         self._max_rank = int(model.max_rank)
         self._eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else self._default_eos_ids()
         self._seed_rng = random.Random(seed)
+        # new_bank() copies the trainer's current slots; the engine starts empty and serves only what
+        # load_adapter gave it, in slots it allocates itself.
         self._bank = model.new_bank()
+        for slot in range(self._max_loras):
+            self._bank.clear(slot)
         self._adapters: dict[str, _AdapterEntry] = {}
         self._last_version: dict[str, int] = {}
 
@@ -188,8 +189,6 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"adapter name={name!r} is invalid: use a non-empty string")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise ValueError(f"version={version!r} for adapter {name!r} is invalid: use an int or None")
-        rank, alpha = self._validate_config(name, config)
-        self._validate_tensors(name, tensors, rank)
         with self._weights_lock:
             entry = self._adapters.get(name)
             if entry is not None:
@@ -203,9 +202,15 @@ class EmbeddedEngine(RolloutEngine):
                         f"{sorted(self._adapters)}; unload one first"
                     )
                 slot = free[0]
+            # The bank validates everything (peft_type LORA, 1 <= r <= max_rank, no rsLoRA/DoRA, every key a
+            # LoRA module of the model, shapes at rank r) before it touches the slot, so a bad adapter leaves
+            # the engine as it was.
+            try:
+                self._bank.set_adapter(slot, tensors, config)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"cannot load adapter {name!r} into the engine: {err}") from err
             new_version = version if version is not None else self._last_version.get(name, -1) + 1
-            self._bank.set_adapter(slot, tensors, config)
-            self._adapters[name] = _AdapterEntry(slot=slot, version=new_version, rank=rank, alpha=alpha)
+            self._adapters[name] = _AdapterEntry(slot=slot, version=new_version)
             self._last_version[name] = new_version
         return new_version
 
@@ -219,70 +224,6 @@ class EmbeddedEngine(RolloutEngine):
     def adapter_versions(self) -> dict[str, int]:
         with self._weights_lock:
             return {name: entry.version for name, entry in self._adapters.items()}
-
-    def _validate_config(self, name: str, config: dict[str, Any]) -> tuple[int, float]:
-        if not isinstance(config, dict):
-            raise ValueError(f"config of adapter {name!r} is a {type(config).__name__}: use a PEFT config dict")
-        peft_type = config.get("peft_type", "LORA")
-        peft_type = getattr(peft_type, "value", peft_type)
-        if str(peft_type).upper() != "LORA":
-            raise ValueError(f"config.peft_type={peft_type!r} of adapter {name!r} is not supported: only 'LORA'")
-        rank = config.get("r")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self._max_rank:
-            raise ValueError(
-                f"config.r={rank!r} of adapter {name!r} is invalid: use an int in [1, max_rank={self._max_rank}]"
-            )
-        alpha = config.get("lora_alpha", rank)
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-            raise ValueError(f"config.lora_alpha={alpha!r} of adapter {name!r} is invalid: use a number > 0")
-        for flag in ("use_rslora", "use_dora"):
-            if config.get(flag):
-                raise ValueError(
-                    f"config.{flag}={config[flag]!r} of adapter {name!r} is not supported: the engine scales by "
-                    "lora_alpha / r (as SGLang does); set it to false"
-                )
-        return rank, float(alpha)
-
-    def _validate_tensors(self, name: str, tensors: dict[str, torch.Tensor], rank: int) -> None:
-        if not isinstance(tensors, dict) or not tensors:
-            raise ValueError(f"tensors of adapter {name!r} must be a non-empty dict of PEFT-named tensors")
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"tensors[{key!r}] of adapter {name!r} is a {type(value).__name__}, not a tensor")
-            if not key.startswith(_LORA_KEY_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-                raise ValueError(
-                    f"tensors key {key!r} of adapter {name!r} is not a PEFT LoRA key: use "
-                    f"'{_LORA_KEY_PREFIX}<module>.lora_A.weight' / '.lora_B.weight'"
-                )
-            module, kind = key[len(_LORA_KEY_PREFIX) :].rsplit(".", 2)[:2]
-            pairs.setdefault(module, {})[kind] = value
-        targets = self._lora_target_shapes()
-        for module, pair in pairs.items():
-            if set(pair) != {"lora_A", "lora_B"}:
-                raise ValueError(
-                    f"adapter {name!r}: module {module!r} needs both lora_A and lora_B, got {sorted(pair)}"
-                )
-            if module not in targets:
-                raise ValueError(
-                    f"adapter {name!r}: module {module!r} is not a LoRA target of the model "
-                    f"(targets look like {sorted(targets)[:3]}...)"
-                )
-            in_features, out_features = targets[module]
-            a_shape, b_shape = tuple(pair["lora_A"].shape), tuple(pair["lora_B"].shape)
-            if a_shape != (rank, in_features) or b_shape != (out_features, rank):
-                raise ValueError(
-                    f"adapter {name!r}: module {module!r} has lora_A {a_shape} / lora_B {b_shape}; expected "
-                    f"({rank}, {in_features}) / ({out_features}, {rank}) for r={rank}"
-                )
-
-    def _lora_target_shapes(self) -> dict[str, tuple[int, int]]:
-        """Module name (relative to the HF model) -> (in_features, out_features) of every LoRA target."""
-        shapes = getattr(self, "_target_shapes", None)
-        if shapes is None:
-            shapes = self._model.lora_target_shapes()
-            self._target_shapes = shapes
-        return shapes
 
     # ------------------------------------------------------------------ generation API
 

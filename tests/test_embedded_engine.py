@@ -1,0 +1,403 @@
+"""EmbeddedEngine against HF/PEFT references on tiny fp32 models.
+
+References: greedy output must equal HF `generate(do_sample=False)` with the adapter loaded through
+PEFT from a saved folder, and log-probs must equal the trainer's forward (`MultiLoRAModel` with
+`adapter_names`). Adapters are PEFT-initialized with random non-zero A and B
+(`init_lora_weights=False`), so every adapter really changes the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+from rl_multilora.lora import MultiLoRAModel
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.types import GenerateRequest, SamplingParams
+from tests.tiny_models import EOS_ID, tiny_model, tiny_tokenizer
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"a": (4, 8, 1), "b": (8, 16, 2), "c": (2, 2, 3)}  # name -> (rank, alpha, seed)
+PROMPTS = [[5, 17, 33, 48, 9, 71], [12, 40], [3, 99, 64, 21], [88, 7, 7]]
+
+
+def greedy(max_new_tokens: int = 10, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw)
+
+
+def sample(seed: int, max_new_tokens: int = 10, **kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def peft_adapters(tmp_path_factory):
+    """name -> (folder, PEFT-named tensors, PEFT config dict) of random non-zero adapters on the tiny base."""
+    out = {}
+    for name, (rank, alpha, seed) in ADAPTERS.items():
+        folder = tmp_path_factory.mktemp(f"peft_{name}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
+            peft_model = get_peft_model(tiny_model(), config)
+        peft_model.save_pretrained(folder)
+        tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+        out[name] = (folder, tensors, json.loads((folder / "adapter_config.json").read_text()))
+    return out
+
+
+@pytest.fixture
+def model():
+    return MultiLoRAModel.from_model(tiny_model(), max_loras=4, max_rank=16, target_modules="all-linear")
+
+
+@pytest.fixture
+def engine(model, peft_adapters):
+    eng = EmbeddedEngine(model, tiny_tokenizer())
+    for name, (_, tensors, config) in peft_adapters.items():
+        assert eng.load_adapter(name, tensors, config) == 0
+    yield eng
+    eng.close()
+
+
+def hf_greedy(prompt: list[int], max_new_tokens: int, folder=None) -> list[int]:
+    """Reference: HF generate on a fresh base, through PEFT when `folder` is given."""
+    ref = tiny_model()
+    if folder is not None:
+        ref = PeftModel.from_pretrained(ref, folder).eval()
+    ids = torch.tensor([prompt])
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_mixed_batch_matches_peft_generate(engine, peft_adapters):
+    names = [None, "a", "b", "c"]
+    requests = [
+        GenerateRequest(prompt, adapter=name, sampling=greedy(12))
+        for prompt in PROMPTS
+        for name in names  # every prompt under every adapter and the base: different lengths in one batch
+    ]
+    results = engine.generate(requests)
+    for request, result in zip(requests, results, strict=True):
+        folder = None if request.adapter is None else peft_adapters[request.adapter][0]
+        expected = hf_greedy(request.input_ids, 12, folder)
+        assert result.output_ids == expected, (request.adapter, request.input_ids)
+        assert result.finish_reason == ("stop" if expected[-1] == EOS_ID else "length")
+        assert result.weight_version == (None if request.adapter is None else 0)
+        assert len(result.output_logprobs) == len(result.output_ids)
+    by_adapter = {
+        r.adapter: res.output_ids for r, res in zip(requests, results, strict=True) if r.input_ids == PROMPTS[0]
+    }
+    assert len({tuple(v) for v in by_adapter.values()}) == len(names), "adapters must change the greedy output"
+
+
+def test_logprobs_equal_trainer_forward_at_temperature_one(model, peft_adapters):
+    for name, (folder, _, _) in peft_adapters.items():
+        model.load_adapter(name, str(folder))
+    eng = EmbeddedEngine(model, tiny_tokenizer(), eos_token_ids=[])
+    try:
+        for name in peft_adapters:
+            eng.load_adapter(name, model.adapter_state_dict(name), model.peft_config(name))
+        requests = [
+            GenerateRequest(p, adapter=n, sampling=sample(seed=i))
+            for i, (p, n) in enumerate(zip(PROMPTS, ["a", None, "b", "c"], strict=True))
+        ]
+        results = eng.generate(requests)
+    finally:
+        eng.close()
+    with torch.no_grad():
+        for request, result in zip(requests, results, strict=True):
+            full = torch.tensor([request.input_ids + result.output_ids])  # (1, P + N)
+            logits = model(full, attention_mask=torch.ones_like(full), adapter_names=[request.adapter]).logits
+            start = len(request.input_ids) - 1
+            logprobs = torch.log_softmax(logits[0, start:-1].float(), dim=-1)  # (N, V) predicts each output token
+            expected = logprobs.gather(-1, torch.tensor(result.output_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    row = GenerateRequest(PROMPTS[0], adapter="a", sampling=sample(seed=7, max_new_tokens=16))
+    alone = engine.generate([row])[0]
+    again = engine.generate([row])[0]
+    assert alone.output_ids == again.output_ids
+    others = [
+        GenerateRequest(PROMPTS[1], adapter="b", sampling=sample(seed=1, max_new_tokens=30)),
+        GenerateRequest(PROMPTS[2], adapter=None, sampling=sample(seed=2, top_k=5, top_p=0.8)),
+        GenerateRequest(PROMPTS[0], adapter="a", sampling=sample(seed=8, max_new_tokens=16)),  # same prompt, shared
+        GenerateRequest(PROMPTS[3] * 3, adapter="c", sampling=greedy()),  # longest prompt: row gets left padding
+    ]
+    batched = engine.generate(others[:2] + [row] + others[2:])[2]
+    assert batched.output_ids == alone.output_ids
+    torch.testing.assert_close(torch.tensor(batched.output_logprobs), torch.tensor(alone.output_logprobs))
+    other_seed = engine.generate([GenerateRequest(PROMPTS[0], "a", sample(seed=8, max_new_tokens=16))])[0]
+    assert other_seed.output_ids != alone.output_ids
+
+
+def test_n_samples_of_one_prompt_share_one_prefill(engine, model):
+    prefill_rows = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _m, args, kwargs: (
+            prefill_rows.append(kwargs["input_ids"].shape[0])
+            if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] > 1
+            else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        group = [GenerateRequest(PROMPTS[0], "a", sample(seed=s)) for s in range(6)]
+        grouped = engine.generate(group + [GenerateRequest(PROMPTS[1], None, greedy())])
+    finally:
+        hook.remove()
+    assert prefill_rows == [2], "one prefill row per distinct (prompt, adapter)"
+    for request, result in zip(group, grouped[: len(group)], strict=True):
+        assert engine.generate([request])[0].output_ids == result.output_ids
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_top_token(engine):
+    reference = engine.generate([GenerateRequest(PROMPTS[2], "b", greedy())])[0].output_ids
+    for params in (sample(seed=3, top_k=1), sample(seed=4, top_p=1e-6)):
+        assert engine.generate([GenerateRequest(PROMPTS[2], "b", params)])[0].output_ids == reference
+
+
+def test_stop_strings_stop_token_ids_eos_and_length(model, engine, peft_adapters):
+    tok = tiny_tokenizer()
+    free = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20, stop_token_ids=[]))])[0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 20
+    ids = free.output_ids
+    # Stop token id: the output ends at (and includes) its first occurrence.
+    target = ids[5]
+    res = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20, stop_token_ids=[target]))])[0]
+    assert res.finish_reason == "stop" and res.output_ids == ids[: ids.index(target) + 1]
+    # Stop string spanning two tokens: the ids are kept up to the token that completes it.
+    stop = tok.decode(ids[6:8])
+    res = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20, stop=[stop]))])[0]
+    cut = next(k for k in range(1, 21) if stop in tok.decode(ids[:k]))
+    assert res.finish_reason == "stop" and res.output_ids == ids[:cut]
+    # EOS (engine-level set): the same rule as a stop token.
+    eos_engine = EmbeddedEngine(model, tok, eos_token_ids=[ids[3]])
+    try:
+        eos_engine.load_adapter("a", *peft_adapters["a"][1:])
+        res = eos_engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20))])[0]
+    finally:
+        eos_engine.close()
+    assert res.finish_reason == "stop" and res.output_ids == ids[: ids.index(ids[3]) + 1]
+    zero = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(0))])[0]
+    assert zero.finish_reason == "length" and zero.output_ids == []
+
+
+def slowed(model, delay_s: float = 0.01):
+    """Slow every model call down and signal once decoding has started, to catch a request mid-flight."""
+    decoding = threading.Event()
+
+    def hook(_module, _args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] == 1:
+            decoding.set()
+        time.sleep(delay_s)
+
+    return decoding, model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def run_in_thread(fn, *args):
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", fn(*args)))
+    thread.start()
+    return thread, box
+
+
+def test_pause_load_resume_uses_new_weights_and_versions(engine, peft_adapters):
+    requests = [GenerateRequest(PROMPTS[0], "a", greedy()), GenerateRequest(PROMPTS[1], "b", greedy())]
+    before = engine.generate(requests)
+    _, tensors, config = peft_adapters["a"]
+    changed = {k: v * 1.5 if "lora_B" in k else v for k, v in tensors.items()}
+    engine.pause()
+    assert engine.load_adapter("a", changed, config) == 1
+    engine.resume()
+    after = engine.generate(requests)
+    assert engine.adapter_versions() == {"a": 1, "b": 0, "c": 0}
+    assert after[0].weight_version == 1 and after[1].weight_version == 0
+    assert after[0].output_ids != before[0].output_ids
+    assert after[1].output_ids == before[1].output_ids, "other adapters must not change"
+    assert engine.load_adapter("a", tensors, config, version=7) == 7
+    restored = engine.generate(requests)
+    assert restored[0].output_ids == before[0].output_ids and restored[0].weight_version == 7
+
+
+def test_training_the_model_slot_does_not_change_the_engine_until_load(model, peft_adapters):
+    folder = peft_adapters["a"][0]
+    model.load_adapter("a", str(folder))
+    eng = EmbeddedEngine(model, tiny_tokenizer())
+    try:
+        eng.load_adapter("a", model.adapter_state_dict("a"), model.peft_config("a"))
+        request = [GenerateRequest(PROMPTS[0], "a", greedy(12))]
+        before = eng.generate(request)[0].output_ids
+        assert before == hf_greedy(PROMPTS[0], 12, folder)
+        with torch.no_grad():  # what an optimizer step does to the trainer's slots
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 0.5)
+        assert eng.generate(request)[0].output_ids == before
+        eng.load_adapter("a", model.adapter_state_dict("a"), model.peft_config("a"))
+        assert eng.generate(request)[0].output_ids != before
+    finally:
+        eng.close()
+
+
+def test_unknown_adapter_fails_only_that_request(engine):
+    results = engine.generate(
+        [GenerateRequest(PROMPTS[0], "a", greedy()), GenerateRequest(PROMPTS[0], "nope", greedy())]
+    )
+    assert results[0].finish_reason in ("stop", "length") and results[0].output_ids
+    assert results[1].finish_reason == "error" and "'nope'" in results[1].error and results[1].output_ids == []
+    engine.unload_adapter("b")
+    gone = engine.generate([GenerateRequest(PROMPTS[0], "b", greedy())])[0]
+    assert gone.finish_reason == "error" and "'b'" in gone.error
+    with pytest.raises(KeyError, match="'b'"):
+        engine.unload_adapter("b")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("temperature", -1.0, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_k", 0, "-1 (off)"),
+        ("max_new_tokens", -2, ">= 0"),
+    ],
+)
+def test_bad_sampling_values_fail_that_request_with_a_clear_error(engine, field, value, allowed):
+    params = greedy()
+    setattr(params, field, value)
+    bad, good = engine.generate([GenerateRequest(PROMPTS[0], "a", params), GenerateRequest(PROMPTS[1], "a", greedy())])
+    assert bad.finish_reason == "error" and f"sampling.{field}={value!r}" in bad.error and allowed in bad.error
+    assert good.finish_reason in ("stop", "length")
+    assert engine.generate([GenerateRequest([], None, greedy())])[0].error.startswith("input_ids=[]")
+    assert "[0, 128)" in engine.generate([GenerateRequest([500], None, greedy())])[0].error
+
+
+def test_pause_abort_returns_in_flight_requests_as_abort(engine, model):
+    decoding, hook = slowed(model)
+    try:
+        thread, box = run_in_thread(
+            engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(200, stop_token_ids=[]))]
+        )
+        assert decoding.wait(10)
+        engine.pause()  # default mode: abort
+        thread.join(10)
+        result = box["out"][0]
+        assert result.finish_reason == "abort" and result.output_ids == [] and result.weight_version == 0
+        # While paused nothing runs; a queued request runs after resume.
+        thread, box = run_in_thread(engine.generate, [GenerateRequest(PROMPTS[1], "b", greedy(3))])
+        time.sleep(0.2)
+        assert "out" not in box
+        engine.resume()
+        thread.join(10)
+        assert box["out"][0].finish_reason in ("stop", "length") and box["out"][0].output_ids
+    finally:
+        hook.remove()
+
+
+def test_pause_wait_lets_in_flight_requests_finish_on_the_old_weights(engine, model, peft_adapters):
+    expected = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(30, stop_token_ids=[]))])[0]
+    decoding, hook = slowed(model)
+    try:
+        thread, box = run_in_thread(engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(30, stop_token_ids=[]))])
+        assert decoding.wait(10)
+        engine.pause(mode="wait")
+        assert "out" in box, "pause(mode='wait') returns only after in-flight requests finished"
+        _, tensors, config = peft_adapters["a"]
+        engine.load_adapter("a", {k: v * 2 for k, v in tensors.items()}, config)
+        engine.resume()
+        thread.join(10)
+    finally:
+        hook.remove()
+    assert box["out"][0].output_ids == expected.output_ids and box["out"][0].weight_version == 0
+    with pytest.raises(ValueError, match="pause mode='later'"):
+        engine.pause(mode="later")
+
+
+def test_reloading_an_adapter_mid_request_aborts_it_instead_of_mixing_versions(engine, model, peft_adapters):
+    decoding, hook = slowed(model)
+    try:
+        requests = [
+            GenerateRequest(PROMPTS[0], "a", greedy(100, stop_token_ids=[])),
+            GenerateRequest(PROMPTS[1], "b", greedy(20)),
+        ]
+        thread, box = run_in_thread(engine.generate, requests)
+        assert decoding.wait(10)
+        engine.load_adapter("a", *peft_adapters["a"][1:])  # no pause: the engine must still never mix versions
+        thread.join(10)
+    finally:
+        hook.remove()
+    stale, other = box["out"]
+    assert stale.finish_reason == "abort" and stale.output_ids == [] and "version 0 to 1" in stale.error
+    assert other.finish_reason in ("stop", "length") and other.weight_version == 0
+
+
+def test_concurrent_agenerate_calls_share_one_batch(engine, model):
+    groups = [
+        [GenerateRequest(PROMPTS[i], name, sample(seed=10 * i + k)) for k in range(3)]
+        for i, name in enumerate(["a", "b", None, "c"])
+    ]
+    prefill_rows = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _m, args, kwargs: (
+            prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+
+    async def rollout():
+        return await asyncio.gather(*(engine.agenerate(g) for g in groups))
+
+    try:
+        results = asyncio.run(rollout())
+    finally:
+        hook.remove()
+    assert prefill_rows == [4], "all groups of all adapters prefilled together, one row per distinct prompt"
+    for group, group_results in zip(groups, results, strict=True):
+        assert [r.output_ids for r in group_results] == [r.output_ids for r in engine.generate(group)]
+
+
+def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
+    _, tensors, config = peft_adapters["b"]
+    key = next(iter(tensors))
+    bogus = "base_model.model.model.layers.0.self_attn.nope.lora_A.weight"
+    cases = [
+        (tensors, {**config, "use_rslora": True}, "use_rslora=True is not supported"),
+        (tensors, {**config, "r": 32}, "r=32 is not allowed; allowed: an integer from 1 to max_rank=16"),
+        (tensors, {**config, "peft_type": "IA3"}, "peft_type='IA3'"),
+        (tensors, {**config, "r": 4}, r"has shape \(8, 32\); expected \(4, 32\)"),
+        ({**tensors, "model.layers.0.q_proj.weight": tensors[key]}, config, "unexpected key"),
+        ({k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj.lora_B" not in k}, config, "no lora_B"),
+        ({**tensors, bogus: tensors[key]}, config, "'model.layers.0.self_attn.nope' is not a LoRA target"),
+    ]
+    for bad_tensors, bad_config, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            engine.load_adapter("x", bad_tensors, bad_config)
+        assert "adapter 'x'" in str(info.value)
+    with pytest.raises(ValueError, match="version='2'"):
+        engine.load_adapter("x", tensors, config, version="2")
+    assert "x" not in engine.adapter_versions()
+    # A failed reload leaves the old weights and version in place.
+    before = engine.generate([GenerateRequest(PROMPTS[0], "b", greedy())])[0]
+    with pytest.raises(ValueError):
+        engine.load_adapter("b", tensors, {**config, "r": 4})
+    after = engine.generate([GenerateRequest(PROMPTS[0], "b", greedy())])[0]
+    assert after.output_ids == before.output_ids and after.weight_version == 0
+    engine.load_adapter("d", *peft_adapters["a"][1:])  # the fourth and last slot
+    with pytest.raises(RuntimeError, match="all 4 engine slots are in use"):
+        engine.load_adapter("e", *peft_adapters["a"][1:])
+
+
+def test_close_stops_the_worker_and_fails_new_requests(engine):
+    assert engine.health()
+    engine.close()
+    assert not engine.health()
+    result = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy())])[0]
+    assert result.finish_reason == "error" and "closed" in result.error
