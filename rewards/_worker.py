@@ -1,0 +1,102 @@
+"""Reward worker process, started by `RewardExecutor` as `python -c "from rewards._worker import main; ..."`.
+
+Protocol on the socket (multiprocessing `Connection`, pickle between our own processes only):
+the worker first sends ("ready", pid); then for each (task_id, sys_path, spec, items) it answers
+(task_id, outcomes), one ("ok", reward) | ("error", message) | ("timeout", message) per item; None ends it.
+
+The worker is a fresh interpreter (fork + exec) rather than a multiprocessing child: it is safe next to torch's
+threads like "spawn", and unlike spawn/forkserver it never re-imports the parent's `__main__` (an unguarded
+script would re-run, and a training script would import torch into every worker). A watchdog thread exits the
+worker when its parent is gone, even if a reward hangs the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+Item = tuple[str, str, Any, dict[str, Any]]  # (prompt, response, label, metadata)
+Outcome = tuple[str, Any]
+
+
+def format_exc(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _run_async_chunk(fn: Any, spec: Any, items: list[Item]) -> list[Outcome]:
+    from rewards.registry import acall_reward, spec_label
+
+    async def one(item: Item) -> Outcome:
+        try:
+            return ("ok", await asyncio.wait_for(acall_reward(fn, spec, item), spec.timeout_s))
+        except asyncio.TimeoutError:
+            return ("timeout", f"reward {spec_label(spec)!r} ran past timeout_s={spec.timeout_s}")
+        except Exception as exc:
+            return ("error", format_exc(exc))
+
+    return list(await asyncio.gather(*(one(item) for item in items)))
+
+
+def run_task(spec: Any, items: list[Item], resolved: dict[Any, Any]) -> list[Outcome]:
+    """Score one task; every failure becomes an outcome, nothing escapes.
+
+    A per-sample sync reward is called once per item with its own try, so one bad item costs one sample;
+    `async def` rewards run concurrently in one event loop, each under `asyncio.wait_for(timeout_s)`; a batched
+    reward is one call, so its failure fails all its items.
+    """
+    from rewards.registry import call_reward, is_async, is_batched, resolve
+
+    try:
+        if spec not in resolved:
+            resolved[spec] = resolve(spec)
+        fn = resolved[spec]
+        if is_batched(fn):
+            return [("ok", value) for value in call_reward(fn, spec, items)]
+        if is_async(fn):
+            return asyncio.run(_run_async_chunk(fn, spec, items))
+    except Exception as exc:
+        return [("error", format_exc(exc))] * len(items)
+    outcomes: list[Outcome] = []
+    for item in items:
+        try:
+            outcomes.append(("ok", call_reward(fn, spec, [item])[0]))
+        except Exception as exc:
+            outcomes.append(("error", format_exc(exc)))
+    return outcomes
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(0)  # the executor died without closing us; a hung reward must not keep us alive
+
+
+def main(fd: int, parent_pid: int) -> None:
+    conn = Connection(socket.socket(fileno=fd).detach())
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    import rewards  # noqa: F401 - registers the built-ins before the first task
+
+    try:
+        import math_verify  # noqa: F401 - warm the sympy import here instead of inside the first timed task
+    except ImportError:
+        pass
+    conn.send(("ready", os.getpid()))
+    resolved: dict[Any, Any] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        task_id, sys_path, spec, items = msg
+        if sys.path != sys_path:  # import custom rewards exactly as the parent would
+            sys.path[:] = sys_path
+        conn.send((task_id, run_task(spec, items, resolved)))

@@ -1,0 +1,343 @@
+"""Score a step's samples in persistent worker processes, with per-call timeouts and per-tenant failure counts.
+
+Design choices:
+- Processes, not threads: a reward that hangs in C code or in a `while True` cannot be interrupted in a thread,
+  but a process can be killed. Workers are fresh interpreters started with fork + exec (`python -c
+  'from rewards._worker import main; ...'`), which is what multiprocessing's "spawn" does, minus its re-import of the parent's
+  `__main__` (that re-runs unguarded scripts and imports a training script's torch into every worker). Safe in a
+  process with torch loaded and threads running. Workers persist between calls and preload `rewards` and
+  math_verify; each runs in its own session, so a kill takes the rewards' own child processes with it.
+- Task granularity: a sync reward runs one sample per task, so one bad sample costs one sample. An `async def`
+  reward gets chunks of up to `async_concurrency` samples run concurrently in the worker's event loop, each under
+  its own `asyncio.wait_for`. A `@batched` reward gets one task per adapter per call.
+- Timeout: each task has `spec.timeout_s` from the moment a worker takes it; past it the worker is killed and
+  replaced, and the task's samples score `spec.failure_value`.
+- Fairness: the next free worker takes a task from the adapter with the fewest tasks in flight, so a tenant whose
+  reward hangs holds at most one worker while others have work. After one of its tasks times out, that tenant's
+  tasks still queued in the same call are not started (they count as timeouts): a reward that hangs on every
+  sample costs one timeout of wall time per call, not one per sample.
+- The parent resolves each spec (cached) only to learn its shape (sync, async, batched); a spec that does not
+  resolve fails its own samples with the config error, never the call.
+- Data goes to our own workers over a socket pair (pickle between our own processes only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from rewards._worker import Item, Outcome, format_exc
+from rewards.registry import RewardConfigError, RewardFn, is_async, is_batched, resolve, spec_label
+from rollout.types import RewardSpec, Sample
+
+# A worker answering an async chunk reports its own per-sample timeouts; give it this long to send them.
+_ASYNC_GRACE_S = 0.25
+# A fresh worker imports rewards and math_verify (sympy) before it takes work; past this it is broken.
+_STARTUP_TIMEOUT_S = 120.0
+_WORKER_CMD = "from rewards._worker import main; main({fd}, {ppid})"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass
+class RewardReport:
+    """What one `score_samples` call did, per adapter name ("" for samples without an adapter).
+
+    `errors` / `timeouts`: samples whose reward raised / ran past `timeout_s` (they scored `failure_value`);
+    `failing`: adapters whose rewards failed on every sample for `fail_steps` consecutive calls, with the reason;
+    `samples`: samples scored per adapter; `last_error`: the last failure message per adapter; `seconds`: wall time.
+    """
+
+    errors: dict[str, int] = field(default_factory=dict)
+    timeouts: dict[str, int] = field(default_factory=dict)
+    failing: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    samples: dict[str, int] = field(default_factory=dict)
+    last_error: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Task:
+    task_id: int
+    adapter: str
+    spec: RewardSpec
+    sample_ids: list[int]
+    deadline: float = math.inf
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    conn: Connection
+    started_at: float
+    ready: bool = False
+    task: _Task | None = None
+
+
+def _kill(worker: _Worker) -> None:
+    """SIGKILL the worker's whole session (a hung reward cannot ignore it), reap it, close its socket."""
+    try:
+        os.killpg(worker.process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        worker.process.kill()
+    worker.process.wait()
+    worker.conn.close()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    """Ask every worker to exit, kill those that do not within 2 s, and reap them all (no zombies)."""
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for worker in workers:
+        try:
+            worker.process.wait(max(0.0, deadline - time.monotonic()))
+            worker.conn.close()
+        except subprocess.TimeoutExpired:
+            _kill(worker)
+    workers.clear()
+
+
+class RewardExecutor:
+    """Scores samples with each one's `RewardSpec` in `num_workers` persistent, killable worker processes.
+
+    `fail_steps`: after this many consecutive `score_samples` calls in which every sample of an adapter failed,
+    the adapter is listed in `RewardReport.failing`. `async_concurrency`: samples of an `async def` reward run
+    concurrently in one worker. One call at a time (a lock enforces it). Use as a context manager or `close()`.
+    """
+
+    def __init__(self, num_workers: int = 2, fail_steps: int = 3, *, async_concurrency: int = 32) -> None:
+        for name, value in (
+            ("num_workers", num_workers),
+            ("fail_steps", fail_steps),
+            ("async_concurrency", async_concurrency),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RewardExecutor.{name}: {value!r} is not allowed; allowed: an integer >= 1")
+        self.num_workers = num_workers
+        self.fail_steps = fail_steps
+        self.async_concurrency = async_concurrency
+        self._lock = threading.Lock()
+        self._task_ids = itertools.count()
+        self._resolved: dict[RewardSpec, RewardFn | RewardConfigError] = {}
+        self._streak: dict[str, int] = defaultdict(int)
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._workers.extend(self._spawn() for _ in range(num_workers))
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CMD.format(fd=child_sock.fileno(), ppid=os.getpid())],
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # own process group: killed as a whole, and Ctrl-C stays with the parent
+            )
+        finally:
+            child_sock.close()  # only the worker holds its end now, so a dead worker reads as EOF here
+        return _Worker(process, Connection(parent_sock.detach()), started_at=time.monotonic())
+
+    def _replace(self, worker: _Worker) -> None:
+        _kill(worker)
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def close(self) -> None:
+        """Stop and reap every worker. Idempotent; later `score_samples` calls raise."""
+        self._finalizer()
+
+    def __enter__(self) -> RewardExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (they change when a hung worker is replaced)."""
+        return [w.process.pid for w in self._workers]
+
+    # -- scoring -----------------------------------------------------------------------------------------------
+
+    def score_samples(self, samples: list[Sample]) -> RewardReport:
+        """Set `sample.reward` on every sample (its reward, or `failure_value` on error / timeout); report counts."""
+        for i, sample in enumerate(samples):
+            if not isinstance(sample.reward_spec, RewardSpec):
+                raise ValueError(
+                    f"samples[{i}].reward_spec: {sample.reward_spec!r} is not allowed; allowed: a RewardSpec "
+                    "(the data source stamps it on every sample)"
+                )
+        with self._lock:
+            if not self._finalizer.alive:
+                raise RuntimeError("RewardExecutor is closed")
+            start = time.monotonic()
+            report = RewardReport()
+            outcomes: list[Outcome | None] = [None] * len(samples)
+            self._run(self._make_tasks(samples, report, outcomes), samples, outcomes)
+            self._apply(samples, outcomes, report)
+            report.seconds = time.monotonic() - start
+            return report
+
+    def _resolve(self, spec: RewardSpec) -> RewardFn | RewardConfigError:
+        if spec not in self._resolved:
+            try:
+                self._resolved[spec] = resolve(spec)
+            except RewardConfigError as exc:
+                self._resolved[spec] = exc
+        return self._resolved[spec]
+
+    def _make_tasks(self, samples: list[Sample], report: RewardReport, outcomes: list[Outcome | None]) -> list[_Task]:
+        groups: dict[tuple[str, RewardSpec], list[int]] = {}
+        for i, sample in enumerate(samples):
+            adapter = sample.adapter.name if sample.adapter is not None else ""
+            report.samples[adapter] = report.samples.get(adapter, 0) + 1
+            groups.setdefault((adapter, sample.reward_spec), []).append(i)
+        tasks = []
+        for (adapter, spec), ids in groups.items():
+            fn = self._resolve(spec)
+            if isinstance(fn, RewardConfigError):
+                for i in ids:
+                    outcomes[i] = ("error", format_exc(fn))
+                continue
+            if is_batched(fn):
+                chunks = [ids]
+            elif is_async(fn):
+                chunks = [ids[k : k + self.async_concurrency] for k in range(0, len(ids), self.async_concurrency)]
+            else:
+                chunks = [[i] for i in ids]
+            tasks.extend(_Task(next(self._task_ids), adapter, spec, chunk) for chunk in chunks)
+        return tasks
+
+    def _run(self, tasks: list[_Task], samples: list[Sample], outcomes: list[Outcome | None]) -> None:
+        """Feed tasks to free workers until all are done, killing workers whose task passes its deadline."""
+        queues: dict[str, deque[_Task]] = defaultdict(deque)
+        for task in tasks:
+            queues[task.adapter].append(task)
+        in_flight: dict[str, int] = defaultdict(int)
+        last_pick: dict[str, int] = {}
+        picks = itertools.count()
+
+        def finish(task: _Task, results: list[Outcome], started: bool = True) -> None:
+            in_flight[task.adapter] -= started
+            for i, outcome in zip(task.sample_ids, results, strict=True):
+                outcomes[i] = outcome
+
+        while any(queues.values()) or any(w.task is not None for w in self._workers):
+            for worker in self._workers:
+                if not worker.ready or worker.task is not None or not any(queues.values()):
+                    continue
+                # the adapter with the fewest tasks in flight goes next; ties go to the one served longest ago
+                adapter = min((a for a, q in queues.items() if q), key=lambda a: (in_flight[a], last_pick.get(a, -1)))
+                task = queues[adapter].popleft()
+                last_pick[adapter] = next(picks)
+                in_flight[adapter] += 1
+                self._dispatch(worker, task, samples, finish)
+            self._wait_and_collect(finish)
+            now = time.monotonic()
+            for worker in list(self._workers):
+                task = worker.task
+                if task is None or task.deadline > now:
+                    continue
+                worker.task = None
+                self._replace(worker)
+                message = f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
+                finish(task, [("timeout", message)] * len(task.sample_ids))
+                skipped = "not started: an earlier call of this reward timed out in this step"
+                while queues[task.adapter]:
+                    rest = queues[task.adapter].popleft()
+                    finish(rest, [("timeout", skipped)] * len(rest.sample_ids), started=False)
+
+    def _wait_and_collect(self, finish: Callable[[_Task, list[Outcome]], None]) -> None:
+        """Block until a worker answers, a worker becomes ready, or the nearest task deadline passes."""
+        busy = [w for w in self._workers if w.task is not None]
+        starting = [w for w in self._workers if not w.ready]
+        deadlines = [w.task.deadline for w in busy] + [w.started_at + _STARTUP_TIMEOUT_S for w in starting]
+        if not deadlines:
+            return
+        ready = wait([w.conn for w in busy + starting], timeout=max(0.0, min(deadlines) - time.monotonic()))
+        for worker in starting:
+            if worker.conn in ready:
+                try:
+                    worker.conn.recv()  # ("ready", pid)
+                    worker.ready = True
+                except (EOFError, OSError):
+                    code = worker.process.wait()
+                    raise RuntimeError(
+                        f"reward worker exited during startup (exit code {code}); see its stderr"
+                    ) from None
+            elif time.monotonic() > worker.started_at + _STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        for worker in busy:
+            if worker.conn in ready:
+                self._receive(worker, finish)
+
+    def _dispatch(self, worker: _Worker, task: _Task, samples: list[Sample], finish) -> None:
+        items: list[Item] = [
+            (s.prompt, s.response, s.label, dict(s.metadata)) for s in (samples[i] for i in task.sample_ids)
+        ]
+        try:
+            worker.conn.send((task.task_id, list(sys.path), task.spec, items))
+        except (OSError, EOFError) as exc:  # the worker died while idle (e.g. OOM killer): replace it
+            self._replace(worker)
+            finish(task, [("error", f"reward worker was gone: {format_exc(exc)}")] * len(items))
+            return
+        except Exception as exc:  # unpicklable label or metadata: these samples fail, nothing was sent
+            finish(task, [("error", f"could not send samples to a reward worker: {format_exc(exc)}")] * len(items))
+            return
+        grace = _ASYNC_GRACE_S if is_async(self._resolved[task.spec]) else 0.0
+        task.deadline = time.monotonic() + task.spec.timeout_s + grace
+        worker.task = task
+
+    def _receive(self, worker: _Worker, finish) -> None:
+        task = worker.task
+        worker.task = None
+        try:
+            task_id, results = worker.conn.recv()
+        except (EOFError, OSError):  # the worker died mid-task (os._exit, segfault, OOM)
+            code = worker.process.poll()
+            self._replace(worker)
+            finish(task, [("error", f"reward worker died (exit code {code})")] * len(task.sample_ids))
+            return
+        if task_id != task.task_id:
+            raise RuntimeError(f"reward worker answered task {task_id}, expected {task.task_id}")
+        finish(task, results)
+
+    def _apply(self, samples: list[Sample], outcomes: list[Outcome | None], report: RewardReport) -> None:
+        for sample, outcome in zip(samples, outcomes, strict=True):
+            adapter = sample.adapter.name if sample.adapter is not None else ""
+            status, value = outcome if outcome is not None else ("error", "no result")
+            if status == "ok":
+                sample.reward = float(value)
+                continue
+            sample.reward = float(sample.reward_spec.failure_value)
+            counter = report.timeouts if status == "timeout" else report.errors
+            counter[adapter] = counter.get(adapter, 0) + 1
+            report.last_error[adapter] = value
+        for adapter, n in report.samples.items():
+            failed = report.errors.get(adapter, 0) + report.timeouts.get(adapter, 0)
+            self._streak[adapter] = self._streak[adapter] + 1 if failed == n else 0
+            if self._streak[adapter] >= self.fail_steps:
+                report.failing[adapter] = (
+                    f"every reward failed for {self._streak[adapter]} consecutive steps "
+                    f"({failed}/{n} this step); last: {report.last_error[adapter]}"
+                )
