@@ -520,7 +520,9 @@ class MultiLoRATrainer:
         """Log-prob of each loss token and the entropy of its predictive distribution; both (N,) float32."""
         logits = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names).logits  # (B, T, V)
         # logits at position t predict token t + 1; gathering first keeps the softmax at (N, V), not (B, T, V)
-        picked = logits[tok.row, tok.pos - 1].float() / self.cfg.temperature  # (N, V)
+        picked = logits[tok.row, tok.pos - 1]  # (N, V)
+        # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
+        picked = (picked.float() if picked.element_size() < 4 else picked) / self.cfg.temperature  # (N, V)
         logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
         logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
