@@ -1,0 +1,399 @@
+"""SGLangEngine <-> our SGLang-compatible server around a fake RolloutEngine, end to end over real HTTP.
+
+The fake engine makes every token a function of the prompt, the step and the adapter version in effect at that
+step, so a response that mixed two versions of an adapter is detectable from its tokens alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import json
+import pickle
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save_file
+
+from rollout.engines.base import RolloutEngine
+from rollout.engines.http_server import BackgroundServer, serve
+from rollout.engines.sglang import SGLangEngine, SGLangError, encode_tensors_safetensors, encode_tensors_sglang
+from rollout.types import GenerateRequest, GenerateResult, SamplingParams
+
+VOCAB = 1000
+CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+def expected_token(input_ids: list[int], step: int, version: int | None) -> int:
+    return (sum(input_ids) + 7 * step + 100 * (version or 0)) % VOCAB
+
+
+class FakeEngine(RolloutEngine):
+    """Deterministic stand-in for the embedded engine.
+
+    `pause()` holds every generation step until `resume()` (SGLang's in_place semantics), so the server's own
+    abort handling is what turns in-flight requests into aborts.
+    """
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.versions: dict[str, int] = {}
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.calls: list[str] = []
+        # Steps taken per prompt (keyed by its first token), so tests can wait for a request to be mid-flight.
+        self.progress: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return [self._one(r) for r in requests]
+
+    def _one(self, req: GenerateRequest) -> GenerateResult:
+        if req.adapter is not None and req.adapter not in self.versions:
+            return GenerateResult(finish_reason="error", error=f"adapter {req.adapter!r} is not loaded")
+        out, logprobs, version = [], [], None
+        for step in range(req.sampling.max_new_tokens):
+            self._running.wait()
+            with self._lock:
+                version = self.versions.get(req.adapter) if req.adapter is not None else None
+            token = expected_token(req.input_ids, step, version)
+            with self._lock:
+                self.progress[req.input_ids[0]] = step + 1
+            out.append(token)
+            logprobs.append(-(step + 1) / 100)
+            if token in req.sampling.stop_token_ids:
+                return GenerateResult(out, logprobs, "stop", version)
+            if self.step_s:
+                time.sleep(self.step_s)
+        return GenerateResult(out, logprobs, "length", version)
+
+    def load_adapter(self, name, tensors, config, version=None) -> int:
+        with self._lock:
+            self.calls.append(f"load {name}")
+            new = version if version is not None else self.versions.get(name, 0) + 1
+            self.versions[name] = new
+            self.tensors[name] = {k: v.clone() for k, v in tensors.items()}
+        return new
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            self.calls.append(f"unload {name}")
+            if name not in self.versions:
+                raise ValueError(f"adapter {name!r} is not loaded")
+            del self.versions[name]
+            del self.tensors[name]
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        self._running.clear()
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        self._running.set()
+
+    def health(self) -> bool:
+        return True
+
+    def adapter_versions(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.versions)
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    return {
+        f"{prefix}.lora_A.weight": torch.randn(4, 16, generator=g),
+        f"{prefix}.lora_B.weight": torch.randn(16, 4, generator=g),
+    }
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the fake engine"
+        time.sleep(0.005)
+
+
+def consistent(req: GenerateRequest, res: GenerateResult) -> bool:
+    """Every token was produced by the version the result reports (no mix of versions)."""
+    return res.output_ids == [expected_token(req.input_ids, s, res.weight_version) for s in range(len(res.output_ids))]
+
+
+@pytest.fixture
+def served():
+    engine = FakeEngine()
+    with BackgroundServer(engine) as server:
+        yield engine, server
+
+
+# ---------------------------------------------------------------------------------------------- basics
+
+
+def test_generate_with_adapters_and_base_rows(served):
+    engine, server = served
+    client = SGLangEngine(server.url, tensor_format="safetensors")
+    assert client.health()
+    assert client.load_adapter("a", tensors(0), CONFIG) == 1
+    assert client.load_adapter("b", tensors(1), CONFIG, version=5) == 5
+    sp = SamplingParams(max_new_tokens=4)
+    reqs = [GenerateRequest([1, 2], "a", sp), GenerateRequest([3], None, sp), GenerateRequest([1, 2], "b", sp)]
+    results = client.generate(reqs)
+    assert [r.finish_reason for r in results] == ["length"] * 3
+    assert [r.weight_version for r in results] == [1, None, 5]
+    assert all(consistent(q, r) for q, r in zip(reqs, results, strict=True))
+    assert results[0].output_ids != results[2].output_ids  # rows really ran on their own adapters
+    assert results[0].output_logprobs == pytest.approx([-0.01, -0.02, -0.03, -0.04])
+    assert engine.versions == {"a": 1, "b": 5} == client.adapter_versions()
+
+
+def test_stop_token_and_server_reported_version(served):
+    engine, server = served
+    client = SGLangEngine(server.url, tensor_format="safetensors")
+    client.load_adapter("a", tensors(0), CONFIG, version=3)
+    stop = expected_token([5], 1, 3)
+    [res] = client.generate([GenerateRequest([5], "a", SamplingParams(max_new_tokens=10, stop_token_ids=[stop]))])
+    assert res.finish_reason == "stop" and res.output_ids[-1] == stop and len(res.output_ids) == 2
+    body = {"input_ids": [5], "lora_path": "a", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    raw = requests.post(server.url + "/generate", json=body, timeout=30).json()
+    assert raw["meta_info"]["weight_version"] == "3"  # our server reports the adapter's version
+    assert raw["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert [row[1] for row in raw["meta_info"]["output_token_logprobs"]] == raw["output_ids"]
+
+
+def test_batched_generate_body_is_accepted(served):
+    _, server = served
+    body = {
+        "input_ids": [[1], [2, 3]],
+        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}],
+        "rid": "x",
+        "some_future_sglang_field": True,  # unknown fields are ignored, as SGLang does
+    }
+    out = requests.post(server.url + "/generate", json=body, timeout=30).json()
+    assert [len(o["output_ids"]) for o in out] == [1, 2]
+    assert [o["meta_info"]["id"] for o in out] == ["x_0", "x_1"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus is not an SGLang sampling parameter"),
+        ({"input_ids": [1], "sampling_params": {"min_p": 0.5}}, "min_p=0.5 is not supported"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p=0.0 is invalid"),
+        ({"text": "hi"}, "send input_ids"),
+        ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "lora_path has 1 entries for a batch of 2"),
+    ],
+)
+def test_bad_generate_bodies_get_a_400_naming_the_field(served, body, needle):
+    _, server = served
+    resp = requests.post(server.url + "/generate", json=body, timeout=30)
+    assert resp.status_code == 400 and needle in resp.json()["message"]
+
+
+def test_load_from_tensors_unload_and_unknown_adapter(served):
+    engine, server = served
+    client = SGLangEngine(server.url, tensor_format="safetensors")
+    sent = tensors(3)
+    client.load_adapter("a", sent, CONFIG)
+    assert engine.tensors["a"].keys() == sent.keys()
+    assert all(torch.equal(engine.tensors["a"][k], sent[k]) for k in sent)
+    client.unload_adapter("a")
+    assert engine.versions == {} and client.adapter_versions() == {}
+    [res] = client.generate([GenerateRequest([1], "a", SamplingParams(max_new_tokens=2))])
+    assert res.finish_reason == "error" and "not loaded" in res.error
+    with pytest.raises(SGLangError, match="not loaded"):
+        client.unload_adapter("a")
+
+
+def test_reload_unloads_first(served):
+    engine, server = served
+    client = SGLangEngine(server.url, tensor_format="safetensors")
+    client.load_adapter("a", tensors(0), CONFIG)
+    client.load_adapter("a", tensors(1), CONFIG)
+    assert engine.calls == ["load a", "unload a", "load a"]
+    assert engine.versions["a"] == 2
+    assert all(torch.equal(engine.tensors["a"][k], v) for k, v in tensors(1).items())
+
+
+def test_load_from_peft_folder(served, tmp_path):
+    engine, server = served
+    save_file(tensors(4), str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
+    client = SGLangEngine(server.url)
+    assert client.load_adapter_from_path("p", str(tmp_path)) == 1
+    assert all(torch.equal(engine.tensors["p"][k], v) for k, v in tensors(4).items())
+    with pytest.raises(SGLangError, match="not a PEFT folder"):
+        client.load_adapter_from_path("q", str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------- safety
+
+
+def test_pickled_payload_is_rejected_and_never_unpickled(served, tmp_path):
+    engine, server = served
+    # SGLang's own encoding (load_format unset) is refused outright.
+    with pytest.raises(SGLangError, match="pickle"):
+        SGLangEngine(server.url, tensor_format="sglang").load_adapter("a", tensors(0), CONFIG)
+
+    # A malicious pickle labelled as safetensors is not unpickled either: it just fails to parse.
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = base64.b64encode(pickle.dumps(Exploit())).decode()
+    for load_format in (None, "flattened_bucket", "safetensors"):
+        body = {
+            "lora_name": "a",
+            "config_dict": CONFIG,
+            "serialized_named_tensors": [evil],
+            "load_format": load_format,
+        }
+        resp = requests.post(server.url + "/load_lora_adapter_from_tensors", json=body, timeout=30)
+        assert resp.status_code == 400, load_format
+    assert not marker.exists()
+    assert engine.calls == []
+    assert encode_tensors_sglang(tensors(0))  # the client-side encoder itself works (for a real SGLang server)
+
+
+def test_use_rslora_is_rejected_by_client_and_server(served):
+    engine, server = served
+    bad = {**CONFIG, "use_rslora": True}
+    with pytest.raises(ValueError, match="use_rslora"):
+        SGLangEngine(server.url, tensor_format="safetensors").load_adapter("a", tensors(0), bad)
+    body = {
+        "lora_name": "a",
+        "config_dict": bad,
+        "serialized_named_tensors": [encode_tensors_safetensors(tensors(0))],
+        "load_format": "safetensors",
+    }
+    resp = requests.post(server.url + "/load_lora_adapter_from_tensors", json=body, timeout=30)
+    assert resp.status_code == 400 and "use_rslora" in resp.json()["error_message"]
+    assert engine.calls == []
+
+
+def test_auth_required_everywhere_but_health():
+    engine = FakeEngine()
+    with BackgroundServer(engine, api_key="s3cret") as server:
+        blob = encode_tensors_safetensors(tensors(0))
+        load = {
+            "lora_name": "a",
+            "config_dict": CONFIG,
+            "serialized_named_tensors": [blob],
+            "load_format": "safetensors",
+        }
+        calls = [
+            ("post", "/load_lora_adapter_from_tensors", load),
+            ("post", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}),
+            ("post", "/unload_lora_adapter", {"lora_name": "a"}),
+            ("post", "/pause_generation", {"mode": "abort"}),
+            ("post", "/continue_generation", {}),
+            ("post", "/flush_cache", None),
+            ("post", "/generate", {"input_ids": [1]}),  # SGLang protects /generate too when --api-key is set
+            ("get", "/get_model_info", None),
+        ]
+        for method, path, body in calls:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                resp = requests.request(method, server.url + path, json=body, headers=headers, timeout=30)
+                assert resp.status_code == 401, path
+                assert resp.json() == {"error": "Unauthorized"}
+        assert engine.calls == []
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+        assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
+
+        with pytest.raises(SGLangError, match="api_key"):
+            SGLangEngine(server.url, tensor_format="safetensors").load_adapter("a", tensors(0), CONFIG)
+        client = SGLangEngine(server.url, api_key="s3cret", tensor_format="safetensors")
+        client.load_adapter("a", tensors(0), CONFIG)
+        [res] = client.generate([GenerateRequest([1], "a", SamplingParams(max_new_tokens=2))])
+        assert res.finish_reason == "length" and res.weight_version == 1
+        info = requests.get(server.url + "/get_model_info", headers={"x-api-key": "s3cret"}, timeout=30).json()
+        assert info["adapter_versions"] == {"a": 1} and info["is_generation"] is True
+
+
+def test_binds_loopback_by_default(served):
+    _, server = served
+    assert server.host == "127.0.0.1"
+    assert server._runner.addresses[0][0] == "127.0.0.1"
+    assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(BackgroundServer).parameters["host"].default == "127.0.0.1"
+
+
+def test_pause_modes_other_than_abort_are_refused(served):
+    _, server = served
+    resp = requests.post(server.url + "/pause_generation", json={"mode": "retract"}, timeout=30)
+    assert resp.status_code == 400 and "deadlocks" in resp.json()["message"]
+    resp = requests.post(server.url + "/pause_generation", json={"mode": "nap"}, timeout=30)
+    assert resp.status_code == 400 and "'abort', 'retract', 'in_place'" in resp.json()["message"]
+
+
+# ---------------------------------------------------------------------------------------------- sync
+
+
+def test_requests_in_flight_during_a_sync_complete_on_one_version_or_abort():
+    engine = FakeEngine(step_s=0.01)
+    with BackgroundServer(engine) as server:
+        client = SGLangEngine(server.url, tensor_format="safetensors")
+        client.load_adapter("a", tensors(0), CONFIG)
+        sp_long, sp_short = SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=1)
+        reqs = [GenerateRequest([i], "a", sp_long) for i in range(4)] + [GenerateRequest([9], "a", sp_short)]
+        reqs += [GenerateRequest([50], None, sp_long)]
+        box: dict[str, list[GenerateResult]] = {}
+        worker = threading.Thread(target=lambda: box.__setitem__("first", client.generate(reqs)))
+        worker.start()
+        # Pause only once every 40-token request is mid-flight.
+        wait_until(lambda: all(engine.progress.get(i, 0) >= 2 for i in (0, 1, 2, 3, 50)))
+
+        client.pause()
+        during: dict[str, list[GenerateResult]] = {}
+        late = [GenerateRequest([7], "a", SamplingParams(max_new_tokens=3))]
+        late_worker = threading.Thread(target=lambda: during.__setitem__("late", client.generate(late)))
+        late_worker.start()  # sent while paused: held until resume, then runs on the new version
+        assert client.load_adapter("a", tensors(1), CONFIG) == 2
+        time.sleep(0.05)
+        client.resume()
+        worker.join(30)
+        late_worker.join(30)
+
+        first = box["first"]
+        aborted = [q for q, r in zip(reqs, first, strict=True) if r.finish_reason == "abort"]
+        # Every 40-token request was mid-flight when the pause came (the engine holds steps while paused).
+        assert [first[i].finish_reason for i in (0, 1, 2, 3, 5)] == ["abort"] * 5
+        for q, r in zip(reqs, first, strict=True):
+            assert r.finish_reason in ("length", "abort")
+            if r.finish_reason == "length":
+                assert consistent(q, r), "a completed response mixed adapter versions"
+                assert r.weight_version == (1 if q.adapter else None)  # finished before the pause
+        assert engine.calls[:4] == ["load a", "pause", "unload a", "load a"] and "resume" in engine.calls
+
+        [late_res] = during["late"]
+        assert late_res.finish_reason == "length" and late_res.weight_version == 2 and consistent(late[0], late_res)
+
+        # What GenerateState does with aborts: resubmit; they now run wholly on version 2.
+        again = client.generate(aborted)
+        for q, r in zip(aborted, again, strict=True):
+            assert r.finish_reason == "length" and consistent(q, r)
+            assert r.weight_version == (2 if q.adapter else None)
+
+
+def test_result_is_aborted_when_its_adapter_changed_while_in_flight():
+    """Client-side guard: a completion that straddles a version change (even without a server abort) is not
+    trusted, since SGLang's weight_version cannot say which adapter version produced it."""
+    engine = FakeEngine(step_s=0.01)
+    with BackgroundServer(engine) as server:
+        client = SGLangEngine(server.url, tensor_format="safetensors")
+        client.load_adapter("a", tensors(0), CONFIG)
+        box: dict[str, list[GenerateResult]] = {}
+        req = GenerateRequest([1], "a", SamplingParams(max_new_tokens=30))
+        worker = threading.Thread(target=lambda: box.__setitem__("r", client.generate([req])))
+        worker.start()
+        wait_until(lambda: engine.progress.get(1, 0) >= 2)
+        client.load_adapter("a", tensors(1), CONFIG)  # no pause: the server does not abort anything
+        worker.join(30)
+        [res] = box["r"]
+        assert res.finish_reason == "abort"
