@@ -60,8 +60,8 @@ def random_samples(name: str, n_groups: int, group_size: int, seed: int) -> list
 def build(names, cfg: GRPOConfig | None = None, optim: OptimConfig | None = None, dtype=torch.float32):
     from rl_multilora.lora import MultiLoRAModel
 
-    model = MultiLoRAModel.from_model(tiny_model(seed=0, vocab=VOCAB), max_loras=4, max_rank=16)
-    model = model.to(dtype)  # slots are pre-allocated, so this converts them too
+    base = tiny_model(seed=0, vocab=VOCAB).to(dtype)
+    model = MultiLoRAModel.from_model(base, max_loras=4, max_rank=16, target_modules="all-linear", lora_dtype=dtype)
     trainer = MultiLoRATrainer(model, cfg or GRPOConfig(micro_batch_size=3), pad_token_id=PAD_ID)
     for n in names:
         model.add_adapter(n, rank=RANKS[n], alpha=2 * RANKS[n], seed=SEEDS[n])
