@@ -371,26 +371,23 @@ class EmbeddedEngine(RolloutEngine):
     def _next_wave(self) -> list[_Row] | None:
         """Block until rows may run; take up to `max_batch_size` of them. None when closed."""
         with self._cond:
-            while not self._closed and (self._paused or not self._queue):
-                self._cond.wait()
-            if self._closed:
-                return None
-            # Coalesce: concurrent agenerate calls of one rollout arrive within a few ms.
-            deadline = time.monotonic() + self._batch_wait_s
-            while len(self._queue) < self._max_batch_size and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                before = len(self._queue)
-                self._cond.wait(left)
-                if len(self._queue) == before:
-                    break
-            if self._closed or self._paused:
-                return self._next_wave() if not self._closed else None
-            n = min(len(self._queue), self._max_batch_size)
-            rows = [self._queue.popleft() for _ in range(n)]
-            self._busy = True
-            return rows
+            while True:
+                while not self._closed and (self._paused or not self._queue):
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                # Coalesce: the concurrent agenerate calls of one rollout arrive within a few ms.
+                deadline = time.monotonic() + self._batch_wait_s
+                while len(self._queue) < self._max_batch_size and not (self._closed or self._paused):
+                    left = deadline - time.monotonic()
+                    before = len(self._queue)
+                    if left <= 0 or (self._cond.wait(left) and len(self._queue) == before):
+                        break
+                if self._closed or self._paused or not self._queue:
+                    continue  # paused while coalescing: wait for resume (or close) with the rows still queued
+                n = min(len(self._queue), self._max_batch_size)
+                self._busy = True
+                return [self._queue.popleft() for _ in range(n)]
 
     def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
         keep_output = reason in ("stop", "length")
