@@ -13,7 +13,8 @@ Design choices:
 - Scale `alpha / r` is kept as a Python float (fp64, applied in the fp32 LoRA compute), never folded into B or
   rounded to the base dtype: a bf16 `32 / 24` would scale training and rollout differently (PRIOR_ART).
 - LoRA tensors are float32 by default whatever the base dtype (as PEFT's `autocast_adapter_dtype`): the input is
-  cast to the LoRA dtype, the delta is cast back to the base output dtype, like PEFT's LoRA `Linear.forward`.
+  cast to the LoRA dtype and base + delta is summed in it and rounded once to the base dtype, like PEFT's LoRA
+  `Linear.forward`, so a bf16 base gives PEFT's bf16 logits bit for bit.
 - The row-to-slot mapping lives in one `SlotRouter` shared by all LoRA layers (vLLM's punica_wrapper idea), set
   for the duration of one forward and thread-local, so an engine thread and a trainer thread can share the model.
   It is computed once per forward (one host sync at most), not once per layer.
@@ -237,7 +238,8 @@ class LoRALinear(nn.Module):
             g = groups[0]
             lora_a, lora_b = self._slot_weights(routing, g.slot)
             xa = F.linear(x.to(lora_a.dtype), lora_a[: g.rank])  # xa = x @ A[:r].T; x: (B, ..., in) -> (B, ..., r)
-            return y + (F.linear(xa, lora_b[:, : g.rank]) * g.scale).to(y.dtype)  # y += scale * xa @ B[:, :r].T
+            # y += scale * xa @ B[:, :r].T, summed in the LoRA dtype and rounded once to y's dtype (as PEFT does)
+            return (y + F.linear(xa, lora_b[:, : g.rank]) * g.scale).to(y.dtype)
         lora_dtype = self.lora_A[0].dtype if routing.bank is None else routing.bank.dtype
         xs = x.index_select(0, routing.rows).to(lora_dtype)  # xs[j] = x[rows[j]]; xs: (n_active, ..., in)
         deltas, rows = [], []
@@ -248,7 +250,8 @@ class LoRALinear(nn.Module):
             rows.append(routing.rows[g.start : g.stop])
         delta = torch.cat(deltas) if len(deltas) > 1 else deltas[0]  # delta: (n_covered, ..., out)
         index = routing.rows if len(groups) == len(routing.groups) else torch.cat(rows)
-        return y.index_add(0, index, delta.to(y.dtype))  # y[index[j]] += delta[j]
+        # y[index[j]] += delta[j], summed in the LoRA dtype and rounded once (a no-op cast when both are float32)
+        return y.to(delta.dtype).index_add(0, index, delta).to(y.dtype)
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: _Routing) -> torch.Tensor:
         """Plain float32 loop over rows with the full padded tensors: the oracle for the fast path."""

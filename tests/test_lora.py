@@ -1,0 +1,467 @@
+"""MultiLoRAModel against PEFT (the oracle for the math and the file format) and against its own float32 loop.
+
+Every model is a tiny random Qwen2 / Qwen3 / Llama built offline in float32, so tolerances are tight.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from tiny_models import FAMILIES, tiny_model
+
+from rl_multilora.lora import AdapterInfo, LoRABank, MultiLoRAModel, UnknownAdapterError
+
+VOCAB = 128
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def make_model(family="qwen2", max_loras=4, max_rank=8, target_modules="all-linear", **kw) -> MultiLoRAModel:
+    return MultiLoRAModel.from_model(tiny_model(family, **kw), max_loras, max_rank, target_modules)
+
+
+def randomize(m: MultiLoRAModel, name: str, seed: int) -> None:
+    """Give the adapter non-zero B (and a new A) at its true rank; the padding is left as it is (zero)."""
+    g = torch.Generator().manual_seed(seed)
+    s, r = m.slot_of(name), m.adapters[name].rank
+    with torch.no_grad():
+        for layer in m.base_model.modules():
+            if hasattr(layer, "lora_A"):
+                a, b = layer.lora_A[s], layer.lora_B[s]
+                a[:r].copy_(torch.randn(a[:r].shape, generator=g) * 0.1)
+                b[:, :r].copy_(torch.randn(b[:, :r].shape, generator=g) * 0.1)
+
+
+def batch(rows=6, length=7, seed=0, left_pad=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    if left_pad:
+        mask[1, :2] = 0  # a left-padded row: the mask has to pass through to HF untouched
+    return ids, mask
+
+
+def peft_logits(family, adapter_sd, config, ids, mask):
+    """Logits of PEFT's own LoRA (get_peft_model + set_peft_model_state_dict) on a fresh copy of the base."""
+    peft_model = get_peft_model(tiny_model(family), config)
+    result = set_peft_model_state_dict(peft_model, adapter_sd)
+    assert not result.unexpected_keys
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    assert not missing, missing
+    with torch.no_grad():
+        return peft_model(input_ids=ids, attention_mask=mask).logits
+
+
+def add_three(m: MultiLoRAModel) -> dict[str, int]:
+    """Three adapters of different ranks (one with a scale 32/6 that is not a short binary fraction)."""
+    specs = {"a": (2, 4), "b": (8, 16), "c": (6, 32)}
+    for i, (name, (rank, alpha)) in enumerate(specs.items()):
+        m.add_adapter(name, rank=rank, alpha=alpha, seed=i)
+        randomize(m, name, seed=10 + i)
+    return {name: m.slot_of(name) for name in specs}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT as the oracle
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_mixed_batch_matches_peft_per_row(family, targets):
+    m = make_model(family, target_modules=targets)
+    add_three(m)
+    ids, mask = batch()
+    names = ["a", None, "b", "c", "a", None]
+    with torch.no_grad():
+        logits = m(ids, attention_mask=mask, adapter_names=names).logits
+        base = tiny_model(family)(input_ids=ids, attention_mask=mask).logits
+    for i, name in enumerate(names):
+        if name is None:
+            torch.testing.assert_close(logits[i], base[i], **TOL)
+    for name, info in m.adapters.items():
+        config = LoraConfig(r=info.rank, lora_alpha=info.alpha, target_modules=targets, lora_dropout=0.0)
+        expected = peft_logits(family, m.adapter_state_dict(name), config, ids, mask)
+        rows = [i for i, n in enumerate(names) if n == name]
+        torch.testing.assert_close(logits[rows], expected[rows], **TOL)
+        assert not torch.allclose(expected[rows], base[rows], atol=1e-3)  # the adapter does change the output
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_export_loads_in_peft_and_peft_folder_loads_here(family, targets, tmp_path):
+    m = make_model(family, target_modules=targets)
+    add_three(m)
+    ids, mask = batch()
+    with torch.no_grad():
+        ours = {n: m(ids, attention_mask=mask, adapter_names=[n] * len(ids)).logits for n in m.adapters}
+
+    # Our export -> PeftModel.from_pretrained.
+    for name, info in m.adapters.items():
+        folder = m.export_adapter(name, tmp_path / "ours" / name)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", info.rank, info.alpha)
+        peft_model = PeftModel.from_pretrained(tiny_model(family), str(folder))
+        with torch.no_grad():
+            torch.testing.assert_close(peft_model(input_ids=ids, attention_mask=mask).logits, ours[name], **TOL)
+
+    # A folder written by PEFT's save_pretrained (random A and B) -> load_adapter.
+    peft_model = get_peft_model(
+        tiny_model(family), LoraConfig(r=3, lora_alpha=5, target_modules=targets, init_lora_weights=False)
+    )
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    m.remove_adapter("b")
+    slot = m.load_adapter("p", tmp_path / "peft")
+    assert slot == 1 and m.adapters["p"] == AdapterInfo("p", 1, 3, 5)
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids, attention_mask=mask).logits
+        got = m(ids, attention_mask=mask, adapter_names=["p", None, "a", "p", "c", "p"]).logits
+    torch.testing.assert_close(got[[0, 3, 5]], expected[[0, 3, 5]], **TOL)
+    torch.testing.assert_close(got[2], ours["a"][2], **TOL)
+    # The round trip keeps every tensor bit for bit.
+    reloaded = get_peft_model_state_dict(peft_model)
+    ours_sd = m.adapter_state_dict("p")
+    assert ours_sd.keys() == reloaded.keys()
+    for key, tensor in reloaded.items():
+        assert torch.equal(ours_sd[key], tensor), key
+
+
+def test_peft_folder_covering_a_subset_of_modules(tmp_path):
+    """A q_proj/v_proj PEFT adapter on an all-linear model: only those modules get its LoRA, export keeps it so."""
+    m = make_model("qwen2")
+    peft_model = get_peft_model(
+        tiny_model("qwen2"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    m.load_adapter("qv", tmp_path / "peft")
+    assert len(m.adapter_parameters("qv")) == 2 * 2 * 2  # (A, B) x (q, v) x 2 layers
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids, attention_mask=mask).logits
+        got = m(ids, attention_mask=mask, adapter_names=["qv", None] * 3).logits
+        got_ref = m(ids, attention_mask=mask, adapter_names=["qv", None] * 3, reference=True).logits
+    torch.testing.assert_close(got[::2], expected[::2], **TOL)
+    torch.testing.assert_close(got, got_ref, **TOL)
+    assert m.peft_config("qv")["target_modules"] == ["q_proj", "v_proj"]
+    folder = m.export_adapter("qv", tmp_path / "again")
+    again = PeftModel.from_pretrained(tiny_model("qwen2"), str(folder))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits, expected, **TOL)
+
+
+def test_bf16_base_matches_peft_with_fp32_scale():
+    """bf16 base, fp32 LoRA: scale 32/24 is applied in fp32 like PEFT (autocast_adapter_dtype), not rounded."""
+    base = tiny_model("qwen2").to(torch.bfloat16)
+    m = MultiLoRAModel.from_model(base, max_loras=2, max_rank=24)
+    m.add_adapter("a", rank=24, alpha=32, seed=0)
+    randomize(m, "a", seed=1)
+    assert m.adapter_parameters("a")[0].dtype == torch.float32
+    ids, mask = batch()
+    peft_model = get_peft_model(
+        tiny_model("qwen2").to(torch.bfloat16), LoraConfig(r=24, lora_alpha=32, target_modules="all-linear")
+    )
+    set_peft_model_state_dict(peft_model, m.adapter_state_dict("a"))
+    with torch.no_grad():
+        got = m(ids, attention_mask=mask, adapter_names=["a"] * 6).logits
+        expected = peft_model(input_ids=ids, attention_mask=mask).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fast path against the float32 loop reference
+
+
+MIXES = {
+    "one_adapter": ["a"] * 6,
+    "all_distinct": ["a", "b", "c", "d"],
+    "skewed": ["b"] * 5 + ["d"],
+    "base_rows_mixed": [None, "a", None, "c", "c", None],
+    "all_base": [None] * 3,
+    "one_adapter_and_base": ["c", None, "c"],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_fast_path_equals_reference_values_and_grads(mix):
+    m = make_model("qwen3", max_loras=6, max_rank=8)
+    add_three(m)
+    m.add_adapter("d", rank=1, alpha=3, seed=3)
+    randomize(m, "d", seed=13)
+    m.add_adapter("gone", rank=4, alpha=4, seed=4)
+    m.remove_adapter("gone")  # an empty slot between occupied ones
+    names = MIXES[mix]
+    ids, mask = batch(rows=len(names), left_pad=len(names) > 1)
+    results = []
+    for reference in (False, True):
+        m.zero_grad(set_to_none=True)
+        logits = m(ids, attention_mask=mask, adapter_names=names, reference=reference).logits
+        if logits.requires_grad:  # an all-base batch touches no LoRA tensor, so it has no graph at all
+            logits.square().mean().backward()
+        grads = {n: [p.grad for p in m.adapter_parameters(n)] for n in m.adapters}
+        results.append((logits.detach(), grads))
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, **TOL)
+    for name in m.adapters:
+        for g_fast, g_ref in zip(fast_grads[name], ref_grads[name], strict=True):
+            if name in names:
+                torch.testing.assert_close(g_fast, g_ref, atol=1e-6, rtol=1e-5)
+            else:
+                assert g_fast is None, name  # the fast path never touches slots without rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients, slots, padding
+
+
+def per_adapter_loss(logits, ids, names, adapter):
+    """Mean next-token NLL over `adapter`'s rows only (GRPO normalizes per adapter the same way)."""
+    rows = [i for i, n in enumerate(names) if n == adapter]
+    logp = torch.log_softmax(logits[rows, :-1], dim=-1)  # (n_rows, T-1, V)
+    return -logp.gather(-1, ids[rows, 1:, None]).mean()
+
+
+def test_mixed_batch_grads_equal_each_adapter_alone():
+    m = make_model("llama")
+    add_three(m)
+    m.add_adapter("idle", rank=4, alpha=8, seed=9)
+    ids, mask = batch()
+    names = ["a", "b", None, "a", "c", "b"]
+    logits = m(ids, attention_mask=mask, adapter_names=names).logits
+    sum(per_adapter_loss(logits, ids, names, n) for n in ("a", "b", "c")).backward()
+    mixed = {n: [p.grad.clone() for p in m.adapter_parameters(n)] for n in ("a", "b", "c")}
+    assert all(p.grad is None for p in m.adapter_parameters("idle"))
+    assert all(p.grad is None for p in m.base_model.parameters() if not p.requires_grad)
+    assert not any(p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
+    for name in ("a", "b", "c"):
+        m.zero_grad(set_to_none=True)
+        rows = [i for i, n in enumerate(names) if n == name]
+        alone = m(ids[rows], attention_mask=mask[rows], adapter_names=[name] * len(rows)).logits
+        per_adapter_loss(alone, ids[rows], [name] * len(rows), name).backward()
+        for g_mixed, p in zip(mixed[name], m.adapter_parameters(name), strict=True):
+            torch.testing.assert_close(g_mixed, p.grad, atol=1e-6, rtol=1e-5)
+    r = m.adapters["a"].rank
+    a_grad, b_grad = mixed["a"][:2]
+    assert torch.count_nonzero(a_grad[r:]) == 0 and torch.count_nonzero(b_grad[:, r:]) == 0
+
+
+def test_padding_stays_exactly_zero_under_adamw_and_only_the_trained_slot_moves():
+    m = make_model("qwen2")
+    add_three(m)
+    before = {n: [p.detach().clone() for p in m.adapter_parameters(n)] for n in m.adapters}
+    base_before = {n: p.detach().clone() for n, p in m.base_model.named_parameters() if "lora_" not in n}
+    optim = torch.optim.AdamW(m.adapter_parameters("a"), lr=1e-2, weight_decay=0.1)
+    ids, mask = batch()
+    names = ["a", "b", "a", None, "c", "a"]
+    for _ in range(4):
+        optim.zero_grad(set_to_none=True)
+        logits = m(ids, attention_mask=mask, adapter_names=names).logits
+        per_adapter_loss(logits, ids, names, "a").backward()
+        optim.step()
+    r = m.adapters["a"].rank
+    params = m.adapter_parameters("a")
+    for a, b in zip(params[::2], params[1::2], strict=True):
+        assert torch.count_nonzero(a[r:]) == 0 and torch.count_nonzero(b[:, r:]) == 0
+    assert all(not torch.equal(p, q) for p, q in zip(params, before["a"], strict=True))
+    for name in ("b", "c"):
+        assert all(torch.equal(p, q) for p, q in zip(m.adapter_parameters(name), before[name], strict=True))
+    assert all(torch.equal(p, base_before[n]) for n, p in m.base_model.named_parameters() if "lora_" not in n)
+
+
+def test_slot_reuse_leaves_no_trace():
+    m = make_model("qwen2", max_loras=2)
+    m.add_adapter("old", rank=8, alpha=16, seed=0)
+    randomize(m, "old", seed=1)
+    ids, mask = batch()
+    m(ids, attention_mask=mask, adapter_names=["old"] * 6).logits.sum().backward()
+    m.remove_adapter("old")
+    assert m.free_slots == [0, 1]
+    slot = m.add_adapter("new", rank=4, alpha=8, seed=5)
+    assert slot == 0
+    fresh = make_model("qwen2", max_loras=2)
+    fresh.add_adapter("new", rank=4, alpha=8, seed=5)
+    for p, q in zip(m.adapter_parameters("new"), fresh.adapter_parameters("new"), strict=True):
+        assert torch.equal(p, q) and p.grad is None
+    with torch.no_grad():  # B is zero again, so the new tenant starts exactly at the base model
+        torch.testing.assert_close(
+            m(ids, attention_mask=mask, adapter_names=["new"] * 6).logits,
+            tiny_model("qwen2")(input_ids=ids, attention_mask=mask).logits,
+            atol=0,
+            rtol=0,
+        )
+    # The fresh A is PEFT's kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in)) on the true rank, zero padding.
+    a = m.adapter_parameters("new")[0]
+    assert a[:4].abs().max() <= 1 / a.shape[1] ** 0.5 and a[:4].abs().min() > 0 and torch.count_nonzero(a[4:]) == 0
+
+
+def test_base_state_dict_keys_unchanged_and_base_frozen():
+    plain = tiny_model("qwen3")
+    m = make_model("qwen3")
+    base_keys = {k for k in m.base_model.state_dict() if "lora_" not in k}
+    assert base_keys == set(plain.state_dict())
+    assert not any(p.requires_grad for n, p in m.base_model.named_parameters() if "lora_" not in n)
+    assert len(m.lora_modules) == 2 * 7 and "lm_head" not in m.lora_modules
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bank and KV cache
+
+
+def test_bank_matches_trainable_slots_and_is_independent_of_training():
+    m = make_model("qwen2")
+    slots = add_three(m)
+    bank = m.new_bank()
+    for slot in range(m.max_loras):
+        bank.clear(slot)
+    assert isinstance(bank, LoRABank) and not bank.is_set(slots["a"])
+    for name, slot in slots.items():
+        bank.set_adapter(slot, m.adapter_state_dict(name), m.peft_config(name))
+    # A bank slot need not be the trainer's slot: adapter "c" also goes to bank slot 3.
+    bank.set_adapter(3, m.adapter_state_dict("c"), m.peft_config("c"))
+    ids, mask = batch()
+    names = ["a", None, "b", "c", "a", "c"]
+    bank_slots = torch.tensor([slots["a"], -1, slots["b"], slots["c"], slots["a"], 3])
+    with torch.no_grad():
+        trained = m(ids, attention_mask=mask, adapter_names=names).logits
+    from_bank = m(ids, attention_mask=mask, adapter_slots=bank_slots, lora_bank=bank).logits
+    assert not from_bank.requires_grad
+    torch.testing.assert_close(from_bank, trained, **TOL)
+
+    optim = torch.optim.AdamW(m.adapter_parameters("a"), lr=1e-1)
+    per_adapter_loss(m(ids, attention_mask=mask, adapter_names=names).logits, ids, names, "a").backward()
+    optim.step()
+    with torch.no_grad():
+        assert not torch.allclose(m(ids, attention_mask=mask, adapter_names=names).logits[0], trained[0])
+    torch.testing.assert_close(m(ids, attention_mask=mask, adapter_slots=bank_slots, lora_bank=bank).logits, trained)
+
+
+@pytest.mark.parametrize("use_bank", [False, True])
+def test_kv_cache_decoding_with_mixed_slots_equals_full_forward(use_bank):
+    m = make_model("qwen3")
+    slots = add_three(m)
+    ids, _ = batch(rows=3, length=9, left_pad=False)
+    names = ["a", None, "c"]
+    route = (
+        dict(adapter_slots=[slots["a"], -1, slots["c"]], lora_bank=m.new_bank())
+        if use_bank
+        else dict(adapter_names=names)
+    )
+    with torch.no_grad():
+        full = m(ids, **route).logits
+        prefill = 5
+        out = m(ids[:, :prefill], use_cache=True, **route)
+        steps = [out.logits]
+        past = out.past_key_values
+        for t in range(prefill, ids.shape[1]):
+            out = m(ids[:, t : t + 1], past_key_values=past, use_cache=True, **route)
+            past = out.past_key_values
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_adapter_lifecycle_errors():
+    m = make_model("qwen2", max_loras=2)
+    m.add_adapter("a", rank=4, alpha=8)
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'zz'"):
+        m.slot_of("zz")
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'zz'"):
+        m(torch.zeros(1, 3, dtype=torch.long), adapter_names=["zz"])
+    with pytest.raises(UnknownAdapterError):
+        m.remove_adapter("zz")
+    with pytest.raises(ValueError, match="rank=9 is not allowed.*max_rank=8"):
+        m.add_adapter("b", rank=9, alpha=8)
+    with pytest.raises(ValueError, match="rank=0"):
+        m.add_adapter("b", rank=0, alpha=8)
+    with pytest.raises(ValueError, match="alpha=-1"):
+        m.add_adapter("b", rank=2, alpha=-1)
+    with pytest.raises(ValueError, match="already loaded in slot 0"):
+        m.add_adapter("a", rank=4, alpha=8)
+    for bad in ("", ".", "..", "a/b", "a b", "../x", None):
+        with pytest.raises(ValueError, match="adapter name .* is not allowed"):
+            m.add_adapter(bad, rank=2, alpha=2)
+    m.add_adapter("b", rank=2, alpha=2)
+    with pytest.raises(RuntimeError, match="no free LoRA slot for adapter 'c'.*max_loras=2"):
+        m.add_adapter("c", rank=2, alpha=2)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="not both"):
+        m(ids, adapter_names=["a", "b"], adapter_slots=[0, 1])
+    with pytest.raises(ValueError, match="adapter_names=.*list of 2 names"):
+        m(ids, adapter_names=["a"])
+    with pytest.raises(ValueError, match="adapter_slots=.*from -1"):
+        m(ids, adapter_slots=[0, 2])
+    m.remove_adapter("b")
+    with pytest.raises(ValueError, match=r"empty slot\(s\) \[1\]"):
+        m(ids, adapter_slots=[0, 1])
+    bank = m.new_bank()
+    with pytest.raises(ValueError, match="bank slot 1, which is empty"):
+        m(ids, adapter_slots=[0, 1], lora_bank=bank)
+    with pytest.raises(ValueError, match="route rows by adapter_slots"):
+        m(ids, adapter_names=["a", None], lora_bank=bank)
+
+
+def test_target_modules_errors():
+    with pytest.raises(ValueError, match="target_modules='q_proj' is not allowed"):
+        make_model(target_modules="q_proj")
+    with pytest.raises(ValueError, match="'nope' matches no module"):
+        make_model(target_modules=["q_proj", "nope"])
+    with pytest.raises(ValueError, match="'mlp' matches 'model.layers.0.mlp', which is not an nn.Linear"):
+        make_model(target_modules=["mlp"])
+    with pytest.raises(ValueError, match="max_rank=0"):
+        make_model(max_rank=0)
+
+
+def test_peft_folder_mismatch_errors(tmp_path):
+    m = make_model("qwen2", target_modules=["q_proj", "v_proj"])
+    m.add_adapter("a", rank=4, alpha=8, seed=0)
+    sd, config = m.adapter_state_dict("a"), m.peft_config("a")
+    key = next(iter(sd))
+
+    def load(state_dict=sd, **changes):
+        return m.load_adapter_state_dict("x", state_dict, {**config, **changes})
+
+    with pytest.raises(ValueError, match=r"lora_A.weight has shape \(4, 32\); expected \(2, 32\)"):
+        load(r=2)
+    with pytest.raises(ValueError, match="r=16 is not allowed.*max_rank=8"):
+        load(r=16)
+    with pytest.raises(ValueError, match="peft_type='IA3'"):
+        load(peft_type="IA3")
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        load(use_dora=True)
+    with pytest.raises(ValueError, match="use_rslora=True is not supported"):
+        load(use_rslora=True)
+    with pytest.raises(ValueError, match="not in the config's target_modules"):
+        load(target_modules=["k_proj"])
+    with pytest.raises(ValueError, match="has no lora_B tensor"):
+        load({k: v for k, v in sd.items() if not k.endswith("lora_B.weight")})
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj' is not a LoRA target"):
+        load({**sd, "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": sd[key]})
+    with pytest.raises(ValueError, match="unexpected key 'lm_head.weight'"):
+        load({**sd, "lm_head.weight": sd[key]})
+    with pytest.raises(ValueError, match="adapter name"):
+        m.load_adapter_state_dict("../x", sd, config)
+    assert "x" not in m.adapters and m.free_slots == [1, 2, 3]  # a failed load claims no slot
+    with pytest.raises(FileNotFoundError, match="adapter_config.json is missing"):
+        m.load_adapter("x", tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors is missing"):
+        m.load_adapter("x", tmp_path)
+    bank = m.new_bank()
+    with pytest.raises(ValueError, match="slot=4 is not allowed"):
+        bank.set_adapter(4, sd, config)
+    with pytest.raises(ValueError, match="bank slot 1 does not match"):
+        bank.set_adapter(1, sd, {**config, "r": 2})
+
+
+def test_gradient_checkpointing_is_refused_in_training():
+    m = make_model("qwen2")
+    m.add_adapter("a", rank=2, alpha=2)
+    m.base_model.gradient_checkpointing_enable()
+    m.train()
+    with pytest.raises(RuntimeError, match="gradient checkpointing is not supported"):
+        m(torch.zeros(1, 3, dtype=torch.long), adapter_names=["a"])
