@@ -88,11 +88,12 @@ class _Worker:
 
 def _kill(worker: _Worker) -> None:
     """SIGKILL the worker's whole session (a hung reward cannot ignore it), reap it, close its socket."""
-    try:
-        os.killpg(worker.process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        worker.process.kill()
-    worker.process.wait()
+    if worker.process.poll() is None:  # still ours (not reaped), so its pid and group id cannot be reused yet
+        try:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            worker.process.kill()
+        worker.process.wait()
     worker.conn.close()
 
 
@@ -262,7 +263,7 @@ class RewardExecutor:
                 self._replace(worker)
                 message = f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
                 finish(task, [("timeout", message)] * len(task.sample_ids))
-                skipped = "not started: an earlier call of this reward timed out in this step"
+                skipped = f"not started: an earlier call in this step {message}"
                 while queues[task.adapter]:
                     rest = queues[task.adapter].popleft()
                     finish(rest, [("timeout", skipped)] * len(rest.sample_ids), started=False)
@@ -314,7 +315,10 @@ class RewardExecutor:
         try:
             task_id, results = worker.conn.recv()
         except (EOFError, OSError):  # the worker died mid-task (os._exit, segfault, OOM)
-            code = worker.process.poll()
+            try:
+                code = worker.process.wait(1.0)  # its socket closed as it exited: the status follows at once
+            except subprocess.TimeoutExpired:
+                code = None
             self._replace(worker)
             finish(task, [("error", f"reward worker died (exit code {code})")] * len(task.sample_ids))
             return

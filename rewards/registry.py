@@ -195,25 +195,43 @@ def _bind_mode(fn: RewardFn, spec: RewardSpec) -> str:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return "positional"  # builtins implemented in C have no signature; trust the call
-    errors = []
-    for mode in ("positional", "keyword"):
+        return "positional"  # callables implemented in C have no signature; trust the call
+    calls = {"positional": (names, {}), "keyword": ((), dict(zip(names, names, strict=True)))}
+    for mode, (args, by_name) in calls.items():
         try:
-            if mode == "positional":
-                sig.bind(*names, **spec.kwargs)
-            else:
-                sig.bind(**dict(zip(names, names, strict=True)), **spec.kwargs)
+            sig.bind(*args, **by_name, **spec.kwargs)
             return mode
-        except TypeError as exc:
-            errors.append(str(exc))
+        except TypeError:
+            pass
+    where = f"reward {spec_label(spec)!r}{sig}"
     shape = f"fn({', '.join(names)}, **kwargs)"
-    where = f"reward {spec_label(spec)!r}"
-    if spec.kwargs:
+    data_errors = []
+    for args, by_name in calls.values():  # do the data arguments fit, leaving spec.kwargs aside?
+        try:
+            bound = sig.bind_partial(*args, **by_name)
+        except TypeError as exc:
+            data_errors.append(str(exc))
+            continue
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        missing = [
+            p.name
+            for p in sig.parameters.values()
+            if p.name not in bound.arguments and p.default is p.empty and p.kind not in variadic
+        ]
+        if any(name not in spec.kwargs for name in missing):
+            raise RewardConfigError(
+                f"reward.kwargs: {spec.kwargs!r} lacks {', '.join(repr(m) for m in missing if m not in spec.kwargs)}, "
+                f"required by {where}; allowed: kwargs that give every extra parameter without a default"
+            )
+        accepted = [
+            p.name for p in sig.parameters.values() if p.name not in bound.arguments and p.kind not in variadic
+        ]
+        if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+            accepted.append("any (**kwargs)")
         raise RewardConfigError(
-            f"reward.kwargs: {spec.kwargs!r} cannot be passed to {where}{sig}: {errors[0]}; allowed: a function "
-            f"{shape} whose keyword parameters include every key of reward.kwargs"
+            f"reward.kwargs: {spec.kwargs!r} cannot be passed to {where}; allowed keys: {', '.join(accepted) or '(none)'}"
         )
-    raise RewardConfigError(f"reward.path: {where}{sig} has the wrong signature ({errors[0]}); allowed: {shape}")
+    raise RewardConfigError(f"reward.path: {where} has the wrong signature ({data_errors[0]}); allowed: {shape}")
 
 
 def _check_numbers(spec: RewardSpec) -> None:
@@ -238,13 +256,13 @@ def resolve(spec: RewardSpec) -> RewardFn:
         raise RewardConfigError(f"reward: {spec!r} is a {type(spec).__name__}; allowed: a rollout.types.RewardSpec")
     _check_numbers(spec)
     fn = _lookup(spec)
-    _bind_mode(fn, spec)
     builtin = _REGISTRY.get(spec.name) if spec.name is not None else None
     if builtin is not None and builtin.check_kwargs is not None:
         try:
             builtin.check_kwargs(spec.kwargs)
         except ValueError as exc:
             raise RewardConfigError(f"reward.kwargs for {spec.name!r}: {exc}") from exc
+    _bind_mode(fn, spec)
     if spec.format_bonus > 0 and format_check_of(fn) is None:
         raise RewardConfigError(
             f"reward.format_bonus: {spec.format_bonus!r} needs a format check, and reward {spec_label(spec)!r} "
