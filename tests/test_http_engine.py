@@ -397,3 +397,49 @@ def test_result_is_aborted_when_its_adapter_changed_while_in_flight():
         worker.join(30)
         [res] = box["r"]
         assert res.finish_reason == "abort"
+
+
+# ---------------------------------------------------------------------------------------------- real engine
+
+
+def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
+    """`engine-serve`'s engine behind the server: adapters pushed over HTTP give PEFT's greedy output."""
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+    from rollout.engines.http_server import build_embedded_engine
+    from tests.tiny_models import save_tiny_model, tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "base")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        peft_model = get_peft_model(tiny_model(), lora)
+    folder = tmp_path / "peft"
+    peft_model.save_pretrained(folder)
+    peft_tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    config = json.loads((folder / "adapter_config.json").read_text())
+
+    prompt = [5, 17, 33, 48]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine, tokenizer = build_embedded_engine(str(model_dir), max_loras=2, max_rank=8)
+    try:
+        with BackgroundServer(engine, tokenizer=tokenizer) as server:
+            client = SGLangEngine(server.url, tensor_format="safetensors")
+            client.load_adapter("mem", peft_tensors, config)
+            client.load_adapter_from_path("disk", str(folder))
+            names = ["mem", None, "disk"]
+            results = client.generate([GenerateRequest(prompt, n, greedy) for n in names])
+    finally:
+        engine.close()
+
+    def hf_greedy(model) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        return out[0, len(prompt) :].tolist()
+
+    with_adapter = hf_greedy(PeftModel.from_pretrained(tiny_model(), folder).eval())
+    base = hf_greedy(tiny_model())
+    assert [r.finish_reason in ("stop", "length") for r in results] == [True] * 3
+    assert results[0].output_ids == with_adapter == results[2].output_ids
+    assert results[1].output_ids == base != with_adapter
+    assert [r.weight_version for r in results] == [1, None, 1]

@@ -327,7 +327,9 @@ async def _generate(request: web.Request) -> web.Response:
         state.inflight.discard(aborted)
         abort_wait.cancel()
     if not task.done():
-        # Aborted by /pause_generation: SGLang answers at once, and the engine's late result is dropped.
+        # Aborted by /pause_generation: SGLang answers at once. Cancelling lets an engine whose agenerate
+        # supports it (EmbeddedEngine) drop the rows; a thread-backed one finishes and its result is dropped.
+        task.cancel()
         state.orphans.add(task)
         task.add_done_callback(_forget_orphan(state))
         results = [GenerateResult(finish_reason="abort") for _ in reqs]
@@ -612,6 +614,24 @@ class BackgroundServer:
         self.stop()
 
 
+def build_embedded_engine(
+    model_dir: str, max_loras: int = 8, max_rank: int = 64, target_modules: str = "all-linear"
+) -> tuple[RolloutEngine, Any]:
+    """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
+    # Heavy imports stay here: the server module itself only needs aiohttp.
+    from transformers import AutoTokenizer
+
+    from rl_multilora.lora import MultiLoRAModel
+    from rollout.engines.embedded import EmbeddedEngine
+
+    targets: str | list[str] = target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in target_modules.split(",") if t.strip()]
+    model = MultiLoRAModel.from_pretrained(model_dir, max_loras=max_loras, max_rank=max_rank, target_modules=targets)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return EmbeddedEngine(model, tokenizer), tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     """`rl-multilora engine-serve`: serve the embedded engine over SGLang's HTTP API."""
     parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__)
@@ -632,20 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; a positive integer is required")
     if not Path(args.model).is_dir():
         parser.error(f"--model={args.model!r} is not a folder")
-    # Heavy imports stay inside main: the server module itself only needs aiohttp.
-    from transformers import AutoTokenizer
-
-    from rl_multilora.lora import MultiLoRAModel
-    from rollout.engines.embedded import EmbeddedEngine
-
-    targets: str | list[str] = args.target_modules
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-    model = MultiLoRAModel.from_pretrained(
-        args.model, max_loras=args.max_loras, max_rank=args.max_rank, target_modules=targets
-    )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engine = EmbeddedEngine(model, tokenizer)
+    engine, tokenizer = build_embedded_engine(args.model, args.max_loras, args.max_rank, args.target_modules)
     try:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key, model_name=args.model, tokenizer=tokenizer)
     finally:
