@@ -1,0 +1,634 @@
+"""Service mode: the trainer as a long-running Ray actor that tenants join and leave while it trains.
+
+`rl-multilora serve CONFIG` starts (or joins) a Ray cluster and creates one NAMED, DETACHED actor, `controller` in
+namespace `rl_multilora`, that owns a `Runtime`. `submit`, `remove` and `status` are short-lived clients that find
+that actor by name. The pieces:
+
+- `ServiceCore` (no Ray): a `Runtime` plus a training thread. The thread calls `rt.step()` while any adapter is
+  RUNNING, admits PENDING adapters when a slot is free, and otherwise idles, waking every `cfg.service_poll_s` (or
+  at once when a mutation arrives). It never exits on its own; only `stop()` ends it.
+- Mutations (submit, remove) are queued and applied by the training thread between steps, never mid-step, so a
+  step always sees one fixed set of tenants. The caller blocks on a future until its mutation is applied, and gets
+  the adapter's status or the reason it was rejected.
+- Status is a snapshot the training thread publishes after every step and mutation, so `status` answers at once
+  even while a long step runs (it never waits for the step's lock).
+- `ServiceActor` wraps a `ServiceCore` for Ray; it is a threaded actor (`max_concurrency`), so a submit waiting for
+  the current step to end does not block `status`. Actor methods return `Reply` values instead of raising, so a
+  rejected submission reaches the client as one clean message, not a remote traceback.
+- Drained adapters are marked REMOVED once the step's weight sync has unloaded them, so a name can be submitted
+  again; the Runtime's admission then resumes it from its newest checkpoint (`checkpoint.resume != "never"`).
+
+Security: token authentication stays on. Ray 2.60 enables it by default for a cluster that `ray.init()` starts; we
+set `RAY_AUTH_MODE=token` explicitly for the cluster `serve` starts (an explicit `RAY_AUTH_MODE=disabled` is
+respected, with a warning) and make the generated token file (`~/.ray/auth_token`) readable by its owner only.
+Clients on the same machine pick the token up from that file. The dashboard is not started. Note that Ray 2.60's
+own gRPC servers listen on every interface even for a local cluster (it maps 127.0.0.1 to the node IP), so the
+token, not the bind address, is what keeps other machines out; firewall Ray's ports on shared networks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rl_multilora.config import (
+    AdapterConfig,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    load_run_config,
+    load_yaml,
+    parse_adapter_config,
+    parse_run_config,
+)
+from rl_multilora.controller import AdapterState, ControllerError
+
+log = logging.getLogger("rl_multilora.service")
+
+NAMESPACE = "rl_multilora"
+ACTOR_NAME = "controller"
+NO_SERVICE = "no rl-multilora service is running (start one with rl-multilora serve CONFIG)"
+# Idle lines repeat at most this often: one per poll would flood the terminal of a service that idles for hours.
+IDLE_LOG_EVERY_S = 60.0
+_LIVE = (AdapterState.PENDING, AdapterState.RUNNING, AdapterState.DRAINING)
+
+
+class ServiceError(RuntimeError):
+    """A user-facing service problem (no service, rejected submission, unknown adapter): exit 2, no traceback."""
+
+
+# -- values that cross the actor boundary ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdapterStatus:
+    name: str
+    state: str
+    slot: int | None
+    adapter_step: int
+    max_steps: int | None
+    last_reward: float | None
+    last_checkpoint: str | None
+    reason: str | None = None
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> AdapterStatus:
+        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    global_step: int
+    training: bool
+    run_dir: str
+    max_loras: int
+    adapters: list[AdapterStatus] = field(default_factory=list)
+    error: str | None = None
+
+    def get(self, name: str) -> AdapterStatus | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        used = sum(a.slot is not None for a in self.adapters)
+        mode = "ERROR" if self.error else ("training" if self.training else "idle")
+        head = f"service: {mode} | global step {self.global_step} | slots {used}/{self.max_loras} | {self.run_dir}"
+        lines = [head]
+        if self.error:
+            lines.append(f"error: {self.error}")
+        if not self.adapters:
+            lines.append("no adapters (submit one with rl-multilora submit ADAPTER.yaml)")
+            return "\n".join(lines)
+        rows = [("NAME", "STATE", "SLOT", "STEPS", "LAST REWARD", "CHECKPOINT", "REASON")]
+        for a in self.adapters:
+            steps = f"{a.adapter_step}/{a.max_steps}" if a.max_steps is not None else str(a.adapter_step)
+            rows.append(
+                (
+                    a.name,
+                    a.state,
+                    "-" if a.slot is None else str(a.slot),
+                    steps,
+                    "-" if a.last_reward is None else f"{a.last_reward:.3f}",
+                    a.last_checkpoint or "-",
+                    a.reason or "",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An actor method's answer: `error` (a user-facing reason) or the adapter's status after the change."""
+
+    adapter: AdapterStatus | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Mutation:
+    kind: Literal["submit", "remove"]
+    adapter: AdapterConfig | None = None
+    name: str | None = None
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+# -- the service without Ray ----------------------------------------------------------------------------------------
+class ServiceCore:
+    """A Runtime driven by a training thread; mutations are applied between steps. See the module docstring."""
+
+    def __init__(self, rt, poll_s: float):
+        self.rt = rt
+        self.poll_s = poll_s
+        self.error: str | None = None
+        self._queue: queue.Queue[_Mutation] = queue.Queue()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._status: ServiceStatus | None = None
+        self._thread: threading.Thread | None = None
+        self._training = False
+        self._finished = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Resume the run directory's state (and any adapters in the config), then start the training thread."""
+        self.rt.start()
+        self._mark_unloaded_removed()
+        self._publish()
+        self._thread = threading.Thread(target=self._loop, name="rl-multilora-service", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the current step, checkpoint every live adapter, close the runtime. Idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise ServiceError(f"the training loop did not stop within {timeout} s")
+        self._finish()
+
+    # -- requests (any thread) ------------------------------------------------------------------------------------
+    def submit(self, a: AdapterConfig) -> AdapterStatus:
+        """Validate and register `a` as PENDING before the next step; raise ServiceError with the reason if not."""
+        from rl_multilora.loop import validate_adapter_resources
+
+        self._check_open()
+        # The I/O checks (dataset loads, reward resolves) run here, in the caller's thread, so a bad submission is
+        # rejected at once instead of after the current step; rt.register repeats them, authoritative, between steps.
+        problems = validate_adapter_resources(a)
+        if problems:
+            raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
+        return self._enqueue(_Mutation("submit", adapter=a))
+
+    def remove(self, name: str) -> AdapterStatus:
+        """Drain `name` (PENDING: removed at once; RUNNING: checkpointed and unloaded at the end of the next step)."""
+        self._check_open()
+        return self._enqueue(_Mutation("remove", name=name))
+
+    def status(self) -> ServiceStatus:
+        with self._lock:
+            assert self._status is not None, "status() before start()"
+            return self._status
+
+    def model_config(self) -> ModelConfig:
+        return self.rt.cfg.model
+
+    # -- the training thread --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        last_idle_log = 0.0
+        while not self._stop.is_set():
+            self._apply_mutations(block_s=0.0)
+            if self.error is None and self._has_work():
+                try:
+                    self._training = True
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a bug must not kill the service silently: report it
+                    log.exception("service step failed; training stopped (status shows the error)")
+                    self.error = f"{type(e).__name__}: {e}"
+                    self._training = False
+                self._publish()
+                last_idle_log = 0.0
+                continue
+            if self._training or time.monotonic() - last_idle_log >= IDLE_LOG_EVERY_S:
+                log.info("idle: no RUNNING adapters (global step %d)", self.rt.controller.global_step)
+                last_idle_log = time.monotonic()
+            self._training = False
+            self._publish()
+            self._apply_mutations(block_s=self.poll_s)
+        self._finish()
+
+    def _has_work(self) -> bool:
+        c = self.rt.controller
+        waiting = bool(c.pending_in_order()) and bool(c.free_slots())
+        return bool(c.running()) or waiting or bool(c.in_state(AdapterState.DRAINING))
+
+    def _step(self) -> None:
+        rt = self.rt
+        if rt.controller.running():
+            rt.step()
+        else:
+            # Nothing to train: only retire drained adapters and admit pending ones, without a wasted global step.
+            rt.retire_finished()
+            rt.admit_pending()
+            rt.sync_now()
+            rt.ckpt.save_run_state(rt)
+        self._mark_unloaded_removed()
+
+    def _mark_unloaded_removed(self) -> None:
+        """DRAINED adapters were unloaded by the sync that ended the step: REMOVED, so the name can be reused."""
+        c = self.rt.controller
+        for rec in c.in_state(AdapterState.DRAINED):
+            c.mark_removed(rec.name)
+
+    def _apply_mutations(self, block_s: float) -> None:
+        try:
+            m = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(m)
+            try:
+                m = self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()
+
+    def _apply(self, m: _Mutation) -> None:
+        try:
+            if self.error is not None:
+                raise ServiceError(f"the service stopped training after an error: {self.error}")
+            if m.kind == "submit":
+                rec = self.rt.register(m.adapter)
+                free = len(self.rt.controller.free_slots())
+                log.info("submitted %s: PENDING (%d free slot(s))", rec.name, free)
+            else:
+                rec = self._drain(m.name)
+            m.done.set_result(AdapterStatus.from_record(rec.to_status()))
+        except (ConfigError, ControllerError, ServiceError) as e:
+            what = f"adapter {m.adapter.name!r} rejected" if m.kind == "submit" else f"cannot remove {m.name!r}"
+            m.done.set_exception(ServiceError(f"{what}: {e}"))
+        except Exception as e:  # noqa: BLE001 - the caller gets the failure; the service keeps running
+            log.exception("applying %s failed", m.kind)
+            m.done.set_exception(ServiceError(f"{m.kind} failed inside the service: {type(e).__name__}: {e}"))
+
+    def _drain(self, name: str):
+        rec = self.rt.controller.get(name)
+        if rec.state not in (AdapterState.PENDING, AdapterState.RUNNING):
+            raise ServiceError(
+                f"adapter {name!r} is {rec.state.value}; only PENDING or RUNNING adapters can be removed"
+            )
+        self.rt.remove(name)
+        log.info("remove %s: %s", name, rec.state.value)
+        return rec
+
+    def _publish(self) -> None:
+        c = self.rt.controller
+        snap = ServiceStatus(
+            global_step=c.global_step,
+            training=self._training,
+            run_dir=str(self.rt.run_dir),
+            max_loras=c.max_loras,
+            adapters=[AdapterStatus.from_record(d) for d in c.status()],
+            error=self.error,
+        )
+        with self._lock:
+            self._status = snap
+
+    def _finish(self) -> None:
+        """Runs once, in the training thread when it exits (or in stop() if the thread never ran)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        for m in self._drain_queue():
+            m.done.set_exception(ServiceError("the service is stopping"))
+        try:
+            self.rt.checkpoint_all()
+            log.info("checkpointed every live adapter (global step %d)", self.rt.controller.global_step)
+        except Exception:  # noqa: BLE001 - still close the engine and reward workers
+            log.exception("final checkpoint failed")
+        self._publish()
+        self.rt.close()
+
+    def _drain_queue(self) -> list[_Mutation]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _enqueue(self, m: _Mutation) -> AdapterStatus:
+        self._queue.put(m)
+        return m.done.result()
+
+    def _check_open(self) -> None:
+        if self._stop.is_set():
+            raise ServiceError("the service is stopping")
+        if self.error is not None:
+            raise ServiceError(f"the service stopped training after an error: {self.error}")
+
+
+# -- the Ray actor --------------------------------------------------------------------------------------------------
+class ServiceActor:
+    """Ray-side wrapper of ServiceCore; created by `serve` as `ray.remote(ServiceActor).options(...)`."""
+
+    def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None):
+        _setup_worker(workdir)
+        from rl_multilora.loop import Runtime
+
+        cfg = parse_run_config(cfg_data, source="serve")
+        self.core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
+        self.core.start()
+        log.info("service ready: %d slot(s), run dir %s", cfg.model.max_loras, cfg.run_dir)
+
+    def ready(self) -> bool:
+        return True
+
+    def model_config(self) -> dict[str, Any]:
+        return self.core.model_config().model_dump(mode="json")
+
+    def submit(self, adapter_data: dict[str, Any]) -> Reply:
+        try:
+            a = parse_adapter_config(adapter_data, self.core.model_config())
+            return Reply(adapter=self.core.submit(a))
+        except (ConfigError, ServiceError) as e:
+            name = adapter_data.get("name") if isinstance(adapter_data, dict) else None
+            msg = str(e) if isinstance(e, ServiceError) else f"adapter {name!r} rejected: {e}"
+            return Reply(error=msg)
+
+    def remove(self, name: str) -> Reply:
+        try:
+            return Reply(adapter=self.core.remove(name))
+        except ServiceError as e:
+            return Reply(error=str(e))
+
+    def status(self) -> ServiceStatus:
+        return self.core.status()
+
+    def shutdown(self) -> ServiceStatus:
+        self.core.stop()
+        return self.core.status()
+
+
+def _setup_worker(workdir: str | None) -> None:
+    """Make the actor's process resolve relative paths and `module:function` plugins as the serve process does."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if workdir and Path(workdir).is_dir():
+        os.chdir(workdir)
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+# -- Ray connection -------------------------------------------------------------------------------------------------
+def _prepare_client_auth(address: str | None) -> None:
+    """Use the local token with an explicit address too (Ray itself does this only for `address="auto"`).
+
+    Ray caches its auth mode at import, so setting RAY_AUTH_MODE now is not enough; Ray's own helper sets it and
+    refreshes the cache (a private function: if a later Ray moves it, set RAY_AUTH_MODE=token yourself).
+    """
+    if address in (None, "auto") or "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _restrict_token_file() -> None:
+    """The token grants code execution on the cluster: keep the default token file private to its owner."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    if path.is_file() and path.stat().st_uid == os.getuid():
+        path.chmod(0o600)
+
+
+def _auth_mode() -> str:
+    """The auth mode this process runs with ("token" or "disabled"), as Ray resolved it."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    return "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
+
+
+def token_location() -> str:
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the RAY_AUTH_TOKEN environment variable"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+
+
+def _ray_init(address: str | None, start_cluster: bool) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if start_cluster:
+        # Ray >= 2.59 turns token auth on (and writes a token) for a cluster ray.init() starts when RAY_AUTH_MODE
+        # is unset; only an explicit RAY_AUTH_MODE=disabled turns it off, which we respect but warn about.
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, configure_logging=False)
+        if _auth_mode() == "token":
+            _restrict_token_file()
+        else:
+            log.warning(
+                "token authentication is OFF (RAY_AUTH_MODE=%s): anyone who can reach this machine's Ray ports can "
+                "run code on it. Unset RAY_AUTH_MODE to keep it on.",
+                os.environ.get("RAY_AUTH_MODE"),
+            )
+        return
+    _prepare_client_auth(address)
+    try:
+        ray.init(
+            address=address or "auto",
+            namespace=NAMESPACE,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except ConnectionError as e:
+        raise ServiceError(f"{NO_SERVICE}; Ray says: {e}") from None
+    except Exception as e:  # noqa: BLE001 - auth failures and bad addresses come as several Ray types
+        hint = ""
+        if "auth" in str(e).lower() or "token" in str(e).lower():
+            hint = " (token auth: copy the cluster's token to ~/.ray/auth_token or set RAY_AUTH_TOKEN)"
+        raise ServiceError(f"cannot connect to Ray at {address or 'auto'!r}: {type(e).__name__}: {e}{hint}") from None
+
+
+class ServiceClient:
+    """Handle on a running service. `connect()` finds it; every method raises ServiceError on a user problem."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    @classmethod
+    def connect(cls, address: str | None = None) -> ServiceClient:
+        import ray
+
+        _ray_init(address, start_cluster=False)
+        try:
+            return cls(ray.get_actor(ACTOR_NAME, namespace=NAMESPACE))
+        except ValueError:
+            raise ServiceError(NO_SERVICE) from None
+
+    def _call(self, method: str, *args, timeout: float | None = None):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+        except RayActorError as e:
+            raise ServiceError(f"the rl-multilora service is not running any more ({e})") from None
+        except GetTimeoutError:
+            raise ServiceError(f"the service did not answer {method} within {timeout} s") from None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.model_validate(self._call("model_config", timeout=60))
+
+    def submit(self, adapter: str | Path | dict[str, Any]) -> AdapterStatus:
+        """Submit an adapter (a YAML path or its dict); parsed here against the service's model, then by the actor."""
+        source = str(adapter) if isinstance(adapter, str | Path) else None
+        try:
+            data = load_yaml(adapter) if source is not None else adapter
+            a = parse_adapter_config(data, self.model_config(), source=source)
+        except ConfigError as e:
+            raise ServiceError(f"rejected {source or 'adapter'}: {e}") from None
+        return self._reply(self._call("submit", a.model_dump(mode="json")))
+
+    def remove(self, name: str) -> AdapterStatus:
+        return self._reply(self._call("remove", name))
+
+    def status(self) -> ServiceStatus:
+        return self._call("status", timeout=60)
+
+    def shutdown(self, timeout: float | None = None) -> ServiceStatus:
+        """Finish the current step, checkpoint every live adapter and stop training (the actor stays until killed)."""
+        return self._call("shutdown", timeout=timeout)
+
+    @staticmethod
+    def _reply(r: Reply) -> AdapterStatus:
+        if r.error is not None:
+            raise ServiceError(r.error)
+        assert r.adapter is not None
+        return r.adapter
+
+
+# -- serve ----------------------------------------------------------------------------------------------------------
+def _actor_resources(cfg: RunConfig) -> dict[str, float]:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    device = cfg.model.device
+    if device.startswith("cuda") and gpus < 1:
+        raise ServiceError(f"model.device: {device!r} -> the Ray cluster has no GPU; use 'auto' or 'cpu'")
+    return {"num_cpus": 1, "num_gpus": 1 if device != "cpu" and gpus >= 1 else 0}
+
+
+def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.0) -> int:
+    """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code."""
+    import ray
+
+    _ray_init(address, start_cluster=address is None)
+    try:
+        try:
+            ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+            raise ServiceError(
+                f"a service is already running in this Ray cluster (actor {ACTOR_NAME!r}, namespace {NAMESPACE!r}); "
+                "use rl-multilora submit/status/remove against it, or stop its serve process first"
+            )
+        except ValueError:
+            pass
+        opts = _actor_resources(cfg)
+        handle = (
+            ray.remote(ServiceActor)
+            .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
+            .remote(cfg.model_dump(mode="json"), os.getcwd())
+        )
+        try:
+            ray.get(handle.ready.remote())
+        except Exception as e:  # noqa: BLE001 - a bad model path etc. surfaces as RayActorError with the cause
+            ray.kill(handle)
+            raise ServiceError(f"the service failed to start: {e}") from None
+        return _run_until_signal(ServiceClient(handle), cfg, health_every_s)
+    finally:
+        ray.shutdown()
+
+
+def _run_until_signal(client: ServiceClient, cfg: RunConfig, health_every_s: float) -> int:
+    import ray
+
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, _frame):
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    ctx = ray.get_runtime_context()
+    auth = _auth_mode()
+    print(
+        f"rl-multilora service ready (Ray {ctx.gcs_address}, namespace {NAMESPACE!r}, actor {ACTOR_NAME!r})\n"
+        f"  run dir: {cfg.run_dir}   slots: {cfg.model.max_loras}   max rank: {cfg.model.max_rank}\n"
+        f"  auth: {auth}" + (f" (token in {token_location()})" if auth == "token" else "") + "\n"
+        "  submit: rl-multilora submit ADAPTER.yaml | status: rl-multilora status | stop: Ctrl-C",
+        flush=True,
+    )
+    code = 0
+    try:
+        while not stop.wait(health_every_s):
+            st = client.status()
+            if st.error is not None:
+                log.error("the service stopped training after an error: %s", st.error)
+                code = 1
+                break
+    except ServiceError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
+    try:
+        final = client.shutdown()
+        print(final.table(), flush=True)
+    finally:
+        ray.kill(client.handle)
+    return code
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------------
+def cli(args) -> int:
+    """Entry point for `rl-multilora serve | submit | remove | status` (routed here by rl_multilora.cli)."""
+    if args.command == "serve":
+        return serve(load_run_config(args.config, args.set), address=args.address)
+    client = ServiceClient.connect(args.address)
+    if args.command == "submit":
+        st = client.submit(args.target)
+        print(f"accepted {st.name}: {st.state} (trains from the next step once a slot is free)")
+        return 0
+    if args.command == "remove":
+        st = client.remove(args.target)
+        if st.state == AdapterState.REMOVED.value:
+            print(f"{st.name}: removed (it never started)")
+        else:
+            print(f"{st.name}: draining; checkpointed and unloaded at the end of the current step")
+        return 0
+    if args.command == "status":
+        s = client.status()
+        print(json.dumps(s.to_dict(), indent=1) if args.json else s.table())
+        return 0
+    raise ServiceError(f"command: {args.command!r} -> allowed: serve, submit, remove, status")
