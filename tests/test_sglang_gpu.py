@@ -69,7 +69,7 @@ def test_real_sglang_loads_an_adapter_from_tensors_and_generates(tmp_path):
         startup_timeout_s=600,
     )
     with launcher:
-        engine = launcher.start(tensor_format="sglang")
+        engine = SGLangLauncher.attach(launcher.start(), tensor_format="sglang")
         assert engine.load_adapter("a", tensors, config) == 1
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
         prompt = [1, 2, 3, 4, 5, 6]

@@ -371,9 +371,10 @@ def test_launcher_waits_for_health_generate_and_stops_the_process_group(tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launcher = _StubLauncher("/m", port=port, log_path=str(tmp_path / "log"), stop_grace_s=5)
-    engine = launcher.start()
+    url = launcher.start()
     proc = launcher._proc
-    assert engine.health() and proc.poll() is None
+    assert url == f"http://127.0.0.1:{port}" and proc.poll() is None
+    assert SGLangLauncher.attach(url).health()
     launcher.stop()
     assert proc.poll() is not None
     with pytest.raises(RuntimeError, match="no healthy SGLang server"):

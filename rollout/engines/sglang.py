@@ -560,8 +560,8 @@ class SGLangLauncher:
             cmd += ["--api-key", self.api_key]
         return cmd + list(self.extra_args)
 
-    def start(self, **engine_kwargs: Any) -> SGLangEngine:
-        """Launch the server, wait until it generates, and return a client for it."""
+    def start(self) -> str:
+        """Launch the server, wait until it generates, and return its URL (`attach(url)` gives a client)."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"SGLang server already running (pid {self._proc.pid})")
         if self.log_path is None:
@@ -577,7 +577,7 @@ class SGLangLauncher:
         except BaseException:
             self.stop()
             raise
-        return SGLangEngine(self.url, api_key=self.api_key, **engine_kwargs)
+        return self.url
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
