@@ -302,6 +302,7 @@ class _Row:
 
 @dataclass
 class _Tenant:
+    slot: int  # the model slot the optimizer's parameters belong to
     optim_cfg: OptimConfig
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
@@ -353,7 +354,10 @@ class MultiLoRATrainer:
             params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim))
-        self._tenants[name] = _Tenant(optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler)
+        slot = self.model.adapters[name].slot
+        self._tenants[name] = _Tenant(
+            slot=slot, optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler
+        )
 
     def remove_adapter(self, name: str) -> None:
         """Drop `name`'s optimizer, schedule and step counter (the model's slot is the caller's to free)."""
@@ -393,6 +397,18 @@ class MultiLoRATrainer:
         tenant.scheduler.load_state_dict(state["scheduler"])
         tenant.step = int(state["step"])
 
+    def _check_slot(self, name: str) -> None:
+        # The optimizer holds the slot's Parameters: stepping it after the model re-slotted the name (or gave the
+        # slot to another tenant) would move someone else's weights.
+        tenant = self._tenant(name)
+        info = self.model.adapters.get(name)
+        if info is None or info.slot != tenant.slot:
+            now = "is no longer in the model" if info is None else f"now sits in slot {info.slot}"
+            raise RuntimeError(
+                f"adapter {name!r} had slot {tenant.slot} when its optimizer was created but {now}; "
+                "call trainer.remove_adapter and trainer.add_adapter after changing the model's adapters"
+            )
+
     def _tenant(self, name: str) -> _Tenant:
         if name not in self._tenants:
             raise KeyError(f"adapter {name!r} has no optimizer in the trainer (known: {sorted(self._tenants)})")
@@ -412,7 +428,7 @@ class MultiLoRATrainer:
         live: list[Sample] = []
         for s in samples:
             name = _adapter_name(s)
-            self._tenant(name)  # unknown adapters are a caller bug, fail before any work
+            self._check_slot(name)  # unknown or re-slotted adapters are a caller bug: fail before any work
             st = stats.setdefault(name, AdapterStepStats())
             current = (current_versions or {}).get(name)
             if s.status in EXCLUDED_STATUSES or not s.response_ids:
@@ -517,10 +533,16 @@ class MultiLoRATrainer:
     def _forward_logp(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: list[str | None], tok: _TokenIndex
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,) float32."""
-        logits = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names).logits  # (B, T, V)
-        # logits at position t predict token t + 1; gathering first keeps the softmax at (N, V), not (B, T, V)
-        picked = logits[tok.row, tok.pos - 1]  # (N, V)
+        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32."""
+        width = input_ids.shape[1]
+        # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
+        # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
+        keep = width - int(tok.pos.min()) + 1
+        out = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names, logits_to_keep=keep)
+        logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
+        offset = width - logits.shape[1]
+        # gathering before the softmax keeps it at (N, V), not (B, K, V)
+        picked = logits[tok.row, tok.pos - 1 - offset]  # (N, V)
         # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
         picked = (picked.float() if picked.element_size() < 4 else picked) / self.cfg.temperature  # (N, V)
         logp_all = F.log_softmax(picked, dim=-1)  # (N, V)

@@ -378,6 +378,9 @@ def test_trainer_rejects_unknown_adapter_and_duplicate_registration():
         trainer.train_step([sample("zzz", 0, 1.0)])
     with pytest.raises(ValueError, match="already has an optimizer"):
         trainer.add_adapter("a", OptimConfig())
+    trainer.model.remove_adapter("a")
+    with pytest.raises(RuntimeError, match="no longer in the model"):
+        trainer.train_step([sample("a", 0, 1.0)])
     trainer.remove_adapter("a")
     with pytest.raises(KeyError):
         trainer.adapter_step("a")
