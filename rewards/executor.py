@@ -47,6 +47,7 @@ from rollout.types import RewardSpec, Sample
 _ASYNC_GRACE_S = 0.25
 # A fresh worker imports rewards and math_verify (sympy) before it takes work; past this it is broken.
 _STARTUP_TIMEOUT_S = 120.0
+_MAX_STARTUP_FAILURES = 3
 _WORKER_CMD = "from rewards._worker import main; main({fd}, {ppid})"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -75,6 +76,9 @@ class _Task:
     spec: RewardSpec
     sample_ids: list[int]
     deadline: float = math.inf
+
+
+_Finish = Callable[..., None]  # finish(task, outcomes, started=True): record a task's outcomes
 
 
 @dataclass
@@ -137,6 +141,7 @@ class RewardExecutor:
         self._task_ids = itertools.count()
         self._resolved: dict[RewardSpec, RewardFn | RewardConfigError] = {}
         self._streak: dict[str, int] = defaultdict(int)
+        self._startup_failures = 0
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._workers.extend(self._spawn() for _ in range(num_workers))
@@ -172,6 +177,12 @@ class RewardExecutor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started (imports done), e.g. before the first timed step."""
+        with self._lock:
+            while any(not w.ready for w in self._workers):
+                self._wait_and_collect(lambda *args, **kwargs: None)  # no tasks are in flight outside a call
 
     @property
     def worker_pids(self) -> list[int]:
@@ -245,14 +256,17 @@ class RewardExecutor:
 
         while any(queues.values()) or any(w.task is not None for w in self._workers):
             for worker in self._workers:
-                if not worker.ready or worker.task is not None or not any(queues.values()):
-                    continue
-                # the adapter with the fewest tasks in flight goes next; ties go to the one served longest ago
-                adapter = min((a for a, q in queues.items() if q), key=lambda a: (in_flight[a], last_pick.get(a, -1)))
-                task = queues[adapter].popleft()
-                last_pick[adapter] = next(picks)
-                in_flight[adapter] += 1
-                self._dispatch(worker, task, samples, finish)
+                while worker.ready and worker.task is None and any(queues.values()):
+                    # the adapter with the fewest tasks in flight goes next; ties: the one served longest ago
+                    adapter = min(
+                        (a for a, q in queues.items() if q), key=lambda a: (in_flight[a], last_pick.get(a, -1))
+                    )
+                    task = queues[adapter].popleft()
+                    if not self._dispatch(worker, task, samples, finish):
+                        queues[adapter].appendleft(task)  # that worker was dead; a fresh one is starting
+                        break
+                    last_pick[adapter] = next(picks)
+                    in_flight[adapter] += worker.task is task
             self._wait_and_collect(finish)
             now = time.monotonic()
             for worker in list(self._workers):
@@ -268,7 +282,7 @@ class RewardExecutor:
                     rest = queues[task.adapter].popleft()
                     finish(rest, [("timeout", skipped)] * len(rest.sample_ids), started=False)
 
-    def _wait_and_collect(self, finish: Callable[[_Task, list[Outcome]], None]) -> None:
+    def _wait_and_collect(self, finish: _Finish) -> None:
         """Block until a worker answers, a worker becomes ready, or the nearest task deadline passes."""
         busy = [w for w in self._workers if w.task is not None]
         starting = [w for w in self._workers if not w.ready]
@@ -281,35 +295,43 @@ class RewardExecutor:
                 try:
                     worker.conn.recv()  # ("ready", pid)
                     worker.ready = True
+                    self._startup_failures = 0
                 except (EOFError, OSError):
+                    # killed while starting (replace it), unless workers keep dying: then the environment is broken
                     code = worker.process.wait()
-                    raise RuntimeError(
-                        f"reward worker exited during startup (exit code {code}); see its stderr"
-                    ) from None
+                    self._startup_failures += 1
+                    if self._startup_failures >= _MAX_STARTUP_FAILURES:
+                        raise RuntimeError(
+                            f"{self._startup_failures} reward workers in a row exited during startup (last exit "
+                            f"code {code}); see their stderr"
+                        ) from None
+                    self._replace(worker)
             elif time.monotonic() > worker.started_at + _STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
         for worker in busy:
             if worker.conn in ready:
                 self._receive(worker, finish)
 
-    def _dispatch(self, worker: _Worker, task: _Task, samples: list[Sample], finish) -> None:
+    def _dispatch(self, worker: _Worker, task: _Task, samples: list[Sample], finish: _Finish) -> bool:
+        """Send `task` to an idle worker and start its clock; False if the worker turned out to be dead."""
         items: list[Item] = [
             (s.prompt, s.response, s.label, dict(s.metadata)) for s in (samples[i] for i in task.sample_ids)
         ]
         try:
             worker.conn.send((task.task_id, list(sys.path), task.spec, items))
-        except (OSError, EOFError) as exc:  # the worker died while idle (e.g. OOM killer): replace it
+        except OSError:  # the worker died while idle (e.g. the OOM killer): not the tenant's fault, retry elsewhere
             self._replace(worker)
-            finish(task, [("error", f"reward worker was gone: {format_exc(exc)}")] * len(items))
-            return
+            return False
         except Exception as exc:  # unpicklable label or metadata: these samples fail, nothing was sent
-            finish(task, [("error", f"could not send samples to a reward worker: {format_exc(exc)}")] * len(items))
-            return
+            message = f"could not send samples to a reward worker: {format_exc(exc)}"
+            finish(task, [("error", message)] * len(items), started=False)
+            return True
         grace = _ASYNC_GRACE_S if is_async(self._resolved[task.spec]) else 0.0
         task.deadline = time.monotonic() + task.spec.timeout_s + grace
         worker.task = task
+        return True
 
-    def _receive(self, worker: _Worker, finish) -> None:
+    def _receive(self, worker: _Worker, finish: _Finish) -> None:
         task = worker.task
         worker.task = None
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -315,7 +316,7 @@ def test_executor_overhead_for_100_samples(executor):
 def test_executor_contains_raising_and_hanging_rewards():
     timeout = 1.0
     with RewardExecutor(num_workers=2, fail_steps=3) as ex:
-        ex.score_samples(make_samples("warm", RewardSpec(name="exact_match"), ["4"]))  # workers started
+        ex.wait_ready()  # time the call, not the workers' start-up
         pids = set(ex.worker_pids)
         hang = make_samples("hang", plugin("hanging_reward", timeout_s=timeout, failure_value=-1.0), ["a"] * 4)
         boom = make_samples("boom", plugin("raising_reward", failure_value=-0.5), ["a"] * 3)
@@ -350,7 +351,7 @@ def test_executor_partial_hang_costs_only_that_sample():
 
 def test_executor_async_timeouts_per_sample_and_blocked_loop():
     with RewardExecutor(num_workers=2) as ex:
-        ex.score_samples(make_samples("warm", RewardSpec(name="exact_match"), ["4"]))  # workers started
+        ex.wait_ready()  # time the call, not the workers' start-up
         cooperative = make_samples("coop", plugin("async_reward", timeout_s=0.5), ["4", "SLOW", "4"])
         blocking = make_samples("block", plugin("blocking_async_reward", timeout_s=0.5, failure_value=-1.0), ["x"])
         start = time.monotonic()
@@ -367,6 +368,19 @@ def test_executor_worker_death_is_an_error_and_worker_is_replaced(executor):
     report = executor.score_samples(samples)
     assert samples[0].reward == -3.0 and [s.reward for s in samples[1:]] == [1.0] * 3
     assert report.errors == {"exit": 1} and "exit code 3" in report.last_error["exit"]
+
+
+def test_executor_survives_idle_worker_death_and_unpicklable_labels(executor):
+    executor.wait_ready()
+    victim = executor.worker_pids[0]
+    os.kill(victim, signal.SIGKILL)  # e.g. the OOM killer, between two steps
+    time.sleep(0.2)
+    samples = make_samples("idle", RewardSpec(name="exact_match"), ["4"] * 4)
+    samples += make_samples("pickle", RewardSpec(name="exact_match"), ["4"], label=lambda: "4")
+    report = executor.score_samples(samples)
+    assert [s.reward for s in samples] == [1.0] * 4 + [0.0]  # the dead worker's task went to a live one
+    assert report.errors == {"pickle": 1} and "could not send" in report.last_error["pickle"]
+    assert victim not in executor.worker_pids
 
 
 def test_executor_reports_failing_after_consecutive_all_fail_calls(executor):
@@ -395,7 +409,10 @@ def test_executor_rejects_samples_without_spec_and_bad_args(executor):
 
 def test_executor_close_leaves_no_processes():
     ex = RewardExecutor(num_workers=2)
-    ex.score_samples(make_samples("c", RewardSpec(name="exact_match"), ["4"]))
+    os.kill(ex.worker_pids[0], signal.SIGKILL)  # killed while still importing: replaced, not fatal
+    samples = make_samples("c", RewardSpec(name="exact_match"), ["4"] * 3)
+    assert ex.score_samples(samples).errors == {} and [s.reward for s in samples] == [1.0] * 3
+    ex.wait_ready()
     pids = ex.worker_pids
     ex.close()
     ex.close()  # idempotent
