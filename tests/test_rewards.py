@@ -313,53 +313,51 @@ def test_executor_overhead_for_100_samples(executor):
     assert report.seconds < 1.0, report.seconds
 
 
-def test_executor_contains_raising_and_hanging_rewards():
+def test_executor_contains_raising_and_hanging_rewards(executor):
     timeout = 1.0
-    with RewardExecutor(num_workers=2, fail_steps=3) as ex:
-        ex.wait_ready()  # time the call, not the workers' start-up
-        pids = set(ex.worker_pids)
-        hang = make_samples("hang", plugin("hanging_reward", timeout_s=timeout, failure_value=-1.0), ["a"] * 4)
-        boom = make_samples("boom", plugin("raising_reward", failure_value=-0.5), ["a"] * 3)
-        good = make_samples("good", RewardSpec(name="gsm8k"), ["#### 72", "#### 1"] * 3, label=NATALIA)
-        samples = hang + boom + good
-        start = time.monotonic()
-        report = ex.score_samples(samples)
-        elapsed = time.monotonic() - start
-        assert elapsed < timeout + 0.75, elapsed
-        assert [s.reward for s in hang] == [-1.0] * 4
-        assert [s.reward for s in boom] == [-0.5] * 3
-        assert [s.reward for s in good] == [1.0, 0.0] * 3  # untouched by the neighbours
-        assert report.timeouts == {"hang": 4} and report.errors == {"boom": 3}
-        assert "timeout_s=1.0" in report.last_error["hang"] and "ZeroDivisionError" in report.last_error["boom"]
-        assert pids - set(ex.worker_pids), "a hung worker is replaced"
-        for pid in pids - set(ex.worker_pids):
-            assert not Path(f"/proc/{pid}").exists(), "killed workers are reaped"
+    executor.wait_ready()  # time the call, not the workers' start-up
+    pids = set(executor.worker_pids)
+    hang = make_samples("hang", plugin("hanging_reward", timeout_s=timeout, failure_value=-1.0), ["a"] * 4)
+    boom = make_samples("boom", plugin("raising_reward", failure_value=-0.5), ["a"] * 3)
+    good = make_samples("good", RewardSpec(name="gsm8k"), ["#### 72", "#### 1"] * 3, label=NATALIA)
+    samples = hang + boom + good
+    start = time.monotonic()
+    report = executor.score_samples(samples)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 0.75, elapsed
+    assert [s.reward for s in hang] == [-1.0] * 4
+    assert [s.reward for s in boom] == [-0.5] * 3
+    assert [s.reward for s in good] == [1.0, 0.0] * 3  # untouched by the neighbours
+    assert report.timeouts == {"hang": 4} and report.errors == {"boom": 3}
+    assert "timeout_s=1.0" in report.last_error["hang"] and "ZeroDivisionError" in report.last_error["boom"]
+    assert pids - set(executor.worker_pids), "a hung worker is replaced"
+    for pid in pids - set(executor.worker_pids):
+        assert not Path(f"/proc/{pid}").exists(), "killed workers are reaped"
 
-        # the replacement workers serve the next call normally
-        again = make_samples("good", RewardSpec(name="gsm8k"), ["#### 72"], label=NATALIA)
-        assert ex.score_samples(again).errors == {} and again[0].reward == 1.0
-
-
-def test_executor_partial_hang_costs_only_that_sample():
-    with RewardExecutor(num_workers=2) as ex:
-        spec = plugin("hang_on_marker_reward", timeout_s=1.0)
-        samples = make_samples("partial", spec, ["HANG", "ok", "ok", "ok"])
-        report = ex.score_samples(samples)
-        assert [s.reward for s in samples] == [0.0, 1.0, 1.0, 1.0]
-        assert report.timeouts == {"partial": 1}
+    # the replacement workers serve the next call normally
+    again = make_samples("good", RewardSpec(name="gsm8k"), ["#### 72"], label=NATALIA)
+    assert executor.score_samples(again).errors == {} and again[0].reward == 1.0
 
 
-def test_executor_async_timeouts_per_sample_and_blocked_loop():
-    with RewardExecutor(num_workers=2) as ex:
-        ex.wait_ready()  # time the call, not the workers' start-up
-        cooperative = make_samples("coop", plugin("async_reward", timeout_s=0.5), ["4", "SLOW", "4"])
-        blocking = make_samples("block", plugin("blocking_async_reward", timeout_s=0.5, failure_value=-1.0), ["x"])
-        start = time.monotonic()
-        report = ex.score_samples(cooperative + blocking)
-        assert time.monotonic() - start < 0.5 + 1.0
-        assert [s.reward for s in cooperative] == [1.0, 0.0, 1.0]  # wait_for cancels only the slow one
-        assert blocking[0].reward == -1.0
-        assert report.timeouts == {"coop": 1, "block": 1}
+def test_executor_partial_hang_costs_only_that_sample(executor):
+    executor.wait_ready()  # the other samples run on the second worker while the first hangs
+    spec = plugin("hang_on_marker_reward", timeout_s=1.0)
+    samples = make_samples("partial", spec, ["HANG", "ok", "ok", "ok"])
+    report = executor.score_samples(samples)
+    assert [s.reward for s in samples] == [0.0, 1.0, 1.0, 1.0]
+    assert report.timeouts == {"partial": 1}
+
+
+def test_executor_async_timeouts_per_sample_and_blocked_loop(executor):
+    executor.wait_ready()  # time the call, not the workers' start-up
+    cooperative = make_samples("coop", plugin("async_reward", timeout_s=0.5), ["4", "SLOW", "4"])
+    blocking = make_samples("block", plugin("blocking_async_reward", timeout_s=0.5, failure_value=-1.0), ["x"])
+    start = time.monotonic()
+    report = executor.score_samples(cooperative + blocking)
+    assert time.monotonic() - start < 0.5 + 1.0
+    assert [s.reward for s in cooperative] == [1.0, 0.0, 1.0]  # wait_for cancels only the slow one
+    assert blocking[0].reward == -1.0
+    assert report.timeouts == {"coop": 1, "block": 1}
 
 
 def test_executor_worker_death_is_an_error_and_worker_is_replaced(executor):
