@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ from rollout.engines.sglang import (
     SGLangError,
     SGLangLauncher,
     check_lora_config,
+    encode_tensors_sglang,
     generate_payload,
 )
 from rollout.types import GenerateRequest, SamplingParams
@@ -251,6 +253,30 @@ def test_rslora_and_dora_are_rejected_before_anything_is_sent(capture, tmp_path)
     with pytest.raises(ValueError, match=r"config\.r=0"):
         check_lora_config({**CONFIG, "r": 0})
     assert capture.calls == []
+
+
+def test_sglang_tensor_encoding_decodes_in_an_unrelated_process_on_this_host(tmp_path):
+    """What SGLang's MultiprocessingSerializer.deserialize does (base64 -> pickle.loads) works in a process that
+    is not our multiprocessing child, as a separately launched server is not."""
+    sent = _tensors(2)
+    snapshot = {k: v.clone() for k, v in sent.items()}  # kept alive until the reader is done
+    code = (
+        "import base64, pickle, sys, torch\n"
+        "d = pickle.loads(base64.b64decode(sys.stdin.read(), validate=True))\n"
+        "torch.save(d, sys.argv[1])\n"
+    )
+    target = tmp_path / "received.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(target)],
+        input=encode_tensors_sglang(snapshot),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    received = torch.load(target)
+    assert received.keys() == sent.keys()
+    assert all(torch.equal(received[k], sent[k]) for k in sent)
 
 
 # -------------------------------------------------------------------------------- tests: responses

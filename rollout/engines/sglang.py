@@ -50,12 +50,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import requests
 import torch
+import torch.multiprocessing as torch_mp  # also registers torch's tensor reductions on ForkingPickler
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
@@ -224,18 +226,27 @@ def decode_tensors_safetensors(data: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"serialized tensors are not safetensors bytes: {exc}") from exc
 
 
+_SHARING_LOCK = threading.Lock()
+
+
 def encode_tensors_sglang(tensors: dict[str, torch.Tensor]) -> str:
     """SGLang's MultiprocessingSerializer encoding: base64 of torch's ForkingPickler dump of the dict.
 
     This is pickle. Tensors travel as shared-memory (CPU) or CUDA IPC handles, so the server must run on this
-    host and must trust this process. It mirrors SGLang's format without importing sglang.
+    host and must trust this process, and the tensors must stay alive until the server has loaded them (pass
+    contiguous snapshots, as `SGLangEngine.load_adapter` does). It mirrors SGLang's format without importing
+    sglang. CPU tensors are shared by file name (torch's "file_system" strategy, switched on only for this dump):
+    the default "file_descriptor" strategy hands fds over a socket that only processes of our own
+    multiprocessing tree may open, and the server is not one of them.
     """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions on ForkingPickler
-
     buf = io.BytesIO()
-    ForkingPickler(buf).dump({name: t.detach().contiguous() for name, t in tensors.items()})
+    with _SHARING_LOCK:
+        previous = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")
+        try:
+            ForkingPickler(buf).dump(dict(tensors))
+        finally:
+            torch_mp.set_sharing_strategy(previous)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -384,15 +395,21 @@ class SGLangEngine(RolloutEngine):
         if not tensors:
             raise ValueError(f"tensors for adapter {name!r} are empty; expected PEFT-named lora_A/lora_B tensors")
         new_version = self._next_version(name, version)
+        body: dict[str, Any] = {"lora_name": name, "config_dict": config}
         if self.tensor_format == "sglang":
-            blob = encode_tensors_sglang(tensors)
-            body: dict[str, Any] = {"lora_name": name, "config_dict": config}
+            # A snapshot the server reads through shared-memory / CUDA IPC handles: the caller's tensors (live
+            # trainer parameters) are neither moved to shared memory nor read after a later optimizer step.
+            # It must stay alive until the server has loaded it, i.e. until the POST below returns.
+            snapshot = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
+            # One encoding per TP rank: a shared-memory handle can be taken by one receiver only.
+            body["serialized_named_tensors"] = [encode_tensors_sglang(snapshot) for _ in range(self.tp_size)]
         else:
-            blob = encode_tensors_safetensors(tensors)
-            body = {"lora_name": name, "config_dict": config, "load_format": SAFETENSORS_LOAD_FORMAT}
-        body["serialized_named_tensors"] = [blob] * self.tp_size
+            snapshot = None
+            body["load_format"] = SAFETENSORS_LOAD_FORMAT
+            body["serialized_named_tensors"] = [encode_tensors_safetensors(tensors)] * self.tp_size
         self._replace(name)
         self._post("/load_lora_adapter_from_tensors", body, {ADAPTER_VERSION_HEADER: str(new_version)})
+        del snapshot  # the server has its copy now
         self._record(name, new_version)
         return new_version
 
