@@ -537,7 +537,7 @@ class MultiLoRATrainer:
         width = input_ids.shape[1]
         # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
         # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
-        keep = width - int(tok.pos.min()) + 1
+        keep = width - tok.first_pos + 1
         out = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names, logits_to_keep=keep)
         logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
         offset = width - logits.shape[1]
@@ -655,6 +655,7 @@ class _TokenIndex:
     rollout_logp: torch.Tensor
     has_rollout: torch.Tensor  # bool
     counts: list[int]  # tokens per row
+    first_pos: int  # smallest target position (host-side, so slicing the logits needs no device sync)
 
     @staticmethod
     def build(micro: list[_Row], slot_of: dict[str, int], weights: dict[int, float], device) -> _TokenIndex:
@@ -687,6 +688,7 @@ class _TokenIndex:
             rollout_logp=flt(rollout),
             has_rollout=torch.tensor(has_rollout, dtype=torch.bool, device=device),
             counts=counts,
+            first_pos=min(pos),
         )
 
 
