@@ -364,6 +364,40 @@ def test_concurrent_agenerate_calls_share_one_batch(engine, model):
         assert [r.output_ids for r in group_results] == [r.output_ids for r in engine.generate(group)]
 
 
+def test_requests_arriving_mid_decode_join_the_running_batch(engine, model):
+    long = GenerateRequest(PROMPTS[2] * 3, "a", greedy(60, stop_token_ids=[]))
+    late = [GenerateRequest(PROMPTS[1], "b", greedy(5)), GenerateRequest(PROMPTS[0], None, sample(seed=3))]
+    alone = [engine.generate([r])[0] for r in [long, *late]]
+    decoding, hook = slowed(model, delay_s=0.02)
+    try:
+        long_thread, long_box = run_in_thread(engine.generate, [long])
+        assert decoding.wait(10)
+        late_results = engine.generate(late)  # admitted into the running wave, not queued behind it
+        assert "out" not in long_box, "the late requests must finish while the long one is still decoding"
+        long_thread.join(20)
+    finally:
+        hook.remove()
+    for got, want in zip([long_box["out"][0], *late_results], alone, strict=True):
+        assert got.output_ids == want.output_ids
+        torch.testing.assert_close(torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs))
+
+
+def test_more_requests_than_max_batch_size_stream_through_the_free_room(model, peft_adapters):
+    eng = EmbeddedEngine(model, tiny_tokenizer(), max_batch_size=2)
+    try:
+        for name in ("a", "b"):
+            eng.load_adapter(name, *peft_adapters[name][1:])
+        requests = [
+            GenerateRequest(PROMPTS[i % 4], [None, "a", "b"][i % 3], greedy(3 + 4 * (i % 3), stop_token_ids=[]))
+            for i in range(7)
+        ]
+        batched = eng.generate(requests)
+        assert [r.output_ids for r in batched] == [eng.generate([r])[0].output_ids for r in requests]
+        assert [len(r.output_ids) for r in batched] == [r.sampling.max_new_tokens for r in requests]
+    finally:
+        eng.close()
+
+
 def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
     _, tensors, config = peft_adapters["b"]
     key = next(iter(tensors))

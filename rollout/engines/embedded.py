@@ -8,14 +8,15 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   leaks into a running rollout. The engine allocates bank slots itself (lowest free slot), which
   need not match the trainer's slot numbers.
 - One background worker thread owns every model call. `generate` and `agenerate` only enqueue
-  rows; the worker takes everything queued (up to `max_batch_size` rows, after a short
-  coalescing wait so concurrent `agenerate` calls of one rollout land in the same batch) and runs
-  it as one *wave*: a batched, left-padded prefill, then batched decode steps until every row
-  has finished. Rows of different adapters and base rows (slot -1) share every forward; each row
-  is routed to its adapter by `adapter_slots`. Finished rows are dropped from the batch and the
-  KV cache after each step. Requests that arrive during a wave wait for the next one (no
-  continuous admission: a GRPO rollout submits all its groups at once, so one wave usually holds
-  the whole step).
+  rows; the worker takes what is queued (up to `max_batch_size` rows, after a short coalescing
+  wait so the concurrent `agenerate` calls of one rollout land in the same batch), prefills them
+  in one left-padded batch (attention mask + per-row position ids, HF `DynamicCache`) and decodes
+  them in lockstep. Rows of different adapters and base rows (slot -1) share every forward; each
+  row is routed to its adapter by `adapter_slots`. Finished rows leave the batch and the KV cache
+  after each step (padding columns no remaining row needs are cropped), and queued rows are
+  admitted into the freed room between steps (continuous batching: they are prefilled on their
+  own, then their cache is left-padded and concatenated to the running one). Admission needs
+  plain `DynamicLayer` caches; models with sliding-window layers run queued rows in the next wave.
 - Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
   prefilled once; the cache, the mask and the last logits are then expanded by index.
 - Sampling is per row: temperature (0 = greedy argmax), top-k (-1 = off), top-p, then inverse-CDF
@@ -62,6 +63,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
@@ -110,6 +112,61 @@ class _Row:
     @property
     def params(self) -> SamplingParams:
         return self.request.sampling
+
+
+@dataclass
+class _Batch:
+    """The rows decoding together and their tensors; row i of every tensor belongs to `rows[i]`."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor  # (B, T) 1 = real token, 0 = left padding; T = cache length
+    last_pos: torch.Tensor  # (B,) position id of each row's last fed token
+    slots: torch.Tensor  # (B,) bank slot per row, -1 = base
+    logits: torch.Tensor  # (B, V) float32 next-token logits
+
+    def expand(self, index: torch.Tensor) -> None:
+        """Row j becomes a copy of row index[j] (fan a shared prompt out to its samples); index: (B',)."""
+        self.cache.batch_select_indices(index)
+        self.mask, self.last_pos, self.slots = self.mask[index], self.last_pos[index], self.slots[index]
+        self.logits = self.logits[index]
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (finished rows leave the batch and the cache), then drop dead padding."""
+        self.expand(torch.tensor(keep, device=self.mask.device))
+        self.rows = [self.rows[i] for i in keep]
+        if not self.can_merge():
+            return
+        # Columns that are padding for every remaining row (the long prompts left) cost attention for nothing.
+        lead = int(self.mask.any(dim=0).int().argmax())
+        if lead > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]  # (B, H, T - lead, D)
+            self.mask = self.mask[:, lead:]
+
+    def can_merge(self) -> bool:
+        return all(type(layer) is DynamicLayer and layer.is_initialized for layer in self.cache.layers)
+
+    def merge(self, other: _Batch) -> None:
+        """Append `other`'s rows: left-pad the shorter cache and mask to a common length, then concatenate."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            # keys/values: (B, H, T, D) -> (B + B', H, width, D), zeros at the new left padding (masked out)
+            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
+        self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(other.mask, width, -1)])  # (B + B', width)
+        self.last_pos = torch.cat([self.last_pos, other.last_pos])
+        self.slots = torch.cat([self.slots, other.slots])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows = self.rows + other.rows
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad `t` on the left of dimension `dim` (-1 or -2) up to `width`."""
+    pad = width - t.shape[dim]
+    if pad == 0:
+        return t
+    return torch.nn.functional.pad(t, (pad, 0) if dim == -1 else (0, 0, pad, 0))
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -404,22 +461,27 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             return self._closed or (self._paused and self._pause_mode == "abort")
 
-    def _stale_reason(self, row: _Row) -> str | None:
-        """Why `row` must not take another step on the current weights (caller holds `_weights_lock`)."""
-        if row.job.cancelled:
-            return "cancelled"
+    def _still_current(self, row: _Row) -> bool:
+        """False (and the row finished as "abort") when its adapter changed or its caller went away.
+
+        Caller holds `_weights_lock`. This is what keeps every result on one weight version, even when
+        `load_adapter` is called without a pause.
+        """
         name = row.request.adapter
-        if name is None:
-            return None
-        entry = self._adapters.get(name)
-        if entry is None:
-            return f"adapter {name!r} was unloaded while the request was running; resubmit it"
-        if entry.version != row.version or entry.slot != row.slot:
-            return f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request; resubmit it"
-        return None
+        entry = self._adapters.get(name) if name is not None else None
+        if row.job.cancelled:
+            reason = "cancelled"
+        elif name is not None and entry is None:
+            reason = f"adapter {name!r} was unloaded while the request was running; resubmit it"
+        elif entry is not None and (entry.version != row.version or entry.slot != row.slot):
+            reason = f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request; resubmit it"
+        else:
+            return True
+        self._finish(row, "abort", error=reason)
+        return False
 
     def _run_wave(self, rows: list[_Row]) -> None:
-        """Prefill `rows` together, then decode them in lockstep until each one finishes."""
+        """Prefill `rows` together, then decode in lockstep, admitting queued rows as others finish."""
         with torch.inference_mode(), self._eval_mode():
             with self._weights_lock:
                 if self._abort_requested():
@@ -428,36 +490,53 @@ class EmbeddedEngine(RolloutEngine):
                     with self._cond:
                         self._queue.extendleft(reversed(rows))
                     return
-                rows = self._resolve_adapters(rows)
-                if not rows:
-                    return
-                logits, mask, last_pos, slots, cache = self._prefill(rows)
-            while True:
-                tokens, logprobs = self._sample(logits, rows)  # (B,), (B,)
-                keep = [i for i, row in enumerate(rows) if not self._append_and_check(row, tokens[i], logprobs[i])]
+                batch = self._start(rows)
+            while batch is not None:
+                tokens, logprobs = self._sample(batch.logits, batch.rows)  # (B,), (B,)
+                keep = [
+                    i for i, row in enumerate(batch.rows) if not self._append_and_check(row, tokens[i], logprobs[i])
+                ]
                 with self._weights_lock:
                     if self._abort_requested():
-                        return self._abort(
-                            [rows[i] for i in keep], "aborted by pause(mode='abort') or close(); resubmit the request"
-                        )
-                    live = []
-                    for i in keep:
-                        reason = self._stale_reason(rows[i])
-                        if reason is None:
-                            live.append(i)
-                        else:
-                            self._finish(rows[i], "abort", error=reason)
-                    if not live:
-                        return
-                    if len(live) < len(rows):
-                        index = torch.tensor(live, device=self._device)  # (B',) rows that go on
-                        cache.batch_select_indices(index)
-                        mask, last_pos, slots = mask[index], last_pos[index], slots[index]
-                        rows = [rows[i] for i in live]
-                    next_ids = torch.tensor([[row.output_ids[-1]] for row in rows], device=self._device)  # (B, 1)
-                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)  # (B, T + 1)
-                    last_pos = last_pos + 1  # (B,) each row's position id continues from its own length
-                    logits = self._forward(next_ids, mask, last_pos[:, None], slots, cache)
+                        error = "aborted by pause(mode='abort') or close(); resubmit the request"
+                        return self._abort([batch.rows[i] for i in keep], error)
+                    keep = [i for i in keep if self._still_current(batch.rows[i])]
+                    if not keep:
+                        return  # queued rows (if any) start the next wave
+                    if len(keep) < len(batch.rows):
+                        batch.select(keep)
+                    batch.logits = self._decode_step(batch)
+                    self._admit(batch)
+
+    def _start(self, rows: list[_Row]) -> _Batch | None:
+        """Resolve adapters and prefill `rows`; None when none of them can run (caller holds `_weights_lock`)."""
+        rows = self._resolve_adapters(rows)
+        return self._prefill(rows) if rows else None
+
+    def _admit(self, batch: _Batch) -> None:
+        """Continuous batching: prefill queued rows into the free room of a running batch.
+
+        Not while paused (a wait-mode pause must not grow the running wave) and only for caches made of
+        plain `DynamicLayer`s, whose KV tensors can be left-padded and concatenated (sliding-window
+        layers keep a rolling window and are left to the next wave).
+        """
+        room = self._max_batch_size - len(batch.rows)
+        if room <= 0 or not batch.can_merge():
+            return
+        with self._cond:
+            if self._paused or self._closed or not self._queue:
+                return
+            rows = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+        new = self._start(rows)
+        if new is not None:
+            batch.merge(new)
+
+    def _decode_step(self, batch: _Batch) -> torch.Tensor:
+        """Feed every row its last sampled token; returns the next logits, (B, V) float32."""
+        next_ids = torch.tensor([[row.output_ids[-1]] for row in batch.rows], device=self._device)  # (B, 1)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)  # (B, T + 1)
+        batch.last_pos = batch.last_pos + 1  # (B,) each row's position id continues from its own length
+        return self._forward(next_ids, batch.mask, batch.last_pos[:, None], batch.slots, batch.cache)
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -502,7 +581,7 @@ class EmbeddedEngine(RolloutEngine):
         for row in rows:
             self._finish(row, "abort", error=error)
 
-    def _prefill(self, rows: list[_Row]):
+    def _prefill(self, rows: list[_Row]) -> _Batch:
         """Left-padded batched prefill of each distinct (prompt, adapter), expanded to one cache row per row."""
         unique: dict[tuple[tuple[int, ...], int], int] = {}
         row_to_unique = [unique.setdefault((tuple(r.request.input_ids), r.slot), len(unique)) for r in rows]
@@ -518,12 +597,10 @@ class EmbeddedEngine(RolloutEngine):
         slots = torch.tensor([slot for _, slot in prompts], device=self._device)  # (U,) -1 = base
         cache = DynamicCache(config=self._config)
         logits = self._forward(input_ids, mask, positions, slots, cache)  # (U, V)
-        last_pos = positions[:, -1]  # (U,)
+        batch = _Batch(list(rows), cache, mask, positions[:, -1], slots, logits)
         if len(prompts) < len(rows):
-            index = torch.tensor(row_to_unique, device=self._device)  # (B,) unique prompt of each row
-            cache.batch_select_indices(index)
-            logits, mask, last_pos, slots = logits[index], mask[index], last_pos[index], slots[index]
-        return logits, mask, last_pos, slots, cache
+            batch.expand(torch.tensor(row_to_unique, device=self._device))  # (B,) unique prompt of each row
+        return batch
 
     def _forward(
         self,
