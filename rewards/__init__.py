@@ -1,4 +1,4 @@
-"""Reward functions for rl-multilora: built-ins by name, custom functions by import path, a sandboxed executor.
+"""Reward functions for rl-multilora: built-ins by name, custom functions by import path, a fault-isolating executor.
 
 Every tenant's `RewardSpec` (rollout.types) names exactly one reward:
 
@@ -27,7 +27,8 @@ Entry points:
 - `RewardExecutor(num_workers=2, fail_steps=3)`: the training loop's scorer. `executor.score_samples(samples)` sets
   `sample.reward` on every sample and returns a `RewardReport` with per-adapter error / timeout counts. Rewards run
   in persistent worker processes; a reward that raises or runs past `spec.timeout_s` scores `spec.failure_value`
-  for that sample only, and a hung worker is killed and replaced.
+  for that sample only, and a hung worker is killed and replaced. `executor.wait_ready()` blocks until the
+  workers have started. Workers isolate faults, not privileges: they run your code as the trainer's user.
 """
 
 from rewards import builtin as builtin

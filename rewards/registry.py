@@ -159,7 +159,7 @@ def _import_path(path: str) -> RewardFn:
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            callables = sorted(n for n, v in vars(obj).items() if callable(v) and not n.startswith("_"))
+            callables = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
             raise RewardConfigError(
                 f"reward.path: {path!r}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; "
                 f"callables there: {', '.join(callables) or '(none)'}"
