@@ -35,20 +35,24 @@ def sample(seed: int, max_new_tokens: int = 10, **kw) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed, **kw)
 
 
+def make_peft_adapter(folder, rank: int, alpha: int, seed: int, family: str = "qwen2"):
+    """Save a random non-zero PEFT LoRA on the tiny `family` base; returns (folder, tensors, config dict)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
+        peft_model = get_peft_model(tiny_model(family), config)
+    peft_model.save_pretrained(folder)
+    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return folder, tensors, json.loads((folder / "adapter_config.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def peft_adapters(tmp_path_factory):
     """name -> (folder, PEFT-named tensors, PEFT config dict) of random non-zero adapters on the tiny base."""
-    out = {}
-    for name, (rank, alpha, seed) in ADAPTERS.items():
-        folder = tmp_path_factory.mktemp(f"peft_{name}")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
-            peft_model = get_peft_model(tiny_model(), config)
-        peft_model.save_pretrained(folder)
-        tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-        out[name] = (folder, tensors, json.loads((folder / "adapter_config.json").read_text()))
-    return out
+    return {
+        name: make_peft_adapter(tmp_path_factory.mktemp(f"peft_{name}"), rank, alpha, seed)
+        for name, (rank, alpha, seed) in ADAPTERS.items()
+    }
 
 
 @pytest.fixture
@@ -65,9 +69,9 @@ def engine(model, peft_adapters):
     eng.close()
 
 
-def hf_greedy(prompt: list[int], max_new_tokens: int, folder=None) -> list[int]:
+def hf_greedy(prompt: list[int], max_new_tokens: int, folder=None, family: str = "qwen2") -> list[int]:
     """Reference: HF generate on a fresh base, through PEFT when `folder` is given."""
-    ref = tiny_model()
+    ref = tiny_model(family)
     if folder is not None:
         ref = PeftModel.from_pretrained(ref, folder).eval()
     ids = torch.tensor([prompt])
@@ -94,6 +98,22 @@ def test_greedy_mixed_batch_matches_peft_generate(engine, peft_adapters):
         r.adapter: res.output_ids for r, res in zip(requests, results, strict=True) if r.input_ids == PROMPTS[0]
     }
     assert len({tuple(v) for v in by_adapter.values()}) == len(names), "adapters must change the greedy output"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_matches_peft_generate_on_other_families(family, tmp_path):
+    folder, tensors, config = make_peft_adapter(tmp_path / "adapter", rank=4, alpha=8, seed=5, family=family)
+    model = MultiLoRAModel.from_model(tiny_model(family), max_loras=2, max_rank=8, target_modules="all-linear")
+    eng = EmbeddedEngine(model, tiny_tokenizer())
+    try:
+        eng.load_adapter("a", tensors, config)
+        requests = [GenerateRequest(p, adapter=n, sampling=greedy(8)) for p in PROMPTS[:2] for n in ("a", None)]
+        results = eng.generate(requests)
+    finally:
+        eng.close()
+    for request, result in zip(requests, results, strict=True):
+        adapter_folder = folder if request.adapter else None
+        assert result.output_ids == hf_greedy(request.input_ids, 8, adapter_folder, family), request
 
 
 def test_logprobs_equal_trainer_forward_at_temperature_one(model, peft_adapters):
