@@ -106,6 +106,8 @@ def grpo_config(cfg: RunConfig):
         normalize_std=g.normalize_std,
         drop_uniform_groups=g.drop_uniform_groups,
         micro_batch_size=g.micro_batch_size,
+        # The trainer scales logits like the sampler did, so its log-probs match the rollout's (greedy: none).
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
     )
 
 
