@@ -381,7 +381,8 @@ def test_requests_in_flight_during_a_sync_complete_on_one_version_or_abort():
             assert r.weight_version == (2 if q.adapter else None)
 
 
-def test_result_is_aborted_when_its_adapter_changed_while_in_flight():
+@pytest.mark.parametrize("reload_version", [None, 1])  # 1: the caller reuses the version number
+def test_result_is_aborted_when_its_adapter_changed_while_in_flight(reload_version):
     """Client-side guard: a completion that straddles a version change (even without a server abort) is not
     trusted, since SGLang's weight_version cannot say which adapter version produced it."""
     engine = FakeEngine(step_s=0.01)
@@ -393,7 +394,7 @@ def test_result_is_aborted_when_its_adapter_changed_while_in_flight():
         worker = threading.Thread(target=lambda: box.__setitem__("r", client.generate([req])))
         worker.start()
         wait_until(lambda: engine.progress.get(1, 0) >= 2)
-        client.load_adapter("a", tensors(1), CONFIG)  # no pause: the server does not abort anything
+        client.load_adapter("a", tensors(1), CONFIG, version=reload_version)  # no pause: nothing is aborted
         worker.join(30)
         [res] = box["r"]
         assert res.finish_reason == "abort"

@@ -292,6 +292,8 @@ class SGLangEngine(RolloutEngine):
         self._versions: dict[str, int] = {}
         # Last version ever given to a name, so a name that is unloaded and loaded again never reuses a version.
         self._last_version: dict[str, int] = {}
+        # Bumped on every load or unload of a name (versions given by the caller may repeat; this cannot).
+        self._changes: dict[str, int] = {}
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._changed_while_paused = False
@@ -356,6 +358,7 @@ class SGLangEngine(RolloutEngine):
                 await asyncio.sleep(0.005)
             with self._lock:
                 sent_version = self._versions.get(request.adapter) if request.adapter is not None else None
+                sent_change = self._changes.get(request.adapter, 0) if request.adapter is not None else 0
             try:
                 async with session.post(self.base_url + "/generate", json=payload) as resp:
                     status = resp.status
@@ -377,8 +380,8 @@ class SGLangEngine(RolloutEngine):
         if request.adapter is None:
             return GenerateResult(parsed.output_ids, parsed.output_logprobs, parsed.finish_reason, None, parsed.error)
         with self._lock:
-            now_version = self._versions.get(request.adapter)
-        if parsed.finish_reason in ("stop", "length") and now_version != sent_version:
+            changed = self._changes.get(request.adapter, 0) != sent_change
+        if parsed.finish_reason in ("stop", "length") and changed:
             # The adapter changed while this request was in flight: we cannot tell which weights produced it.
             return GenerateResult(finish_reason="abort", weight_version=sent_version)
         version = sent_version if sent_version is not None else _int_or_none(parsed.weight_version)
@@ -401,7 +404,7 @@ class SGLangEngine(RolloutEngine):
             # trainer parameters) are neither moved to shared memory nor read after a later optimizer step.
             # It must stay alive until the server has loaded it, i.e. until the POST below returns.
             snapshot = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
-            # One encoding per TP rank: a shared-memory handle can be taken by one receiver only.
+            # One entry per TP rank, as SGLang expects (each rank deserializes its own).
             body["serialized_named_tensors"] = [encode_tensors_sglang(snapshot) for _ in range(self.tp_size)]
         else:
             snapshot = None
@@ -432,6 +435,7 @@ class SGLangEngine(RolloutEngine):
         self._post("/unload_lora_adapter", {"lora_name": name})
         with self._lock:
             self._versions.pop(name, None)
+            self._changes[name] = self._changes.get(name, 0) + 1
             self._changed_while_paused = not self._unpaused.is_set() or self._changed_while_paused
 
     def _replace(self, name: str) -> None:
@@ -443,6 +447,7 @@ class SGLangEngine(RolloutEngine):
     def _record(self, name: str, version: int) -> None:
         with self._lock:
             self._versions[name] = version
+            self._changes[name] = self._changes.get(name, 0) + 1
             self._last_version[name] = max(version, self._last_version.get(name, 0))
             self._changed_while_paused = not self._unpaused.is_set() or self._changed_while_paused
 
