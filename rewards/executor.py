@@ -48,8 +48,10 @@ _ASYNC_GRACE_S = 0.25
 # A fresh worker imports rewards and math_verify (sympy) before it takes work; past this it is broken.
 _STARTUP_TIMEOUT_S = 120.0
 _MAX_STARTUP_FAILURES = 3
-_WORKER_CMD = "from rewards._worker import main; main({fd}, {ppid})"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# The package root goes first so that this `rewards` package is imported even when the working directory holds
+# another `rewards` module (examples/multi_lora/rewards.py, say); `python -c` puts the working directory first.
+_WORKER_CMD = "import sys; sys.path.insert(0, {root!r}); from rewards._worker import main; main({fd}, {ppid})"
 
 
 @dataclass
@@ -150,14 +152,15 @@ class RewardExecutor:
 
     def _spawn(self) -> _Worker:
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CMD.format(fd=child_sock.fileno(), ppid=os.getpid())],
+                [
+                    sys.executable,
+                    "-c",
+                    _WORKER_CMD.format(root=_PACKAGE_ROOT, fd=child_sock.fileno(), ppid=os.getpid()),
+                ],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env=env,
                 start_new_session=True,  # own process group: killed as a whole, and Ctrl-C stays with the parent
             )
         finally:
