@@ -444,3 +444,14 @@ def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
     assert results[0].output_ids == with_adapter == results[2].output_ids
     assert results[1].output_ids == base != with_adapter
     assert [r.weight_version for r in results] == [1, None, 1]
+
+
+def test_engine_serve_cli_rejects_bad_arguments(tmp_path, capsys):
+    from rollout.engines.http_server import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "missing")])
+    assert "is not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--max-rank", "0"])
+    assert "--max-rank=0 is invalid" in capsys.readouterr().err
