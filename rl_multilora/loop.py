@@ -15,8 +15,8 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import random
 import statistics
 import time
@@ -134,6 +134,21 @@ def validate_adapter_resources(a: AdapterConfig) -> list[str]:
     return problems
 
 
+class _Clock:
+    """`with clock("train_s"): ...` adds the block's wall time to timings["train_s"]."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+
 @dataclass
 class StepResult:
     step: int
@@ -167,13 +182,13 @@ class Runtime:
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: RunConfig) -> Runtime:
-        from rollout.generate_state import GenerateState, load_hooks
         from transformers import AutoTokenizer
 
         import rewards
         from rl_multilora.lora import MultiLoRAModel
         from rl_multilora.trainer import MultiLoRATrainer
         from rollout.data_source import MultiLoRADataSource
+        from rollout.generate_state import GenerateState, load_hooks
 
         seed_everything(cfg.seed)
         run_dir = Path(cfg.run_dir)
@@ -283,27 +298,23 @@ class Runtime:
     def step(self) -> StepResult:
         step = self.controller.global_step
         res = StepResult(step=step)
-        t = time.perf_counter()
+        clock = _Clock(res.timings)
         names = [r.name for r in self.controller.running()]
-        groups_by_adapter = self.data.next_groups(names)
-        groups = [g for gs in groups_by_adapter.values() for g in gs]
-        res.timings["rollout_s"] = -t + (t := time.perf_counter())
-        samples = self.generator.run_sync(groups) if groups else []
-        res.timings["rollout_s"] += -t + (t := time.perf_counter())
-        report = self.scorer.score_samples(samples)
-        res.timings["reward_s"] = -t + (t := time.perf_counter())
-        versions = dict(self.sync_.versions)
-        stats = self.trainer.train_step(samples, current_versions=versions)
-        res.timings["train_s"] = -t + (t := time.perf_counter())
-        for name in names:
-            res.records.append(self._account(step, name, samples, stats.get(name), report))
-        self._handle_faults(report)
-        self.retire_finished()
-        self.admit_pending()
-        self._save_due_checkpoints(names, stats)
-        res.timings["checkpoint_s"] = -t + (t := time.perf_counter())
-        res.sync = self.sync_now()
-        res.timings["sync_s"] = -t + (t := time.perf_counter())
+        with clock("rollout_s"):
+            groups = [g for gs in self.data.next_groups(names).values() for g in gs]
+            samples = self.generator.run_sync(groups) if groups else []
+        with clock("reward_s"):
+            report = self.scorer.score_samples(samples)
+        with clock("train_s"):
+            stats = self.trainer.train_step(samples, current_versions=dict(self.sync_.versions))
+        res.records = [self._account(step, name, samples, stats.get(name), report) for name in names]
+        with clock("checkpoint_s"):
+            self._handle_faults(report)
+            self.retire_finished()
+            self.admit_pending()
+            self._save_due_checkpoints(names, stats)
+        with clock("sync_s"):
+            res.sync = self.sync_now()
         self.controller.global_step += 1
         self.ckpt.save_run_state(self)
         for rec in res.records:
@@ -459,7 +470,3 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
         last = statistics.fmean(vals[-window:])
         out[name] = {"first": first, "last": last, "gain": last - first, "steps": len(vals)}
     return out
-
-
-def _finite(x) -> bool:
-    return x is not None and math.isfinite(x)
