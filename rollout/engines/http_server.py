@@ -323,6 +323,9 @@ async def _generate(request: web.Request) -> web.Response:
     abort_wait = asyncio.ensure_future(aborted.wait())
     try:
         await asyncio.wait({task, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the client went away: nobody will read these rows
+        raise
     finally:
         state.inflight.discard(aborted)
         abort_wait.cancel()
