@@ -90,7 +90,8 @@ def cmd_export(args) -> int:
 def cmd_engine_serve(args) -> int:
     from rollout.engines.http_server import main as serve_main
 
-    return serve_main(args.rest) or 0
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    return serve_main(rest) or 0
 
 
 def cmd_service(args) -> int:
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     # `python -m`; the console script alone would not put it on sys.path (spawned reward workers inherit it).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["engine-serve"]:  # its own parser: flags pass through untouched
+        argv = ["engine-serve", "--", *argv[1:]] if argv[1:2] != ["--"] else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
