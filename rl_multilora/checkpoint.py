@@ -4,19 +4,34 @@ Layout:
     RUN_DIR/run_state.json                       controller registry + global step (atomic replace)
     RUN_DIR/adapters/<name>/step_<k>/            one checkpoint, k = the adapter's own step
         adapter_config.json, adapter_model.safetensors   the PEFT folder (loads in PEFT as it is)
-        optimizer.safetensors + trainer_state.json        AdamW moments (tensors) + scheduler/step (JSON)
-        data_state.json                                   the adapter's data-source cursor
+        optimizer.safetensors + optimizer.json            AdamW moments (tensors) + scheduler/step (JSON skeleton)
+        data_state.json                                   the adapter's data-source cursor and counters
         checkpoint.json                                   counters; written last, its presence marks completeness
+    RUN_DIR/archive/<utc time>/                  what a `--fresh` start found in the run dir (nothing is deleted)
 
 Design choices (PRIOR_ART):
-- A checkpoint is built in `.tmp-*` next to its final place and renamed into place, so a crash leaves either the
-  previous checkpoint or the new one. Folders without `checkpoint.json` (or with the temp prefix) are ignored.
-- The newest checkpoint is found from `checkpoint.json`'s `adapter_step`, never by parsing folder names.
+- A checkpoint is built in `.tmp-*` next to its final place, fsynced, and renamed into place, so a crash leaves
+  either the previous checkpoint or the new one. Folders without `checkpoint.json` (or with the temp prefix) are
+  ignored, and stale temp folders are removed when the adapter is restored. Nothing is deleted before its
+  replacement exists: a second checkpoint at the same adapter step (a FAILED or final save after a step that did
+  not train) gets its own folder (`step_<k>.<n>`), and pruning renames a folder to a temp name before removing it.
+- Checkpoints are ordered by (`adapter_step`, `save_seq`) read from `checkpoint.json`, never by folder names.
 - Restore happens after the adapter's slot exists (the adapter was added, so the load lands in an initialized slot),
-  and restores the data cursor too, so a resumed tenant sees exactly the prompts it would have seen.
+  and restores the data cursor too, so a resumed tenant sees exactly the prompts it would have seen. Rank, alpha,
+  targets and seed must match the checkpoint; the rest of the adapter config (lr, budgets) may change on resume.
 - Nothing is unpickled: tensors are safetensors, everything else JSON. Optimizer state dicts are flattened into
-  tensors + a JSON skeleton (`flatten_tree` / `unflatten_tree`), preserving int keys.
-- Each adapter resumes independently: by the isolation invariant its trajectory depends only on its own state.
+  tensors + a JSON skeleton (`flatten_tree` / `unflatten_tree`), preserving int keys and tuples.
+- RNG: no tenant draws from a global RNG. Slot init comes from the adapter's seed, prompt order from
+  (seed, epoch) and every sample's sampling seed from (seed, group counter, sample index); the counters are in
+  data_state.json, so seed + cursor is the whole random state of a tenant (recorded in checkpoint.json).
+- Each adapter resumes independently from its own newest checkpoint: by the isolation invariant its trajectory
+  depends only on its own state, so tenants resuming from different steps still reproduce an uninterrupted run.
+- metrics.jsonl on resume: the rows an adapter logged after the global step of the checkpoint it resumes from (all
+  its rows when it has none) are dropped, because that adapter trains those steps again; so every adapter's series
+  has each adapter step once. The file is rewritten in place behind a journal (`.metrics.jsonl.rewrite`): the
+  open MetricsLogger appends to the same file, and a crash mid-rewrite is finished by the next start. Known gap:
+  a kill after a checkpoint is renamed but before that step's metrics row is written loses that one row (the
+  step is not retrained since its checkpoint exists).
 """
 
 from __future__ import annotations
@@ -25,6 +40,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +49,33 @@ import torch
 from safetensors.torch import load_file, save_file
 
 CKPT_META = "checkpoint.json"
+TMP_PREFIX = ".tmp-"
+METRICS_FILE = "metrics.jsonl"
+METRICS_JOURNAL = ".metrics.jsonl.rewrite"
+# Adapter config fields that shape the slot or the data stream: a checkpoint only resumes into the same values.
+_MUST_MATCH = ("rank", "alpha", "target_modules", "seed")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-")
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder` and the folder itself, so the rename that follows publishes complete data."""
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def flatten_tree(obj: Any, tensors: dict[str, torch.Tensor], prefix: str = "t") -> Any:
@@ -90,20 +124,83 @@ def load_tree(folder: Path, stem: str) -> Any:
     return unflatten_tree(json.loads((folder / f"{stem}.json").read_text()), tensors)
 
 
-def list_checkpoints(adapter_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of one adapter, oldest first, by the step recorded inside them."""
+def _complete(adapter_dir: Path) -> list[tuple[tuple[int, int], Path, dict]]:
+    """((adapter_step, save_seq), folder, meta) of every complete checkpoint, oldest first."""
     found = []
     if not adapter_dir.is_dir():
         return found
     for d in adapter_dir.iterdir():
-        meta = d / CKPT_META
-        if d.name.startswith(".tmp-") or not d.is_dir() or not meta.is_file():
+        meta_file = d / CKPT_META
+        if d.name.startswith(TMP_PREFIX) or not d.is_dir() or not meta_file.is_file():
             continue
         try:
-            found.append((int(json.loads(meta.read_text())["adapter_step"]), d))
-        except (ValueError, KeyError, json.JSONDecodeError):
+            meta = json.loads(meta_file.read_text())
+            found.append(((int(meta["adapter_step"]), int(meta.get("save_seq", 0))), d, meta))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             continue  # a damaged meta file means an incomplete checkpoint: skip it
-    return sorted(found)
+    return sorted(found, key=lambda f: (f[0], f[1].name))
+
+
+def list_checkpoints(adapter_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of one adapter, oldest first, by the step (then save order) recorded inside them."""
+    return [(key[0], d) for key, d, _ in _complete(Path(adapter_dir))]
+
+
+def prune_metrics(run_dir: Path, after: dict[str, int | None]) -> int:
+    """Drop metrics.jsonl rows of adapter `n` with step > after[n] (all of its rows when None); returns the count.
+
+    Lines that do not parse (a row torn by a kill mid-write) are dropped too. The rewrite goes through a journal,
+    in place, so the MetricsLogger's open append handle keeps pointing at the file.
+    """
+    run_dir = Path(run_dir)
+    path, journal = run_dir / METRICS_FILE, run_dir / METRICS_JOURNAL
+    _finish_metrics_rewrite(path, journal)
+    if not path.is_file():
+        return 0
+    text = path.read_text()
+    keep, dropped = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            name, step = row["adapter"], int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if name in after and (after[name] is None or step > after[name]):
+            dropped += 1
+            continue
+        keep.append(line + "\n")
+    torn_tail = bool(text) and not text.endswith("\n")
+    if dropped or torn_tail:
+        atomic_write_text(journal, "".join(keep))
+        _finish_metrics_rewrite(path, journal)
+    return dropped
+
+
+def _finish_metrics_rewrite(path: Path, journal: Path) -> None:
+    """Copy a pending journal over metrics.jsonl in place (idempotent, so a crash here is finished next time)."""
+    if not journal.is_file():
+        return
+    text = journal.read_text()
+    with path.open("r+" if path.exists() else "w") as fh:
+        fh.write(text)
+        fh.truncate()
+        fh.flush()
+        os.fsync(fh.fileno())
+    journal.unlink()
+
+
+@dataclass
+class RestoredCheckpoint:
+    """What `CheckpointManager.restore_adapter` brought back."""
+
+    path: Path
+    adapter_step: int
+    global_step: int  # the global step in which the checkpoint was written
+    weight_version: int | None  # the engine version the adapter had when it was written
+    metrics_dropped: int  # metrics rows of later steps removed because they will be trained again
 
 
 class CheckpointManager:
@@ -119,18 +216,26 @@ class CheckpointManager:
         return cks[-1][1] if cks else None
 
     def find(self, name: str, step: int | None = None) -> Path | None:
+        """The newest complete checkpoint of `name` (at adapter step `step` when given), or None."""
         for s, d in reversed(list_checkpoints(self.adapter_dir(name))):
             if step is None or s == step:
                 return d
         return None
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def save_adapter(self, name: str, rt) -> Path:
+    def save_adapter(self, name: str, rt, note: str | None = None) -> Path:
+        """Checkpoint adapter `name` of Runtime `rt` (slot, optimizer, data cursor); `note` says why (e.g. FAILED)."""
         rec = rt.controller.get(name)
         adir = self.adapter_dir(name)
         adir.mkdir(parents=True, exist_ok=True)
+        existing = _complete(adir)
+        seq = max((key[1] for key, _, _ in existing), default=0) + 1
         final = adir / f"step_{rec.adapter_step}"
-        tmp = Path(tempfile.mkdtemp(dir=adir, prefix=f".tmp-step_{rec.adapter_step}-"))
+        n = 0
+        while final.exists():  # a second save at this adapter step: keep the first until pruning
+            n += 1
+            final = adir / f"step_{rec.adapter_step}.{n}"
+        tmp = Path(tempfile.mkdtemp(dir=adir, prefix=f"{TMP_PREFIX}{final.name}-"))
         try:
             rt.model.export_adapter(name, tmp)
             save_tree(rt.trainer.optimizer_state_dict(name), tmp, "optimizer")
@@ -138,16 +243,18 @@ class CheckpointManager:
             meta = {
                 "adapter": name,
                 "adapter_step": rec.adapter_step,
+                "save_seq": seq,
                 "global_step": rt.controller.global_step,
                 "weight_version": rt.sync_.versions.get(name),
-                # The adapter's randomness (init, data order, sampling seeds) derives from its own seed and the
-                # counters in data_state.json, not from global RNGs shared by every tenant; record the seed.
-                "rng": {"adapter_seed": rec.cfg.seed, "sampling_seed_counter": "data_state.json"},
+                "state": rec.state.value,
+                "note": note,
+                "last_reward": rec.last_reward,
+                "saved_at": time.time(),
+                "rng": {"adapter_seed": rec.cfg.seed, "counters": "data_state.json (epoch, cursor, group_counter)"},
                 "config": rec.cfg.model_dump(mode="json"),
             }
             (tmp / CKPT_META).write_text(json.dumps(meta, indent=1))
-            if final.exists():  # same step saved twice (e.g. periodic then drain): replace as a whole
-                shutil.rmtree(final)
+            _fsync_tree(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,36 +265,99 @@ class CheckpointManager:
     def _prune(self, name: str) -> None:
         cks = list_checkpoints(self.adapter_dir(name))
         for _, d in cks[: max(0, len(cks) - self.keep_last)]:
-            shutil.rmtree(d, ignore_errors=True)
+            # Renamed first: a kill during rmtree must not leave a folder that still looks complete.
+            doomed = d.with_name(f"{TMP_PREFIX}prune-{d.name}")
+            os.rename(d, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
-    def restore_adapter(self, name: str, rt) -> Path | None:
-        """Load the newest complete checkpoint into the (already added) adapter; None when there is none."""
-        ck = self.latest(name)
-        if ck is None:
+    def _remove_stale_temps(self, name: str) -> None:
+        """Temp folders left by a killed save or prune (only this process writes this run dir)."""
+        adir = self.adapter_dir(name)
+        if adir.is_dir():
+            for d in adir.iterdir():
+                if d.name.startswith(TMP_PREFIX):
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def restore_adapter(self, name: str, rt) -> RestoredCheckpoint | None:
+        """Load the newest complete checkpoint into the (already added) adapter; None when there is none.
+
+        Also rolls metrics.jsonl back to that checkpoint (see the module docstring), including when there is no
+        checkpoint: the adapter then starts over and its earlier rows go.
+        """
+        self._remove_stale_temps(name)
+        rec = rt.controller.get(name)
+        found = _complete(self.adapter_dir(name))
+        if not found:
+            prune_metrics(self.run_dir, {name: None})
             return None
+        _, ck, meta = found[-1]
+        _check_compatible(name, rec.cfg.model_dump(mode="json"), meta.get("config", {}), ck)
         cfg = json.loads((ck / "adapter_config.json").read_text())
-        rt.model.load_adapter_state_dict(name, load_file(str(ck / "adapter_model.safetensors")), cfg)
+        rt.model.load_adapter_state_dict(name, load_file(str(ck / "adapter_model.safetensors")), cfg, source=str(ck))
         rt.trainer.load_optimizer_state_dict(name, load_tree(ck, "optimizer"))
         rt.data.load_state_dict(name, json.loads((ck / "data_state.json").read_text()))
-        meta = json.loads((ck / CKPT_META).read_text())
-        rec = rt.controller.get(name)
         rec.adapter_step = int(meta["adapter_step"])
         rec.last_checkpoint = str(ck)
-        return ck
+        rec.last_reward = meta.get("last_reward")
+        global_step = int(meta["global_step"])
+        dropped = prune_metrics(self.run_dir, {name: global_step})
+        return RestoredCheckpoint(ck, rec.adapter_step, global_step, meta.get("weight_version"), dropped)
 
     # -- run state ------------------------------------------------------------------------------------------------
     def save_run_state(self, rt) -> None:
         atomic_write_text(self.run_dir / "run_state.json", json.dumps(rt.controller.state_dict(), indent=1))
 
+    def has_checkpoints(self) -> bool:
+        adapters = self.run_dir / "adapters"
+        return adapters.is_dir() and any(list_checkpoints(d) for d in adapters.iterdir() if d.is_dir())
+
+    def archive_previous(self) -> Path | None:
+        """Move an earlier run's run_state, checkpoints and metrics rows to RUN_DIR/archive/<utc time>/."""
+        state, adapters, metrics = (
+            self.run_dir / "run_state.json",
+            self.run_dir / "adapters",
+            self.run_dir / METRICS_FILE,
+        )
+        has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+        if not (state.exists() or adapters.exists() or has_metrics):
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest, n = self.run_dir / "archive" / stamp, 0
+        while dest.exists():
+            n += 1
+            dest = self.run_dir / "archive" / f"{stamp}-{n}"
+        dest.mkdir(parents=True)
+        for p in (state, adapters):
+            if p.exists():
+                os.rename(p, dest / p.name)
+        if has_metrics:
+            # Copied then emptied in place: the MetricsLogger already holds the file open for appending.
+            shutil.copy2(metrics, dest / METRICS_FILE)
+            with metrics.open("r+") as fh:
+                fh.truncate()
+        return dest
+
     def restore_run_state(self, rt) -> bool:
-        """Bring back the global step and the adapters that already finished (so they are not retrained)."""
+        """Bring back the global step and the adapters that already finished (so they are not retrained).
+
+        `checkpoint.resume`: "never" archives whatever an earlier run left (`archive_previous`) and starts clean;
+        "always" requires run state or a checkpoint; "auto" resumes when there is something to resume.
+        """
         from rl_multilora.config import AdapterConfig
         from rl_multilora.controller import AdapterRecord, AdapterState
 
+        mode = rt.cfg.checkpoint.resume
         path = self.run_dir / "run_state.json"
-        if rt.cfg.checkpoint.resume == "never" or not path.is_file():
-            if rt.cfg.checkpoint.resume == "always":
-                raise FileNotFoundError(f"checkpoint.resume: 'always' but {path} does not exist")
+        if mode == "never":
+            self.archive_previous()
+            return False
+        if mode == "always" and not (path.is_file() or self.has_checkpoints()):
+            raise FileNotFoundError(
+                f"checkpoint.resume: 'always' (--resume) but {self.run_dir} has no run_state.json and no checkpoint; "
+                "run without --resume to start a new run"
+            )
+        prune_metrics(self.run_dir, {})  # finish an interrupted rewrite, drop a torn last row
+        if not path.is_file():
             return False
         state = json.loads(path.read_text())
         rt.controller.global_step = int(state["global_step"])
@@ -199,5 +369,19 @@ class CheckpointManager:
                 rec.reason = s.get("reason")
                 rec.last_checkpoint = s.get("last_checkpoint")
                 rec.last_reward = s.get("last_reward")
+                rec.registered_at = s.get("registered_at", rec.registered_at)
                 rt.controller.records[name] = rec
         return True
+
+
+def _check_compatible(name: str, now: dict, then: dict, ck: Path) -> None:
+    from rl_multilora.config import ConfigError
+
+    problems = [
+        f"adapters.{name}.{key}: {now.get(key)!r} -> the checkpoint {ck} was trained with {then[key]!r}; resume "
+        f"with {key}: {then[key]!r}, or start over with --fresh"
+        for key in _MUST_MATCH
+        if key in then and now.get(key) != then[key]
+    ]
+    if problems:
+        raise ConfigError(problems)

@@ -261,7 +261,23 @@ class Runtime:
         )
         restored = self.ckpt.restore_adapter(a.name, self) if self.cfg.checkpoint.resume != "never" else None
         if restored is not None:
-            log.info("adapter %s resumed from %s (adapter step %d)", a.name, restored, rec.adapter_step)
+            log.info(
+                "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
+                a.name,
+                restored.path,
+                rec.adapter_step,
+                restored.metrics_dropped,
+            )
+            if self.controller.budget_done(a.name, self.data.exhausted(a.name)):
+                # Killed after its final checkpoint but before the run state recorded DRAINED: training it would
+                # take a step past its budget. It leaves at once, never pushed; its checkpoint is already final.
+                self.controller.drain(a.name, "budget reached")
+                self._release(rec)
+                self.controller.mark_drained(a.name)
+                return
+            if restored.weight_version is not None:
+                # Versions continue from the checkpoint (the push below makes it +1), as in an uninterrupted run.
+                self.sync_.versions[a.name] = restored.weight_version
         self._pending_push.append(a.name)
 
     def remove(self, name: str, reason: str = "removed by request") -> None:
@@ -290,7 +306,8 @@ class Runtime:
         rec = self.controller.get(name)
         log.warning("adapter %s FAILED: %s", name, reason)
         if rec.slot is not None:
-            rec.last_checkpoint = str(self.ckpt.save_adapter(name, self))
+            # The trainer never applies a non-finite step, so the slot still holds the last good weights.
+            rec.last_checkpoint = str(self.ckpt.save_adapter(name, self, note=f"FAILED: {reason}"))
             self._release(rec)
         self.controller.fail(name, reason)
 
@@ -374,6 +391,7 @@ class Runtime:
                 stale_samples=getattr(st, "stale", 0),
             )
             rec.nonfinite_streak = rec.nonfinite_streak + 1 if st.skipped_nonfinite else 0
+            out["nonfinite_streak"] = rec.nonfinite_streak
         return out
 
     def _handle_faults(self, report) -> None:
@@ -404,6 +422,8 @@ class Runtime:
         if problems:
             raise ConfigError(problems)
         self.ckpt.restore_run_state(self)
+        # A tenant fails after this many all-failing reward steps: the stricter of the two settings that say so.
+        self.scorer.fail_steps = min(self.cfg.rewards.fail_steps, self.cfg.faults.max_reward_fail_steps)
         for a in self.cfg.adapters:
             if a.name not in self.controller.records:
                 self.controller.register(a)
