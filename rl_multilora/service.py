@@ -187,6 +187,16 @@ class ServiceCore:
         # The I/O checks (dataset loads, reward resolves) run here, in the caller's thread, so a bad submission is
         # rejected at once instead of after the current step; rt.register repeats them, authoritative, between steps.
         problems = validate_adapter_resources(a)
+        live = self.status().get(a.name)
+        if live is not None and live.state in {s.value for s in _LIVE}:
+            problems.append(f"name: {a.name!r} -> an adapter with this name is already {live.state}")
+        done = self._checkpointed_step(a.name)
+        if done is not None and a.max_steps is not None and done >= a.max_steps:
+            # Admission would resume it at its budget and train one step past it before retiring it.
+            problems.append(
+                f"max_steps: {a.max_steps} -> its checkpoint in the run dir is already at adapter step {done}; "
+                "raise max_steps to train it further"
+            )
         if problems:
             raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
         return self._enqueue(_Mutation("submit", adapter=a))
@@ -195,6 +205,15 @@ class ServiceCore:
         """Drain `name` (PENDING: removed at once; RUNNING: checkpointed and unloaded at the end of the next step)."""
         self._check_open()
         return self._enqueue(_Mutation("remove", name=name))
+
+    def _checkpointed_step(self, name: str) -> int | None:
+        """Adapter step of `name`'s newest checkpoint, when admission would resume from it."""
+        from rl_multilora.checkpoint import list_checkpoints
+
+        if self.rt.cfg.checkpoint.resume == "never":
+            return None
+        found = list_checkpoints(self.rt.ckpt.adapter_dir(name))
+        return found[-1][0] if found else None
 
     def status(self) -> ServiceStatus:
         with self._lock:
@@ -450,6 +469,8 @@ def _ray_init(address: str | None, start_cluster: bool) -> None:
                 os.environ.get("RAY_AUTH_MODE"),
             )
         return
+    # Ray logs "token authentication is enabled" on every connect; for a one-shot client it is noise.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     _prepare_client_auth(address)
     try:
         ray.init(

@@ -1,0 +1,356 @@
+"""Service mode: submit / remove / status against a live trainer, rejection of bad submissions, stop and resume.
+
+The unmarked tests need no Ray: the client-side parsing (a fake actor handle that must never be reached) and the
+status table. The `ray` tests start the real service with `rl-multilora serve` in a subprocess on a local Ray
+cluster (so SIGTERM handling and the exit code are tested as a user meets them) on a tiny random Qwen2 model with a
+character tokenizer (hidden 32) and three small JSON datasets. Run them with `pytest tests/test_service.py -m ray`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl_multilora.config import ModelConfig
+from rl_multilora.service import AdapterStatus, ServiceClient, ServiceError, ServiceStatus
+
+REPO = Path(__file__).resolve().parents[1]
+# Reward 1 when the 4-token response holds a lowercase letter: a random model gets it about half the time, so
+# groups have reward variance and every adapter's optimizer steps.
+REWARD = {"name": "format", "kwargs": {"pattern": "[a-z]"}}
+
+
+def adapter_yaml(root: Path, name: str, **over) -> dict:
+    data = {
+        "name": name,
+        "rank": 4,
+        "alpha": 8,
+        "dataset": {"path": "json", "data_files": {"train": str(root / "data" / f"{name}.jsonl")}},
+        "reward": REWARD,
+        "lr": 1.0e-2,
+        "prompts_per_step": 2,
+        "max_steps": 500,
+        "seed": {"a": 1, "b": 2, "c": 3}.get(name, 0),
+    }
+    data.update(over)
+    return data
+
+
+def write_yaml(path: Path, data) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# -- no Ray -----------------------------------------------------------------------------------------------------------
+class _LocalOnlyClient(ServiceClient):
+    """Answers model_config like the actor would; any other call means the bad submission left the client."""
+
+    def __init__(self):
+        super().__init__(handle=None)
+        self.calls: list[str] = []
+
+    def _call(self, method, *args, timeout=None):
+        self.calls.append(method)
+        if method == "model_config":
+            return ModelConfig(path="unused", max_loras=2, max_rank=8).model_dump(mode="json")
+        raise AssertionError(f"a bad submission reached the actor ({method})")
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("name: x\nrank: [4\n", r"not valid YAML"),
+        ({"name": _DROP}, r"name: missing"),
+        ({"rank": 64}, r"rank: 64 -> must be <= model.max_rank \(8\)"),
+        ({"learning_rate": 0.1}, r"learning_rate: unknown key"),
+        ({"name": "bad/name"}, r"name: 'bad/name' -> use letters"),
+        ({"max_steps": None}, r"set max_steps and/or epochs"),
+    ],
+)
+def test_client_rejects_bad_adapter_yaml_before_the_actor(tmp_path, content, expected):
+    path = tmp_path / "adapter.yaml"
+    if isinstance(content, str):
+        path.write_text(content)
+    else:
+        data = {**adapter_yaml(tmp_path, "x"), **content}
+        write_yaml(path, {k: v for k, v in data.items() if v is not _DROP})
+    client = _LocalOnlyClient()
+    with pytest.raises(ServiceError, match=expected) as err:
+        client.submit(path)
+    assert str(path) in str(err.value)
+    assert set(client.calls) <= {"model_config"}
+
+
+def test_client_rejects_missing_file(tmp_path):
+    with pytest.raises(ServiceError, match=r"no such file"):
+        _LocalOnlyClient().submit(tmp_path / "nope.yaml")
+
+
+def test_status_table_shows_every_column():
+    st = ServiceStatus(
+        global_step=7,
+        training=True,
+        run_dir="runs/x",
+        max_loras=2,
+        adapters=[
+            AdapterStatus("a", "RUNNING", 0, 5, 30, 0.625, "runs/x/adapters/a/step_4"),
+            AdapterStatus("b", "PENDING", None, 0, None, None, None),
+            AdapterStatus("c", "FAILED", None, 2, 9, None, None, "reward failing"),
+        ],
+    )
+    lines = st.table().splitlines()
+    assert lines[0] == "service: training | global step 7 | slots 1/2 | runs/x"
+    assert lines[1].split() == ["NAME", "STATE", "SLOT", "STEPS", "LAST", "REWARD", "CHECKPOINT", "REASON"]
+    assert lines[2].split() == ["a", "RUNNING", "0", "5/30", "0.625", "runs/x/adapters/a/step_4"]
+    assert lines[3].split() == ["b", "PENDING", "-", "0", "-", "-"]
+    assert lines[4].split() == ["c", "FAILED", "-", "2/9", "-", "-", "reward", "failing"]
+    assert st.get("b").state == "PENDING" and st.get("zz") is None
+    assert json.loads(json.dumps(st.to_dict()))["adapters"][0]["last_reward"] == 0.625
+    idle = ServiceStatus(0, False, "runs/x", 2, error="RuntimeError: boom")
+    assert idle.table().splitlines()[:2] == [
+        "service: ERROR | global step 0 | slots 0/2 | runs/x",
+        "error: RuntimeError: boom",
+    ]
+
+
+# -- on a local Ray cluster -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """Tiny model, one 64-row dataset per adapter, the service config and one YAML per adapter."""
+    from tests.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("service")
+    save_tiny_model(root / "model", hidden=32, layers=2)
+    (root / "data").mkdir()
+    for name in ("a", "b", "c"):
+        rows = [{"prompt": f"{name} says {i}", "label": name} for i in range(64)]
+        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_yaml(root / f"{name}.yaml", adapter_yaml(root, name))
+    write_yaml(root / "service.yaml", service_config(root, root / "run"))
+    return root
+
+
+def service_config(root: Path, run_dir: Path, adapters: list | None = None) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "model": {"path": str(root / "model"), "max_loras": 2, "max_rank": 8, "device": "cpu"},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 4},
+        "grpo": {"micro_batch_size": 16},
+        "rewards": {"num_workers": 1},
+        "checkpoint": {"save_every": 3, "keep_last": 2},
+        "logging": {"plot": False, "progress": False},
+        "service_poll_s": 0.5,
+        "adapters": adapters or [],
+    }
+
+
+class Served:
+    """`rl-multilora serve` in a subprocess, as a user runs it; `address` is parsed from its banner."""
+
+    def __init__(self, root: Path, timeout: float = 240):
+        self.log = root / f"serve-{time.time_ns()}.log"
+        self._fh = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rl_multilora.cli", "serve", str(root / "service.yaml")],
+            cwd=root,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while not (m := re.search(r"service ready \(Ray (\S+), namespace", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"serve did not become ready (rc {self.proc.returncode}):\n{self.tail()}")
+            time.sleep(0.5)
+        self.address = m.group(1)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-n:])
+
+    def stop(self, timeout: float = 180) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._fh.close()
+
+
+def connect(address: str) -> ServiceClient:
+    import ray
+
+    if ray.is_initialized():  # the previous service's cluster is gone
+        ray.shutdown()
+    return ServiceClient.connect(address)
+
+
+def cli(root: Path, served: Served, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rl_multilora.cli", *args, "--address", served.address]
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180)
+
+
+def wait_until(client: ServiceClient, served: Served, pred, what: str, timeout: float = 180) -> ServiceStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        try:
+            if pred(st):
+                return st
+        except AttributeError:  # an adapter not in the status yet
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}:\n{st.table()}\n--- serve log ---\n{served.tail()}")
+        time.sleep(0.3)
+
+
+def adapter_rows(run_dir: Path, name: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sorted((r for r in rows if r["adapter"] == name), key=lambda r: r["step"])
+
+
+def checkpoint_step(run_dir: Path, name: str) -> int:
+    state = json.loads((run_dir / "run_state.json").read_text())["adapters"][name]
+    meta = run_dir / "adapters" / name / f"step_{state['adapter_step']}" / "checkpoint.json"
+    assert meta.is_file(), f"{name}: no checkpoint at its final step {state['adapter_step']}"
+    return state["adapter_step"]
+
+
+@pytest.fixture(scope="module")
+def ray_client_cleanup():
+    """This test process connects to each service's cluster as a client; disconnect before pytest reports."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_service_lifecycle(workspace, ray_client_cleanup):
+    """Submit two, add a third while they train, remove one, stop, restart, resume; reject bad ones; compare.
+
+    The lifecycle events come first and back to back (in-process client calls take milliseconds) so b's trajectory
+    under comparison stays short: over a hundred steps, float-level differences between a mixed batch and a solo
+    batch can flip one sampled token and the two runs part ways, which is not what this test is about.
+    """
+    root, run = workspace, workspace / "run"
+    first = Served(root)
+    try:
+        client = connect(first.address)
+        st = client.status()
+        assert st.adapters == [] and not st.training and st.max_loras == 2
+
+        assert client.submit(root / "a.yaml").state == "PENDING"
+        assert client.submit(root / "b.yaml").state == "PENDING"
+        st = wait_until(
+            client, first, lambda s: s.get("a").adapter_step >= 3 and s.get("b").adapter_step >= 3, "a, b training"
+        )
+        assert st.training and {st.get("a").slot, st.get("b").slot} == {0, 1}
+
+        # Both slots are busy: c waits as PENDING.
+        assert client.submit(root / "c.yaml").state == "PENDING"
+        st = client.status()
+        assert (st.get("c").state, st.get("c").slot) == ("PENDING", None)
+
+        # Remove a: it drains (final checkpoint, slot freed) and c takes the slot.
+        assert client.remove("a").state == "DRAINING"
+        st = wait_until(
+            client,
+            first,
+            lambda s: s.get("a").state == "REMOVED" and s.get("c").adapter_step >= 3,
+            "a removed and c training",
+        )
+        a = st.get("a")
+        assert a.slot is None and a.last_checkpoint.endswith(f"step_{a.adapter_step}")
+        assert Path(a.last_checkpoint, "adapter_model.safetensors").is_file()
+        assert st.get("c").state == "RUNNING" and st.get("b").state == "RUNNING"
+        assert first.stop() == 0, first.tail()
+    finally:
+        first.kill()
+    assert "checkpointed every live adapter" in first.log.read_text()
+    steps = {name: checkpoint_step(run, name) for name in ("a", "b", "c")}
+    assert steps["a"] == a.adapter_step
+
+    # Restart on the same run dir: finished tenants are remembered, resubmitted ones resume from their checkpoints.
+    second = Served(root)
+    try:
+        client = connect(second.address)
+        st = client.status()
+        assert [(x.name, x.state) for x in st.adapters] == [("a", "REMOVED")] and not st.training
+        client.submit(root / "b.yaml")
+        client.submit(root / "c.yaml")
+        st = wait_until(client, second, lambda s: s.get("b").adapter_step >= steps["b"] + 3, "b resumed")
+        assert st.get("c").state == "RUNNING" and st.get("c").adapter_step >= steps["c"]
+        # a was removed in the first session: resubmitted, it waits for a slot, then resumes from its drain checkpoint.
+        assert client.submit(root / "a.yaml").state == "PENDING"
+        client.remove("b")
+        st = wait_until(client, second, lambda s: s.get("a").adapter_step >= steps["a"] + 2, "a resumed")
+        assert st.get("b").state == "REMOVED"
+
+        # Bad submissions are rejected with the reason; nothing else changes and training goes on.
+        step0 = st.global_step
+        (root / "broken.yaml").write_text("name: x\nrank: [4\n")
+        out = cli(root, second, "submit", str(root / "broken.yaml"))
+        assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+        unknown_reward = write_yaml(root / "r.yaml", adapter_yaml(root, "r", reward={"name": "no_such_reward"}))
+        out = cli(root, second, "submit", str(unknown_reward))
+        assert out.returncode == 2 and "adapter 'r' rejected" in out.stderr and "reward" in out.stderr
+        bad = {
+            "rank: 64 -> must be <= model.max_rank (8)": adapter_yaml(root, "big", rank=64),
+            "already RUNNING": adapter_yaml(root, "c"),
+            "dataset": adapter_yaml(root, "d", dataset={"path": "json", "data_files": str(root / "none.jsonl")}),
+            "already at adapter step": adapter_yaml(root, "b", max_steps=steps["b"]),
+        }
+        for reason, data in bad.items():
+            with pytest.raises(ServiceError, match=re.escape(reason)):
+                client.submit(data)
+        st = wait_until(client, second, lambda s: s.global_step >= step0 + 3, "training to continue")
+        assert {x.name: x.state for x in st.adapters} == {"a": "RUNNING", "b": "REMOVED", "c": "RUNNING"}
+
+        # The CLI verbs against the same service.
+        out = cli(root, second, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        states = {x["name"]: x["state"] for x in json.loads(out.stdout)["adapters"]}
+        assert states == {"a": "RUNNING", "b": "REMOVED", "c": "RUNNING"}
+        out = cli(root, second, "status")
+        assert out.returncode == 0 and re.search(r"^c\s+RUNNING\s+\d", out.stdout, re.M), out.stdout
+        out = cli(root, second, "remove", "zz")
+        assert out.returncode == 2 and "'zz' is not registered" in out.stderr
+        out = cli(root, second, "remove", "c")
+        assert out.returncode == 0 and "draining" in out.stdout, out.stderr
+        wait_until(client, second, lambda s: s.get("c").state == "REMOVED", "c removed")
+        assert second.stop() == 0, second.tail()
+    finally:
+        second.kill()
+    log = second.log.read_text()
+    for name in ("a", "b", "c"):
+        assert re.search(rf"adapter {name} resumed from .*step_{steps[name]}\b", log), name
+
+    # b's whole trajectory (next to a, then next to c, stop, restart, resume) equals b trained alone.
+    rows = adapter_rows(run, "b")
+    solo = service_config(root, root / "solo_b", [adapter_yaml(root, "b")])
+    solo["max_global_steps"] = len(rows)
+    from rl_multilora.config import parse_run_config
+    from rl_multilora.loop import run as run_alone
+
+    run_alone(parse_run_config(solo))
+    alone = adapter_rows(root / "solo_b", "b")
+    assert [r["adapter_step"] for r in rows] == [r["adapter_step"] for r in alone]
+    assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in alone], abs=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in alone], abs=1e-5)
