@@ -429,6 +429,7 @@ class Runtime:
                 self.controller.register(a)
         self.admit_pending()
         self.sync_now()
+        self.ckpt.save_run_state(self)  # admission may have retired resumed adapters at their budget: record it
 
     def finished(self) -> bool:
         if self._stop_requested or self.controller.all_done():

@@ -1,0 +1,281 @@
+"""Exact resume: a run stopped or SIGKILLed anywhere and resumed ends where an uninterrupted run ends; export.
+
+Three tenants with different budgets (t1: 6 steps, t2: 4 steps, t3: one epoch of a 10-row dataset = 5 steps), so
+kills land while some tenants are already DRAINED. "The same" means every tensor of each adapter's final PEFT folder
+and optimizer state, its scheduler/step counters, its data cursor, and its metrics series keyed by adapter step.
+Killed runs are subprocesses (`python -m tests.fault_plugins POINT:N run CFG`); resumes run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from rl_multilora.checkpoint import CKPT_META, CheckpointManager, list_checkpoints
+from rl_multilora.cli import main as cli_main
+from rl_multilora.config import parse_run_config
+from rl_multilora.loop import Runtime, run
+from rl_multilora.metrics import read_metrics
+from tests.tiny_models import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+NAMES = ("t1", "t2", "t3")
+
+
+def _write_task(path: Path, n: int, offset: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = i % 7 + offset, i % 5
+            f.write(json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("resume")
+    save_tiny_model(root / "model", hidden=32, layers=2)
+    _write_task(root / "data" / "t1.jsonl", 40, 1)
+    _write_task(root / "data" / "t2.jsonl", 40, 3)
+    _write_task(root / "data" / "t3.jsonl", 10, 5)
+    return root
+
+
+def _config(root: Path, run_dir: Path, **over) -> dict:
+    def adapter(name: str, rank: int, seed: int, **budget) -> dict:
+        return {
+            "name": name,
+            "rank": rank,
+            "alpha": 8,
+            "dataset": {
+                "path": "json",
+                "data_files": str(root / "data" / f"{name}.jsonl"),
+                "prompt_key": "q",
+                "label_key": "a",
+            },
+            "reward": {"name": "format", "kwargs": {"pattern": "[0-9]"}},
+            "lr": 1e-2,
+            "optim": {"schedule": "cosine", "warmup_steps": 1},
+            "prompts_per_step": 2,
+            "seed": seed,
+            **budget,
+        }
+
+    cfg = {
+        "run_dir": str(run_dir),
+        "model": {"path": str(root / "model"), "max_loras": 3, "max_rank": 8},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+        "checkpoint": {"save_every": 2, "keep_last": 2},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "adapters": [
+            adapter("t1", 4, 7, max_steps=6),
+            adapter("t2", 8, 11, max_steps=4),
+            adapter("t3", 2, 12, epochs=1.0, max_steps=20),
+        ],
+    }
+    cfg.update(over)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(workspace, tmp_path_factory) -> Path:
+    """An uninterrupted run: the ground truth every resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run(parse_run_config(_config(workspace, run_dir)))
+    return run_dir
+
+
+def _series(run_dir: Path, name: str) -> list[tuple]:
+    """An adapter's metrics rows as (adapter_step, reward_mean, loss, lr, weight_version), in logged order."""
+    return [
+        (r["adapter_step"], r["reward_mean"], r.get("loss"), r.get("lr"), r["weight_version"])
+        for r in read_metrics(run_dir)
+        if r["adapter"] == name
+    ]
+
+
+def assert_same_as_reference(run_dir: Path, reference: Path) -> None:
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert {n: s["state"] for n, s in state["adapters"].items()} == {n: "DRAINED" for n in NAMES}
+    for name in NAMES:
+        got, want = CheckpointManager(run_dir).latest(name), CheckpointManager(reference).latest(name)
+        meta_got, meta_want = (json.loads((d / CKPT_META).read_text()) for d in (got, want))
+        assert meta_got["adapter_step"] == meta_want["adapter_step"], name
+        for f in ("adapter_model.safetensors", "optimizer.safetensors"):
+            a, b = load_file(str(got / f)), load_file(str(want / f))
+            assert a.keys() == b.keys(), (name, f)
+            for k in b:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{name}/{f}/{k}")
+        # Scheduler state, step counters and the data cursor are plain JSON: they must be identical.
+        for f in ("optimizer.json", "data_state.json", "adapter_config.json"):
+            assert json.loads((got / f).read_text()) == json.loads((want / f).read_text()), (name, f)
+        got_rows, want_rows = _series(run_dir, name), _series(reference, name)
+        assert [r[0] for r in got_rows] == [r[0] for r in want_rows], name  # each adapter step logged once
+        assert got_rows == pytest.approx(want_rows, rel=1e-5, abs=1e-7), name
+
+
+def _run_killed(cfg: dict, kill_at: str, tmp_path: Path) -> str:
+    """Run `rl-multilora run` in a subprocess that SIGKILLs itself at `kill_at`; returns its stderr."""
+    path = tmp_path / f"config-{kill_at.replace(':', '-')}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fault_plugins", kill_at, "run", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"expected a SIGKILL at {kill_at}, got {proc.returncode}\n{proc.stderr}"
+    return proc.stderr
+
+
+def test_stop_then_resume_ignores_half_written_checkpoints_and_matches(workspace, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    run(parse_run_config(dict(cfg, max_global_steps=3)))  # stops after 3 global steps: t1 at adapter step 3
+    t1 = run_dir / "adapters" / "t1"
+    assert [s for s, _ in list_checkpoints(t1)] == [2]
+    # What a crash mid-save can leave: a temp folder that looks complete, and a folder without checkpoint.json.
+    # Both claim a newer step, with weights that would be wrong; resume must use step_2.
+    for fake, step in [(".tmp-step_4-x1", 4), ("step_3", 3)]:
+        shutil.copytree(t1 / "step_2", t1 / fake)
+        zeros = {k: torch.zeros_like(v) for k, v in load_file(str(t1 / fake / "adapter_model.safetensors")).items()}
+        save_file(zeros, str(t1 / fake / "adapter_model.safetensors"))
+        meta = json.loads((t1 / fake / CKPT_META).read_text()) | {"adapter_step": step}
+        (t1 / fake / CKPT_META).write_text(json.dumps(meta))
+    (t1 / "step_3" / CKPT_META).unlink()
+    rows_before = len(read_metrics(run_dir))
+    assert rows_before == 9
+
+    rt = run(parse_run_config(cfg))  # checkpoint.resume: auto
+    assert rt.controller.global_step > 3  # it continued from the run state, it did not start over
+    assert not list(t1.glob(".tmp-*"))  # stale temp folders are cleaned up on resume
+    assert_same_as_reference(run_dir, reference)
+
+
+def _kill_then_resume(workspace, reference, tmp_path, kill_points: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    for kill_at in kill_points:  # each killed process resumes what the previous one left
+        _run_killed(cfg, kill_at, tmp_path)
+        assert (run_dir / "metrics.jsonl").is_file()
+    run(parse_run_config(cfg))
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_kill_during_checkpoint_write_then_resume_matches(workspace, reference, tmp_path):
+    # Checkpoints 1-3 are step 2 of every tenant; the 5th is written while t2 drains at its budget (step 4).
+    _kill_then_resume(workspace, reference, tmp_path, ["checkpoint:5"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["rollout:30", "train:8"])
+def test_kill_during_rollout_or_training_then_resume_matches(workspace, reference, tmp_path, kill_at):
+    # 24 samples and 3 optimizer steps per global step: rollout:30 is mid-step 1, train:8 mid-step 2.
+    _kill_then_resume(workspace, reference, tmp_path, [kill_at])
+
+
+@pytest.mark.slow
+def test_killed_three_times_then_resume_matches(workspace, reference, tmp_path):
+    # Every resumed process is killed again at another kind of point, then the last one finishes.
+    _kill_then_resume(workspace, reference, tmp_path, ["rollout:40", "train:5", "checkpoint:2"])
+
+
+def test_finished_run_is_not_retrained_and_final_checkpoint_before_state_save(workspace, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    # As if killed after t2's final (drain) checkpoint but before the run state recorded DRAINED.
+    state = json.loads((run_dir / "run_state.json").read_text())
+    state["adapters"]["t2"]["state"] = "RUNNING"
+    (run_dir / "run_state.json").write_text(json.dumps(state))
+    before = {n: sorted(p.name for p in (run_dir / "adapters" / n).iterdir()) for n in NAMES}
+    rows = len(read_metrics(run_dir))
+    rt = run(parse_run_config(_config(workspace, run_dir)))
+    # t2 resumed at its budget and left at once; t1 and t3 stayed DRAINED; nothing trained, nothing was saved.
+    assert {n: r.state.value for n, r in rt.controller.records.items()} == {n: "DRAINED" for n in NAMES}
+    assert rt.controller.global_step == state["global_step"]
+    assert {n: sorted(p.name for p in (run_dir / "adapters" / n).iterdir()) for n in NAMES} == before
+    assert len(read_metrics(run_dir)) == rows
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_fresh_archives_the_previous_run_and_resume_requires_one(workspace, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    rt = Runtime.build(parse_run_config(_config(workspace, run_dir, checkpoint={"resume": "never"})))
+    try:
+        rt.start()
+        assert {r.state.value for r in rt.controller.records.values()} == {"RUNNING"}
+        assert rt.controller.global_step == 0 and all(r.adapter_step == 0 for r in rt.controller.records.values())
+    finally:
+        rt.close()
+    (archive,) = (run_dir / "archive").iterdir()
+    assert list_checkpoints(archive / "adapters" / "t1") and (archive / "run_state.json").is_file()
+    assert len(read_metrics(archive)) == len(read_metrics(reference)) and read_metrics(run_dir) == []
+    assert not (run_dir / "adapters").exists() or not any((run_dir / "adapters").iterdir())
+
+    empty = tmp_path / "empty"
+    with pytest.raises(FileNotFoundError, match="resume: 'always'"):
+        Runtime.build(parse_run_config(_config(workspace, empty, checkpoint={"resume": "always"}))).start()
+
+
+def test_resume_refuses_a_changed_rank(workspace, reference, tmp_path):
+    from rl_multilora.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    (run_dir / "run_state.json").unlink()  # the adapters would otherwise be DRAINED and never restored
+    cfg = _config(workspace, run_dir)
+    cfg["adapters"][0]["rank"] = 8
+    rt = Runtime.build(parse_run_config(cfg))
+    try:
+        with pytest.raises(ConfigError, match=r"adapters\.t1\.rank: 8 -> the checkpoint .* was trained with 4"):
+            rt.start()
+    finally:
+        rt.close()
+
+
+def test_exported_adapter_loads_in_peft_with_the_slot_logits(workspace, reference, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rl_multilora.lora import MultiLoRAModel
+
+    out = tmp_path / "t1_export"
+    assert cli_main(["export", str(reference), "t1", str(out)]) == 0
+    latest = CheckpointManager(reference).latest("t1")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (out / "adapter_model.safetensors").read_bytes() == (latest / "adapter_model.safetensors").read_bytes()
+    assert cli_main(["export", str(reference), "t1", str(tmp_path / "old"), "--step", "4"]) == 0
+    old = load_file(str(tmp_path / "old" / "adapter_model.safetensors"))
+    new = load_file(str(out / "adapter_model.safetensors"))
+    assert any(not torch.equal(old[k], new[k]) for k in new)  # step 4 is not step 6
+    assert cli_main(["export", str(reference), "nope", str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint of adapter 'nope'" in capsys.readouterr().err
+
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 60, 21]])
+    model_path = workspace / "model"
+    ml = MultiLoRAModel.from_pretrained(model_path, max_loras=2, max_rank=8, target_modules="all-linear")
+    ml.add_adapter("other", rank=8, alpha=16, seed=3)  # t1 lands in slot 1, beside another tenant
+    ml.load_adapter("t1", latest)
+    ml.eval()
+    with torch.no_grad():
+        slot_logits = ml(ids, adapter_names=["t1"]).logits  # (1, T, vocab)
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), out).eval()
+        peft_logits = peft(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(model_path).eval()(input_ids=ids).logits
+    assert not torch.allclose(peft_logits, base_logits, atol=1e-4)  # the adapter changes the output
+    torch.testing.assert_close(slot_logits, peft_logits, rtol=1e-4, atol=1e-5)
