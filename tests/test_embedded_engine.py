@@ -449,6 +449,26 @@ def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
         engine.load_adapter("e", *peft_adapters["a"][1:])
 
 
+def test_a_failing_forward_fails_that_batch_and_the_engine_keeps_serving(engine, model):
+    calls = []
+
+    def explode_on_third_call(_module, _args, _kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated out of memory")
+
+    hook = model.base_model.register_forward_pre_hook(explode_on_third_call, with_kwargs=True)
+    try:
+        failed = engine.generate([GenerateRequest(p, "a", greedy(10)) for p in PROMPTS[:2]])
+    finally:
+        hook.remove()
+    assert [r.finish_reason for r in failed] == ["error", "error"]
+    assert all("simulated out of memory" in r.error and r.output_ids == [] for r in failed)
+    assert engine.health()
+    ok = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(10))])[0]
+    assert ok.finish_reason in ("stop", "length") and ok.output_ids
+
+
 def test_close_stops_the_worker_and_fails_new_requests(engine):
     assert engine.health()
     engine.close()

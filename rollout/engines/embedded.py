@@ -35,7 +35,7 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   matched on the decoded text of the last few tokens (enough to cover the longest stop string).
 - Weight versions: every adapter has a version (`version` if given, else previous + 1, starting
   at 0 for a name never loaded before; unloading keeps the counter so versions of a name only go
-  up). A row records its adapter's version when its wave starts. Before every forward the worker
+  up). A row records its adapter's version when it is prefilled. Before every forward the worker
   checks it again; a row whose adapter was reloaded or unloaded mid-flight comes back "abort",
   so no result ever mixes tokens of two versions, even when `load_adapter` is called without a
   pause.
@@ -46,13 +46,15 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   started are kept and run after `resume()` on the then-current weights.
 - Bad requests (unknown adapter, bad sampling values, empty prompt) fail that request only, with
   finish_reason "error" and a message naming the field, the value and what is allowed; the other
-  requests of the call run normally.
+  requests of the call run normally. A forward that raises (e.g. out of memory) fails the rows of
+  that batch with "error"; the worker keeps serving later requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -69,6 +71,7 @@ from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 PAUSE_MODES = ("abort", "wait")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +90,9 @@ class _Job:
         self.remaining = n
         self.on_done = on_done
         self.cancelled = False
+
+    def has(self, index: int) -> bool:
+        return self.results[index] is not None
 
     def set(self, index: int, result: GenerateResult) -> None:
         self.results[index] = result
@@ -223,6 +229,7 @@ class EmbeddedEngine(RolloutEngine):
         self._busy = False
         self._closed = False
         self._worker_error: BaseException | None = None
+        self._in_flight: list[_Row] = []  # rows taken from the queue by the running wave (worker thread only)
         self._worker = threading.Thread(target=self._worker_loop, name="embedded-engine", daemon=True)
         self._worker.start()
 
@@ -409,13 +416,20 @@ class EmbeddedEngine(RolloutEngine):
                 rows = self._next_wave()
                 if rows is None:
                     return
+                self._in_flight = list(rows)
                 try:
                     self._run_wave(rows)
+                except Exception as exc:  # e.g. out of memory: fail this wave's rows, keep serving
+                    logger.exception("embedded engine: a generation wave failed")
+                    for row in self._in_flight:
+                        if not row.job.has(row.index):
+                            self._finish(row, "error", error=f"generation failed: {exc!r}")
                 finally:
+                    self._in_flight = []
                     with self._cond:
                         self._busy = False
                         self._cond.notify_all()
-        except BaseException as exc:  # a bug or an OOM: fail loudly for every waiting caller
+        except BaseException as exc:  # the worker itself broke: fail every waiting caller loudly
             self._worker_error = exc
             with self._cond:
                 leftover = list(self._queue)
@@ -527,6 +541,7 @@ class EmbeddedEngine(RolloutEngine):
             if self._paused or self._closed or not self._queue:
                 return
             rows = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+        self._in_flight.extend(rows)
         new = self._start(rows)
         if new is not None:
             batch.merge(new)
