@@ -337,6 +337,7 @@ class ServiceCore:
             log.info("checkpointed every live adapter (global step %d)", self.rt.controller.global_step)
         except Exception:  # noqa: BLE001 - still close the engine and reward workers
             log.exception("final checkpoint failed")
+        self._training = False
         self._publish()
         self.rt.close()
 

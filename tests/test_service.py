@@ -124,6 +124,24 @@ def test_status_table_shows_every_column():
     ]
 
 
+def test_shipped_service_configs_validate():
+    """configs/service.yaml starts empty; each configs/adapters/*.yaml is a valid submission against its model."""
+    from rl_multilora.config import load_run_config, load_yaml, parse_adapter_config
+
+    configs = REPO / "examples" / "multi_lora" / "configs"
+    cfg = load_run_config(configs / "service.yaml")
+    assert cfg.adapters == [] and cfg.checkpoint.resume != "never"
+    names = []
+    for path in sorted((configs / "adapters").glob("*.yaml")):
+        a = parse_adapter_config(load_yaml(path), cfg.model, source=str(path))
+        assert a.name == path.stem and a.max_steps is not None
+        names.append(a.name)
+    assert names == ["arith", "compare", "gsm8k"]
+    # submit_schedule.sh submits exactly these files.
+    schedule = (REPO / "examples" / "multi_lora" / "submit_schedule.sh").read_text()
+    assert sorted(re.findall(r"\$adapters/(\w+)\.yaml", schedule)) == names
+
+
 # -- on a local Ray cluster -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
@@ -166,6 +184,7 @@ class Served:
             cwd=root,
             stdout=self._fh,
             stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while not (m := re.search(r"service ready \(Ray (\S+), namespace", self.log.read_text())):
@@ -179,6 +198,7 @@ class Served:
         return "\n".join(self.log.read_text().splitlines()[-n:])
 
     def stop(self, timeout: float = 180) -> int:
+        disconnect()  # a Ray driver whose cluster goes away exits its process a minute later: leave first
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
@@ -192,11 +212,23 @@ class Served:
         self._fh.close()
 
 
-def connect(address: str) -> ServiceClient:
+def _die_with_parent() -> None:
+    """Runs in the serve child: SIGTERM it if pytest dies, so no service outlives a crashed test run (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def disconnect() -> None:
     import ray
 
-    if ray.is_initialized():  # the previous service's cluster is gone
+    if ray.is_initialized():
         ray.shutdown()
+
+
+def connect(address: str) -> ServiceClient:
+    disconnect()
     return ServiceClient.connect(address)
 
 
@@ -235,10 +267,7 @@ def checkpoint_step(run_dir: Path, name: str) -> int:
 def ray_client_cleanup():
     """This test process connects to each service's cluster as a client; disconnect before pytest reports."""
     yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+    disconnect()
 
 
 @pytest.mark.ray

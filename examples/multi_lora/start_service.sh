@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run the trainer as a service: provision the offline tiny preset if needed, start a local Ray cluster (token auth
+# on) and the `controller` actor, then wait. Submit tenants from another terminal (submit_schedule.sh does a demo).
+# Ctrl-C (or SIGTERM) checkpoints every live adapter, stops the actor and Ray, and exits 0.
+#   bash examples/multi_lora/start_service.sh [CONFIG] [--address HOST:PORT] [--set key=value ...]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+config="${1:-examples/multi_lora/configs/service.yaml}"
+[ $# -gt 0 ] && shift
+bash examples/multi_lora/provision.sh artifacts/tiny
+# exec: the signals reach `rl-multilora serve` itself, which handles them.
+exec rl-multilora serve "$config" "$@"
