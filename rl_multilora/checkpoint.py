@@ -16,6 +16,10 @@ Design choices (PRIOR_ART):
   replacement exists: a second checkpoint at the same adapter step (a FAILED or final save after a step that did
   not train) gets its own folder (`step_<k>.<n>`), and pruning renames a folder to a temp name before removing it.
 - Checkpoints are ordered by (`adapter_step`, `save_seq`) read from `checkpoint.json`, never by folder names.
+- A checkpoint counts on resume only once the run state records the global step it was written in as finished
+  (`steps_done` <= the run state's `global_step`); one from an unfinished step is discarded and that step is
+  trained again. Otherwise a kill between an adapter's checkpoint and the end of the step would resume it past
+  the step's metrics row, which was never written, and (for a drain) leave the run state saying RUNNING.
 - Restore happens after the adapter's slot exists (the adapter was added, so the load lands in an initialized slot),
   and restores the data cursor too, so a resumed tenant sees exactly the prompts it would have seen. Rank, alpha,
   targets and seed must match the checkpoint; the rest of the adapter config (lr, budgets) may change on resume.
@@ -30,8 +34,8 @@ Design choices (PRIOR_ART):
   its rows when it has none) are dropped, because that adapter trains those steps again; so every adapter's series
   has each adapter step once. The file is rewritten in place behind a journal (`.metrics.jsonl.rewrite`): the
   open MetricsLogger appends to the same file, and a crash mid-rewrite is finished by the next start. Known gap:
-  a kill after a checkpoint is renamed but before that step's metrics row is written loses that one row (the
-  step is not retrained since its checkpoint exists).
+  the loop saves the run state just before it writes the step's metrics rows, so a kill in between loses those
+  rows (that step is not retrained); logging the rows before saving the run state would close it.
 """
 
 from __future__ import annotations
@@ -199,6 +203,7 @@ class RestoredCheckpoint:
     path: Path
     adapter_step: int
     global_step: int  # the global step in which the checkpoint was written
+    discarded: list[Path]  # newer checkpoints from a step the run state does not record as finished
     weight_version: int | None  # the engine version the adapter had when it was written
     metrics_dropped: int  # metrics rows of later steps removed because they will be trained again
 
@@ -223,8 +228,12 @@ class CheckpointManager:
         return None
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def save_adapter(self, name: str, rt, note: str | None = None) -> Path:
-        """Checkpoint adapter `name` of Runtime `rt` (slot, optimizer, data cursor); `note` says why (e.g. FAILED)."""
+    def save_adapter(self, name: str, rt, note: str | None = None, in_step: bool = True) -> Path:
+        """Checkpoint adapter `name` of Runtime `rt` (slot, optimizer, data cursor); `note` says why (e.g. FAILED).
+
+        `in_step`: saved during global step `rt.controller.global_step` (committed once the run state records that
+        step as done), or between steps (committed already).
+        """
         rec = rt.controller.get(name)
         adir = self.adapter_dir(name)
         adir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +254,7 @@ class CheckpointManager:
                 "adapter_step": rec.adapter_step,
                 "save_seq": seq,
                 "global_step": rt.controller.global_step,
+                "steps_done": rt.controller.global_step + int(in_step),
                 "weight_version": rt.sync_.versions.get(name),
                 "state": rec.state.value,
                 "note": note,
@@ -265,10 +275,7 @@ class CheckpointManager:
     def _prune(self, name: str) -> None:
         cks = list_checkpoints(self.adapter_dir(name))
         for _, d in cks[: max(0, len(cks) - self.keep_last)]:
-            # Renamed first: a kill during rmtree must not leave a folder that still looks complete.
-            doomed = d.with_name(f"{TMP_PREFIX}prune-{d.name}")
-            os.rename(d, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            self._discard(d)
 
     def _remove_stale_temps(self, name: str) -> None:
         """Temp folders left by a killed save or prune (only this process writes this run dir)."""
@@ -287,6 +294,9 @@ class CheckpointManager:
         self._remove_stale_temps(name)
         rec = rt.controller.get(name)
         found = _complete(self.adapter_dir(name))
+        discarded = []
+        while found and _steps_done(found[-1][2]) > rt.controller.global_step:
+            discarded.append(self._discard(found.pop()[1]))
         if not found:
             prune_metrics(self.run_dir, {name: None})
             return None
@@ -301,7 +311,14 @@ class CheckpointManager:
         rec.last_reward = meta.get("last_reward")
         global_step = int(meta["global_step"])
         dropped = prune_metrics(self.run_dir, {name: global_step})
-        return RestoredCheckpoint(ck, rec.adapter_step, global_step, meta.get("weight_version"), dropped)
+        return RestoredCheckpoint(ck, rec.adapter_step, global_step, discarded, meta.get("weight_version"), dropped)
+
+    def _discard(self, ck: Path) -> Path:
+        """Remove a checkpoint folder; renamed first, so a kill during rmtree leaves nothing that looks complete."""
+        doomed = ck.with_name(f"{TMP_PREFIX}discard-{ck.name}")
+        os.rename(ck, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return ck
 
     # -- run state ------------------------------------------------------------------------------------------------
     def save_run_state(self, rt) -> None:
@@ -372,6 +389,11 @@ class CheckpointManager:
                 rec.registered_at = s.get("registered_at", rec.registered_at)
                 rt.controller.records[name] = rec
         return True
+
+
+def _steps_done(meta: dict) -> int:
+    """Global steps that must be finished for this checkpoint to count (see the module docstring)."""
+    return int(meta.get("steps_done", int(meta["global_step"]) + 1))
 
 
 def _check_compatible(name: str, now: dict, then: dict, ck: Path) -> None:

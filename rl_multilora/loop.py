@@ -439,7 +439,7 @@ class Runtime:
 
     def checkpoint_all(self) -> None:
         for rec in self.controller.in_state(AdapterState.RUNNING, AdapterState.DRAINING):
-            rec.last_checkpoint = str(self.ckpt.save_adapter(rec.name, self))
+            rec.last_checkpoint = str(self.ckpt.save_adapter(rec.name, self, in_step=False))
         self.ckpt.save_run_state(self)
 
     def close(self) -> None:

@@ -172,6 +172,8 @@ def _kill_then_resume(workspace, reference, tmp_path, kill_points: list[str]) ->
     for kill_at in kill_points:  # each killed process resumes what the previous one left
         _run_killed(cfg, kill_at, tmp_path)
         assert (run_dir / "metrics.jsonl").is_file()
+        if kill_at.startswith("checkpoint"):  # killed mid-write: the half-written temp folder is still there
+            assert list((run_dir / "adapters").glob("*/.tmp-step_*"))
     run(parse_run_config(cfg))
     assert_same_as_reference(run_dir, reference)
 
@@ -194,10 +196,11 @@ def test_killed_three_times_then_resume_matches(workspace, reference, tmp_path):
     _kill_then_resume(workspace, reference, tmp_path, ["rollout:40", "train:5", "checkpoint:2"])
 
 
-def test_finished_run_is_not_retrained_and_final_checkpoint_before_state_save(workspace, reference, tmp_path):
+def test_finished_run_is_not_retrained_nor_an_adapter_resumed_at_its_budget(workspace, reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    # As if killed after t2's final (drain) checkpoint but before the run state recorded DRAINED.
+    # t2 RUNNING with a finished checkpoint at its budget (as when max_steps is lowered before resuming):
+    # it must leave at once rather than train one step past the budget.
     state = json.loads((run_dir / "run_state.json").read_text())
     state["adapters"]["t2"]["state"] = "RUNNING"
     (run_dir / "run_state.json").write_text(json.dumps(state))
