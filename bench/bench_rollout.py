@@ -3,7 +3,8 @@
 For N adapters (1, 4, 8) the same workload (`rows` prompts, each generating exactly `new` tokens; EOS is
 disabled so every strategy does the same work) is run five ways, all in one process on the same base:
 
-- mixed:       one `EmbeddedEngine.generate` call, row i on adapter i % N (what a multi-tenant step does);
+- mixed:       one `EmbeddedEngine.generate` call, row i on adapter i % N (what a multi-tenant step does;
+               N = 1 is the same work as one-adapter, so their gap shows the timing noise);
 - one-adapter: the same batch with every row on one adapter (the best case for a single-LoRA engine);
 - base:        the same batch on the base model, no LoRA (the LoRA overhead floor);
 - sequential:  N engine calls, one adapter's rows at a time (what swapping adapters between batches costs);
@@ -56,14 +57,18 @@ class Workload:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
-    fn()  # warm-up: first-call allocations and lazy inits are not what we measure
-    times = []
+def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Median time of each callable. Repeats are interleaved (every callable once per round), so a burst of
+    load from other processes hits all strategies alike instead of skewing whichever ran during it."""
+    for fn in fns.values():
+        fn()  # warm-up: first-call allocations and lazy inits are not what we measure
+    times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            start = clock()
+            fn()
+            times[key].append(clock() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def random_adapter(model: MultiLoRAModel, rank: int, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -131,17 +136,24 @@ def run_workload(w: Workload, repeats: int, clock: Callable[[], float]) -> list[
 
         return run
 
-    tokens = w.rows * w.new_tokens
-    one_adapter = tokens / median_seconds(engine_call([names[0]] * w.rows), repeats, clock)
-    base_only = tokens / median_seconds(engine_call([None] * w.rows), repeats, clock)
-    table = []
+    fns = {"one": engine_call([names[0]] * w.rows), "base": engine_call([None] * w.rows)}
     for n in ADAPTER_COUNTS:
-        mixed = tokens / median_seconds(engine_call([names[i % n] for i in range(w.rows)]), repeats, clock)
-        sequential = tokens / median_seconds(engine_sequential(n), repeats, clock)
-        hf = tokens / median_seconds(hf_sequential(n), repeats, clock)
-        table.append(
-            dict(n=n, mixed=mixed, one=one_adapter, base=base_only, sequential=sequential, hf=hf),
+        fns[f"mixed{n}"] = engine_call([names[i % n] for i in range(w.rows)])
+        fns[f"sequential{n}"] = engine_sequential(n)
+        fns[f"hf{n}"] = hf_sequential(n)
+    tokens = w.rows * w.new_tokens
+    rate = {key: tokens / seconds for key, seconds in median_seconds(fns, repeats, clock).items()}
+    table = [
+        dict(
+            n=n,
+            mixed=rate[f"mixed{n}"],
+            one=rate["one"],
+            base=rate["base"],
+            sequential=rate[f"sequential{n}"],
+            hf=rate[f"hf{n}"],
         )
+        for n in ADAPTER_COUNTS
+    ]
     engine.close()
     return table
 
