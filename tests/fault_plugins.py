@@ -44,9 +44,9 @@ def arm(point: str, n: int) -> None:
 
         MultiLoRAHooks.on_sample_done = on_sample_done
     elif point == "train":
-        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        torch.optim.optimizer.register_optimizer_step_post_hook(lambda optimizer, args, kwargs: tick())
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: tick())
     else:
         import rl_multilora.checkpoint as checkpoint
 
