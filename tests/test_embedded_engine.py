@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
 from rl_multilora.lora import MultiLoRAModel
-from rollout.engines.embedded import EmbeddedEngine
+from rollout.engines.embedded import EmbeddedEngine, sample_next_tokens
 from rollout.types import GenerateRequest, SamplingParams
 from tests.tiny_models import EOS_ID, tiny_model, tiny_tokenizer
 
@@ -182,6 +182,28 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_top_token(engine):
     reference = engine.generate([GenerateRequest(PROMPTS[2], "b", greedy())])[0].output_ids
     for params in (sample(seed=3, top_k=1), sample(seed=4, top_p=1e-6)):
         assert engine.generate([GenerateRequest(PROMPTS[2], "b", params)])[0].output_ids == reference
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, -1, 1.0), (0.5, -1, 1.0), (1.0, 2, 1.0), (1.0, -1, 0.7), (2.0, 3, 0.9)],
+)
+def test_sampler_draws_from_the_filtered_tempered_distribution(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    n = 6000
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
+    tokens = sample_next_tokens(logits.expand(n, -1), params, generators)
+    # Reference in plain float64: temperature, keep the top-k, keep the prefix whose preceding mass <= top_p.
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True)
+    preceding = probs[order].cumsum(0) - probs[order]
+    kept = order[(torch.arange(6) < (top_k if top_k > 0 else 6)) & (preceding <= top_p)]
+    expected = torch.zeros(6, dtype=torch.float64)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    observed = torch.bincount(tokens, minlength=6).double() / n
+    assert observed[expected == 0].sum() == 0, "a filtered-out token was sampled"
+    torch.testing.assert_close(observed, expected, atol=0.025, rtol=0)
 
 
 def test_stop_strings_stop_token_ids_eos_and_length(model, engine, peft_adapters):

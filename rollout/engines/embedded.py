@@ -175,6 +175,64 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (pad, 0) if dim == -1 else (0, 0, pad, 0))
 
 
+def sample_next_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One next token per row: greedy at temperature 0, else temperature + top-k + top-p sampling.
+
+    logits: (B, V) float32; `generators[i]` (CPU) drives row i and is only read for sampled rows.
+    A row's token depends only on its own logits, settings and generator: rows with top-k/top-p
+    sample in sorted order, rows without in vocabulary order (no sort), decided per row so that a
+    neighbour's settings never change which path a row takes. Returns (B,) token ids.
+    """
+    tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
+    plain, filtered = [], []
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            (filtered if p.top_k > 0 or p.top_p < 1 else plain).append(i)
+    for group, use_filters in ((plain, False), (filtered, True)):
+        if group:
+            index = torch.tensor(group, device=logits.device)
+            picked = _inverse_cdf_sample(
+                logits[index], [params[i] for i in group], [generators[i] for i in group], use_filters
+            )
+            tokens[index] = picked
+    return tokens
+
+
+def _inverse_cdf_sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    use_filters: bool,
+) -> torch.Tensor:
+    """Inverse-CDF sampling of one token per row; logits: (S, V) float32 -> (S,) token ids."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]  # (S, V)
+    order = None
+    if use_filters:
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
+        probs = torch.softmax(scaled, dim=-1)  # (S, V)
+        rank = torch.arange(vocab, device=device)[None, :]  # (1, V)
+        # Keep the top-k, and the smallest prefix whose mass reaches top_p (SGLang's rule); the
+        # first token always survives both filters.
+        keep = (rank < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])  # (S, V)
+        probs = probs * keep
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # (S, V)
+    cdf = probs.cumsum(-1)  # (S, V) unnormalized CDF (filtered mass removed)
+    total = cdf[:, -1:]  # (S, 1)
+    # One uniform per row from the row's own generator: independent of the batch's make-up.
+    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(device)  # (S,)
+    # Strictly below the total, so the first index whose CDF exceeds it always has mass > 0.
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (S, 1)
+    pick = torch.searchsorted(cdf, target, right=True)  # (S, 1) position in `order` (or the vocab)
+    return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
+
+
 class EmbeddedEngine(RolloutEngine):
     """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
 
@@ -639,30 +697,9 @@ class EmbeddedEngine(RolloutEngine):
         return out.logits[:, -1, :].float()
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
-        """Pick each row's next token and its raw log-prob; logits: (B, V) float32."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) temperature-1 policy log-probs
-        tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature > 0]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            sub = [rows[i].params for i in sampled]
-            temperature = torch.tensor([p.temperature for p in sub], device=logits.device)
-            top_p = torch.tensor([p.top_p for p in sub], device=logits.device)
-            vocab = logits.shape[-1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in sub], device=logits.device)
-            scaled = logits[index] / temperature[:, None]  # (S, V)
-            values, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
-            probs = torch.softmax(values, dim=-1)  # (S, V)
-            rank = torch.arange(vocab, device=logits.device)[None, :]  # (1, V)
-            # Keep the top-k, and the smallest prefix whose mass reaches top_p (SGLang's rule); the
-            # first token always survives both filters.
-            keep = (rank < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])  # (S, V)
-            cdf = (probs * keep).cumsum(-1)  # (S, V) unnormalized CDF over the kept prefix
-            # One uniform per row from the row's own generator: independent of the batch's make-up.
-            u = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled]).to(logits.device)  # (S,)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (S,)
-            pick = torch.minimum(pick, keep.sum(-1) - 1)  # guard the u * total == total rounding edge
-            tokens[index] = order.gather(-1, pick[:, None]).squeeze(-1)
+        """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32."""
+        tokens = sample_next_tokens(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
+        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) the policy's own log-probs, before any filter
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
         return tokens.tolist(), chosen.tolist()
 
