@@ -230,6 +230,11 @@ def test_stop_strings_stop_token_ids_eos_and_length(model, engine, peft_adapters
     assert res.finish_reason == "stop" and res.output_ids == ids[: ids.index(ids[3]) + 1]
     zero = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(0))])[0]
     assert zero.finish_reason == "length" and zero.output_ids == []
+    # The context length (max_position_embeddings=256) caps the output, as SGLang clips max_new_tokens.
+    near_end = engine.generate([GenerateRequest([7] * 250, "a", greedy(20, stop_token_ids=[]))])[0]
+    assert (near_end.finish_reason, len(near_end.output_ids)) == ("length", 6) or near_end.output_ids[-1] == EOS_ID
+    too_long = engine.generate([GenerateRequest([7] * 256, "a", greedy())])[0]
+    assert too_long.finish_reason == "error" and "context length 256" in too_long.error
 
 
 def slowed(model, delay_s: float = 0.01):

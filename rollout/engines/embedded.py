@@ -28,7 +28,8 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   tokens, which is what importance ratios (GRPO/PPO) need; at other temperatures they are still the
   policy's own log-probs, not the tempered sampling distribution's.
 - Stops: EOS (the tokenizer's plus the model's `generation_config`), `stop_token_ids` and stop
-  strings finish a row with "stop"; `max_new_tokens` with "length". Output ids and log-probs are
+  strings finish a row with "stop"; `max_new_tokens` (or reaching the model's context length, as
+  SGLang clips it) with "length". Output ids and log-probs are
   never trimmed: the token that ended the row (EOS, stop token, or the token completing a stop
   string) is included, exactly as SGLang's `output_ids` include it. SGLang trims only the *text*;
   callers that want SGLang's text decode the ids and cut at the stop string. Stop strings are
@@ -263,7 +264,9 @@ class EmbeddedEngine(RolloutEngine):
         self._batch_wait_s = batch_wait_s
         self._base = model.base_model
         self._config = self._base.config
-        self._vocab_size = int(self._config.get_text_config(decoder=True).vocab_size)
+        text_config = self._config.get_text_config(decoder=True)
+        self._vocab_size = int(text_config.vocab_size)
+        self._context_len: int | None = getattr(text_config, "max_position_embeddings", None)
         self._device = next(self._base.parameters()).device
         self._max_loras = int(model.max_loras)
         self._max_rank = int(model.max_rank)
@@ -413,6 +416,11 @@ class EmbeddedEngine(RolloutEngine):
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self._vocab_size]
         if bad:
             return f"input_ids contains {bad[:3]!r}: token ids must be ints in [0, {self._vocab_size})"
+        if self._context_len is not None and len(ids) >= self._context_len:
+            return (
+                f"input_ids has {len(ids)} tokens: the prompt must be shorter than the model's context length "
+                f"{self._context_len}"
+            )
         if request.adapter is not None and request.adapter not in self._adapters:
             return f"adapter={request.adapter!r} is not loaded in the engine; loaded: {sorted(self._adapters)}"
         p = request.sampling
@@ -712,8 +720,10 @@ class EmbeddedEngine(RolloutEngine):
             self._finish(row, "stop")
         elif params.stop and self._hits_stop_string(row.output_ids, params.stop):
             self._finish(row, "stop")
-        elif len(row.output_ids) >= params.max_new_tokens:
-            self._finish(row, "length")
+        elif len(row.output_ids) >= params.max_new_tokens or (
+            self._context_len is not None and len(row.request.input_ids) + len(row.output_ids) >= self._context_len
+        ):
+            self._finish(row, "length")  # as SGLang: the context length caps max_new_tokens
         else:
             return False
         return True
