@@ -18,10 +18,13 @@ Design choices:
 - The row-to-slot mapping lives in one `SlotRouter` shared by all LoRA layers (vLLM's punica_wrapper idea), set
   for the duration of one forward and thread-local, so an engine thread and a trainer thread can share the model.
   It is computed once per forward (one host sync at most), not once per layer.
-- Fast path (group by slot): rows are permuted once so each slot's rows are contiguous; per layer the input is
-  gathered once, each slot does two small matmuls on its contiguous chunk at its true rank, and the deltas are
-  scattered back with one `index_add`. A batch that is all one slot skips the gather/scatter. A plain float32
-  per-row loop (`reference=True`) is the test oracle.
+- Fast path (group by slot): each slot does two small matmuls at its true rank on its own rows only. When each
+  slot's rows are contiguous in the batch (the trainer groups rows by adapter; a one-adapter batch always is) the
+  layer reads row-range views and adds in place: no gather, no scatter. Otherwise rows are permuted once per
+  forward; per layer the input is gathered once and the deltas are scattered back with one `index_add_`. Rows of
+  one slot never enter another slot's matmuls, so a NaN/inf row cannot leak into other tenants' gradients (a
+  one-hot-masked dense formulation would: 0 * NaN = NaN). A plain float32 per-row loop (`reference=True`) is the
+  test oracle.
 - `LoRABank` is the engine-side copy of all slots (stacked plain tensors, no autograd, shares no storage with the
   trainable Parameters): weight sync writes a trained adapter into the bank while the trainer keeps training.
 - Adapters are PEFT folders (`adapter_config.json`, `adapter_model.safetensors`, keys
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -121,7 +125,8 @@ def _check_alpha(alpha: Any, field: str = "alpha") -> float:
 
 @dataclass(frozen=True)
 class _SlotGroup:
-    """The rows of one slot: `rows[start:stop]` of the routing's permutation."""
+    """The rows of one slot: `rows[start:stop]` of the routing's permutation, or batch rows `start:stop` when the
+    routing has no permutation (every slot's rows already contiguous)."""
 
     slot: int
     rank: int
@@ -136,7 +141,7 @@ class _Routing:
     batch_size: int
     slots: tuple[int, ...]  # per row; BASE_SLOT = base model
     groups: tuple[_SlotGroup, ...]
-    rows: torch.Tensor | None  # (n_active,) row ids sorted by slot; None when one slot holds every row
+    rows: torch.Tensor | None  # (n_active,) row ids sorted by slot; None when each slot's rows are contiguous
     bank: LoRABank | None
     reference: bool
 
@@ -168,18 +173,23 @@ def _build_routing(
     bank: LoRABank | None,
     reference: bool,
 ) -> _Routing:
-    """Group rows by slot. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row."""
+    """Group rows by slot. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row.
+
+    A batch whose rows come grouped by adapter (what the trainer builds) needs no permutation: each slot is a
+    contiguous row range and the layers work on views. Otherwise rows are permuted once here, for all layers.
+    """
     by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         if slot != BASE_SLOT:
             by_slot.setdefault(slot, []).append(row)
+    if all(rows[-1] - rows[0] + 1 == len(rows) for rows in by_slot.values()):
+        groups = [_SlotGroup(s, *slot_meta[s], rows[0], rows[-1] + 1) for s, rows in sorted(by_slot.items())]
+        return _Routing(len(slots), tuple(slots), tuple(groups), None, bank, reference)
     groups, order = [], []
     for slot in sorted(by_slot):
-        rank, scale, modules = slot_meta[slot]
-        groups.append(_SlotGroup(slot, rank, scale, modules, len(order), len(order) + len(by_slot[slot])))
+        groups.append(_SlotGroup(slot, *slot_meta[slot], len(order), len(order) + len(by_slot[slot])))
         order.extend(by_slot[slot])
-    one_slot_all_rows = len(groups) == 1 and len(order) == len(slots)
-    rows = None if one_slot_all_rows or not groups else torch.tensor(order, dtype=torch.long, device=device)
+    rows = torch.tensor(order, dtype=torch.long, device=device)
     return _Routing(len(slots), tuple(slots), tuple(groups), rows, bank, reference)
 
 
@@ -234,13 +244,17 @@ class LoRALinear(nn.Module):
         groups = [g for g in routing.groups if self.name in g.modules]
         if not groups:
             return y
-        if routing.rows is None:
-            g = groups[0]
-            lora_a, lora_b = self._slot_weights(routing, g.slot)
-            xa = F.linear(x.to(lora_a.dtype), lora_a[: g.rank])  # xa = x @ A[:r].T; x: (B, ..., in) -> (B, ..., r)
-            # y += scale * xa @ B[:, :r].T, summed in the LoRA dtype and rounded once to y's dtype (as PEFT does)
-            return (y + F.linear(xa, lora_b[:, : g.rank]) * g.scale).to(y.dtype)
         lora_dtype = self.lora_A[0].dtype if routing.bank is None else routing.bank.dtype
+        # Base + delta is summed in the LoRA dtype and rounded once to y's dtype, as PEFT does. `out` is y itself
+        # when the dtypes match: updating it in place is safe because F.linear does not save its output.
+        out = y.to(lora_dtype)  # out: (B, ..., out)
+        if routing.rows is None:  # each slot's rows are contiguous: views in, in-place add out, no copies
+            for g in groups:
+                lora_a, lora_b = self._slot_weights(routing, g.slot)
+                xa = F.linear(x[g.start : g.stop].to(lora_dtype), lora_a[: g.rank])  # x[g] @ A[s, :r].T; (n_s, ..., r)
+                # out[g] += scale[s] * xa @ B[s, :, :r].T; add_ on the view (`out[g] += ...` would also setitem)
+                out[g.start : g.stop].add_(F.linear(xa, lora_b[:, : g.rank]) * g.scale)
+            return out.to(y.dtype)
         xs = x.index_select(0, routing.rows).to(lora_dtype)  # xs[j] = x[rows[j]]; xs: (n_active, ..., in)
         deltas, rows = [], []
         for g in groups:
@@ -250,8 +264,7 @@ class LoRALinear(nn.Module):
             rows.append(routing.rows[g.start : g.stop])
         delta = torch.cat(deltas) if len(deltas) > 1 else deltas[0]  # delta: (n_covered, ..., out)
         index = routing.rows if len(groups) == len(routing.groups) else torch.cat(rows)
-        # y[index[j]] += delta[j], summed in the LoRA dtype and rounded once (a no-op cast when both are float32)
-        return y.to(delta.dtype).index_add(0, index, delta).to(y.dtype)
+        return out.index_add_(0, index, delta).to(y.dtype)  # y[index[j]] += delta[j]
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: _Routing) -> torch.Tensor:
         """Plain float32 loop over rows with the full padded tensors: the oracle for the fast path."""
@@ -550,9 +563,13 @@ class MultiLoRAModel(nn.Module):
         **hf_kwargs: Any,
     ) -> MultiLoRAModel:
         """Load an HF causal LM from `path` (base in `dtype`, LoRA slots in `lora_dtype`) and wrap it."""
+        import transformers
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **hf_kwargs)
+        # transformers renamed `torch_dtype` to `dtype` in 4.56; older versions would silently ignore `dtype`.
+        major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+        dtype_kwarg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+        model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kwarg: dtype}, **hf_kwargs)
         if device is not None:
             model = model.to(device)
         wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype)
@@ -640,7 +657,7 @@ class MultiLoRAModel(nn.Module):
         self._reset_slot(slot)
         with torch.no_grad():
             for layer in self._layers.values():
-                # PEFT: kaiming_uniform_(A, a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); fan_in = in on the (r, in) view.
+                # PEFT's kaiming_uniform_(A, a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)); fan_in = in on the (r, in) view.
                 nn.init.kaiming_uniform_(layer.lora_A[slot][:rank], a=math.sqrt(5), generator=generator)
         self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), frozenset(self._layers))
         return slot
@@ -654,7 +671,10 @@ class MultiLoRAModel(nn.Module):
     # -- PEFT I/O ----------------------------------------------------------------------------------------------
 
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r)."""
+        """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r).
+
+        Only the adapter's own slot tensors are gathered, never the full model state dict.
+        """
         record = self._slot_record(name)
         s, r = record.info.slot, record.info.rank
         out: dict[str, torch.Tensor] = {}
@@ -755,7 +775,8 @@ class MultiLoRAModel(nn.Module):
             return [BASE_SLOT] * batch_size
         slots = adapter_slots.tolist() if isinstance(adapter_slots, torch.Tensor) else list(adapter_slots)
         if len(slots) != batch_size or any(
-            isinstance(s, bool) or not isinstance(s, int) or not BASE_SLOT <= s < self.max_loras for s in slots
+            isinstance(s, bool) or not isinstance(s, numbers.Integral) or not BASE_SLOT <= s < self.max_loras
+            for s in slots
         ):
             raise ValueError(
                 f"adapter_slots={slots!r} is not allowed; allowed: {batch_size} integers from -1 (base) to "
@@ -765,7 +786,7 @@ class MultiLoRAModel(nn.Module):
             empty = sorted({s for s in slots if s != BASE_SLOT and self._slots[s] is None})
             if empty:
                 raise ValueError(f"adapter_slots names empty slot(s) {empty}; occupied: {self.adapters}")
-        return slots
+        return [int(s) for s in slots]
 
     def forward(
         self,

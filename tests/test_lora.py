@@ -174,13 +174,16 @@ def test_bf16_base_matches_peft_with_fp32_scale():
 # Fast path against the float32 loop reference
 
 
+# Rows grouped by adapter take the contiguous (view) path, the others the permuted (gather/scatter) path.
 MIXES = {
     "one_adapter": ["a"] * 6,
     "all_distinct": ["a", "b", "c", "d"],
-    "skewed": ["b"] * 5 + ["d"],
-    "base_rows_mixed": [None, "a", None, "c", "c", None],
+    "skewed_grouped": ["b"] * 5 + ["d"],
+    "grouped_with_base": [None, "a", None, "c", "c", None],
     "all_base": [None] * 3,
-    "one_adapter_and_base": ["c", None, "c"],
+    "interleaved": ["a", "b", "a", "c", "b", "a"],
+    "skewed_interleaved": ["b", "b", "d", "b", "b", "b"],
+    "interleaved_with_base": ["c", None, "d", "c", None, "d"],
 }
 
 
