@@ -358,14 +358,18 @@ class Runtime:
         if st is not None and st.stepped:
             self.controller.mark_trained(name)
             self._pending_push.append(name)
-        reward_mean = statistics.fmean(rewards_) if rewards_ else None
+        try:
+            reward_mean = statistics.fmean(rewards_) if rewards_ else None
+            reward_std = statistics.pstdev(rewards_) if len(rewards_) > 1 else 0.0
+        except OverflowError:  # finite rewards whose sum overflows: the trainer skips that step; log them as null
+            reward_mean = reward_std = None
         rec.last_reward = reward_mean
         out = {
             "step": step,
             "adapter": name,
             "adapter_step": rec.adapter_step,
             "reward_mean": reward_mean,
-            "reward_std": statistics.pstdev(rewards_) if len(rewards_) > 1 else 0.0,
+            "reward_std": reward_std,
             "response_len_mean": statistics.fmean(len(s.response_ids) for s in mine) if mine else None,
             "n_samples": len(mine),
             "truncated_frac": (sum(s.status == SampleStatus.TRUNCATED for s in mine) / len(mine)) if mine else None,

@@ -74,15 +74,20 @@ def main(argv: list[str]) -> int:
 # -- faulty rewards (custom rewards by import path, `tests.fault_plugins:<name>`) -----------------------------------
 
 
-def overflow_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """Finite but huge for half of each group: the group mean overflows, so the advantages are NaN.
+def overflow_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any], *, from_epoch: int = 0) -> float:
+    """1.0 when the response has a digit while the adapter is in an epoch before `from_epoch`; from then on, finite
+    but huge for half of each group, so the group mean overflows and the advantages are NaN.
 
     This is how a reward returning inf reaches the trainer in spirit (the executor already refuses a literal inf or
     NaN and counts it as an error); the trainer must skip that tenant's step, not train on NaN.
 
-    >>> overflow_reward("p", "r", "l", {"sample_index": 0}) > 1e307
+    >>> overflow_reward("p", "r2", "l", {"epoch": 0, "sample_index": 0}, from_epoch=1)
+    1.0
+    >>> overflow_reward("p", "r", "l", {"epoch": 1, "sample_index": 0}, from_epoch=1) > 1e307
     True
     """
+    if metadata["epoch"] < from_epoch:
+        return float(any(c.isdigit() for c in response))
     return 1.7e308 if metadata["sample_index"] % 2 == 0 else 0.0
 
 
