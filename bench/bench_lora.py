@@ -3,23 +3,24 @@
 Usage: `python bench/bench_lora.py [--quick] [--device cpu|cuda]`
 
 For each model config and each N in (1, 4, 8), the same B rows (B / N rows per adapter, every adapter rank 16) are
-timed three ways, all in this one process with the same weights:
+timed four ways, all in this one process with the same weights:
 
 - `base`: the wrapped model with every row on the base (no LoRA compute): the floor.
-- `mixed`: one forward+backward over the mixed batch, rows routed to their own slots (the grouped fast path).
+- `grouped`: one forward+backward over the mixed batch with each adapter's rows contiguous (a0 a0 a1 a1 ..., what
+  the trainer builds): the zero-copy view path.
+- `interlvd`: the same batch with rows interleaved (a0 a1 a0 a1 ...): the permute/gather/scatter path.
 - `separate`: N forward+backward passes, one per adapter over its own rows (what a one-adapter trainer does).
 
 Every variant takes `inputs_embeds` that require grad, so each backward runs through the whole network and the
 `base` floor pays the same activation backward as the LoRA variants. Each timing is the median of >= 5 runs after
 warmup; the variants run round-robin within each run and the ratios are medians of per-run ratios, so load that
-drifts on a shared machine hits every variant alike. `mixed/base` is the multi-LoRA overhead, `mixed/sep` < 1 means
-one mixed pass beats N one-adapter passes.
+drifts on a shared machine hits every variant alike. `grp/base` and `int/base` are the multi-LoRA overheads,
+`grp/sep` < 1 means one mixed pass beats N one-adapter passes.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -54,7 +55,7 @@ def build(cfg: BenchConfig, max_loras: int, device: str) -> MultiLoRAModel:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_config(config).float().to(device)
     m = MultiLoRAModel.from_model(model, max_loras=max_loras, max_rank=16)
     for i in range(max_loras):
         m.add_adapter(f"a{i}", rank=16, alpha=32, seed=i)
@@ -100,9 +101,12 @@ def bench_config(cfg: BenchConfig, ns: tuple[int, ...], warmup: int, runs: int, 
     embeds = m.base_model.get_input_embeddings()(ids).detach()
     fns: dict[str, Callable[[], None]] = {"base": lambda: fwd_bwd(m, embeds, [None] * cfg.rows)}
     for n in ns:
-        names = [f"a{i % n}" for i in range(cfg.rows)]  # interleaved: every adapter's rows are scattered
-        per_adapter = [[i for i, name in enumerate(names) if name == f"a{k}"] for k in range(n)]
-        fns[f"mixed{n}"] = lambda names=names: fwd_bwd(m, embeds, names)
+        grouped = [f"a{i * n // cfg.rows}" for i in range(cfg.rows)]  # a0 a0 a1 a1 ...: contiguous views
+        interleaved = [f"a{i % n}" for i in range(cfg.rows)]  # a0 a1 a0 a1 ...: gather/scatter path
+        fns[f"grouped{n}"] = lambda names=grouped: fwd_bwd(m, embeds, names)
+        fns[f"interleaved{n}"] = lambda names=interleaved: fwd_bwd(m, embeds, names)
+
+        per_adapter = [[i for i, name in enumerate(interleaved) if name == f"a{k}"] for k in range(n)]
 
         def separate(per_adapter=per_adapter):
             for k, idx in enumerate(per_adapter):
@@ -115,10 +119,12 @@ def bench_config(cfg: BenchConfig, ns: tuple[int, ...], warmup: int, runs: int, 
         dict(
             n=n,
             base=med["base"],
-            mixed=med[f"mixed{n}"],
+            grouped=med[f"grouped{n}"],
+            interleaved=med[f"interleaved{n}"],
             separate=med[f"separate{n}"],
-            mixed_over_base=paired_ratio(times[f"mixed{n}"], times["base"]),
-            mixed_over_separate=paired_ratio(times[f"mixed{n}"], times[f"separate{n}"]),
+            grouped_over_base=paired_ratio(times[f"grouped{n}"], times["base"]),
+            interleaved_over_base=paired_ratio(times[f"interleaved{n}"], times["base"]),
+            grouped_over_separate=paired_ratio(times[f"grouped{n}"], times[f"separate{n}"]),
         )
         for n in ns
     ]
@@ -130,8 +136,15 @@ def main() -> None:
         "--quick", action="store_true", help="shorter sequences, 5 timed runs (a few minutes on 2 CPU cores)"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads; 1 by default because on a loaded shared 2-core machine OpenMP threads that get "
+        "descheduled made timings 10-50x slower and noisy",
+    )
     args = parser.parse_args()
-    threads = max(1, min(2, os.cpu_count() or 1)) if args.device == "cpu" else torch.get_num_threads()
+    threads = args.threads if args.device == "cpu" else torch.get_num_threads()
     torch.set_num_threads(threads)
     warmup, runs = (1, 5) if args.quick else (2, 7)
     configs = [
@@ -146,16 +159,17 @@ def main() -> None:
         "(median ms of forward+backward, fp32, rank 16, all-linear)"
     )
     header = (
-        f"{'config':<16} {'rows x T':>9} {'N':>2} {'base':>9} {'mixed':>9} {'separate':>9} "
-        f"{'mixed/base':>10} {'mixed/sep':>9}"
+        f"{'config':<15} {'rows x T':>8} {'N':>2} {'base':>8} {'grouped':>8} {'interlvd':>8} {'separate':>8} "
+        f"{'grp/base':>8} {'int/base':>8} {'grp/sep':>8}"
     )
     print(header)
     print("-" * len(header), flush=True)
     for cfg in configs:
         for r in bench_config(cfg, ns, warmup, runs, args.device):
             print(
-                f"{cfg.name:<16} {f'{cfg.rows}x{cfg.seq_len}':>9} {r['n']:>2} {r['base']:>9.1f} {r['mixed']:>9.1f} "
-                f"{r['separate']:>9.1f} {r['mixed_over_base']:>10.2f} {r['mixed_over_separate']:>9.2f}",
+                f"{cfg.name:<15} {f'{cfg.rows}x{cfg.seq_len}':>8} {r['n']:>2} {r['base']:>8.1f} {r['grouped']:>8.1f} "
+                f"{r['interleaved']:>8.1f} {r['separate']:>8.1f} {r['grouped_over_base']:>8.2f} "
+                f"{r['interleaved_over_base']:>8.2f} {r['grouped_over_separate']:>8.2f}",
                 flush=True,
             )
 
