@@ -20,6 +20,8 @@ Design choices (PRIOR_ART):
   (`steps_done` <= the run state's `global_step`); one from an unfinished step is discarded and that step is
   trained again. Otherwise a kill between an adapter's checkpoint and the end of the step would resume it past
   the step's metrics row, which was never written, and (for a drain) leave the run state saying RUNNING.
+  Without a run_state.json (a kill inside the very first step, or checkpoints copied into a new run dir) there is
+  no record to check against and every complete checkpoint counts.
 - Restore happens after the adapter's slot exists (the adapter was added, so the load lands in an initialized slot),
   and restores the data cursor too, so a resumed tenant sees exactly the prompts it would have seen. Rank, alpha,
   targets and seed must match the checkpoint; the rest of the adapter config (lr, budgets) may change on resume.
@@ -295,7 +297,8 @@ class CheckpointManager:
         rec = rt.controller.get(name)
         found = _complete(self.adapter_dir(name))
         discarded = []
-        while found and _steps_done(found[-1][2]) > rt.controller.global_step:
+        committed = rt.controller.global_step if (self.run_dir / "run_state.json").is_file() else None
+        while found and committed is not None and _steps_done(found[-1][2]) > committed:
             discarded.append(self._discard(found.pop()[1]))
         if not found:
             prune_metrics(self.run_dir, {name: None})
