@@ -33,8 +33,12 @@ Design choices:
   uncovered modules of its slot are skipped in the forward and in the export.
 
 Deviations from PEFT: no LoRA dropout (GRPO rollouts and training should see the same function), no rsLoRA, DoRA,
-LoRA bias or rank/alpha patterns (SGLang ignores or rejects them; loading such a folder raises). Gradient
-checkpointing is refused while training: its recompute runs in backward, outside the forward's routing scope.
+LoRA bias or rank/alpha patterns (SGLang ignores or rejects them; loading such a folder raises).
+
+Activation checkpointing recomputes layers in backward, outside the forward's routing scope: enable it with
+`MultiLoRAModel.gradient_checkpointing_enable()`, which hands torch's non-reentrant checkpoint a `context_fn` that
+re-installs, for each recompute, the routing captured when that layer ran forward. Checkpointing switched on
+directly on `base_model` is refused in training (it would silently recompute without LoRA).
 """
 
 from __future__ import annotations
@@ -535,6 +539,7 @@ class MultiLoRAModel(nn.Module):
         self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
         self._slots: list[_Slot | None] = [None] * max_loras
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
+        self._routed_checkpointing = False
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -756,6 +761,24 @@ class MultiLoRAModel(nn.Module):
                 )
         return bank
 
+    # -- activation checkpointing ------------------------------------------------------------------------------
+
+    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        # torch's checkpoint calls this once per checkpointed layer in forward: the second context wraps that
+        # layer's recompute in backward, which then sees the routing of the forward that saved it.
+        return contextlib.nullcontext(), self.router.route(self.router.current)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Activation checkpointing of the HF decoder layers whose recompute replays each row's LoRA slot."""
+        self.base_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+        )
+        self._routed_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.base_model.gradient_checkpointing_disable()
+        self._routed_checkpointing = False
+
     # -- forward -----------------------------------------------------------------------------------------------
 
     def _resolve_slots(
@@ -807,10 +830,15 @@ class MultiLoRAModel(nn.Module):
         """
         embeds = hf_kwargs.get("inputs_embeds")
         batch_size = (input_ids if input_ids is not None else embeds).shape[0]
-        if self.training and torch.is_grad_enabled() and _checkpointing_on(self.base_model):
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and not self._routed_checkpointing
+            and _checkpointing_on(self.base_model)
+        ):
             raise RuntimeError(
-                "gradient checkpointing is not supported with multi-LoRA routing: its recompute runs in backward, "
-                "outside the forward's routing; call base_model.gradient_checkpointing_disable()"
+                "gradient checkpointing was enabled on base_model directly: its recompute would run without the "
+                "LoRA routing; use MultiLoRAModel.gradient_checkpointing_enable() instead"
             )
         slots = self._resolve_slots(batch_size, adapter_names, adapter_slots, lora_bank)
         if lora_bank is not None:

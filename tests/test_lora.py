@@ -461,10 +461,25 @@ def test_peft_folder_mismatch_errors(tmp_path):
         bank.set_adapter(1, sd, {**config, "r": 2})
 
 
-def test_gradient_checkpointing_is_refused_in_training():
+def test_gradient_checkpointing_replays_routing_and_direct_enable_is_refused():
     m = make_model("qwen2")
-    m.add_adapter("a", rank=2, alpha=2)
-    m.base_model.gradient_checkpointing_enable()
+    add_three(m)
     m.train()
-    with pytest.raises(RuntimeError, match="gradient checkpointing is not supported"):
-        m(torch.zeros(1, 3, dtype=torch.long), adapter_names=["a"])
+    ids, mask = batch()
+    names = ["a", "b", None, "a", "c", "b"]
+
+    def grads():
+        m.zero_grad(set_to_none=True)
+        logits = m(ids, attention_mask=mask, adapter_names=names).logits
+        sum(per_adapter_loss(logits, ids, names, n) for n in ("a", "b", "c")).backward()
+        return [p.grad.clone() for n in ("a", "b", "c") for p in m.adapter_parameters(n)]
+
+    plain = grads()
+    m.gradient_checkpointing_enable()
+    assert m.base_model.is_activation_checkpointing
+    for g_ckpt, g_plain in zip(grads(), plain, strict=True):
+        torch.testing.assert_close(g_ckpt, g_plain, atol=1e-6, rtol=1e-5)
+    m.gradient_checkpointing_disable()
+    m.base_model.gradient_checkpointing_enable()
+    with pytest.raises(RuntimeError, match="use MultiLoRAModel.gradient_checkpointing_enable"):
+        m(ids, adapter_names=names)
