@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, save_tiny_model, tiny_model
 
 from rl_multilora.lora import AdapterInfo, LoRABank, MultiLoRAModel, UnknownAdapterError
 
@@ -306,6 +306,21 @@ def test_base_state_dict_keys_unchanged_and_base_frozen():
     assert base_keys == set(plain.state_dict())
     assert not any(p.requires_grad for n, p in m.base_model.named_parameters() if "lora_" not in n)
     assert len(m.lora_modules) == 2 * 7 and "lm_head" not in m.lora_modules
+
+
+def test_from_pretrained_folder_with_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = save_tiny_model(tmp_path / "base", family="llama")
+    m = MultiLoRAModel.from_pretrained(path, max_loras=2, max_rank=4, target_modules=["q_proj", "o_proj"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tokenizer("Q: 2+2?\nA:")["input_ids"]])
+    assert tokenizer.decode(ids[0]) == "Q: 2+2?\nA:" and int(ids.max()) < VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, tiny_model("llama")(input_ids=ids).logits, atol=0, rtol=0)
+    m.add_adapter("a", rank=4, alpha=8)
+    assert m.peft_config("a")["base_model_name_or_path"] == str(path)
+    assert m.peft_config("a")["target_modules"] == ["o_proj", "q_proj"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
