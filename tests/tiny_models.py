@@ -59,7 +59,7 @@ def tiny_model(
     # Seed a private RNG state: the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config).float()
     return model.eval()
 
 
