@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from rl_multilora.presets.tiny_config import TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_split
 
 MARKER = "PROVISIONED.json"
@@ -56,8 +57,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _synthetic_splits(tasks: tuple[str, ...], seed: int, n_train: int, n_test: int) -> dict[str, dict]:
     """Test first, then train drawn with the test questions excluded, so the splits are disjoint."""
-    from rl_multilora.presets.tiny import named_rng
-
     splits = {}
     for task in tasks:
         test = generate_split(task, n_test, named_rng(seed, f"{task}-test"))
@@ -75,13 +74,28 @@ def _write_splits(out: Path, splits: dict[str, dict[str, list[TaskExample]]]) ->
     return sizes
 
 
-def _provision_tiny(out: Path, seed: int, cfg) -> dict:
+def _provision_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
+    import torch
+
+    # One intra-op thread: the matmuls are too small to gain from a second one, a shared machine makes two threads
+    # wait on each other (seconds per step under load instead of a fraction), and a fixed count keeps the float
+    # reductions, hence the weights, identical on any machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build_tiny(out, seed, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     import torch
 
     from rl_multilora.presets.tiny import (
         build_model,
         build_tokenizer,
         evaluate_base,
+        fold_temperature,
         pretrain,
         stats_to_json,
         tokenizer_corpus,
@@ -101,6 +115,7 @@ def _provision_tiny(out: Path, seed: int, cfg) -> dict:
     exclude = {ex.question for by_split in splits.values() for ex in by_split["test"]}
     train_stats = pretrain(model, tokenizer, cfg, seed, exclude)
     timings["pretrain_s"] = train_stats.seconds
+    fold_temperature(model, cfg.fold_temperature)
 
     t0 = time.perf_counter()
     model_dir = out / "model"
@@ -159,34 +174,25 @@ def provision(
     force: bool = False,
     *,
     pretrain_steps: int | None = None,
-    n_train: int | None = None,
-    n_test: int | None = None,
-    eval_prompts: int | None = None,
+    config: TinyPresetConfig | None = None,
 ) -> Path:
     """Write the base model and the datasets of `preset` into `out`; return `out`.
 
-    `preset` is "tiny" (built offline) or a Hub model id "owner/name" (downloaded). The keyword-only overrides change
-    the tiny recipe (tests use a few pretraining steps); `n_train` / `n_test` also size the synthetic arith/compare
-    splits of a Hub preset. If `out` already holds a completed provisioning of the same recipe, nothing is done
-    unless `force`; a different recipe there is an error unless `force`.
+    `preset` is "tiny" (built offline) or a Hub model id "owner/name" (downloaded). `config` changes the tiny recipe
+    (model size, data sizes, pretraining; its `n_train` / `n_test` also size the synthetic arith and compare splits of
+    a Hub preset) and `pretrain_steps` overrides its step count (tests pass a handful). If `out` already holds a
+    completed provisioning of the same recipe (preset, seed, config), nothing is done unless `force`; a different
+    recipe there is an error unless `force`.
     """
-    from rl_multilora.presets.tiny import TinyPresetConfig
-
     if not isinstance(preset, str) or not (preset == "tiny" or _HUB_ID.match(preset)):
         raise ValueError(f"preset={preset!r} is not allowed; use 'tiny' or a Hub model id like 'Qwen/Qwen3-4B'")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
-    overrides = {
-        k: v
-        for k, v in {
-            "pretrain_steps": pretrain_steps,
-            "n_train": n_train,
-            "n_test": n_test,
-            "eval_prompts": eval_prompts,
-        }.items()
-        if v is not None
-    }
-    cfg = replace(TinyPresetConfig(), **overrides)  # validates every override, naming the field
+    if config is not None and not isinstance(config, TinyPresetConfig):
+        raise TypeError(f"config={config!r} must be a TinyPresetConfig or None")
+    cfg = config or TinyPresetConfig()
+    if pretrain_steps is not None:
+        cfg = replace(cfg, pretrain_steps=pretrain_steps)  # validated again, naming the field
     recipe = {"preset": preset, "seed": seed}
     recipe["settings"] = asdict(cfg) if preset == "tiny" else {"n_train": cfg.n_train, "n_test": cfg.n_test}
 

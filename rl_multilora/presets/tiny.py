@@ -14,7 +14,11 @@ Design choices:
 - Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
   response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format with
   probability `right_format_rate` (0.4), else an off-format one: the base answers often correctly but in the right
-  format only ~40 % of the time, which is the headroom GRPO is meant to find quickly.
+  format only about a third of the time, which is the headroom GRPO is meant to find quickly.
+- Temperature folding: a minute of pretraining leaves the digit distributions broad, so T=1 samples are much
+  less often right than greedy ones. The saved model has the final norm weight divided by `fold_temperature` (0.5),
+  which makes T=1 sampling from it exactly T=0.5 sampling from the trained one: answers are right about as often as
+  greedy ones while the format choice, trained at `right_format_rate` = 0.42, stays a ~35/65 draw.
 - Base stats: sample at temperature 1.0 (no top-k/top-p) on held-out test prompts through the chat template and
   score with `tiny_tasks.score_response`: format rate, correct rate, reward (both), EOS rate, response length.
 - Everything is seeded: Python `random.Random` streams named by purpose and `torch.manual_seed`, so the same seed
@@ -24,19 +28,18 @@ Design choices:
 from __future__ import annotations
 
 import math
-import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from rl_multilora.presets.tiny_config import SPECIAL_TOKENS, TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_example, render_response, score_response
 
-PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
-ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
-SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, *ROLE_TOKENS)
+PAD, BOS, EOS, *_ = SPECIAL_TOKENS
+ROLE_TOKENS: tuple[str, ...] = SPECIAL_TOKENS[3:]
 
 # Roles map to their own special tokens; an unknown role is an error rather than a silently new token string.
 CHAT_TEMPLATE = (
@@ -49,48 +52,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class TinyPresetConfig:
-    """Knobs of the tiny preset. Defaults take about a minute and a half on 2 CPU cores."""
-
-    hidden_size: int = 128  # model width
-    num_layers: int = 4  # decoder layers
-    num_heads: int = 4  # attention heads
-    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
-    intermediate_size: int = 384  # MLP width
-    vocab_size: int = 512  # BPE vocabulary target: 6 special tokens + 256 bytes + merges
-    max_positions: int = 256  # model context; prompts + responses stay under ~100 tokens
-    n_train: int = 2000  # rows per task in data/<task>/train.jsonl
-    n_test: int = 200  # rows per task in data/<task>/test.jsonl (held out of pretraining)
-    right_format_rate: float = 0.4  # share of pretraining responses in the task's answer format
-    pretrain_steps: int = 300  # AdamW steps; tests pass a handful
-    batch_size: int = 48  # examples per step, tasks mixed
-    lr: float = 3e-3  # peak learning rate (tiny models take a high one)
-    warmup_steps: int = 20  # linear warmup, then cosine decay to 10 % of `lr`
-    eval_prompts: int = 96  # test prompts sampled per task for the base stats (0 = skip)
-    eval_max_new_tokens: int = 48  # generation cap for the base stats
-
-    def __post_init__(self) -> None:
-        problems = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            floor = 0 if f.name in ("pretrain_steps", "warmup_steps", "eval_prompts") else 1
-            if f.type == "int" and (not isinstance(value, int) or value < floor):
-                problems.append(f"{f.name}={value!r} must be an integer >= {floor}")
-        if not 0.0 <= self.right_format_rate <= 1.0:
-            problems.append(f"right_format_rate={self.right_format_rate!r} must be in [0, 1]")
-        if not self.lr > 0:
-            problems.append(f"lr={self.lr!r} must be > 0")
-        if self.num_heads and self.hidden_size % max(self.num_heads, 1):
-            problems.append(f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}")
-        if self.num_kv_heads and self.num_heads % max(self.num_kv_heads, 1):
-            problems.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
-            problems.append(f"vocab_size={self.vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
-        if problems:
-            raise ValueError("invalid TinyPresetConfig: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -112,11 +73,6 @@ class PretrainStats:
     first_loss: float
     final_loss: float  # mean over the last 10 steps
     seconds: float
-
-
-def named_rng(seed: int, purpose: str) -> random.Random:
-    """An independent, reproducible stream per purpose, so adding draws in one place does not shift the others."""
-    return random.Random(f"{seed}:{purpose}")
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerFast, question: str) -> str:
@@ -161,7 +117,7 @@ def tokenizer_corpus(seed: int, per_task: int = 400) -> list[str]:
     for task in TASKS:
         for i in range(per_task):
             ex = generate_example(task, rng)
-            response = render_response(ex, right_format=i % 2 == 0, rng=rng)
+            response = render_response(ex, right_format=i % 2 == 0)
             texts.append(f"{BOS}<|user|>\n{ex.question}{EOS}\n<|assistant|>\n{response}{EOS}\n")
     return texts
 
@@ -241,7 +197,7 @@ def pretrain(
             ex = generate_example(rng.choice(TASKS), rng)
             if ex.question not in exclude:
                 examples.append(ex)
-        responses = [render_response(ex, rng.random() < cfg.right_format_rate, rng) for ex in examples]
+        responses = [render_response(ex, rng.random() < cfg.right_format_rate) for ex in examples]
         ids, mask, labels = _training_batch(tokenizer, examples, responses)
         for group in optim.param_groups:
             group["lr"] = lr_at(step)
@@ -314,6 +270,15 @@ def evaluate_base(
             examples=tuple(texts[:3]),
         )
     return stats
+
+
+@torch.no_grad()
+def fold_temperature(model: Qwen2ForCausalLM, temperature: float) -> None:
+    """Make sampling at T=1 from `model` equal sampling at `temperature` from it as trained.
+
+    logits = (w * x / rms(x)) @ E.T is linear in the final norm weight w, so w /= T scales every logit by 1 / T exactly.
+    """
+    model.model.norm.weight.div_(temperature)  # (hidden,)
 
 
 def stats_to_json(stats: dict[str, TaskBaseStats]) -> dict[str, dict]:

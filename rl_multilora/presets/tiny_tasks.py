@@ -13,14 +13,17 @@ Design choices:
 - The arith and compare questions always carry the format instruction, so the same rows also make sense for a real
   instruction-following model (the Hub presets write these two tasks with these generators too).
 - A training response for the tiny base is rendered either in the task's format or in an off-format one
-  ("The answer is 42.", no final line, ...), chosen independently of the problem: the pretrained base then samples
-  the right format only part of the time, and GRPO has an easy, sample-reachable lever (pick the format) next to the
-  harder one (get the number right).
+  ("The answer is 42."), chosen independently of the problem: the pretrained base then samples the right format only
+  part of the time, and GRPO has an easy, sample-reachable lever (pick the format) next to the harder one (get the
+  number right).
 - Every response, in any format, ends with the final answer as its last number, so correctness can be judged apart
   from format (`score_response`): `correct` = last number equals the label, `format_ok` = the strict pattern is
   there, `reward` = the number inside the strict pattern equals the label (what the strict built-in rewards score).
-- Numbers are small (GSM8K-style operands up to 12, arith operands up to 50, compare up to 99) so a ~1M-parameter
-  model learns the arithmetic in a minute of CPU pretraining, imperfectly.
+- Numbers are small and of fixed width per task (GSM8K-style operands 1-9, factors 2-5; arith: two-digit addition,
+  operands 10-59; compare 10-99).
+  With one token per digit, every operand of a given template then sits at a fixed distance from the answer, so a
+  ~1M-parameter model learns to copy and combine them by relative position within a minute of CPU pretraining
+  (content-based "induction" copying takes far more steps than that budget), and learns it imperfectly.
 """
 
 from __future__ import annotations
@@ -108,50 +111,48 @@ def _gsm8k(rng: random.Random) -> TaskExample:
     item = rng.choice(_ITEMS)
     kind = rng.randrange(6)
     if kind == 0:
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         q = f"{name} has {a} {item}. {pron} buys {b} more. How many {item} does {name} have now?"
         steps, ans = (f"{name} has {a} + {b} = {a + b} {item} now.",), a + b
     elif kind == 1:
-        a = rng.randint(4, 20)
+        a = rng.randint(3, 9)
         b = rng.randint(1, a - 1)
         q = f"{name} had {a} {item}. {pron} gave {b} to a friend. How many {item} does {name} have left?"
         steps, ans = (f"{name} has {a} - {b} = {a - b} {item} left.",), a - b
     elif kind == 2:
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
         q = f"{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?"
         steps, ans = (f"{name} buys {a} * {b} = {a * b} {item}.",), a * b
     elif kind == 3:
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
-        c = rng.randint(1, a + b - 1)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        c = rng.randint(1, 9)
         q = f"{name} has {a} {item}. {pron} finds {b} more and then loses {c}. How many {item} does {name} have now?"
         s = a + b
         steps, ans = (f"{name} has {a} + {b} = {s} {item}.", f"Then {s} - {c} = {s - c} {item} are left."), s - c
     elif kind == 4:
-        a, b, c = rng.randint(2, 6), rng.randint(2, 6), rng.randint(1, 9)
+        a, b, c = rng.randint(2, 5), rng.randint(2, 5), rng.randint(1, 9)
         q = f"{name} has {a} boxes with {b} {item} each and {c} more {item}. How many {item} does {name} have?"
         p = a * b
         steps, ans = (f"The boxes hold {a} * {b} = {p} {item}.", f"In total {p} + {c} = {p + c} {item}."), p + c
     else:
         thing = rng.choice(_THINGS)
-        a, b = rng.randint(2, 9), rng.randint(2, 6)
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
         q = f"A {thing} costs {a} dollars. {name} buys {b} of them. How many dollars does {name} spend?"
         steps, ans = (f"{name} spends {b} * {a} = {a * b} dollars.",), a * b
     return TaskExample("gsm8k", q, str(ans), steps)
 
 
 def _arith(rng: random.Random) -> TaskExample:
-    a, b = rng.randint(1, 50), rng.randint(1, 50)
-    if rng.random() < 0.5:
-        op, ans = "+", a + b
-    else:
-        a, b = max(a, b), min(a, b)  # non-negative results only: one less thing for a tiny model to learn
-        op, ans = "-", a - b
-    q = f"Compute {a} {op} {b}. {ARITH_INSTRUCTION}"
-    return TaskExample("arith", q, str(ans), (f"{a} {op} {b} = {ans}",))
+    a, b = rng.randint(10, 59), rng.randint(10, 59)
+    tens, ones = (a // 10 + b // 10) * 10, a % 10 + b % 10
+    # The worked line adds tens and ones apart ("17 + 25 = 30 + 12 = 42"): each step reads two digits at fixed
+    # offsets, which a tiny model learns in far fewer steps than the 4-digit function behind "17 + 25 = 42".
+    q = f"Compute {a} + {b}. {ARITH_INSTRUCTION}"
+    return TaskExample("arith", q, str(a + b), (f"{a} + {b} = {tens} + {ones} = {a + b}",))
 
 
 def _compare(rng: random.Random) -> TaskExample:
-    a, b = rng.sample(range(1, 100), 2)
+    a, b = rng.sample(range(10, 100), 2)
     word = rng.choice(("larger", "smaller"))
     ans = max(a, b) if word == "larger" else min(a, b)
     q = f"Which is {word}: {a} or {b}? {COMPARE_INSTRUCTION}"
@@ -172,7 +173,7 @@ def generate_split(task: str, n: int, rng: random.Random, exclude: set[str] | fr
     _check_task(task)
     seen: set[str] = set()
     out: list[TaskExample] = []
-    # The arith space holds ~3,700 distinct questions; 50 draws per needed row is far more than a
+    # The arith space holds 2,500 distinct questions; 50 draws per needed row is far more than a
     # 2,000 + 200 split needs, and turns an impossible request into an error instead of a hang.
     for _ in range(50 * n + 100):
         if len(out) == n:
@@ -187,21 +188,21 @@ def generate_split(task: str, n: int, rng: random.Random, exclude: set[str] | fr
     return out
 
 
-def render_response(example: TaskExample, right_format: bool, rng: random.Random) -> str:
-    """A training response for `example`, in the task's format or in one of its off-formats."""
+def render_response(example: TaskExample, right_format: bool) -> str:
+    """A training response for `example`, in the task's format or in its off-format ("The answer is 42.").
+
+    Both end with the same worked lines and differ at one token (the format choice), so the pretrained base's
+    format rate is one logit that GRPO can move, and the correctness of the number does not depend on it.
+    """
     body = "\n".join(example.steps)
     label = example.label
     if example.task == "gsm8k":
-        if right_format:
-            return f"{body}\n#### {label}"
-        return rng.choice((f"{body}\nThe answer is {label}.", f"{body}\nSo the answer is {label}."))
+        return f"{body}\n#### {label}" if right_format else f"{body}\nThe answer is {label}."
     if example.task == "arith":
-        if right_format:
-            return f"{body}, so the answer is \\boxed{{{label}}}."
-        return rng.choice((f"{body}, so the answer is {label}.", f"{body}."))
-    if right_format:
-        return f"{body}\nAnswer: {label}"
-    return rng.choice((f"{body}\nThe answer is {label}.", body))
+        return (
+            f"{body}, so the answer is \\boxed{{{label}}}." if right_format else f"{body}, so the answer is {label}."
+        )
+    return f"{body}\nAnswer: {label}" if right_format else f"{body}\nThe answer is {label}."
 
 
 def _same_number(text: str | None, label: str) -> bool:
