@@ -282,3 +282,57 @@ def test_exported_adapter_loads_in_peft_with_the_slot_logits(workspace, referenc
         base_logits = AutoModelForCausalLM.from_pretrained(model_path).eval()(input_ids=ids).logits
     assert not torch.allclose(peft_logits, base_logits, atol=1e-4)  # the adapter changes the output
     torch.testing.assert_close(slot_logits, peft_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_external_sigkill_at_a_random_moment_then_resume_matches(workspace, reference, tmp_path):
+    """A plain `rl-multilora run` killed from outside, at a random moment of a random step, twice."""
+    import random
+    import time
+
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    rng = random.Random(1234)
+    for _ in range(2):
+        # Wait for rows of a step this process trained (the first rows may be the previous process's), then kill.
+        target = len(read_metrics(run_dir)) + 3  # the full run logs 15 rows: both kills land well before the end
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rl_multilora.cli", "run", str(path)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            while proc.poll() is None and len(read_metrics(run_dir)) < target:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.25))  # a step takes ~0.3-1 s here: kill somewhere in the next one
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    run(parse_run_config(cfg))
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_metrics_rollback_is_in_place_and_finishes_an_interrupted_rewrite(tmp_path):
+    from rl_multilora.checkpoint import METRICS_JOURNAL, prune_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "adapter": a, "adapter_step": s + 1, "reward_mean": 0.5} for s in range(4) for a in "ab"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "adap')  # a row torn by a kill
+    logger_handle = path.open("a")  # what MetricsLogger holds while the run resumes
+    assert prune_metrics(tmp_path, {"a": 1}) == 3  # a's steps 2 and 3, and the torn row
+    logger_handle.write(json.dumps({"step": 4, "adapter": "a", "adapter_step": 3, "reward_mean": 1.0}) + "\n")
+    logger_handle.close()
+    got = [(r["step"], r["adapter"]) for r in read_metrics(tmp_path)]
+    assert got == [(0, "a"), (0, "b"), (1, "a"), (1, "b"), (2, "b"), (3, "b"), (4, "a")]
+    # A kill between writing the journal and copying it over: the next call finishes the copy.
+    (tmp_path / METRICS_JOURNAL).write_text(json.dumps(rows[0]) + "\n")
+    assert prune_metrics(tmp_path, {}) == 0
+    assert read_metrics(tmp_path) == [rows[0]] and not (tmp_path / METRICS_JOURNAL).exists()
+    assert prune_metrics(tmp_path, {"b": None}) == 0 and prune_metrics(tmp_path, {"a": None}) == 1
+    assert read_metrics(tmp_path) == []
