@@ -13,8 +13,10 @@ Design choices (PRIOR_ART):
 - A checkpoint is built in `.tmp-*` next to its final place, fsynced, and renamed into place, so a crash leaves
   either the previous checkpoint or the new one. Folders without `checkpoint.json` (or with the temp prefix) are
   ignored, and stale temp folders are removed when the adapter is restored. Nothing is deleted before its
-  replacement exists: a second checkpoint at the same adapter step (a FAILED or final save after a step that did
-  not train) gets its own folder (`step_<k>.<n>`), and pruning renames a folder to a temp name before removing it.
+  replacement exists: a second checkpoint at the same adapter step (a FAILED or final save after steps that
+  consumed data but did not train) gets its own folder (`step_<k>.<n>`), and pruning renames a folder to a temp
+  name before removing it. A save whose state equals the newest checkpoint's (same adapter step and data cursor)
+  reuses that checkpoint.
 - Checkpoints are ordered by (`adapter_step`, `save_seq`) read from `checkpoint.json`, never by folder names.
 - A checkpoint counts on resume only once the run state records the global step it was written in as finished
   (`steps_done` <= the run state's `global_step`); one from an unfinished step is discarded and that step is
@@ -240,6 +242,13 @@ class CheckpointManager:
         adir = self.adapter_dir(name)
         adir.mkdir(parents=True, exist_ok=True)
         existing = _complete(adir)
+        data_state = rt.data.state_dict(name)
+        if note is None and existing and existing[-1][0][0] == rec.adapter_step:
+            last = existing[-1][1]
+            # Same adapter step (no optimizer step since) and same data cursor: the newest checkpoint already holds
+            # exactly this state, e.g. a drain or a service stop right after a periodic save. Reuse it.
+            if json.loads((last / "data_state.json").read_text()) == json.loads(json.dumps(data_state)):
+                return last
         seq = max((key[1] for key, _, _ in existing), default=0) + 1
         final = adir / f"step_{rec.adapter_step}"
         n = 0
@@ -250,7 +259,7 @@ class CheckpointManager:
         try:
             rt.model.export_adapter(name, tmp)
             save_tree(rt.trainer.optimizer_state_dict(name), tmp, "optimizer")
-            (tmp / "data_state.json").write_text(json.dumps(rt.data.state_dict(name)))
+            (tmp / "data_state.json").write_text(json.dumps(data_state))
             meta = {
                 "adapter": name,
                 "adapter_step": rec.adapter_step,
