@@ -41,6 +41,10 @@ from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_example
 PAD, BOS, EOS, *_ = SPECIAL_TOKENS
 ROLE_TOKENS: tuple[str, ...] = SPECIAL_TOKENS[3:]
 
+# Share of each task in the pretraining mix: the compare task (copy and compare) is learned from fewer examples than
+# the word problems and the tens/ones additions.
+PRETRAIN_MIX: dict[str, float] = {"gsm8k": 0.4, "arith": 0.35, "compare": 0.25}
+
 # Roles map to their own special tokens; an unknown role is an error rather than a silently new token string.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -194,7 +198,7 @@ def pretrain(
     for step in range(cfg.pretrain_steps):
         examples = []
         while len(examples) < cfg.batch_size:
-            ex = generate_example(rng.choice(TASKS), rng)
+            ex = generate_example(rng.choices(TASKS, weights=[PRETRAIN_MIX[t] for t in TASKS])[0], rng)
             if ex.question not in exclude:
                 examples.append(ex)
         responses = [render_response(ex, rng.random() < cfg.right_format_rate) for ex in examples]
