@@ -563,7 +563,18 @@ def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code."""
     import ray
 
+    # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,
+    # or a detached actor would outlive this process on a cluster we joined.
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, _frame):
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
     _ray_init(address, start_cluster=address is None)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    handle = None
     try:
         try:
             ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
@@ -579,57 +590,62 @@ def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
             .remote(cfg.model_dump(mode="json"), os.getcwd())
         )
+        ready = handle.ready.remote()
+        while not stop.is_set() and not ray.wait([ready], timeout=1.0)[0]:
+            pass
+        if stop.is_set():
+            log.info("%s during startup: stopping", received[0])
+            return 0
         try:
-            ray.get(handle.ready.remote())
+            ray.get(ready)
         except Exception as e:  # noqa: BLE001 - a bad model path etc. surfaces as RayActorError with the cause
-            ray.kill(handle)
-            raise ServiceError(f"the service failed to start: {e}") from None
-        return _run_until_signal(ServiceClient(handle), cfg, health_every_s)
-    finally:
-        ray.shutdown()
-
-
-def _run_until_signal(client: ServiceClient, cfg: RunConfig, health_every_s: float) -> int:
-    import ray
-
-    stop = threading.Event()
-    received: list[str] = []
-
-    def on_signal(signum, _frame):
-        received.append(signal.Signals(signum).name)
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    ctx = ray.get_runtime_context()
-    auth = _auth_mode()
-    print(
-        f"rl-multilora service ready (Ray {ctx.gcs_address}, namespace {NAMESPACE!r}, actor {ACTOR_NAME!r})\n"
-        f"  run dir: {cfg.run_dir}   slots: {cfg.model.max_loras}   max rank: {cfg.model.max_rank}\n"
-        f"  auth: {auth}" + (f" (token in {token_location()})" if auth == "token" else "") + "\n"
-        "  submit: rl-multilora submit ADAPTER.yaml | status: rl-multilora status | stop: Ctrl-C",
-        flush=True,
-    )
-    code = 0
-    try:
-        while not stop.wait(health_every_s):
-            st = client.status()
-            if st.error is not None:
-                log.error("the service stopped training after an error: %s", st.error)
-                code = 1
-                break
-    except ServiceError as e:
-        log.error("%s", e)
-        return 1
+            raise ServiceError(f"the service failed to start: {_cause(e)}") from None
+        client = ServiceClient(handle)
+        code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None)
+        log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
+        print(client.shutdown().table(), flush=True)
+        return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
-    try:
-        final = client.shutdown()
-        print(final.table(), flush=True)
-    finally:
-        ray.kill(client.handle)
-    return code
+        if handle is not None:
+            ray.kill(handle)
+        ray.shutdown()
+
+
+def _cause(e: BaseException) -> str:
+    """The last line of a remote failure (the exception itself), not Ray's page of context around it."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
+def _run_until_signal(
+    client: ServiceClient, cfg: RunConfig, stop: threading.Event, health_every_s: float, started: bool
+) -> int:
+    """Print the banner, then watch the service until a signal (0) or a training error (1)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    if _auth_mode() != "token":
+        auth = "DISABLED (RAY_AUTH_MODE=disabled)" if started else "no token sent; the cluster's RAY_AUTH_MODE decides"
+    elif started:
+        auth = f"token (in {token_location()})"
+    else:
+        auth = f"token sent (from {token_location()}); the cluster's RAY_AUTH_MODE decides whether it is required"
+    address = "" if started else f" --address {ctx.gcs_address}"
+    print(
+        f"rl-multilora service ready (Ray {ctx.gcs_address}, namespace {NAMESPACE!r}, actor {ACTOR_NAME!r})\n"
+        f"  run dir: {cfg.run_dir}   slots: {cfg.model.max_loras}   max rank: {cfg.model.max_rank}\n"
+        f"  auth: {auth}\n"
+        f"  submit: rl-multilora submit ADAPTER.yaml{address} | status: rl-multilora status{address} | stop: Ctrl-C",
+        flush=True,
+    )
+    while not stop.wait(health_every_s):
+        st = client.status()
+        if st.error is not None:
+            log.error("the service stopped training after an error: %s", st.error)
+            return 1
+    return 0
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------------
