@@ -369,6 +369,9 @@ class CheckpointManager:
     def restore_run_state(self, rt) -> bool:
         """Bring back the global step and the adapters that already finished (so they are not retrained).
 
+        An adapter that finished its budget and whose budget (`max_steps`, `epochs`) is different in this run's
+        config is not brought back as finished: it resumes from its checkpoint under the new budget.
+
         `checkpoint.resume`: "never" archives whatever an earlier run left (`archive_previous`) and starts clean;
         "always" requires run state or a checkpoint; "auto" resumes when there is something to resume.
         """
@@ -390,10 +393,22 @@ class CheckpointManager:
             return False
         state = json.loads(path.read_text())
         rt.controller.global_step = int(state["global_step"])
+        configured = {a.name: a for a in rt.cfg.adapters}
         for name, s in state["adapters"].items():
             st = AdapterState(s["state"])
             if st in (AdapterState.DRAINED, AdapterState.REMOVED, AdapterState.FAILED):
-                rec = AdapterRecord(cfg=AdapterConfig.model_validate(s["config"]), state=st)
+                cfg = AdapterConfig.model_validate(s["config"])
+                new = configured.get(name)
+                if (
+                    st != AdapterState.FAILED
+                    and s.get("reason") == "budget reached"
+                    and new is not None
+                    and (new.max_steps, new.epochs) != (cfg.max_steps, cfg.epochs)
+                ):
+                    # Its budget was changed for this run: it registers from the config and resumes from its
+                    # checkpoint, to train further (or leaves at once when it is still at or past the new budget).
+                    continue
+                rec = AdapterRecord(cfg=cfg, state=st)
                 rec.adapter_step = s["adapter_step"]
                 rec.reason = s.get("reason")
                 rec.last_checkpoint = s.get("last_checkpoint")

@@ -336,3 +336,19 @@ def test_metrics_rollback_is_in_place_and_finishes_an_interrupted_rewrite(tmp_pa
     assert read_metrics(tmp_path) == [rows[0]] and not (tmp_path / METRICS_JOURNAL).exists()
     assert prune_metrics(tmp_path, {"b": None}) == 0 and prune_metrics(tmp_path, {"a": None}) == 1
     assert read_metrics(tmp_path) == []
+
+
+def test_raising_a_finished_adapters_budget_trains_it_further(workspace, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    cfg = _config(workspace, run_dir)
+    cfg["adapters"][1]["max_steps"] = 5  # t2 finished at 4
+    rt = run(parse_run_config(cfg))
+    assert {n: (r.state.value, r.adapter_step) for n, r in rt.controller.records.items()} == {
+        "t1": ("DRAINED", 6),
+        "t2": ("DRAINED", 5),
+        "t3": ("DRAINED", 5),
+    }
+    assert [r[0] for r in _series(run_dir, "t2")] == [1, 2, 3, 4, 5]
+    assert _series(run_dir, "t1") == _series(reference, "t1")  # the others did not train again
+    assert [s for s, _ in list_checkpoints(run_dir / "adapters" / "t2")] == [4, 5]
