@@ -13,13 +13,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rl_multilora.config import ModelConfig
+from rl_multilora.controller import AdapterState
 from rl_multilora.service import AdapterStatus, ServiceClient, ServiceError, ServiceStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +125,127 @@ def test_status_table_shows_every_column():
         "service: ERROR | global step 0 | slots 0/2 | runs/x",
         "error: RuntimeError: boom",
     ]
+
+
+class _GatedRuntime:
+    """The Runtime surface ServiceCore uses, with a real controller and checkpoint manager but no model.
+
+    Each `step()` announces itself on `started` and then waits for the test to open `gate` (until `free_run` is
+    set), so the test can act while a step is in flight. `in_step` records whether a register/remove ran inside a step (it never should).
+    """
+
+    def __init__(self, tmp: Path):
+        from rl_multilora.checkpoint import CheckpointManager
+        from rl_multilora.config import RunConfig
+        from rl_multilora.controller import MultiLoRAController
+
+        self.cfg = RunConfig(model=ModelConfig(path=str(tmp), max_loras=1, max_rank=8), run_dir=str(tmp / "run"))
+        self.run_dir = Path(self.cfg.run_dir)
+        self.controller = MultiLoRAController(1)
+        self.ckpt = CheckpointManager(self.run_dir)
+        self.started = threading.Semaphore(0)
+        self.gate = threading.Semaphore(0)
+        self.free_run = threading.Event()  # set: steps no longer wait for the gate
+        self.in_step = False
+        self.fail_next = False
+        self.events: list = []
+
+    def start(self) -> None:
+        self.events.append("start")
+
+    def register(self, a):
+        self.events.append(("register", a.name, self.in_step))
+        return self.controller.register(a)
+
+    def remove(self, name: str, reason: str = "removed by request") -> None:
+        self.events.append(("remove", name, self.in_step))
+        self.controller.drain(name, reason)
+
+    def step(self) -> None:
+        self.in_step = True
+        self.started.release()
+        if not self.free_run.is_set():
+            assert self.gate.acquire(timeout=30), "the test never let the step finish"
+        try:
+            if self.fail_next:
+                raise RuntimeError("boom in step")
+            for rec in self.controller.running():
+                self.controller.mark_trained(rec.name)
+            self.retire_finished()
+            self.admit_pending()
+            self.controller.global_step += 1
+        finally:
+            self.in_step = False
+
+    def retire_finished(self) -> None:
+        for rec in self.controller.in_state(AdapterState.DRAINING):
+            self.controller.mark_drained(rec.name)
+
+    def admit_pending(self) -> None:
+        for rec in self.controller.pending_in_order():
+            free = self.controller.free_slots()
+            if not free:
+                break
+            self.controller.activate(rec.name, free[0])
+
+    def sync_now(self) -> None:
+        self.events.append("sync")
+
+    def checkpoint_all(self) -> None:
+        self.events.append("checkpoint_all")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+def test_core_applies_mutations_between_steps_only(tmp_path):
+    from rl_multilora.config import AdapterConfig
+    from rl_multilora.service import ServiceCore
+
+    (tmp_path / "data").mkdir()
+    for name in "abc":
+        (tmp_path / "data" / f"{name}.jsonl").write_text(json.dumps({"prompt": "p", "label": "l"}) + "\n")
+    cfg = {n: AdapterConfig.model_validate(adapter_yaml(tmp_path, n)) for n in "abc"}
+    rt = _GatedRuntime(tmp_path)
+    core = ServiceCore(rt, poll_s=0.05)
+    core.start()
+    try:
+        assert core.submit(cfg["a"]).state == "PENDING"  # idle: applied at once, admitted, and a step starts
+        assert rt.started.acquire(timeout=10)
+        with ThreadPoolExecutor(2) as pool:
+            sub_b = pool.submit(core.submit, cfg["b"])
+            rm_a = pool.submit(core.remove, "a")
+            time.sleep(0.3)
+            # Both wait for the step in flight to end; nothing changed under it.
+            assert not sub_b.done() and not rm_a.done()
+            assert "b" not in rt.controller.records and rt.controller.get("a").state == AdapterState.RUNNING
+            rt.gate.release()
+            assert sub_b.result(10).state == "PENDING" and rm_a.result(10).state == "DRAINING"
+        assert all(not e[2] for e in rt.events if isinstance(e, tuple)), rt.events
+        # One slot: b is admitted once a has drained; a is then REMOVED (its name may be submitted again).
+        assert rt.started.acquire(timeout=10)
+        st = core.status()
+        assert (st.get("a").state, st.get("b").state, st.get("b").slot) == ("REMOVED", "RUNNING", 0)
+        assert st.training and st.get("a").adapter_step == 1
+        rt.free_run.set()  # from here on steps run freely; requests are applied between them
+        rt.gate.release()
+        with pytest.raises(ServiceError, match=r"cannot remove 'a': adapter 'a' is REMOVED"):
+            core.remove("a")
+        with pytest.raises(ServiceError, match=r"'zz' is not registered"):
+            core.remove("zz")
+
+        # A failing step stops training, is reported in status, and later requests get the reason.
+        rt.fail_next = True
+        deadline = time.monotonic() + 10
+        while core.status().error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.status().error == "RuntimeError: boom in step" and not core.status().training
+        with pytest.raises(ServiceError, match=r"stopped training after an error: RuntimeError: boom"):
+            core.submit(cfg["c"])
+    finally:
+        core.stop(timeout=10)
+    core.stop(timeout=10)
+    assert rt.events.count("checkpoint_all") == 1 and rt.events[-1] == "close"
 
 
 def test_shipped_service_configs_validate():
