@@ -192,7 +192,7 @@ class ServiceCore:
             problems.append(f"name: {a.name!r} -> an adapter with this name is already {live.state}")
         done = self._checkpointed_step(a.name)
         if done is not None and a.max_steps is not None and done >= a.max_steps:
-            # Admission would resume it at its budget and train one step past it before retiring it.
+            # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
             problems.append(
                 f"max_steps: {a.max_steps} -> its checkpoint in the run dir is already at adapter step {done}; "
                 "raise max_steps to train it further"
