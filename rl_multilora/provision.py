@@ -13,7 +13,7 @@ DIR/PROVISIONED.json                what was built: preset, seed, settings, size
 
 Presets:
 
-- `tiny` (offline, ~1.5 min on 2 CPU cores): a byte-level BPE tokenizer and a ~0.9M-parameter Qwen2 model pretrained
+- `tiny` (offline, ~1.5 min on 2 CPU cores): a byte-level BPE tokenizer and a ~0.85M-parameter Llama model pretrained
   on synthetic chat data of the three tasks (see `rl_multilora.presets.tiny`), plus the synthetic datasets
   (`rl_multilora.presets.tiny_tasks`). The base answers in its task's format only part of the time, so GRPO can raise
   the reward within a few dozen steps; PROVISIONED.json holds its measured base stats per task.
@@ -121,7 +121,8 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    # "PreTrainedTokenizerFast" loads on transformers 4.x too (5.x saves its new backend class name).
+    # "PreTrainedTokenizerFast" loads on transformers 4.x too (5.x saves its new backend class name); either way
+    # AutoTokenizer then reads our tokenizer.json as it is.
     config_path = model_dir / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -133,7 +134,7 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     timings["eval_s"] = time.perf_counter() - t0
     return {
         "model": {
-            "family": "qwen2",
+            "family": "llama",
             "parameters": sum(p.numel() for p in model.parameters()),
             "vocab_size": len(tokenizer),
             "torch": torch.__version__,

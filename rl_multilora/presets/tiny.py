@@ -1,4 +1,4 @@
-"""The tiny base of the offline preset: tokenizer, small Qwen2 causal LM, a minute of pretraining, base stats.
+"""The tiny base of the offline preset: tokenizer, small Llama causal LM, a minute of pretraining, base stats.
 
 Design choices:
 
@@ -9,8 +9,10 @@ Design choices:
 - Chat format: `<|bos|><|user|>\\n{content}<|end|>\\n<|assistant|>\\n{response}<|end|>\\n`. `<|end|>` is the EOS
   token, so generation stops at the end of the assistant turn. `<|pad|>` is a separate token; padding is on the left
   (generation-ready).
-- Model: a real `Qwen2ForCausalLM` (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings, ~0.9M parameters),
-  so PEFT, the embedded engine and SGLang-style module names all apply unchanged.
+- Model: a real `LlamaForCausalLM` (hidden 128, 4 layers, 4 heads, 2 KV heads, tied embeddings, ~0.85M parameters),
+  so PEFT, the embedded engine and SGLang-style module names all apply unchanged. Llama rather than Qwen2 because
+  transformers 5 forces `Qwen2Tokenizer` on any `qwen2` checkpoint directory (whatever tokenizer_config.json says),
+  which adds its own `<|endoftext|>` token beyond the embedding table; for `llama` it honours our tokenizer.json.
 - Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
   response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format with
   probability `right_format_rate` (0.4), else an off-format one: the base answers often correctly but in the right
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rl_multilora.presets.tiny_config import SPECIAL_TOKENS, TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_example, render_response, score_response
@@ -126,9 +128,9 @@ def tokenizer_corpus(seed: int, per_task: int = 400) -> list[str]:
     return texts
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed: int) -> Qwen2ForCausalLM:
-    """A freshly initialized Qwen2 causal LM sized by `cfg`, with the tokenizer's special-token ids."""
-    config = Qwen2Config(
+def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed: int) -> LlamaForCausalLM:
+    """A freshly initialized Llama causal LM sized by `cfg`, with the tokenizer's special-token ids."""
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -142,7 +144,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed:
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -169,7 +171,7 @@ def _training_batch(
 
 
 def pretrain(
-    model: Qwen2ForCausalLM,
+    model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     cfg: TinyPresetConfig,
     seed: int,
@@ -223,7 +225,7 @@ def pretrain(
 
 @torch.no_grad()
 def evaluate_base(
-    model: Qwen2ForCausalLM,
+    model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     test: dict[str, list[TaskExample]],
     cfg: TinyPresetConfig,
@@ -277,7 +279,7 @@ def evaluate_base(
 
 
 @torch.no_grad()
-def fold_temperature(model: Qwen2ForCausalLM, temperature: float) -> None:
+def fold_temperature(model: LlamaForCausalLM, temperature: float) -> None:
     """Make sampling at T=1 from `model` equal sampling at `temperature` from it as trained.
 
     logits = (w * x / rms(x)) @ E.T is linear in the final norm weight w, so w /= T scales every logit by 1 / T exactly.

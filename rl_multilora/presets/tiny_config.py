@@ -21,7 +21,7 @@ class TinyPresetConfig:
     hidden_size: int = 128  # model width
     num_layers: int = 4  # decoder layers
     num_heads: int = 4  # attention heads
-    num_kv_heads: int = 2  # key/value heads (grouped-query attention, as in Qwen2)
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
     intermediate_size: int = 384  # MLP width
     vocab_size: int = 1024  # BPE vocabulary target: 6 special tokens + 256 bytes + merges (whole words: shorter rows)
     max_positions: int = 256  # model context; prompts + responses stay under ~100 tokens

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Provision the offline tiny preset: a small pretrained Qwen2 base + the gsm8k / arith / compare datasets.
+# Usage: examples/multi_lora/provision.sh [DIR] [extra args, e.g. --seed 1 --force]   (DIR defaults to artifacts/tiny)
+# Takes about 2-3 minutes on 2 CPU cores; a second run on a provisioned DIR returns at once.
+set -euo pipefail
+
+out="${1:-artifacts/tiny}"
+shift || true
+
+if command -v rl-multilora >/dev/null 2>&1; then
+  exec rl-multilora provision --preset tiny --out "$out" "$@"
+fi
+# The console script is not installed (e.g. a plain checkout): run the module directly.
+exec "${PYTHON:-python}" -m rl_multilora.provision --preset tiny --out "$out" "$@"

@@ -1,0 +1,225 @@
+"""`rl-multilora provision`: the tiny preset's files load through the standard APIs, are seeded, idempotent, and the
+Hub path calls the right downloads. Unit tests shrink the model (hidden 64, 2 layers) and the pretraining; the full
+preset and its base-stat targets are the slow test."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_dataset
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rl_multilora.presets.tiny_config import TinyPresetConfig
+from rl_multilora.presets.tiny_tasks import TASKS, generate_example, render_response, score_response, strict_answer
+from rl_multilora.provision import MARKER, main, provision
+
+# Small enough for a few seconds on 2 shared cores, trained long enough to learn where responses end.
+SMALL = TinyPresetConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    n_train=40,
+    n_test=10,
+    pretrain_steps=150,
+    batch_size=16,
+    eval_prompts=4,
+)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return provision("tiny", tmp_path_factory.mktemp("tiny") / "out", seed=0, config=SMALL)
+
+
+def test_model_tokenizer_and_datasets_load(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model")
+    assert model.config.model_type == "llama" and model.config.hidden_size == 64
+    # AutoTokenizer must read our tokenizer.json as is (no family tokenizer adding tokens past the embedding table).
+    assert model.get_input_embeddings().weight.shape[0] == len(tok)
+    raw = Tokenizer.from_file(str(tiny_dir / "model" / "tokenizer.json"))
+    text = "<|bos|><|user|>\nTom has 12 + 30 = 42 apples.  Two  spaces\n#### 42<|end|>"
+    assert tok(text)["input_ids"] == raw.encode(text).ids
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|end|>")
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+
+    columns = {"gsm8k": ["question", "answer"], "arith": ["problem", "answer"], "compare": ["question", "answer"]}
+    for task in TASKS:
+        files = {s: str(tiny_dir / "data" / task / f"{s}.jsonl") for s in ("train", "test")}
+        ds = load_dataset("json", data_files=files)
+        assert ds["train"].num_rows == SMALL.n_train and ds["test"].num_rows == SMALL.n_test
+        assert ds["train"].column_names == columns[task]
+        prompt_col = columns[task][0]
+        assert not set(ds["train"][prompt_col]) & set(ds["test"][prompt_col]), "train and test must be disjoint"
+
+    record = json.loads((tiny_dir / MARKER).read_text())
+    assert record["preset"] == "tiny" and record["seed"] == 0
+    assert record["data"]["arith"] == {"train": SMALL.n_train, "test": SMALL.n_test}
+    assert set(record["base_stats"]) == set(TASKS)
+    assert record["model"]["pretrain"]["final_loss"] < record["model"]["pretrain"]["first_loss"]
+
+
+def test_dataset_rows_hold_the_right_answers(tiny_dir):
+    gsm8k = [json.loads(line) for line in (tiny_dir / "data/gsm8k/train.jsonl").read_text().splitlines()]
+    for row in gsm8k:
+        assert strict_answer("gsm8k", row["answer"]) is not None, "GSM8K solutions end with '#### N'"
+    for line in (tiny_dir / "data/arith/test.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        a, b = row["problem"].removeprefix("Compute ").split(".")[0].split(" + ")
+        assert int(row["answer"]) == int(a) + int(b)
+        assert "\\boxed{}" in row["problem"]
+    for line in (tiny_dir / "data/compare/test.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        word = row["question"].split(":")[0].removeprefix("Which is ")
+        a, b = (int(x) for x in row["question"].split(": ")[1].split("?")[0].split(" or "))
+        assert int(row["answer"]) == (max(a, b) if word == "larger" else min(a, b))
+
+
+def test_chat_template_and_digit_tokens(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    messages = [{"role": "user", "content": "Compute 17 + 25."}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|bos|><|user|>\nCompute 17 + 25.<|end|>\n<|assistant|>\n"
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == tok(text)["input_ids"], "encoding the rendered template must not add a second BOS"
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+
+    digits = tok("9081726354", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(digits) == list("9081726354")
+    for sample in ("Tom has 12 + 30 = 42 apples.\n#### 42", "17 + 25 = 30 + 12 = 42, so the answer is \\boxed{42}."):
+        assert tok.decode(tok(sample)["input_ids"]) == sample
+    with pytest.raises(Exception, match="role"):
+        tok.apply_chat_template([{"role": "robot", "content": "hi"}], tokenize=False)
+
+
+def test_model_generates_a_response_that_ends_in_eos(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model")
+    rows = [json.loads((tiny_dir / "data" / t / "test.jsonl").read_text().splitlines()[0]) for t in TASKS]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r.get("question", r.get("problem"))}],
+                                       add_generation_prompt=True, tokenize=False) for r in rows]  # fmt: skip
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    assert (batch["attention_mask"][:, 0] == 0).any(), "padding side is left, ready for generation"
+    out = model.generate(**batch, do_sample=False, max_new_tokens=48)  # (3, P + new)
+    for row in out[:, batch["input_ids"].shape[1] :].tolist():
+        assert tok.eos_token_id in row, tok.decode(row)
+        assert tok.decode(row[: row.index(tok.eos_token_id)]).strip(), "a non-empty response before EOS"
+
+
+def test_same_seed_same_files_other_seed_other_data(tmp_path):
+    cfg = replace(SMALL, pretrain_steps=2, eval_prompts=0)
+    a = _files(provision("tiny", tmp_path / "a", seed=3, config=cfg))
+    b = _files(provision("tiny", tmp_path / "b", seed=3, config=cfg))
+    a.pop(MARKER), b.pop(MARKER)  # the marker records wall times
+    assert a.keys() == b.keys() and "model/model.safetensors" in a and "model/tokenizer.json" in a
+    for name in a:
+        assert a[name] == b[name], f"{name} differs between two runs with the same seed"
+    c = _files(provision("tiny", tmp_path / "c", seed=4, config=cfg))
+    assert c["data/arith/train.jsonl"] != a["data/arith/train.jsonl"]
+    assert c["model/model.safetensors"] != a["model/model.safetensors"]
+
+
+def test_idempotent_unless_forced(tmp_path):
+    cfg = replace(SMALL, pretrain_steps=1, eval_prompts=0)
+    out = provision("tiny", tmp_path / "out", seed=0, config=cfg)
+    marker = out / MARKER
+    first = marker.read_text()
+    weights_mtime = (out / "model/model.safetensors").stat().st_mtime_ns
+    assert provision("tiny", out, seed=0, config=cfg) == out
+    assert marker.read_text() == first and (out / "model/model.safetensors").stat().st_mtime_ns == weights_mtime
+
+    with pytest.raises(FileExistsError, match="force"):
+        provision("tiny", out, seed=1, config=cfg)
+    (out / "keep.txt").write_text("user file")
+    provision("tiny", out, seed=1, force=True, config=cfg)
+    assert json.loads(marker.read_text())["seed"] == 1
+    assert (out / "keep.txt").read_text() == "user file", "force clears only what provisioning writes"
+
+
+def test_hub_preset_downloads_model_and_gsm8k(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    calls = {}
+
+    def fake_snapshot_download(repo_id, local_dir, **kwargs):
+        calls["snapshot"] = (repo_id, local_dir, kwargs)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        (Path(local_dir) / "config.json").write_text("{}")
+        return local_dir
+
+    gsm8k = {
+        "train": [{"question": "Natalia sold 48 clips. How many?", "answer": "She sold 48.\n#### 48"}],
+        "test": [{"question": "Q1?", "answer": "1 + 1 = <<1+1=2>>2\n#### 2"}, {"question": "Q2?", "answer": "#### 3"}],
+    }
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls["dataset"] = (path, name, kwargs)
+        return gsm8k
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = TinyPresetConfig(n_train=30, n_test=5)
+    out = provision("Qwen/Qwen3-4B", tmp_path / "hub", seed=0, config=cfg)
+
+    assert calls["snapshot"][:2] == ("Qwen/Qwen3-4B", str(out / "model"))
+    assert calls["dataset"][:2] == ("openai/gsm8k", "main")
+    test_rows = [json.loads(line) for line in (out / "data/gsm8k/test.jsonl").read_text().splitlines()]
+    assert test_rows == gsm8k["test"]
+    assert len((out / "data/arith/train.jsonl").read_text().splitlines()) == 30
+    assert len((out / "data/compare/test.jsonl").read_text().splitlines()) == 5
+    record = json.loads((out / MARKER).read_text())
+    assert record["preset"] == "Qwen/Qwen3-4B" and record["data"]["gsm8k"] == {"train": 1, "test": 2}
+
+
+def test_bad_input_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="preset='tiny-ish'"):
+        provision("tiny-ish", tmp_path)
+    with pytest.raises(ValueError, match="seed=-1"):
+        provision("tiny", tmp_path, seed=-1)
+    with pytest.raises(ValueError, match="pretrain_steps=-5"):
+        provision("tiny", tmp_path, pretrain_steps=-5)
+    with pytest.raises(ValueError, match="hidden_size=0.*right_format_rate=1.5"):
+        TinyPresetConfig(hidden_size=0, right_format_rate=1.5)
+    assert not (tmp_path / MARKER).exists()
+    assert main(["--preset", "nope", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_rendered_responses_score_by_format_and_number(task):
+    rng = random.Random(0)
+    for _ in range(50):
+        ex = generate_example(task, rng)
+        right = score_response(task, render_response(ex, right_format=True), ex.label)
+        off = score_response(task, render_response(ex, right_format=False), ex.label)
+        assert (right.format_ok, right.correct, right.reward) == (True, True, 1.0)
+        assert (off.format_ok, off.correct, off.reward) == (False, True, 0.0)
+        wrong = render_response(ex, right_format=True).replace(ex.label, str(int(ex.label) + 1))
+        assert score_response(task, wrong, ex.label).reward == 0.0
+
+
+@pytest.mark.slow
+def test_full_tiny_preset_base_stats_in_target_range(tmp_path):
+    torch.manual_seed(0)
+    out = provision("tiny", tmp_path / "tiny", seed=0)
+    record = json.loads((out / MARKER).read_text())
+    for task, stats in record["base_stats"].items():
+        # Target 0.15-0.5 with ~0.04 sampling error on 96 prompts: a little slack on both ends.
+        assert 0.12 <= stats["reward"] <= 0.55, (task, stats)
+        assert 0.2 <= stats["format_rate"] <= 0.7, (task, stats)
+        assert stats["correct_rate"] >= 0.35, (task, stats)
+        assert stats["eos_rate"] >= 0.9 and stats["mean_response_tokens"] <= 40, (task, stats)
+    assert record["timings"]["total_s"] < 600
