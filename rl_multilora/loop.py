@@ -333,7 +333,6 @@ class Runtime:
         with clock("sync_s"):
             res.sync = self.sync_now()
         self.controller.global_step += 1
-        self.ckpt.save_run_state(self)
         for rec in res.records:
             rec.update(
                 pause_s=res.sync.pause_s,
@@ -343,6 +342,8 @@ class Runtime:
             )
             self.metrics.log(rec)
             log.info(console_line(rec))
+        # Last: a step counts as done only once its metrics rows are written (resume redoes unfinished steps).
+        self.ckpt.save_run_state(self)
         return res
 
     def sync_now(self) -> SyncStats:
