@@ -13,7 +13,7 @@ DIR/PROVISIONED.json                what was built: preset, seed, settings, size
 
 Presets:
 
-- `tiny` (offline, ~1.5 min on 2 CPU cores): a byte-level BPE tokenizer and a ~0.85M-parameter Llama model pretrained
+- `tiny` (offline; ~2 CPU-minutes on one thread, 2-4 min wall on a busy 2-core machine): a byte-level BPE tokenizer and a ~0.85M-parameter Llama model pretrained
   on synthetic chat data of the three tasks (see `rl_multilora.presets.tiny`), plus the synthetic datasets
   (`rl_multilora.presets.tiny_tasks`). The base answers in its task's format only part of the time, so GRPO can raise
   the reward within a few dozen steps; PROVISIONED.json holds its measured base stats per task.
@@ -26,7 +26,7 @@ Design choices:
 - PROVISIONED.json is written last, so its presence means the directory is complete. A second call with the same
   preset, seed and settings returns at once; a different recipe in the same directory is an error unless `force`.
 - Same seed, same files: every file except PROVISIONED.json (which holds wall times) is byte-identical across runs
-  on the same torch build and thread count.
+  on the same torch build (the tiny build runs on one intra-op thread whatever the machine has).
 - Test questions are held out of the tiny model's pretraining, so its base stats are measured on unseen prompts.
 """
 
@@ -108,7 +108,7 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     timings["data_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer(tokenizer_corpus(seed), cfg.vocab_size)
+    tokenizer = build_tokenizer(tokenizer_corpus(seed), cfg.vocab_size, cfg.max_positions)
     model = build_model(tokenizer, cfg, seed)
     timings["tokenizer_s"] = time.perf_counter() - t0
 
@@ -215,12 +215,13 @@ def provision(
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if preset == "tiny":
         built = _provision_tiny(out, seed, cfg)
     else:
         built = _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
     built["timings"]["total_s"] = time.perf_counter() - start
+    built["timings"]["cpu_s"] = time.process_time() - cpu_start  # wall time on a shared machine says little
     record = {**recipe, **built, "layout": {"model": "model", "data": {t: f"data/{t}" for t in TASKS}}}
     tmp = out / (MARKER + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""The tiny base of the offline preset: tokenizer, small Llama causal LM, a minute of pretraining, base stats.
+"""The tiny base of the offline preset: tokenizer, small Llama causal LM, ~2 CPU-minutes of pretraining, base stats.
 
 Design choices:
 
@@ -15,16 +15,16 @@ Design choices:
   which adds its own `<|endoftext|>` token beyond the embedding table; for `llama` it honours our tokenizer.json.
 - Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
   response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format with
-  probability `right_format_rate` (0.4), else an off-format one: the base answers often correctly but in the right
+  probability `right_format_rate` (0.42), else an off-format one: the base answers often correctly but in the right
   format only about a third of the time, which is the headroom GRPO is meant to find quickly.
-- Temperature folding: a minute of pretraining leaves the digit distributions broad, so T=1 samples are much
+- Temperature folding: so short a pretraining leaves the digit distributions broad, so T=1 samples are much
   less often right than greedy ones. The saved model has the final norm weight divided by `fold_temperature` (0.5),
   which makes T=1 sampling from it exactly T=0.5 sampling from the trained one: answers are right about as often as
   greedy ones while the format choice, trained at `right_format_rate` = 0.42, stays a ~35/65 draw.
 - Base stats: sample at temperature 1.0 (no top-k/top-p) on held-out test prompts through the chat template and
   score with `tiny_tasks.score_response`: format rate, correct rate, reward (both), EOS rate, response length.
 - Everything is seeded: Python `random.Random` streams named by purpose and `torch.manual_seed`, so the same seed
-  gives the same files (on the same torch build and thread count).
+  gives the same files on the same torch build (`rl_multilora.provision` pins one intra-op thread while building).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerFast, question: str) -> str:
     )
 
 
-def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(texts: list[str], vocab_size: int, max_length: int = 256) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE (digits split one per token) on `texts` and wrap it with special tokens + template."""
     tok = Tokenizer(models.BPE())
     # Digits first: BPE merges never cross pre-tokens, so no multi-digit token can ever be learned.
@@ -110,7 +110,7 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         pad_token=PAD,
         extra_special_tokens=list(ROLE_TOKENS),
         padding_side="left",
-        model_max_length=TinyPresetConfig.max_positions,
+        model_max_length=max_length,
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
