@@ -95,7 +95,11 @@ def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Pa
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in sorted(by_adapter.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker=".")
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        (raw,) = ax.plot(xs, ys, alpha=0.3, linewidth=1)
+        # A trailing 5-step mean: per-step means over a few prompts are noisy.
+        smooth = [sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
+        ax.plot(xs, smooth, color=raw.get_color(), linewidth=2, label=f"{name} (5-step mean)")
     ax.set_xlabel("adapter step")
     ax.set_ylabel("mean reward")
     ax.set_title("Reward per adapter")
