@@ -244,7 +244,7 @@ class Runtime:
 
     def _start_adapter(self, rec: AdapterRecord) -> None:
         a = rec.cfg
-        slot = self.model.add_adapter(a.name, rank=a.rank, alpha=a.alpha, seed=a.seed)
+        slot = self.model.add_adapter(a.name, rank=a.rank, alpha=a.alpha, seed=a.seed, target_modules=a.target_modules)
         self.controller.activate(a.name, slot)
         self.trainer.add_adapter(a.name, optim_config(a))
         n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt

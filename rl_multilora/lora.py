@@ -644,16 +644,29 @@ class MultiLoRAModel(nn.Module):
                     param.zero_()
                     param.grad = None
 
-    def add_adapter(self, name: str, rank: int, alpha: float, seed: int | None = None) -> int:
+    def add_adapter(
+        self, name: str, rank: int, alpha: float, seed: int | None = None, target_modules: Sequence[str] | None = None
+    ) -> int:
         """Put a fresh adapter in the lowest free slot: A kaiming-uniform (PEFT's init) at rank `rank`, B zero.
 
         `seed` makes the init reproducible without touching the global RNG; None draws from the global RNG.
-        Returns the slot.
+        `target_modules` (leaf names like "q_proj" or full module names) restricts the adapter to a subset of the
+        model's LoRA modules; the others stay exactly zero and are neither trained nor exported. Returns the slot.
         """
         _check_rank(rank, self.max_rank)
         _check_alpha(alpha)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed={seed!r} is not allowed; allowed: an integer or None")
+        covered = frozenset(self._layers)
+        if isinstance(target_modules, str) and target_modules != "all-linear":
+            target_modules = [target_modules]
+        if target_modules is not None and target_modules != "all-linear":
+            covered = frozenset(m for m in self._layers if any(_matches_target(m, t) for t in target_modules))
+            if not covered:
+                raise ValueError(
+                    f"target_modules={list(target_modules)!r} matches none of the model's LoRA modules; allowed: "
+                    f"names among {sorted({m.rsplit('.', 1)[-1] for m in self._layers})}"
+                )
         slot = self._claim_slot(name)
         generator = None
         if seed is not None:
@@ -661,10 +674,15 @@ class MultiLoRAModel(nn.Module):
             generator.manual_seed(seed)
         self._reset_slot(slot)
         with torch.no_grad():
-            for layer in self._layers.values():
+            for module, layer in self._layers.items():
+                # The generator advances through every layer, so a subset adapter's covered layers get the same
+                # init as the same layers of a full adapter with that seed.
+                init = layer.lora_A[slot].new_empty(layer.lora_A[slot][:rank].shape)
                 # PEFT's kaiming_uniform_(A, a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)); fan_in = in on the (r, in) view.
-                nn.init.kaiming_uniform_(layer.lora_A[slot][:rank], a=math.sqrt(5), generator=generator)
-        self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), frozenset(self._layers))
+                nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+                if module in covered:
+                    layer.lora_A[slot][:rank] = init
+        self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), covered)
         return slot
 
     def remove_adapter(self, name: str) -> None:

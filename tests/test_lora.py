@@ -151,6 +151,36 @@ def test_peft_folder_covering_a_subset_of_modules(tmp_path):
         torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits, expected, **TOL)
 
 
+def test_add_adapter_on_a_subset_of_modules_trains_and_exports_only_those(tmp_path):
+    """add_adapter(target_modules=[q_proj, v_proj]) on an all-linear model: only q/v are covered, trained, exported."""
+    m = make_model("qwen2")
+    m.add_adapter("full", rank=4, alpha=8, seed=3)
+    m.add_adapter("qv", rank=4, alpha=8, seed=3, target_modules=["q_proj", "v_proj"])
+    params = m.adapter_parameters("qv")
+    assert len(params) == 2 * 2 * 2  # (A, B) x (q, v) x 2 layers
+    full = m.adapter_state_dict("full")
+    before = m.adapter_state_dict("qv")
+    for k, v in before.items():  # same seed: the covered modules start from the full adapter's init
+        torch.testing.assert_close(v, full[k], rtol=0, atol=0)
+    ids, mask = batch()
+    names = ["qv"] * ids.shape[0]
+    loss = m(ids, attention_mask=mask, adapter_names=names).logits.square().mean()
+    loss.backward()
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    opt.step()
+    sd = m.adapter_state_dict("qv")
+    assert {k.split(".")[-3] for k in sd} == {"q_proj", "v_proj"}
+    assert all(not torch.equal(v, before[k]) for k, v in sd.items())  # every covered tensor trained
+    folder = m.export_adapter("qv", tmp_path / "qv")
+    again = PeftModel.from_pretrained(tiny_model("qwen2"), str(folder))
+    with torch.no_grad():
+        expected = again(input_ids=ids, attention_mask=mask).logits
+        got = m(ids, attention_mask=mask, adapter_names=names).logits
+    torch.testing.assert_close(got, expected, **TOL)
+    with pytest.raises(ValueError, match="matches none"):
+        m.add_adapter("bad", rank=2, alpha=4, target_modules=["nope_proj"])
+
+
 def test_bf16_base_matches_peft_with_fp32_scale():
     """bf16 base, fp32 LoRA: scale 32/24 is applied in fp32 like PEFT (autocast_adapter_dtype), not rounded."""
     base = tiny_model("qwen2").to(torch.bfloat16)
