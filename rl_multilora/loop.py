@@ -248,7 +248,6 @@ class Runtime:
         self.controller.activate(a.name, slot)
         self.trainer.add_adapter(a.name, optim_config(a))
         n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
-        max_rows = None
         self.data.add_adapter(
             AdapterRef(a.name, slot),
             dataset_spec(a),
@@ -257,7 +256,6 @@ class Runtime:
             prompts_per_step=a.prompts_per_step,
             n_samples_per_prompt=n,
             max_epochs=a.epochs,
-            max_rows=max_rows,
         )
         restored = self.ckpt.restore_adapter(a.name, self) if self.cfg.checkpoint.resume != "never" else None
         if restored is not None:
