@@ -3,7 +3,7 @@
 Layout of `DIR` (the same for every preset):
 
 ```
-DIR/model/                          tokenizer + causal LM: AutoTokenizer / AutoModelForCausalLM.from_pretrained(DIR/model)
+DIR/model/                          tokenizer + causal LM (AutoTokenizer / AutoModelForCausalLM.from_pretrained)
 DIR/data/gsm8k/{train,test}.jsonl   {"question": ..., "answer": "<worked solution>\\n#### 42"}  (GSM8K's columns)
 DIR/data/arith/{train,test}.jsonl   {"problem": "Compute 17 + 25. Put the final answer in \\boxed{}.", "answer": "42"}
 DIR/data/compare/{train,test}.jsonl {"question": "Which is larger: 37 or 52? Give the final answer on the last line
@@ -13,10 +13,11 @@ DIR/PROVISIONED.json                what was built: preset, seed, settings, size
 
 Presets:
 
-- `tiny` (offline; ~2 CPU-minutes on one thread, 2-4 min wall on a busy 2-core machine): a byte-level BPE tokenizer and a ~0.85M-parameter Llama model pretrained
-  on synthetic chat data of the three tasks (see `rl_multilora.presets.tiny`), plus the synthetic datasets
-  (`rl_multilora.presets.tiny_tasks`). The base answers in its task's format only part of the time, so GRPO can raise
-  the reward within a few dozen steps; PROVISIONED.json holds its measured base stats per task.
+- `tiny` (offline; ~2.5 CPU-minutes on one thread, so ~2.5 min wall on an idle 2-core machine, more on a shared one):
+  a byte-level BPE tokenizer and a ~0.85M-parameter Llama model pretrained on synthetic chat data of the three tasks
+  (see `rl_multilora.presets.tiny`), plus the synthetic datasets (`rl_multilora.presets.tiny_tasks`). The base
+  answers in its task's format only part of the time, so GRPO can raise the reward within a few dozen steps;
+  PROVISIONED.json holds its measured base stats per task.
 - any Hub model id (`owner/name`, e.g. `Qwen/Qwen3-4B`): `huggingface_hub.snapshot_download` into `DIR/model`,
   GSM8K from `openai/gsm8k` (config `main`) exported in the layout above; arith and compare are synthetic tasks with
   no Hub counterpart, so they are written by the same seeded generators as for `tiny`. Needs network access.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Provision the offline tiny preset: a small pretrained Qwen2 base + the gsm8k / arith / compare datasets.
 # Usage: examples/multi_lora/provision.sh [DIR] [extra args, e.g. --seed 1 --force]   (DIR defaults to artifacts/tiny)
-# Takes about 2-3 minutes on 2 CPU cores; a second run on a provisioned DIR returns at once.
+# Takes about 2.5 minutes on an idle 2-core machine; a second run on a provisioned DIR returns at once.
 set -euo pipefail
 
 out="${1:-artifacts/tiny}"

@@ -1,4 +1,4 @@
-"""The tiny base of the offline preset: tokenizer, small Llama causal LM, ~2 CPU-minutes of pretraining, base stats.
+"""The tiny base of the offline preset: tokenizer, small Llama causal LM, 2.5 CPU-minutes of pretraining, base stats.
 
 Design choices:
 
@@ -14,9 +14,9 @@ Design choices:
   transformers 5 forces `Qwen2Tokenizer` on any `qwen2` checkpoint directory (whatever tokenizer_config.json says),
   which adds its own `<|endoftext|>` token beyond the embedding table; for `llama` it honours our tokenizer.json.
 - Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
-  response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format with
-  rate `right_format_rate` (0.45, spread evenly over the run), else an off-format one: the base answers often correctly but in the right
-  format only about a third of the time, which is the headroom GRPO is meant to find quickly.
+  response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format at
+  rate `right_format_rate` (0.45, spread evenly over the run), else an off-format one: the base answers correctly
+  ~60-70 % of the time but in the right format only ~40 %, which is the headroom GRPO is meant to find quickly.
 - Temperature folding: so short a pretraining leaves the digit distributions broad, so T=1 samples are much
   less often right than greedy ones. The saved model has the final norm weight divided by `fold_temperature` (0.5),
   which makes T=1 sampling from it exactly T=0.5 sampling from the trained one: answers are right about as often as
@@ -294,7 +294,7 @@ def evaluate_base(
 def fold_temperature(model: LlamaForCausalLM, temperature: float) -> None:
     """Make sampling at T=1 from `model` equal sampling at `temperature` from it as trained.
 
-    logits = (w * x / rms(x)) @ E.T is linear in the final norm weight w, so w /= T scales every logit by 1 / T exactly.
+    logits = (w * x / rms(x)) @ E.T are linear in the final norm weight w: w /= T scales every logit by 1/T exactly.
     """
     model.model.norm.weight.div_(temperature)  # (hidden,)
 

@@ -18,11 +18,12 @@ Design choices:
   number right).
 - Every response, in any format, ends with the final answer as its last number, so correctness can be judged apart
   from format (`score_response`): `correct` = last number equals the label, `format_ok` = the strict pattern is
-  there, `reward` = the number inside the strict pattern equals the label (what the strict built-in rewards score).
+  there, `reward` = the number inside the strict pattern equals the label (on sampled base responses this agrees
+  with `rewards` gsm8k (strict), math and the example compare reward on every response checked).
 - Numbers are small and of fixed width per task (GSM8K-style operands 1-9, factors 2-5; arith: two-digit addition,
-  operands 10-59; compare 10-99).
-  With one token per digit, every operand of a given template then sits at a fixed distance from the answer, so a
-  ~1M-parameter model learns to copy and combine them by relative position within a minute of CPU pretraining
+  operands 10-59; compare 10-99). With one token per digit, every operand of a template then sits at a fixed distance
+  from where it is used, so a
+  ~1M-parameter model learns to copy and combine them by relative position in a few CPU-minutes of pretraining
   (content-based "induction" copying takes far more steps than that budget), and learns it imperfectly.
 """
 
