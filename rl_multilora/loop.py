@@ -456,14 +456,15 @@ class Runtime:
 def run(cfg: RunConfig) -> Runtime:
     """Single-run mode: train until every adapter is done, then write the reward curves."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     rt = Runtime.build(cfg)
     try:
         rt.start()
         total = cfg.max_global_steps or max((a.max_steps or 0) for a in cfg.adapters) or None
-        with tqdm(
-            total=total, initial=rt.controller.global_step, desc="grpo", disable=not cfg.logging.progress
-        ) as bar:
+        bar = tqdm(total=total, initial=rt.controller.global_step, desc="grpo", disable=not cfg.logging.progress)
+        # Console lines go through tqdm.write, so they print above the bar instead of through it.
+        with logging_redirect_tqdm(), bar:
             while not rt.finished():
                 res = rt.step()
                 means = [r["reward_mean"] for r in res.records if r["reward_mean"] is not None]
