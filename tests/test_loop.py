@@ -1,6 +1,5 @@
 """The GRPO loop end to end on a random tiny model: metrics, checkpoints, sync counts, isolation, budgets."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,15 +9,7 @@ from safetensors.torch import load_file
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import Runtime, run
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model
-
-
-def _write_task(path: Path, n: int, offset: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for i in range(n):
-            a, b = i % 7 + offset, i % 5
-            f.write(json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n")
+from tests.tiny_models import save_tiny_model, write_sum_task
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +17,7 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
     save_tiny_model(root / "model", hidden=32, layers=2)
     for name, off in [("t1", 1), ("t2", 3), ("t3", 5)]:
-        _write_task(root / "data" / f"{name}.jsonl", 40, off)
+        write_sum_task(root / "data" / f"{name}.jsonl", 40, off)
     return root
 
 

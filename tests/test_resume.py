@@ -26,27 +26,19 @@ from rl_multilora.cli import main as cli_main
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import Runtime, run
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model, write_sum_task
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ("t1", "t2", "t3")
-
-
-def _write_task(path: Path, n: int, offset: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for i in range(n):
-            a, b = i % 7 + offset, i % 5
-            f.write(json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n")
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("resume")
     save_tiny_model(root / "model", hidden=32, layers=2)
-    _write_task(root / "data" / "t1.jsonl", 40, 1)
-    _write_task(root / "data" / "t2.jsonl", 40, 3)
-    _write_task(root / "data" / "t3.jsonl", 10, 5)
+    write_sum_task(root / "data" / "t1.jsonl", 40, 1)
+    write_sum_task(root / "data" / "t2.jsonl", 40, 3)
+    write_sum_task(root / "data" / "t3.jsonl", 10, 5)
     return root
 
 

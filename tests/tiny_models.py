@@ -9,6 +9,7 @@ specials) whose ids fit in the default vocabulary, so the folder loads with `Aut
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -94,4 +95,15 @@ def save_tiny_model(
     model.generation_config.eos_token_id = EOS_ID
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def write_sum_task(path: str | Path, n: int, offset: int) -> Path:
+    """A tiny JSONL dataset of sums ({"q": "3+1=", "a": "4"}) for end-to-end loop tests; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = i % 7 + offset, i % 5
+            f.write(json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n")
     return path
