@@ -296,9 +296,11 @@ def test_auth_required_everywhere_but_health():
             ("post", "/flush_cache", None),
             ("post", "/generate", {"input_ids": [1]}),  # SGLang protects /generate too when --api-key is set
             ("get", "/get_model_info", None),
+            ("get", "/model_info", None),
         ]
         for method, path, body in calls:
-            for headers in ({}, {"Authorization": "Bearer wrong"}):
+            # SGLang 0.5.23 reads only `Authorization: Bearer`; an x-api-key header does not count.
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "s3cret"}):
                 resp = requests.request(method, server.url + path, json=body, headers=headers, timeout=30)
                 assert resp.status_code == 401, path
                 assert resp.json() == {"error": "Unauthorized"}
@@ -312,8 +314,23 @@ def test_auth_required_everywhere_but_health():
         client.load_adapter("a", tensors(0), CONFIG)
         [res] = client.generate([GenerateRequest([1], "a", SamplingParams(max_new_tokens=2))])
         assert res.finish_reason == "length" and res.weight_version == 1
-        info = requests.get(server.url + "/get_model_info", headers={"x-api-key": "s3cret"}, timeout=30).json()
+        info = requests.get(server.url + "/model_info", headers={"Authorization": "bearer s3cret"}, timeout=30).json()
         assert info["adapter_versions"] == {"a": 1} and info["is_generation"] is True
+
+
+def test_flush_cache_answers_like_sglang():
+    class Refusing(FakeEngine):
+        def flush_cache(self) -> bool:
+            return False
+
+    with BackgroundServer(FakeEngine()) as server:
+        resp = requests.post(server.url + "/flush_cache", timeout=30)
+        assert resp.status_code == 200 and resp.text.startswith("Cache flushed.")
+        assert SGLangEngine(server.url).flush_cache() is True
+    with BackgroundServer(Refusing()) as server:
+        resp = requests.get(server.url + "/flush_cache", timeout=30)
+        assert (resp.status_code, resp.text) == (400, "Flush cache failed.\n")  # SGLang 0.5.23's failure text
+        assert SGLangEngine(server.url).flush_cache() is False
 
 
 def test_binds_loopback_by_default(served):

@@ -1,8 +1,8 @@
 """SGLangEngine speaks SGLang's API: every request it sends uses only fields SGLang's request structs define
 (with the right JSON types), and it parses every response shape SGLang returns.
 
-Field lists and responses come from `tests/fixtures/sglang_api.json`, recorded from SGLang's source (file paths
-and commits inside). Requests are captured by a tiny aiohttp server that answers with those fixture responses.
+Field lists and responses come from `tests/fixtures/sglang_api.json`, recorded from the source of sglang 0.5.23
+(file paths inside). Requests are captured by a tiny aiohttp server that answers with those fixture responses.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def test_generate_requests_use_only_sglang_fields(capture):
     for method, path, body, headers in capture.calls:
         assert_sglang_request(method, path, body)
         assert headers["Authorization"] == "Bearer k"
+    assert FIXTURE["auth"]["headers"] == ["Authorization: Bearer <key>"]  # the only header SGLang reads
     adapter_row, base_row = bodies[1], bodies[4]
     assert adapter_row["lora_path"] == "a" and adapter_row["return_logprob"] is True and adapter_row["rid"] == "r0"
     assert adapter_row["sampling_params"] == {
@@ -279,12 +280,43 @@ def test_sglang_tensor_encoding_decodes_in_an_unrelated_process_on_this_host(tmp
     assert all(torch.equal(received[k], sent[k]) for k in sent)
 
 
+def test_sglang_tensor_encoding_passes_sglangs_restricted_unpickler():
+    """SGLang 0.5.23 unpickles serialized_named_tensors with an allow-list of globals; our encoding of a dict of
+    CPU tensors must name only globals on that list (the subset recorded in the fixture)."""
+    import io
+    import pickle
+
+    allowed = {
+        tuple(g) for g in REQUESTS["/load_lora_adapter_from_tensors"]["allowed_globals_used_by_a_cpu_tensor_dict"]
+    }
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    sent = {**_tensors(3), "x.lora_B.weight": torch.ones(2, 3, dtype=torch.bfloat16)}
+    snapshot = {k: v.clone() for k, v in sent.items()}  # kept alive until read back
+    received = Recording(io.BytesIO(base64.b64decode(encode_tensors_sglang(snapshot)))).load()
+    assert seen <= allowed, f"globals SGLang's SafeUnpickler would block: {sorted(seen - allowed)}"
+    assert all(torch.equal(received[k], sent[k]) for k in sent)
+
+
 # -------------------------------------------------------------------------------- tests: responses
 
 
 @pytest.mark.parametrize(
     ("example", "finish"),
-    [("stop_token", "stop"), ("stop_str", "stop"), ("length", "length"), ("abort", "abort"), ("abort_error", "error")],
+    [
+        ("stop_token", "stop"),
+        ("stop_str", "stop"),
+        ("stop_token_list", "stop"),
+        ("length", "length"),
+        ("abort", "abort"),
+        ("abort_waiting", "abort"),
+        ("abort_error", "error"),
+    ],
 )
 def test_every_generate_response_shape_is_parsed(capture, example, finish):
     answer = RESPONSES["/generate"]["examples"][example]
@@ -307,14 +339,15 @@ def test_generate_without_output_ids_takes_ids_from_logprobs(capture):
     assert result.output_ids == [7, 8, 9]
 
 
-@pytest.mark.parametrize("kind", ["error", "validation_error"])
+@pytest.mark.parametrize("kind", ["error", "validation_error", "contract_error", "http_error"])
 def test_generate_error_bodies_become_error_results(capture, kind):
     spec = RESPONSES["/generate"][kind]
     capture.generate_answers.append((spec["status"], spec["body"]))
     [result] = SGLangEngine(capture.url).generate([GenerateRequest(input_ids=[1], adapter="zzz")])
     assert result.finish_reason == "error"
     body = spec["body"]
-    expected = body["error"]["message"] if "error" in body else body["message"]
+    error = body.get("error")
+    expected = error["message"] if isinstance(error, dict) else error if error is not None else body["message"]
     assert expected in result.error
 
 
@@ -356,6 +389,7 @@ def test_launcher_command_uses_sglang_flags():
         assert cmd[cmd.index(flag) + 1] == value
         assert flag in FIXTURE["sources"]["launch_flags"]["note"]
     assert "--enable-lora" in cmd
+    assert launcher.lora_backend in FIXTURE["sources"]["launch_flags"]["flags"]["--lora-backend"]["choices"]
     with pytest.raises(ValueError, match="max_lora_rank=0"):
         SGLangLauncher("/m", max_lora_rank=0)
 

@@ -5,14 +5,17 @@ drives a real SGLang server on a GPU box and the embedded torch engine anywhere 
 
 Design choices (each follows SGLang unless said otherwise):
 - Unknown request fields are ignored, as SGLang's request schemas do (`extra_behavior="ignore"`); a missing
-  required field or a wrong type answers 400. Unknown `sampling_params` keys answer 400 (SGLang builds
-  `SamplingParams(**d)`, which rejects them), and so do SGLang sampling options this engine cannot honour
-  (e.g. `min_p`) unless they are at their default.
+  required field or a wrong type answers 400. Unknown `sampling_params` keys answer 400 (SGLang's `/generate`
+  contract check rejects them), and so do SGLang sampling options this engine cannot honour (e.g. `min_p`)
+  unless they are at their default.
 - Deviation: `/load_lora_adapter_from_tensors` accepts only `load_format="safetensors"` (base64 safetensors
-  bytes in `serialized_named_tensors`). SGLang's own encoding is pickle; unpickling request data runs
-  arbitrary code (CVE-2025-10164), so it is refused with a 400 that says so, and nothing here ever unpickles.
-- Auth: with `api_key` set, every endpoint but `/health*` needs `Authorization: Bearer <key>` (or
-  `x-api-key`), as SGLang does; otherwise 401 `{"error": "Unauthorized"}`. Binds 127.0.0.1 by default.
+  bytes in `serialized_named_tensors`). SGLang's own encoding is pickle (0.5.23 reads it with an allow-list
+  unpickler; unpickling request data ran arbitrary code before, CVE-2025-10164), so it is refused with a 400
+  that says so, and nothing here ever unpickles.
+- Auth: with `api_key` set, every endpoint but `/health*` (and SGLang's other exempt prefixes `/ready`,
+  `/metrics`, and OPTIONS requests) needs `Authorization: Bearer <key>`, as SGLang does (it reads no other
+  header; `x-api-key` is refused); otherwise 401 `{"error": "Unauthorized"}`. There is one key: SGLang's
+  `--admin-api-key` split of the control endpoints is not modelled. Binds 127.0.0.1 by default.
 - `/pause_generation` implements `mode="abort"` itself: every `/generate` in flight answers at once with
   finish_reason `{"type": "abort"}` (the engine's result, when it comes, is dropped), and requests that arrive
   while paused wait until `/continue_generation`, as in SGLang. `retract` and `in_place` answer 400: the
@@ -20,8 +23,9 @@ Design choices (each follows SGLang unless said otherwise):
 - The engine's blocking calls (generate, load, unload, pause, resume) run in worker threads
   (`engine.agenerate`, `asyncio.to_thread`), never on the event loop.
 - Deviation: `meta_info.weight_version` is the request's adapter version (SGLang's is one server-wide string;
-  base rows report "default"), and `/get_model_info` and the LoRA endpoints add `adapter_versions`. The
-  adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's structs have no field for it.
+  base rows report "default"), and `/model_info` (alias `/get_model_info`) and the LoRA endpoints add
+  `adapter_versions`. The adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's
+  structs have no field for it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
     "n": 1,
+    "beam_width": None,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
@@ -69,12 +74,16 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "custom_params": None,
     "stream_interval": None,
     "logit_bias": None,
+    "watermark": None,
 }
+# Paths SGLang serves without a key (k8s probes, Prometheus), matched by prefix as SGLang does.
+_AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 _STATE_KEY = web.AppKey("rl_multilora_state", object)
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
+_FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 
 
 class RequestError(ValueError):
@@ -297,12 +306,10 @@ def _response_item(
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
     state: _ServerState = request.app[_STATE_KEY]
-    if state.api_key and not request.path.startswith("/health"):
+    if state.api_key and request.method != "OPTIONS" and not request.path.startswith(_AUTH_EXEMPT_PREFIXES):
         authz = request.headers.get("Authorization", "")
         scheme, _, token = authz.partition(" ")
         ok = scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), state.api_key.encode())
-        x_key = request.headers.get("x-api-key")
-        ok = ok or (x_key is not None and secrets.compare_digest(x_key.encode(), state.api_key.encode()))
         if not ok:
             return web.json_response({"error": "Unauthorized"}, status=401)
     try:
@@ -477,7 +484,7 @@ async def _flush_cache(request: web.Request) -> web.Response:
     ok = True
     if callable(flush):
         ok = await asyncio.to_thread(flush) is not False
-    return web.Response(text=_FLUSH_TEXT, status=200 if ok else 400)
+    return web.Response(text=_FLUSH_TEXT, status=200) if ok else web.Response(text=_FLUSH_FAILED_TEXT, status=400)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -546,6 +553,7 @@ def make_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/get_model_info", _get_model_info)
+    app.router.add_get("/model_info", _get_model_info)  # SGLang's current name; /get_model_info is deprecated
     return app
 
 
