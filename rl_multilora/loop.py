@@ -65,7 +65,8 @@ def build_engine(cfg: RunConfig, model, tokenizer):
         launcher = SGLangLauncher(
             model_path=cfg.model.path,
             port=r.sglang_port,
-            max_loras_per_batch=cfg.model.max_loras,
+            # SGLang counts base-model rows as one of the batch's adapters.
+            max_loras_per_batch=cfg.model.max_loras + 1,
             max_lora_rank=cfg.model.max_rank,
             lora_target_modules=cfg.model.target_modules,
             lora_backend=r.sglang_lora_backend,
@@ -73,7 +74,8 @@ def build_engine(cfg: RunConfig, model, tokenizer):
             api_key=r.api_key,
         )
         url = launcher.start()
-    return SGLangEngine(url, api_key=r.api_key, tensor_format="sglang"), launcher
+    engine = SGLangEngine(url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes)
+    return engine, launcher
 
 
 def optim_config(a: AdapterConfig):

@@ -110,6 +110,62 @@ def check_lora_config(config: dict[str, Any]) -> None:
             raise ValueError(f"config.{key}={value!r} is invalid; a positive number is required")
 
 
+# SGLang fuses these projections when it loads an adapter (q/k/v -> qkv_proj, gate/up -> gate_up_proj). Its loader
+# (sglang 0.5.23, `LoRAAdapter.normalize_qkv_proj` / `normalize_gate_up_proj`) needs q_proj and v_proj whenever a
+# layer has any of q/k/v (it fails with a KeyError on q without v, and drops k or v without q), and gate_proj
+# whenever the layer has up_proj (an up_proj alone is dropped).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def complete_fused_groups(
+    tensors: dict[str, torch.Tensor], config: dict[str, Any], module_shapes: dict[str, tuple[int, int]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Add exact-zero LoRA factors for the missing members of every fused group the adapter touches.
+
+    A zero A and zero B add nothing to the output, so SGLang then serves exactly the trained adapter. Keys are
+    PEFT names (`base_model.model.<module>.lora_A.weight`); `module_shapes` maps module -> (in, out) features.
+    Returns new (tensors, config); the inputs are not modified.
+
+    >>> shapes = {"l.q_proj": (4, 4), "l.k_proj": (4, 2), "l.v_proj": (4, 2)}
+    >>> t = {"base_model.model.l.q_proj.lora_A.weight": torch.ones(2, 4),
+    ...      "base_model.model.l.q_proj.lora_B.weight": torch.ones(4, 2)}
+    >>> out, cfg = complete_fused_groups(t, {"r": 2, "target_modules": ["q_proj"]}, shapes)
+    >>> sorted((k.split(".")[3], k.split(".")[4], tuple(v.shape)) for k, v in out.items())[4:]
+    [('v_proj', 'lora_A', (2, 4)), ('v_proj', 'lora_B', (2, 2))]
+    >>> cfg["target_modules"], float(out["base_model.model.l.v_proj.lora_B.weight"].abs().sum())
+    (['k_proj', 'q_proj', 'v_proj'], 0.0)
+    """
+    prefix, suffix_a, suffix_b = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
+    present = {k[len(prefix) : -len(suffix_a)]: k for k in tensors if k.startswith(prefix) and k.endswith(suffix_a)}
+    out, added = dict(tensors), []
+    for module, key_a in present.items():
+        parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
+        for group in FUSED_GROUPS:
+            if leaf not in group:
+                continue
+            a = tensors[key_a]
+            for sibling in group:
+                name = f"{parent}.{sibling}" if parent else sibling
+                if name in present or f"{prefix}{name}{suffix_a}" in out:
+                    continue
+                if name not in module_shapes:
+                    raise ValueError(
+                        f"adapter targets {module!r} but not {name!r}, which SGLang loads together with it, and the "
+                        f"model has no LoRA module {name!r} to fill with zeros; add {sibling!r} to "
+                        "model.target_modules"
+                    )
+                in_features, out_features = module_shapes[name]
+                out[f"{prefix}{name}{suffix_a}"] = a.new_zeros(a.shape[0], in_features)
+                out[f"{prefix}{name}{suffix_b}"] = a.new_zeros(out_features, a.shape[0])
+                added.append(name)
+    config = dict(config)
+    targets = config.get("target_modules")
+    if added and isinstance(targets, list):
+        leaves_only = all("." not in t for t in targets)
+        config["target_modules"] = sorted(set(targets) | {n.rsplit(".", 1)[-1] if leaves_only else n for n in added})
+    return out, config
+
+
 def sampling_params_payload(sp: SamplingParams) -> dict[str, Any]:
     """SGLang `sampling_params` for our `SamplingParams` (empty stop lists and a None seed are left out)."""
     payload: dict[str, Any] = {
@@ -258,7 +314,9 @@ class SGLangEngine(RolloutEngine):
 
     `tensor_format` picks how `load_adapter` ships tensors ("sglang": SGLang's pickled same-host encoding;
     "safetensors": base64 safetensors for our server). `tp_size` is the server's tensor-parallel size: SGLang
-    wants one serialized copy per TP rank. `api_key` is sent as `Authorization: Bearer <key>`.
+    wants one serialized copy per TP rank. `api_key` is sent as `Authorization: Bearer <key>`. `module_shapes`
+    (the trainer model's LoRA module -> (in, out) features) lets `load_adapter` complete SGLang's fused groups with
+    zero factors (`complete_fused_groups`), so adapters on a subset such as q_proj alone load correctly.
     """
 
     def __init__(
@@ -270,6 +328,7 @@ class SGLangEngine(RolloutEngine):
         tp_size: int = 1,
         max_concurrency: int = 256,
         flush_cache_on_resume: bool = True,
+        module_shapes: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r} is invalid; expected 'http://host:port'")
@@ -288,6 +347,7 @@ class SGLangEngine(RolloutEngine):
         self.tp_size = tp_size
         self.max_concurrency = max_concurrency
         self.flush_cache_on_resume = flush_cache_on_resume
+        self.module_shapes = dict(module_shapes) if module_shapes is not None else None
         self._lock = threading.Lock()
         self._versions: dict[str, int] = {}
         # Last version ever given to a name, so a name that is unloaded and loaded again never reuses a version.
@@ -398,6 +458,8 @@ class SGLangEngine(RolloutEngine):
         if not tensors:
             raise ValueError(f"tensors for adapter {name!r} are empty; expected PEFT-named lora_A/lora_B tensors")
         new_version = self._next_version(name, version)
+        if self.module_shapes is not None:
+            tensors, config = complete_fused_groups(tensors, config, self.module_shapes)
         body: dict[str, Any] = {"lora_name": name, "config_dict": config}
         if self.tensor_format == "sglang":
             # A snapshot the server reads through shared-memory / CUDA IPC handles: the caller's tensors (live
