@@ -8,6 +8,7 @@ Tensors go in SGLang's own encoding (pickled CUDA IPC handles), which is valid b
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from pathlib import Path
@@ -19,6 +20,12 @@ from rollout.engines.sglang import SGLangLauncher
 from rollout.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.gpu
+
+# The tiny preset is float32 with head_dim 32: FA3 and FlashInfer want bf16/fp16 and head_dim 64+, so serve it in
+# bf16 through the Triton attention kernels, in a small slice of the GPU. (--disable-cuda-graph is deprecated in
+# sglang 0.5.23 but still accepted; older releases know only it.)
+TINY_MODEL_ARGS = ["--dtype", "bfloat16", "--attention-backend", "triton", "--mem-fraction-static", "0.3",
+                   "--disable-cuda-graph"]  # fmt: skip
 
 
 def _model_dir() -> Path | None:
@@ -64,7 +71,7 @@ def test_real_sglang_loads_an_adapter_from_tensors_and_generates(tmp_path):
         max_loras_per_batch=2,
         max_lora_rank=8,
         lora_target_modules=targets,
-        extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"],
+        extra_args=TINY_MODEL_ARGS,
         log_path=str(tmp_path / "sglang.log"),
         startup_timeout_s=600,
     )
@@ -104,7 +111,8 @@ def test_tiny_grpo_run_against_a_real_sglang_server(tmp_path):
     subprocess.run(["bash", str(root / "examples/multi_lora/provision.sh"), "artifacts/tiny"], check=True, cwd=root)
     run_dir = tmp_path / "run"
     sets = [f"run_dir={run_dir}", "rollout.engine=sglang", f"rollout.sglang_port={_free_port()}",
-            "model.device=cuda", "logging.progress=false", "logging.plot=false"]  # fmt: skip
+            "model.device=cuda", "logging.progress=false", "logging.plot=false",
+            "rollout.sglang_args=" + json.dumps(TINY_MODEL_ARGS)]  # fmt: skip
     sets += [f"adapters.{i}.max_steps=3" for i in range(3)]
     cmd = [sys.executable, "-m", "rl_multilora.cli", "run", "examples/multi_lora/configs/tiny.yaml"]
     for s in sets:
