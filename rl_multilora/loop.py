@@ -74,7 +74,11 @@ def build_engine(cfg: RunConfig, model, tokenizer):
             api_key=r.api_key,
         )
         url = launcher.start()
+    # SGLang wants one serialized copy of the tensors per tensor-parallel rank: take the size from the launch
+    # arguments, or ask an attached server.
+    tp_size = launcher.tp_size if launcher is not None else None
     engine = SGLangEngine(url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes)
+    engine.tp_size = tp_size or engine.server_tp_size() or 1
     return engine, launcher
 
 

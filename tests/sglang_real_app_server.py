@@ -173,6 +173,11 @@ def build(args: argparse.Namespace):  # noqa: C901 - one place that wires SGLang
             self._inflight: dict[str, asyncio.Future] = {}
             self.last_receive_tstamp = time.time()
             self.rid_to_state = {}
+            self.server_args = server_args  # /server_info reports these (tp_size among them)
+            self.startup_time = time.time()
+
+        async def get_internal_state(self):
+            return [{}]
 
         def auto_create_handle_loop(self) -> None:
             pass

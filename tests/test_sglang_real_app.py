@@ -202,6 +202,12 @@ def test_sync_aborts_requests_in_flight_and_reloads_after_unload(oracle):
     engine.unload_adapter("attn")
 
 
+def test_tp_size_comes_from_sglangs_server_info(oracle):
+    """SGLang wants one serialized tensor copy per TP rank; an attached server says its size in /server_info."""
+    assert oracle.engine().server_tp_size() == 1
+    assert oracle.engine(api_key="not-the-key").server_tp_size() is None  # refused: the caller falls back to 1
+
+
 def test_sglangs_auth_and_validation_errors_reach_the_caller(oracle):
     model = _model(oracle)
     wrong = oracle.engine(api_key="not-the-key")
@@ -261,6 +267,7 @@ def test_grpo_loop_drives_sglangs_app(oracle, tmp_path):
     }
     mark = oracle.mark()
     rt = run(parse_run_config(cfg))
+    assert rt.engine.tp_size == 1 and rt.engine.module_shapes == rt.model.layer_shapes
     assert all(rec.state.value == "DRAINED" for rec in rt.controller.records.values())
     rows = read_metrics(run_dir)
     assert sorted((r["adapter"], r["adapter_step"]) for r in rows) == [("t1", 1), ("t1", 2), ("t2", 1), ("t2", 2)]

@@ -547,6 +547,17 @@ class SGLangEngine(RolloutEngine):
             return False
         return True
 
+    def server_tp_size(self) -> int | None:
+        """The server's tensor-parallel size from SGLang's `/server_info` (None if it does not say)."""
+        try:
+            resp = self._http.get(
+                self.base_url + "/server_info", headers=self._headers(), timeout=min(self.timeout, 30)
+            )
+            value = resp.json().get("tp_size") if resp.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
     def health(self) -> bool:
         try:
             resp = self._http.get(self.base_url + "/health", headers=self._headers(), timeout=min(self.timeout, 30))
@@ -581,6 +592,25 @@ def _error_message(body: Any) -> str:
         if err is not None:
             return str(err)
     return str(body)[:500]
+
+
+def tp_size_from_args(args: list[str]) -> int:
+    """The tensor-parallel size that `sglang.launch_server` arguments ask for (1 when they do not say).
+
+    >>> tp_size_from_args(["--mem-fraction-static", "0.5", "--tp-size", "4"])
+    4
+    >>> tp_size_from_args(["--tensor-parallel-size=2"]), tp_size_from_args(["--tp", "8"]), tp_size_from_args([])
+    (2, 8, 1)
+    """
+    flags = ("--tp-size", "--tensor-parallel-size", "--tp")
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"{name} {raw!r} in the SGLang arguments is invalid; a positive integer is required")
+            return int(raw)
+    return 1
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -626,6 +656,11 @@ class SGLangLauncher:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size asked for in `extra_args` (SGLang wants one serialized tensor copy per rank)."""
+        return tp_size_from_args(list(self.extra_args))
 
     def target_modules(self) -> list[str]:
         """`--lora-target-modules` values; PEFT's "all-linear" is SGLang's "all"."""
