@@ -23,7 +23,7 @@ from rl_multilora.checkpoint import CKPT_META, CheckpointManager, list_checkpoin
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import run
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model, sum_task_adapter
 
 HEALTHY = ("h1", "h2")
 
@@ -51,20 +51,7 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def _adapter(root: Path, name: str, seed: int, reward: dict, **over) -> dict:
-    a = {
-        "name": name,
-        "rank": 4,
-        "alpha": 8,
-        "dataset": {"path": "json", "data_files": str(root / "data" / f"{name}.jsonl"), "prompt_key": "q"}
-        | {"label_key": "a"},
-        "reward": reward,
-        "lr": 1e-2,
-        "prompts_per_step": 2,
-        "max_steps": 4,
-        "seed": seed,
-    }
-    a.update(over)
-    return a
+    return sum_task_adapter(root / "data", name, seed, reward=reward, **{"max_steps": 4, **over})
 
 
 def _config(root: Path, run_dir: Path, with_faults: bool) -> dict:

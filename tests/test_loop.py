@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import Runtime, run
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model, write_sum_task
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
 
 @pytest.fixture(scope="module")
@@ -22,27 +22,10 @@ def workspace(tmp_path_factory):
 
 
 def _config(root: Path, run_dir: Path, adapters: list[str], steps: int = 3, **over) -> dict:
-    ads = []
-    for i, name in enumerate(adapters):
-        ads.append(
-            {
-                "name": name,
-                "rank": [4, 8, 2][i % 3],
-                "alpha": 8,
-                "dataset": {
-                    "path": "json",
-                    "data_files": str(root / "data" / f"{name}.jsonl"),
-                    "prompt_key": "q",
-                    "label_key": "a",
-                },
-                # Random text contains a digit about half the time, so groups are rarely uniform and all train.
-                "reward": {"name": "format", "kwargs": {"pattern": "[0-9]"}},
-                "lr": 1e-2,
-                "prompts_per_step": 2,
-                "max_steps": steps,
-                "seed": 10 + i if name != "t1" else 7,
-            }
-        )
+    ads = [
+        sum_task_adapter(root / "data", name, 10 + i if name != "t1" else 7, rank=[4, 8, 2][i % 3], max_steps=steps)
+        for i, name in enumerate(adapters)
+    ]
     cfg = {
         "run_dir": str(run_dir),
         "model": {"path": str(root / "model"), "max_loras": 3, "max_rank": 8},

@@ -26,7 +26,7 @@ from rl_multilora.cli import main as cli_main
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import Runtime, run
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model, write_sum_task
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ("t1", "t2", "t3")
@@ -44,23 +44,8 @@ def workspace(tmp_path_factory) -> Path:
 
 def _config(root: Path, run_dir: Path, **over) -> dict:
     def adapter(name: str, rank: int, seed: int, **budget) -> dict:
-        return {
-            "name": name,
-            "rank": rank,
-            "alpha": 8,
-            "dataset": {
-                "path": "json",
-                "data_files": str(root / "data" / f"{name}.jsonl"),
-                "prompt_key": "q",
-                "label_key": "a",
-            },
-            "reward": {"name": "format", "kwargs": {"pattern": "[0-9]"}},
-            "lr": 1e-2,
-            "optim": {"schedule": "cosine", "warmup_steps": 1},
-            "prompts_per_step": 2,
-            "seed": seed,
-            **budget,
-        }
+        optim = {"schedule": "cosine", "warmup_steps": 1}
+        return sum_task_adapter(root / "data", name, seed, rank=rank, optim=optim, **budget)
 
     cfg = {
         "run_dir": str(run_dir),

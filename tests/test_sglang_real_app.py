@@ -31,7 +31,7 @@ from rl_multilora.metrics import read_metrics
 from rl_multilora.weight_sync import WeightSync
 from rollout.engines.sglang import SGLangEngine, SGLangError
 from rollout.types import GenerateRequest, SamplingParams
-from tests.tiny_models import save_tiny_model, write_sum_task
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
 pytestmark = pytest.mark.sglang
 
@@ -243,13 +243,7 @@ def test_load_from_a_peft_folder_uses_sglangs_file_loader(oracle, tmp_path):
 def test_grpo_loop_drives_sglangs_app(oracle, tmp_path):
     """`rollout.engine: sglang` with `url`: the loop attaches, pushes from memory, pauses once per step."""
     run_dir = tmp_path / "run"
-    ads = [
-        {"name": name, "rank": 4, "alpha": 8, "lr": 1e-2, "prompts_per_step": 2, "max_steps": 2, "seed": i,
-         "dataset": {"path": "json", "data_files": str(oracle.data / f"{name}.jsonl"), "prompt_key": "q",
-                     "label_key": "a"},
-         "reward": {"name": "format", "kwargs": {"pattern": "[0-9]"}}}
-        for i, name in enumerate(["t1", "t2"])
-    ]  # fmt: skip
+    ads = [sum_task_adapter(oracle.data, name, i, max_steps=2) for i, name in enumerate(["t1", "t2"])]
     cfg = {
         "run_dir": str(run_dir),
         "model": {"path": str(oracle.model), "max_loras": 2, "max_rank": 8},

@@ -107,3 +107,25 @@ def write_sum_task(path: str | Path, n: int, offset: int) -> Path:
             a, b = i % 7 + offset, i % 5
             f.write(json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n")
     return path
+
+
+def sum_task_adapter(data_dir: str | Path, name: str, seed: int, **over) -> dict:
+    """A run-config adapter entry on `data_dir/<name>.jsonl` (see `write_sum_task`): rank 4, alpha 8, lr 1e-2,
+    2 prompts per step and a reward for any digit (random text has one about half the time, so groups rarely
+    come out uniform). Keyword arguments override or add fields."""
+    return {
+        "name": name,
+        "rank": 4,
+        "alpha": 8,
+        "dataset": {
+            "path": "json",
+            "data_files": str(Path(data_dir) / f"{name}.jsonl"),
+            "prompt_key": "q",
+            "label_key": "a",
+        },
+        "reward": {"name": "format", "kwargs": {"pattern": "[0-9]"}},
+        "lr": 1e-2,
+        "prompts_per_step": 2,
+        "seed": seed,
+        **over,
+    }

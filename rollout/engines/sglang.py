@@ -146,7 +146,7 @@ def complete_fused_groups(
             a = tensors[key_a]
             for sibling in group:
                 name = f"{parent}.{sibling}" if parent else sibling
-                if name in present or f"{prefix}{name}{suffix_a}" in out:
+                if f"{prefix}{name}{suffix_a}" in out:  # trained, or filled for an earlier member
                     continue
                 if name not in module_shapes:
                     raise ValueError(
