@@ -18,7 +18,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
 from rl_multilora.lora import MultiLoRAModel
-from rollout.engines.embedded import EmbeddedEngine, sample_next_tokens
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.engines.sampling import sample_next_tokens
 from rollout.types import GenerateRequest, SamplingParams
 from tests.tiny_models import EOS_ID, tiny_model, tiny_tokenizer
 
@@ -450,7 +451,7 @@ def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
     key = next(iter(tensors))
     bogus = "base_model.model.model.layers.0.self_attn.nope.lora_A.weight"
     cases = [
-        (tensors, {**config, "use_rslora": True}, "use_rslora=True is not supported"),
+        (tensors, {**config, "use_rslora": True}, "use_rslora=True is not allowed; allowed: False"),
         (tensors, {**config, "r": 32}, "r=32 is not allowed; allowed: an integer from 1 to max_rank=16"),
         (tensors, {**config, "peft_type": "IA3"}, "peft_type='IA3'"),
         (tensors, {**config, "r": 4}, r"has shape \(8, 32\); expected \(4, 32\)"),
@@ -464,6 +465,9 @@ def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
         assert "adapter 'x'" in str(info.value)
     with pytest.raises(ValueError, match="version='2'"):
         engine.load_adapter("x", tensors, config, version="2")
+    for name in ("", "a/b", "a\n", ".."):  # the adapter-name rule of rl_multilora.lora
+        with pytest.raises(ValueError, match=r"adapter name=.* is not allowed; allowed: "):
+            engine.load_adapter(name, tensors, config)
     assert "x" not in engine.adapter_versions()
     # A failed reload leaves the old weights and version in place.
     before = engine.generate([GenerateRequest(PROMPTS[0], "b", greedy())])[0]

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from rollout.engines.base import RolloutEngine
 from rollout.engines.http_server import BackgroundServer, serve
-from rollout.engines.sglang import SGLangEngine, SGLangError, encode_tensors_safetensors, encode_tensors_sglang
+from rollout.engines.sglang import SGLangEngine, SGLangError
+from rollout.engines.sglang_protocol import encode_tensors_safetensors, encode_tensors_sglang
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 VOCAB = 1000
@@ -182,8 +183,8 @@ def test_batched_generate_body_is_accepted(served):
     ("body", "needle"),
     [
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus is not an SGLang sampling parameter"),
-        ({"input_ids": [1], "sampling_params": {"min_p": 0.5}}, "min_p=0.5 is not supported"),
-        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p=0.0 is invalid"),
+        ({"input_ids": [1], "sampling_params": {"min_p": 0.5}}, "min_p=0.5 is not allowed; allowed: 0.0"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p=0.0 is not allowed; allowed: a number in (0, 1]"),
         ({"text": "hi"}, "send input_ids"),
         ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "lora_path has 1 entries for a batch of 2"),
     ],
@@ -226,7 +227,7 @@ def test_load_from_peft_folder(served, tmp_path):
     client = SGLangEngine(server.url)
     assert client.load_adapter_from_path("p", str(tmp_path)) == 1
     assert all(torch.equal(engine.tensors["p"][k], v) for k, v in tensors(4).items())
-    with pytest.raises(SGLangError, match="not a PEFT folder"):
+    with pytest.raises(SGLangError, match="lora_path=.* is not allowed; allowed: a PEFT folder on this host"):
         client.load_adapter_from_path("q", str(tmp_path / "missing"))
 
 
@@ -424,7 +425,7 @@ def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
     """`engine-serve`'s engine behind the server: adapters pushed over HTTP give PEFT's greedy output."""
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-    from rollout.engines.http_server import build_embedded_engine
+    from rollout.engines.serve import build_embedded_engine
     from tests.tiny_models import save_tiny_model, tiny_model
 
     model_dir = save_tiny_model(tmp_path / "base")
@@ -464,11 +465,11 @@ def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
 
 
 def test_engine_serve_cli_rejects_bad_arguments(tmp_path, capsys):
-    from rollout.engines.http_server import main
+    from rollout.engines.serve import main
 
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing")])
-    assert "is not a folder" in capsys.readouterr().err
+    assert "is not allowed; allowed: an existing model folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--max-rank", "0"])
-    assert "--max-rank=0 is invalid" in capsys.readouterr().err
+    assert "--max-rank=0 is not allowed; allowed: a positive integer" in capsys.readouterr().err

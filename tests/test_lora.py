@@ -12,7 +12,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from tiny_models import FAMILIES, save_tiny_model, tiny_model
 
-from rl_multilora.lora import AdapterInfo, LoRABank, MultiLoRAModel, UnknownAdapterError
+from rl_multilora.lora import (
+    AdapterInfo,
+    LoRABank,
+    MultiLoRAModel,
+    UnknownAdapterError,
+    read_peft_folder,
+    validate_adapter_name,
+    write_peft_folder,
+)
 
 VOCAB = 128
 TOL = dict(atol=2e-5, rtol=1e-5)
@@ -125,6 +133,32 @@ def test_export_loads_in_peft_and_peft_folder_loads_here(family, targets, tmp_pa
     assert ours_sd.keys() == reloaded.keys()
     for key, tensor in reloaded.items():
         assert torch.equal(ours_sd[key], tensor), key
+
+
+def test_write_peft_folder_from_tensors_and_config(tmp_path):
+    """Code outside the model writes a PEFT folder from tensors + config; it reads back as export_adapter's does."""
+    m = make_model("qwen2", target_modules=["q_proj", "v_proj"])
+    m.add_adapter("a", rank=4, alpha=8, seed=0)
+    randomize(m, "a", seed=1)
+    sd, config = m.adapter_state_dict("a"), m.peft_config("a")
+    folder = write_peft_folder(tmp_path / "w", sd, config)
+    exported = m.export_adapter("a", tmp_path / "e")
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (folder / f).read_bytes() == (exported / f).read_bytes(), f
+    got_sd, got_config = read_peft_folder(folder)
+    assert got_config == config and got_sd.keys() == sd.keys()
+    assert all(torch.equal(got_sd[k], v) for k, v in sd.items())
+    # Checked with the readers' rules before anything is written.
+    key = next(k for k in sd if k.endswith("lora_B.weight"))
+    for bad_sd, bad_config, message in [
+        (sd, {**config, "use_dora": True}, "use_dora=True is not allowed"),
+        (sd, {**config, "r": 2}, r"has shape \(4, 32\); expected \(2, 32\)"),
+        ({k: v for k, v in sd.items() if k != key}, config, "has no lora_B tensor"),
+        ({**sd, "lm_head.weight": sd[key]}, config, "unexpected key 'lm_head.weight'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            write_peft_folder(tmp_path / "bad", bad_sd, bad_config)
+        assert not (tmp_path / "bad").exists()
 
 
 def test_peft_folder_covering_a_subset_of_modules(tmp_path):
@@ -430,9 +464,12 @@ def test_adapter_lifecycle_errors():
         m.add_adapter("b", rank=2, alpha=-1)
     with pytest.raises(ValueError, match="already loaded in slot 0"):
         m.add_adapter("a", rank=4, alpha=8)
-    for bad in ("", ".", "..", "a/b", "a b", "../x", None):
-        with pytest.raises(ValueError, match="adapter name .* is not allowed"):
+    for bad in ("", ".", "..", "a/b", "a b", "../x", "a\n", "\na", None):
+        with pytest.raises(ValueError, match=r"adapter name=.* is not allowed; allowed: "):
             m.add_adapter(bad, rank=2, alpha=2)
+        with pytest.raises(ValueError, match=r"adapter name=.* is not allowed; allowed: "):
+            validate_adapter_name(bad)
+    assert validate_adapter_name("math-v2.1_a") == "math-v2.1_a"
     m.add_adapter("b", rank=2, alpha=2)
     with pytest.raises(RuntimeError, match="no free LoRA slot for adapter 'c'.*max_loras=2"):
         m.add_adapter("c", rank=2, alpha=2)
@@ -479,9 +516,9 @@ def test_peft_folder_mismatch_errors(tmp_path):
         load(r=16)
     with pytest.raises(ValueError, match="peft_type='IA3'"):
         load(peft_type="IA3")
-    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+    with pytest.raises(ValueError, match="use_dora=True is not allowed; allowed: False"):
         load(use_dora=True)
-    with pytest.raises(ValueError, match="use_rslora=True is not supported"):
+    with pytest.raises(ValueError, match="use_rslora=True is not allowed; allowed: False"):
         load(use_rslora=True)
     with pytest.raises(ValueError, match="not in the config's target_modules"):
         load(target_modules=["k_proj"])
@@ -491,7 +528,7 @@ def test_peft_folder_mismatch_errors(tmp_path):
         load({**sd, "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": sd[key]})
     with pytest.raises(ValueError, match="unexpected key 'lm_head.weight'"):
         load({**sd, "lm_head.weight": sd[key]})
-    with pytest.raises(ValueError, match="adapter name"):
+    with pytest.raises(ValueError, match="adapter name='../x' is not allowed"):
         m.load_adapter_state_dict("../x", sd, config)
     assert "x" not in m.adapters and m.free_slots == [1, 2, 3]  # a failed load claims no slot
     with pytest.raises(FileNotFoundError, match="adapter_config.json is missing"):

@@ -19,11 +19,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from rollout.engines.sglang import (
+from rollout.engines.sglang import SGLangEngine, SGLangError
+from rollout.engines.sglang_launcher import SGLangLauncher
+from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
-    SGLangEngine,
-    SGLangError,
-    SGLangLauncher,
     check_lora_config,
     encode_tensors_sglang,
     generate_payload,
@@ -196,7 +195,7 @@ def test_adapter_request_is_never_sent_without_its_name():
     assert generate_payload(GenerateRequest(input_ids=[1], adapter="t0"))["lora_path"] == "t0"
     with pytest.raises(ValueError, match="adapter=''"):
         generate_payload(GenerateRequest(input_ids=[1], adapter=""))
-    with pytest.raises(ValueError, match="input_ids is empty"):
+    with pytest.raises(ValueError, match=r"input_ids=\[\] is not allowed"):
         generate_payload(GenerateRequest(input_ids=[], adapter="t0"))
 
 
@@ -244,7 +243,7 @@ def test_load_from_path_uses_sglang_fields(capture, tmp_path):
 
 def test_rslora_and_dora_are_rejected_before_anything_is_sent(capture, tmp_path):
     engine = SGLangEngine(capture.url, tensor_format="safetensors")
-    with pytest.raises(ValueError, match="use_rslora=True is not supported.*lora_alpha / r"):
+    with pytest.raises(ValueError, match="use_rslora=True is not allowed.*lora_alpha / r"):
         engine.load_adapter("a", _tensors(), {**CONFIG, "use_rslora": True})
     with pytest.raises(ValueError, match="use_dora"):
         engine.load_adapter("a", _tensors(), {**CONFIG, "use_dora": True})
@@ -253,6 +252,17 @@ def test_rslora_and_dora_are_rejected_before_anything_is_sent(capture, tmp_path)
         engine.load_adapter_from_path("a", str(tmp_path))
     with pytest.raises(ValueError, match=r"config\.r=0"):
         check_lora_config({**CONFIG, "r": 0})
+    # The model's PEFT-config rules (rl_multilora.lora), all problems at once.
+    with pytest.raises(
+        ValueError, match=r"(?s)config\.peft_type='IA3'.*config\.bias='all' is not allowed; allowed: 'none'"
+    ):
+        check_lora_config({**CONFIG, "peft_type": "IA3", "bias": "all"})
+    # The adapter-name rule of rl_multilora.lora, before anything is sent.
+    for name in ("", "a/b", "a\n", ".."):
+        with pytest.raises(ValueError, match=r"adapter name=.* is not allowed; allowed: "):
+            engine.load_adapter(name, _tensors(), CONFIG)
+        with pytest.raises(ValueError, match=r"adapter name=.* is not allowed; allowed: "):
+            engine.unload_adapter(name)
     assert capture.calls == []
 
 

@@ -19,14 +19,14 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   plain `DynamicLayer` caches; models with sliding-window layers run queued rows in the next wave.
 - Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
   prefilled once; the cache, the mask and the last logits are then expanded by index.
-- Sampling is per row: temperature (0 = greedy argmax), top-k (-1 = off), top-p, then inverse-CDF
-  sampling with one uniform drawn from the row's own `torch.Generator` (seeded from the request's
-  `seed`, else from the engine's seed sequence). A row's random stream therefore does not depend
-  on which other rows share the batch.
+- Sampling is per row with the row's own `torch.Generator` (seeded from the request's `seed`, else
+  from the engine's seed sequence), so a row's tokens do not depend on which other rows share the
+  batch (`sampling.py`).
 - `output_logprobs` are the log-softmax of the RAW logits (temperature 1, before top-k/top-p) at
-  the chosen token, in float32. At temperature 1 they equal the trainer's log-probs of the same
-  tokens, which is what importance ratios (GRPO/PPO) need; at other temperatures they are still the
-  policy's own log-probs, not the tempered sampling distribution's.
+  the chosen token, in float32 (`sampling.token_logprobs`). They equal the trainer's log-probs of
+  the same tokens at temperature 1 (and for greedy rollouts, which the trainer scores at 1) only:
+  the trainer divides the logits by the rollout temperature, this engine does not, so at other
+  temperatures the two differ (see `sampling.py`).
 - Stops: EOS (the tokenizer's plus the model's `generation_config`), `stop_token_ids` and stop
   strings finish a row with "stop"; `max_new_tokens` (or reaching the model's context length, as
   SGLang clips it) with "length". Output ids and log-probs are
@@ -49,6 +49,11 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   finish_reason "error" and a message naming the field, the value and what is allowed; the other
   requests of the call run normally. A forward that raises (e.g. out of memory) fails the rows of
   that batch with "error"; the worker keeps serving later requests.
+
+One file of ~700 lines: `EmbeddedEngine` is one worker thread and the state it shares with the callers
+(queue, pause flags, adapter table, bank) under two locks; the batch helpers below (`_Row`, `_Batch`)
+only exist for that worker. Split up, the locking rules above would be spread over modules that no one
+else imports. Sampling, which needs none of that state, is in `sampling.py`.
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rl_multilora.lora import validate_adapter_name
 from rollout.engines.base import RolloutEngine
+from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 PAUSE_MODES = ("abort", "wait")
@@ -176,64 +183,6 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (pad, 0) if dim == -1 else (0, 0, pad, 0))
 
 
-def sample_next_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """One next token per row: greedy at temperature 0, else temperature + top-k + top-p sampling.
-
-    logits: (B, V) float32; `generators[i]` (CPU) drives row i and is only read for sampled rows.
-    A row's token depends only on its own logits, settings and generator: rows with top-k/top-p
-    sample in sorted order, rows without in vocabulary order (no sort), decided per row so that a
-    neighbour's settings never change which path a row takes. Returns (B,) token ids.
-    """
-    tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
-    plain, filtered = [], []
-    for i, p in enumerate(params):
-        if p.temperature > 0:
-            (filtered if p.top_k > 0 or p.top_p < 1 else plain).append(i)
-    for group, use_filters in ((plain, False), (filtered, True)):
-        if group:
-            index = torch.tensor(group, device=logits.device)
-            picked = _inverse_cdf_sample(
-                logits[index], [params[i] for i in group], [generators[i] for i in group], use_filters
-            )
-            tokens[index] = picked
-    return tokens
-
-
-def _inverse_cdf_sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    use_filters: bool,
-) -> torch.Tensor:
-    """Inverse-CDF sampling of one token per row; logits: (S, V) float32 -> (S,) token ids."""
-    device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperature[:, None]  # (S, V)
-    order = None
-    if use_filters:
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
-        probs = torch.softmax(scaled, dim=-1)  # (S, V)
-        rank = torch.arange(vocab, device=device)[None, :]  # (1, V)
-        # Keep the top-k, and the smallest prefix whose mass reaches top_p (SGLang's rule); the
-        # first token always survives both filters.
-        keep = (rank < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])  # (S, V)
-        probs = probs * keep
-    else:
-        probs = torch.softmax(scaled, dim=-1)  # (S, V)
-    cdf = probs.cumsum(-1)  # (S, V) unnormalized CDF (filtered mass removed)
-    total = cdf[:, -1:]  # (S, 1)
-    # One uniform per row from the row's own generator: independent of the batch's make-up.
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(device)  # (S,)
-    # Strictly below the total, so the first index whose CDF exceeds it always has mass > 0.
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (S, 1)
-    pick = torch.searchsorted(cdf, target, right=True)  # (S, 1) position in `order` (or the vocab)
-    return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
-
-
 class EmbeddedEngine(RolloutEngine):
     """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
 
@@ -255,9 +204,9 @@ class EmbeddedEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size!r} is invalid: use an integer >= 1")
+            raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed; allowed: an integer >= 1")
         if batch_wait_s < 0:
-            raise ValueError(f"batch_wait_s={batch_wait_s!r} is invalid: use a number of seconds >= 0")
+            raise ValueError(f"batch_wait_s={batch_wait_s!r} is not allowed; allowed: a number of seconds >= 0")
         self._model = model
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
@@ -310,10 +259,9 @@ class EmbeddedEngine(RolloutEngine):
     def load_adapter(
         self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
     ) -> int:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"adapter name={name!r} is invalid: use a non-empty string")
+        validate_adapter_name(name)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise ValueError(f"version={version!r} for adapter {name!r} is invalid: use an int or None")
+            raise ValueError(f"version={version!r} is not allowed; allowed: an int or None (adapter {name!r})")
         with self._weights_lock:
             entry = self._adapters.get(name)
             if entry is not None:
@@ -412,38 +360,44 @@ class EmbeddedEngine(RolloutEngine):
             return f"request is a {type(request).__name__}: use rollout.types.GenerateRequest"
         ids = request.input_ids
         if not ids:
-            return "input_ids=[] is invalid: a request needs at least one prompt token"
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self._vocab_size]
+            return "input_ids=[] is not allowed; allowed: a list of at least one prompt token id"
+        bad = [i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self._vocab_size]
         if bad:
-            return f"input_ids contains {bad[:3]!r}: token ids must be ints in [0, {self._vocab_size})"
+            allowed = f"a token id (int) in [0, {self._vocab_size})"
+            return f"input_ids[{bad[0]}]={ids[bad[0]]!r} is not allowed; allowed: {allowed}"
         if self._context_len is not None and len(ids) >= self._context_len:
             return (
-                f"input_ids has {len(ids)} tokens: the prompt must be shorter than the model's context length "
+                f"len(input_ids)={len(ids)} is not allowed; allowed: a prompt shorter than the model's context length "
                 f"{self._context_len}"
             )
         if request.adapter is not None and request.adapter not in self._adapters:
-            return f"adapter={request.adapter!r} is not loaded in the engine; loaded: {sorted(self._adapters)}"
+            return self._unknown_adapter(request.adapter)
         p = request.sampling
         if not isinstance(p.temperature, (int, float)) or p.temperature < 0:
-            return f"sampling.temperature={p.temperature!r} is invalid: use a number >= 0 (0 = greedy)"
+            return f"sampling.temperature={p.temperature!r} is not allowed; allowed: a number >= 0 (0 = greedy)"
         if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
-            return f"sampling.top_p={p.top_p!r} is invalid: use a number in (0, 1]"
+            return f"sampling.top_p={p.top_p!r} is not allowed; allowed: a number in (0, 1]"
         if not isinstance(p.top_k, int) or (p.top_k != -1 and p.top_k < 1):
-            return f"sampling.top_k={p.top_k!r} is invalid: use -1 (off) or an int >= 1"
+            return f"sampling.top_k={p.top_k!r} is not allowed; allowed: -1 (off) or an int >= 1"
         if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 0:
-            return f"sampling.max_new_tokens={p.max_new_tokens!r} is invalid: use an int >= 0"
+            return f"sampling.max_new_tokens={p.max_new_tokens!r} is not allowed; allowed: an int >= 0"
         if p.stop and (self._tokenizer is None or any(not isinstance(s, str) or not s for s in p.stop)):
-            return f"sampling.stop={p.stop!r} is invalid: stop strings must be non-empty and need a tokenizer"
+            allowed = "non-empty strings, with a tokenizer given to the engine"
+            return f"sampling.stop={p.stop!r} is not allowed; allowed: {allowed}"
         if any(not isinstance(t, int) for t in p.stop_token_ids):
-            return f"sampling.stop_token_ids={p.stop_token_ids!r} is invalid: use a list of ints"
+            return f"sampling.stop_token_ids={p.stop_token_ids!r} is not allowed; allowed: a list of ints"
         return None
+
+    def _unknown_adapter(self, name: str) -> str:
+        loaded = sorted(self._adapters)
+        return f"adapter={name!r} is not allowed; allowed: an adapter loaded in the engine ({loaded}) or None (base)"
 
     # ------------------------------------------------------------------ pause / lifecycle
 
     def pause(self, mode: str = "abort") -> None:
         """Stop generation steps; returns once no model call is running (see the module docstring)."""
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode={mode!r} is invalid: use one of {PAUSE_MODES}")
+            raise ValueError(f"pause mode={mode!r} is not allowed; allowed: one of {PAUSE_MODES}")
         with self._cond:
             self._paused = True
             self._pause_mode = mode
@@ -646,8 +600,7 @@ class EmbeddedEngine(RolloutEngine):
             if name is not None:
                 entry = self._adapters.get(name)
                 if entry is None:
-                    loaded = sorted(self._adapters)
-                    self._finish(row, "error", error=f"adapter={name!r} is not loaded in the engine; loaded: {loaded}")
+                    self._finish(row, "error", error=self._unknown_adapter(name))
                     continue
                 row.slot, row.version = entry.slot, entry.version
             if row.params.max_new_tokens == 0:
@@ -707,9 +660,7 @@ class EmbeddedEngine(RolloutEngine):
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
         """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32."""
         tokens = sample_next_tokens(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
-        logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) the policy's own log-probs, before any filter
-        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
-        return tokens.tolist(), chosen.tolist()
+        return tokens.tolist(), token_logprobs(logits, tokens).tolist()
 
     def _append_and_check(self, row: _Row, token: int, logprob: float) -> bool:
         """Record the row's new token; finish the row and return True when it is done."""

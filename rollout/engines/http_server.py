@@ -26,15 +26,18 @@ Design choices (each follows SGLang unless said otherwise):
   base rows report "default"), and `/model_info` (alias `/get_model_info`) and the LoRA endpoints add
   `adapter_versions`. The adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's
   structs have no field for it.
+
+One file of ~650 lines: the request validation (`parse_generate_body`, `_sampling_from_dict`, `_want`), the
+handlers and the app wiring are one contract, SGLang's API as this server implements it, and each handler reads
+best next to the rules it enforces. What the server shares with the client (payload formats, tensor encodings,
+config checks) is in `sglang_protocol.py`; the `engine-serve` entry point is in `serve.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import threading
 import uuid
@@ -45,9 +48,18 @@ from typing import Any
 from aiohttp import web
 from safetensors.torch import load_file
 
+from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME
 from rollout.engines.base import RolloutEngine
-from rollout.engines.sglang import ADAPTER_VERSION_HEADER, SAFETENSORS_LOAD_FORMAT, decode_tensors_safetensors
-from rollout.engines.sglang import check_lora_config as _check_lora_config
+
+# `rl-multilora engine-serve` moved to rollout.engines.serve; rl_multilora/cli.py still imports `main` from here.
+# Remove this re-export once it imports rollout.engines.serve (which imports this module only inside `main`).
+from rollout.engines.serve import main  # noqa: F401
+from rollout.engines.sglang_protocol import (
+    ADAPTER_VERSION_HEADER,
+    SAFETENSORS_LOAD_FORMAT,
+    check_lora_config,
+    decode_tensors_safetensors,
+)
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,9 +162,9 @@ async def _json_body(request: web.Request, required: tuple[str, ...] = ()) -> di
 def _want(body: dict[str, Any], key: str, kind: type | tuple[type, ...], allowed: str) -> Any:
     value = body.get(key)
     if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise RequestError(f"{key}={value!r} is invalid; expected {allowed}")
+        raise RequestError(f"{key}={value!r} is not allowed; allowed: {allowed}")
     if not isinstance(value, kind):
-        raise RequestError(f"{key}={value!r} is invalid; expected {allowed}")
+        raise RequestError(f"{key}={value!r} is not allowed; allowed: {allowed}")
     return value
 
 
@@ -161,7 +173,7 @@ def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RequestError(f"{where}={raw!r} is invalid; expected a JSON object")
+        raise RequestError(f"{where}={raw!r} is not allowed; allowed: a JSON object")
     for key, value in raw.items():
         if key in _SUPPORTED_SAMPLING:
             continue
@@ -170,36 +182,38 @@ def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
             raise RequestError(f"{where}.{key} is not an SGLang sampling parameter; this server supports: {allowed}")
         if value is not None and value != _UNSUPPORTED_SAMPLING_DEFAULTS[key]:
             raise RequestError(
-                f"{where}.{key}={value!r} is not supported by this server; leave it at "
-                f"{_UNSUPPORTED_SAMPLING_DEFAULTS[key]!r}"
+                f"{where}.{key}={value!r} is not allowed; allowed: {_UNSUPPORTED_SAMPLING_DEFAULTS[key]!r} "
+                "(this server does not implement it)"
             )
     sp = SamplingParams()
     if raw.get("temperature") is not None:
         sp.temperature = float(_want(raw, "temperature", (int, float), "a number >= 0"))
         if sp.temperature < 0:
-            raise RequestError(f"{where}.temperature={sp.temperature} is invalid; expected a number >= 0")
+            raise RequestError(f"{where}.temperature={sp.temperature!r} is not allowed; allowed: a number >= 0")
     if raw.get("top_p") is not None:
         sp.top_p = float(_want(raw, "top_p", (int, float), "a number in (0, 1]"))
         if not 0.0 < sp.top_p <= 1.0:
-            raise RequestError(f"{where}.top_p={sp.top_p} is invalid; expected a number in (0, 1]")
+            raise RequestError(f"{where}.top_p={sp.top_p!r} is not allowed; allowed: a number in (0, 1]")
     if raw.get("top_k") is not None:
         sp.top_k = _want(raw, "top_k", int, "-1 (off) or an integer >= 1")
         if sp.top_k != -1 and sp.top_k < 1:
-            raise RequestError(f"{where}.top_k={sp.top_k} is invalid; expected -1 (off) or an integer >= 1")
+            raise RequestError(f"{where}.top_k={sp.top_k!r} is not allowed; allowed: -1 (off) or an integer >= 1")
     if raw.get("max_new_tokens") is not None:
         sp.max_new_tokens = _want(raw, "max_new_tokens", int, "an integer >= 0")
         if sp.max_new_tokens < 0:
-            raise RequestError(f"{where}.max_new_tokens={sp.max_new_tokens} is invalid; expected an integer >= 0")
+            raise RequestError(
+                f"{where}.max_new_tokens={sp.max_new_tokens!r} is not allowed; allowed: an integer >= 0"
+            )
     stop = raw.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"{where}.stop={raw['stop']!r} is invalid; expected a string or a list of strings")
+            raise RequestError(f"{where}.stop={raw['stop']!r} is not allowed; allowed: a string or a list of strings")
         sp.stop = list(stop)
     ids = raw.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"{where}.stop_token_ids={ids!r} is invalid; expected a list of token ids")
+            raise RequestError(f"{where}.stop_token_ids={ids!r} is not allowed; allowed: a list of token ids")
         sp.stop_token_ids = list(ids)
     if raw.get("sampling_seed") is not None:
         sp.seed = _want(raw, "sampling_seed", int, "an integer")
@@ -218,14 +232,16 @@ def _per_item(value: Any, n: int, name: str, single: bool) -> list[Any]:
 def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], list[bool], bool]:
     """SGLang `/generate` body -> (requests, return_logprob per request, is_single)."""
     if body.get("stream"):
-        raise RequestError("stream=true is not supported by this server; send stream=false")
+        raise RequestError(
+            f"stream={body.get('stream')!r} is not allowed; allowed: false (this server does not stream)"
+        )
     if body.get("input_ids") is None:
         if body.get("text") is not None:
             raise RequestError("text prompts are not supported by this server; send input_ids (token ids)")
         raise RequestError("input_ids is required (a list of token ids, or a list of such lists for a batch)")
     ids = body["input_ids"]
     if not isinstance(ids, list) or not ids:
-        raise RequestError(f"input_ids={str(ids)[:80]} is invalid; expected a non-empty list of token ids")
+        raise RequestError(f"input_ids={str(ids)[:80]} is not allowed; allowed: a non-empty list of token ids")
 
     def _check_row(row: Any, where: str) -> list[int]:
         if (
@@ -233,7 +249,7 @@ def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], li
             or not row
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
         ):
-            raise RequestError(f"{where}={str(row)[:80]} is invalid; expected a non-empty list of token ids")
+            raise RequestError(f"{where}={str(row)[:80]} is not allowed; allowed: a non-empty list of token ids")
         return row
 
     single = isinstance(ids[0], int)
@@ -256,7 +272,9 @@ def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], li
         sp = _sampling_from_dict(sampling_items[i], where)
         lora = loras[i]
         if lora is not None and (not isinstance(lora, str) or not lora):
-            raise RequestError(f"lora_path={lora!r} is invalid; expected a loaded adapter name or null for the base")
+            raise RequestError(
+                f"lora_path={lora!r} is not allowed; allowed: a loaded adapter's name, or null for the base"
+            )
         requests.append(GenerateRequest(input_ids=list(rows[i]), adapter=lora, sampling=sp, rid=rids[i]))
     return requests, [bool(f) for f in logprob_flags], single
 
@@ -376,9 +394,11 @@ def _version_header(request: web.Request) -> int | None:
     try:
         version = int(raw)
     except ValueError:
-        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is invalid; expected a non-negative integer") from None
+        raise RequestError(
+            f"{ADAPTER_VERSION_HEADER}={raw!r} is not allowed; allowed: a non-negative integer"
+        ) from None
     if version < 0:
-        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is invalid; expected a non-negative integer")
+        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is not allowed; allowed: a non-negative integer")
     return version
 
 
@@ -386,7 +406,7 @@ async def _load_tensors(
     state: _ServerState, name: str, tensors: dict, config: dict, version: int | None
 ) -> web.Response:
     try:
-        _check_lora_config(config)
+        check_lora_config(config)
         await asyncio.to_thread(state.engine.load_adapter, name, tensors, config, version)
     except (ValueError, KeyError, RuntimeError) as exc:
         return _lora_response(state, False, f"Failed to load LoRA adapter {name}: {exc}")
@@ -401,12 +421,14 @@ async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
     load_format = body.get("load_format")
     if load_format != SAFETENSORS_LOAD_FORMAT:
         raise RequestError(
-            f"load_format={load_format!r} is refused: this server accepts only load_format='safetensors' "
-            "(base64 safetensors bytes in serialized_named_tensors). SGLang's default encoding is pickle, and "
-            "unpickling request data can run arbitrary code, so it is never unpickled here."
+            f"load_format={load_format!r} is not allowed; allowed: 'safetensors' (base64 safetensors bytes in "
+            "serialized_named_tensors). SGLang's default encoding is pickle, and unpickling request data can run "
+            "arbitrary code, so it is never unpickled here."
         )
     if body.get("added_tokens_config"):
-        raise RequestError("added_tokens_config is not supported by this server; send null")
+        raise RequestError(
+            f"added_tokens_config={body['added_tokens_config']!r} is not allowed; allowed: null (not supported here)"
+        )
     blobs = body.get("serialized_named_tensors")
     if blobs is None and isinstance(body.get("serialized_tensors"), str):
         blobs = [body["serialized_tensors"]]  # SGLang releases before the msgspec rewrite
@@ -424,11 +446,11 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
     body = await _json_body(request, ("lora_name", "lora_path"))
     name = _want(body, "lora_name", str, "the adapter name (a string)")
     folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_file.is_file() or not weights_file.is_file():
         raise RequestError(
-            f"lora_path={str(folder)!r} is not a PEFT folder on this host (needs adapter_config.json and "
-            "adapter_model.safetensors)"
+            f"lora_path={str(folder)!r} is not allowed; allowed: a PEFT folder on this host (with {CONFIG_NAME} "
+            f"and {WEIGHTS_NAME})"
         )
     try:
         config = json.loads(config_file.read_text())
@@ -456,13 +478,15 @@ async def _pause_generation(request: web.Request) -> web.Response:
     body = await _json_body(request)
     mode = body.get("mode", "abort")
     if mode != "abort":
-        allowed = "'abort', 'retract', 'in_place'"
         if mode in ("retract", "in_place"):
             raise RequestError(
-                f"mode={mode!r} is not supported by this server: only 'abort' is (unloading an adapter while "
-                "paused in 'retract' or 'in_place' mode deadlocks SGLang, so the weight sync never uses them)"
+                f"mode={mode!r} is not allowed; allowed: 'abort' (unloading an adapter while paused in 'retract' or "
+                "'in_place' mode deadlocks SGLang, so the weight sync never uses them)"
             )
-        raise RequestError(f"mode={mode!r} is invalid; SGLang allows {allowed} and this server implements 'abort'")
+        raise RequestError(
+            f"mode={mode!r} is not allowed; allowed: 'abort' (SGLang's modes are 'abort', 'retract', 'in_place'; "
+            "this server implements 'abort')"
+        )
     state.running.clear()
     for event in list(state.inflight):
         event.set()
@@ -623,53 +647,3 @@ class BackgroundServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def build_embedded_engine(
-    model_dir: str, max_loras: int = 8, max_rank: int = 64, target_modules: str = "all-linear"
-) -> tuple[RolloutEngine, Any]:
-    """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
-    # Heavy imports stay here: the server module itself only needs aiohttp.
-    from transformers import AutoTokenizer
-
-    from rl_multilora.lora import MultiLoRAModel
-    from rollout.engines.embedded import EmbeddedEngine
-
-    targets: str | list[str] = target_modules
-    if targets != "all-linear":
-        targets = [t.strip() for t in target_modules.split(",") if t.strip()]
-    model = MultiLoRAModel.from_pretrained(model_dir, max_loras=max_loras, max_rank=max_rank, target_modules=targets)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return EmbeddedEngine(model, tokenizer), tokenizer
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`rl-multilora engine-serve`: serve the embedded engine over SGLang's HTTP API."""
-    parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__)
-    parser.add_argument("--model", required=True, help="model folder (HF format) to serve")
-    parser.add_argument("--port", type=int, default=30000, help="TCP port (default 30000, as SGLang)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this host only)")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("RL_MULTILORA_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on every endpoint but /health* (env RL_MULTILORA_API_KEY)",
-    )
-    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots")
-    parser.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank a slot holds")
-    parser.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated names")
-    args = parser.parse_args(argv)
-    for key in ("port", "max_loras", "max_rank"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is invalid; a positive integer is required")
-    if not Path(args.model).is_dir():
-        parser.error(f"--model={args.model!r} is not a folder")
-    engine, tokenizer = build_embedded_engine(args.model, args.max_loras, args.max_rank, args.target_modules)
-    try:
-        serve(engine, host=args.host, port=args.port, api_key=args.api_key, model_name=args.model, tokenizer=tokenizer)
-    finally:
-        engine.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

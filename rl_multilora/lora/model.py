@@ -1,0 +1,487 @@
+"""`MultiLoRAModel`: many LoRA adapters on one frozen HF causal LM, each batch row routed through its own slot.
+
+Design choices:
+
+- Wrapping replaces every target `nn.Linear` in place by a `LoRALinear` (`layer.py`) with `max_loras` pre-allocated
+  slots of `max_rank`; the model keeps which adapter (name, rank, alpha, covered modules) lives in which slot.
+  Tenants come and go by slot: adding claims the lowest free one, removing zeroes it and drops its grads.
+- One forward routes each row by `adapter_names` (None = base) or `adapter_slots` (-1 = base), through the model's
+  own slots or, with `lora_bank=`, through a `LoRABank` (`bank.py`, the engine's copy); the routing is built once
+  per forward (`routing.py`).
+- Adapters load from and export to PEFT folders (`peft_io.py`), at the true rank; an adapter may cover a subset
+  of the model's LoRA modules, and uncovered modules of its slot are skipped in the forward and in the export.
+- Activation checkpointing recomputes layers in backward, outside the forward's routing scope: enable it with
+  `MultiLoRAModel.gradient_checkpointing_enable()`, which hands torch's non-reentrant checkpoint a `context_fn` that
+  re-installs, for each recompute, the routing captured when that layer ran forward. Checkpointing switched on
+  directly on `base_model` is refused in training (it would silently recompute without LoRA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rl_multilora.lora._errors import bad_value
+from rl_multilora.lora.bank import LoRABank
+from rl_multilora.lora.layer import LoRALinear
+from rl_multilora.lora.peft_io import (
+    _check_alpha,
+    _check_rank,
+    _matches_target,
+    _parse_peft_adapter,
+    _peft_key,
+    _target_modules_for,
+    read_peft_folder,
+    validate_adapter_name,
+    write_peft_folder,
+)
+from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, _build_routing
+
+
+class UnknownAdapterError(KeyError):
+    """An adapter name that is not loaded. A KeyError whose message prints without repr quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One loaded adapter: its name, slot, true rank and alpha (scale = alpha / rank)."""
+
+    name: str
+    slot: int
+    rank: int
+    alpha: float
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class _Slot:
+    info: AdapterInfo
+    modules: frozenset[str]
+
+
+class MultiLoRAModel(nn.Module):
+    """An HF causal LM with frozen base weights and `max_loras` pre-allocated LoRA slots of `max_rank`.
+
+    `forward(input_ids, attention_mask=..., adapter_names=[...] | adapter_slots=..., lora_bank=..., **hf_kwargs)`
+    returns the HF output; each row goes through its adapter (None / -1 = base).
+    """
+
+    def __init__(
+        self,
+        base_model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        target_modules: str | Sequence[str] = "all-linear",
+        lora_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        for field, value in (("max_loras", max_loras), ("max_rank", max_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(bad_value(field, value, "an integer >= 1"))
+        if any(isinstance(m, LoRALinear) for m in base_model.modules()):
+            raise ValueError("base_model already has LoRA layers injected; wrap the plain HF model once")
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.lora_dtype = lora_dtype
+        self.router = SlotRouter()
+        self.base_model = base_model
+        for param in base_model.parameters():
+            param.requires_grad_(False)
+        names = _select_targets(base_model, target_modules)
+        self._layers: dict[str, LoRALinear] = {}
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = base_model.get_submodule(parent_name) if parent_name else base_model
+            layer = LoRALinear(getattr(parent, child), name, self.router, max_loras, max_rank, lora_dtype)
+            setattr(parent, child, layer)
+            self._layers[name] = layer
+        self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
+        self._slots: list[_Slot | None] = [None] * max_loras
+        self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
+        self._routed_checkpointing = False
+
+    # -- construction ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        max_loras: int = 4,
+        max_rank: int = 16,
+        target_modules: str | Sequence[str] = "all-linear",
+        lora_dtype: torch.dtype = torch.float32,
+    ) -> MultiLoRAModel:
+        """Wrap an in-memory HF causal LM (its target Linears are replaced in place)."""
+        return cls(model, max_loras, max_rank, target_modules, lora_dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        max_loras: int = 4,
+        max_rank: int = 16,
+        target_modules: str | Sequence[str] = "all-linear",
+        dtype: torch.dtype = torch.float32,
+        lora_dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        **hf_kwargs: Any,
+    ) -> MultiLoRAModel:
+        """Load an HF causal LM from `path` (base in `dtype`, LoRA slots in `lora_dtype`) and wrap it."""
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        # transformers renamed `torch_dtype` to `dtype` in 4.56; older versions would silently ignore `dtype`.
+        major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+        dtype_kwarg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+        model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kwarg: dtype}, **hf_kwargs)
+        if device is not None:
+            model = model.to(device)
+        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype)
+        wrapped.name_or_path = str(path)
+        return wrapped
+
+    # -- introspection -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    @property
+    def lora_modules(self) -> list[str]:
+        """Names (inside base_model) of the LoRA-wrapped Linears, in model order."""
+        return list(self._layers)
+
+    @property
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        return {name: (layer.in_features, layer.out_features) for name, layer in self._layers.items()}
+
+    @property
+    def adapters(self) -> dict[str, AdapterInfo]:
+        return {s.info.name: s.info for s in self._slots if s is not None}
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s is None]
+
+    def _slot_record(self, name: str) -> _Slot:
+        for record in self._slots:
+            if record is not None and record.info.name == name:
+                return record
+        raise UnknownAdapterError(f"unknown adapter {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+
+    def slot_of(self, name: str) -> int:
+        return self._slot_record(name).info.slot
+
+    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+        """The adapter's slot tensors (A then B per covered module, model order): what its optimizer owns."""
+        record = self._slot_record(name)
+        s = record.info.slot
+        params: list[nn.Parameter] = []
+        for module, layer in self._layers.items():
+            if module in record.modules:
+                params += [layer.lora_A[s], layer.lora_B[s]]
+        return params
+
+    # -- tenants come and go -----------------------------------------------------------------------------------
+
+    def _claim_slot(self, name: str) -> int:
+        validate_adapter_name(name)
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded in slot {self.slot_of(name)}; remove it first")
+        free = self.free_slots
+        if not free:
+            raise RuntimeError(
+                f"no free LoRA slot for adapter {name!r}: all max_loras={self.max_loras} slots are taken by "
+                f"{sorted(self.adapters)}; remove one or build the model with a larger max_loras"
+            )
+        return free[0]
+
+    def _reset_slot(self, slot: int) -> None:
+        with torch.no_grad():
+            for layer in self._layers.values():
+                for param in (layer.lora_A[slot], layer.lora_B[slot]):
+                    param.zero_()
+                    param.grad = None
+
+    def add_adapter(
+        self, name: str, rank: int, alpha: float, seed: int | None = None, target_modules: Sequence[str] | None = None
+    ) -> int:
+        """Put a fresh adapter in the lowest free slot: A kaiming-uniform (PEFT's init) at rank `rank`, B zero.
+
+        `seed` makes the init reproducible without touching the global RNG; None draws from the global RNG.
+        `target_modules` (leaf names like "q_proj" or full module names) restricts the adapter to a subset of the
+        model's LoRA modules; the others stay exactly zero and are neither trained nor exported. Returns the slot.
+        """
+        _check_rank(rank, self.max_rank)
+        _check_alpha(alpha)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(bad_value("seed", seed, "an integer or None"))
+        covered = frozenset(self._layers)
+        if isinstance(target_modules, str) and target_modules != "all-linear":
+            target_modules = [target_modules]
+        if target_modules is not None and target_modules != "all-linear":
+            covered = frozenset(m for m in self._layers if any(_matches_target(m, t) for t in target_modules))
+            if not covered:
+                leaves = sorted({m.rsplit(".", 1)[-1] for m in self._layers})
+                raise ValueError(
+                    bad_value(
+                        "target_modules",
+                        list(target_modules),
+                        f"names among {leaves} (this list matches none of the model's LoRA modules)",
+                    )
+                )
+        slot = self._claim_slot(name)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=next(iter(self._layers.values())).lora_A[slot].device)
+            generator.manual_seed(seed)
+        self._reset_slot(slot)
+        with torch.no_grad():
+            for module, layer in self._layers.items():
+                # The generator advances through every layer, so a subset adapter's covered layers get the same
+                # init as the same layers of a full adapter with that seed.
+                init = layer.lora_A[slot].new_empty(layer.lora_A[slot][:rank].shape)
+                # PEFT's kaiming_uniform_(A, a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)); fan_in = in on the (r, in) view.
+                nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+                if module in covered:
+                    layer.lora_A[slot][:rank] = init
+        self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), covered)
+        return slot
+
+    def remove_adapter(self, name: str) -> None:
+        """Free the adapter's slot: its tensors are zeroed and its grads dropped, so no trace reaches the next."""
+        slot = self.slot_of(name)
+        self._reset_slot(slot)
+        self._slots[slot] = None
+
+    # -- PEFT I/O ----------------------------------------------------------------------------------------------
+
+    def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r).
+
+        Only the adapter's own slot tensors are gathered, never the full model state dict.
+        """
+        record = self._slot_record(name)
+        s, r = record.info.slot, record.info.rank
+        out: dict[str, torch.Tensor] = {}
+        for module, layer in self._layers.items():
+            if module in record.modules:
+                out[_peft_key(module, "A")] = layer.lora_A[s][:r].detach().clone()
+                out[_peft_key(module, "B")] = layer.lora_B[s][:, :r].detach().clone()
+        return out
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        """The adapter_config.json content PEFT would write for this adapter."""
+        from peft import LoraConfig
+
+        record = self._slot_record(name)
+        config = LoraConfig(
+            r=record.info.rank,
+            lora_alpha=record.info.alpha,
+            target_modules=_target_modules_for(sorted(record.modules), self.lora_modules),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=self.name_or_path,
+            inference_mode=True,
+        ).to_dict()
+        return json.loads(json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}))
+
+    def export_adapter(self, name: str, out_dir: str | Path) -> Path:
+        """Write the adapter as a PEFT folder (config + safetensors at the true rank); returns the folder."""
+        return write_peft_folder(out_dir, self.adapter_state_dict(name), self.peft_config(name))
+
+    def load_adapter(self, name: str, peft_dir: str | Path) -> int:
+        """Load a PEFT folder into adapter `name` (added in the lowest free slot if absent); returns the slot."""
+        state_dict, config = read_peft_folder(peft_dir)
+        return self.load_adapter_state_dict(name, state_dict, config, source=str(peft_dir))
+
+    def load_adapter_state_dict(
+        self, name: str, state_dict: Mapping[str, torch.Tensor], config: Any, source: str | None = None
+    ) -> int:
+        """In-memory `load_adapter`: PEFT-named tensors + config dict -> the adapter's slot (zero-padded).
+
+        Everything is validated before any slot is touched. An existing adapter keeps its slot and takes the new
+        rank/alpha/weights; its stale grads are dropped.
+        """
+        validate_adapter_name(name)
+        parsed = _parse_peft_adapter(state_dict, config, self.layer_shapes, self.max_rank, source or f"for {name!r}")
+        slot = self.slot_of(name) if name in self.adapters else self._claim_slot(name)
+        self._reset_slot(slot)
+        with torch.no_grad():
+            for module, (lora_a, lora_b) in parsed.tensors.items():
+                layer = self._layers[module]
+                layer.lora_A[slot][: parsed.rank].copy_(lora_a)  # A[s, :r] = a; a: (r, in)
+                layer.lora_B[slot][:, : parsed.rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
+        self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), frozenset(parsed.tensors))
+        return slot
+
+    def new_bank(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> LoRABank:
+        """A LoRABank holding copies of every slot's current tensors (no storage shared with the Parameters)."""
+        any_layer = next(iter(self._layers.values()))
+        bank = LoRABank(
+            self.layer_shapes,
+            self.max_loras,
+            self.max_rank,
+            dtype or self.lora_dtype,
+            device or any_layer.lora_A[0].device,
+        )
+        for record in self._slots:
+            if record is not None:
+                bank.set_adapter(
+                    record.info.slot, self.adapter_state_dict(record.info.name), self.peft_config(record.info.name)
+                )
+        return bank
+
+    # -- activation checkpointing ------------------------------------------------------------------------------
+
+    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        # torch's checkpoint calls this once per checkpointed layer in forward: the second context wraps that
+        # layer's recompute in backward, which then sees the routing of the forward that saved it.
+        return contextlib.nullcontext(), self.router.route(self.router.current)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Activation checkpointing of the HF decoder layers whose recompute replays each row's LoRA slot."""
+        self.base_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+        )
+        self._routed_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.base_model.gradient_checkpointing_disable()
+        self._routed_checkpointing = False
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    def _resolve_slots(
+        self, batch_size: int, adapter_names: Sequence[str | None] | None, adapter_slots: Any, bank: LoRABank | None
+    ) -> list[int]:
+        if adapter_names is not None and adapter_slots is not None:
+            raise ValueError("pass adapter_names or adapter_slots, not both")
+        if adapter_names is not None:
+            if bank is not None:
+                raise ValueError("with lora_bank, route rows by adapter_slots (bank slots have no names)")
+            if isinstance(adapter_names, str) or len(adapter_names) != batch_size:
+                raise ValueError(bad_value("adapter_names", adapter_names, f"a list of {batch_size} names or None"))
+            return [BASE_SLOT if n is None else self.slot_of(n) for n in adapter_names]
+        if adapter_slots is None:
+            return [BASE_SLOT] * batch_size
+        slots = adapter_slots.tolist() if isinstance(adapter_slots, torch.Tensor) else list(adapter_slots)
+        if len(slots) != batch_size or any(
+            isinstance(s, bool) or not isinstance(s, numbers.Integral) or not BASE_SLOT <= s < self.max_loras
+            for s in slots
+        ):
+            raise ValueError(
+                bad_value("adapter_slots", slots, f"{batch_size} integers from -1 (base) to {self.max_loras - 1}")
+            )
+        if bank is None:
+            empty = sorted({s for s in slots if s != BASE_SLOT and self._slots[s] is None})
+            if empty:
+                occupied = [i for i, r in enumerate(self._slots) if r is not None]
+                raise ValueError(
+                    bad_value(
+                        "adapter_slots",
+                        slots,
+                        f"-1 (base) or occupied slots {occupied}; it names empty slot(s) {empty}",
+                    )
+                )
+        return [int(s) for s in slots]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        adapter_names: Sequence[str | None] | None = None,
+        adapter_slots: torch.Tensor | Sequence[int] | None = None,
+        lora_bank: LoRABank | None = None,
+        reference: bool = False,
+        **hf_kwargs: Any,
+    ):
+        """Run the base model with each row routed through its adapter slot.
+
+        Rows: `adapter_names` (None = base) or `adapter_slots` (-1 = base); neither = every row on the base.
+        `lora_bank`: use the bank's tensors (by slot) instead of the trainable slots, under no_grad.
+        `reference`: slow float32 per-row loop instead of the grouped fast path (the test oracle).
+        Other kwargs (past_key_values, position_ids, use_cache, labels, ...) go to the HF model as they are.
+        """
+        embeds = hf_kwargs.get("inputs_embeds")
+        batch_size = (input_ids if input_ids is not None else embeds).shape[0]
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and not self._routed_checkpointing
+            and _checkpointing_on(self.base_model)
+        ):
+            raise RuntimeError(
+                "gradient checkpointing was enabled on base_model directly: its recompute would run without the "
+                "LoRA routing; use MultiLoRAModel.gradient_checkpointing_enable() instead"
+            )
+        slots = self._resolve_slots(batch_size, adapter_names, adapter_slots, lora_bank)
+        if lora_bank is not None:
+            meta = {s: lora_bank.slot_meta(s) for s in set(slots) if s != BASE_SLOT}
+        else:
+            meta = {
+                s: (r.info.rank, r.info.scale, r.modules)
+                for s in set(slots)
+                if s != BASE_SLOT and (r := self._slots[s]) is not None
+            }
+        device = (input_ids if input_ids is not None else embeds).device
+        routing = _build_routing(slots, meta, device, lora_bank, reference)
+        grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
+        with grad_context, self.router.route(routing):
+            return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)
+
+
+def _checkpointing_on(model: nn.Module) -> bool:
+    # transformers 5 renamed is_gradient_checkpointing (now deprecated) to is_activation_checkpointing.
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), attr):
+            return bool(getattr(model, attr))
+    return False
+
+
+def _select_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
+    """Names of the Linears to wrap: every Linear but the output embedding, or those matching a list (PEFT rule)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if isinstance(target_modules, str):
+        if target_modules != "all-linear":
+            raise ValueError(
+                bad_value("target_modules", target_modules, "'all-linear' or a list of module names (e.g. ['q_proj'])")
+            )
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        names = [n for n, m in linears.items() if m is not output and n.rsplit(".", 1)[-1] != "lm_head"]
+        if not names:
+            raise ValueError(
+                bad_value("target_modules", "all-linear", "a list of module names ('all-linear' matched no nn.Linear)")
+            )
+        return names
+    targets = list(target_modules)
+    if not targets or any(not isinstance(t, str) or not t for t in targets):
+        raise ValueError(bad_value("target_modules", targets, "a non-empty list of module names"))
+    all_names = [name for name, _ in model.named_modules()]
+    problems = []
+    for t in targets:
+        matched = [n for n in all_names if _matches_target(n, t)]
+        if not matched:
+            problems.append(f"{t!r} matches no module")
+        problems += [f"{t!r} matches {n!r}, which is not an nn.Linear" for n in matched if n not in linears]
+    if problems:
+        raise ValueError(
+            bad_value("target_modules", targets, "names of nn.Linear modules (" + "; ".join(problems) + ")")
+        )
+    return [n for n in linears if any(_matches_target(n, t) for t in targets)]
