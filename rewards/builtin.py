@@ -84,7 +84,7 @@ def _has_gsm8k_format(response: str) -> bool:
 def _check_gsm8k_kwargs(kwargs: dict[str, Any]) -> None:
     mode = kwargs.get("mode", "strict")
     if mode not in ("strict", "flexible"):
-        raise ValueError(f"mode: {mode!r} is not allowed; allowed: 'strict' (the number after '####') or 'flexible'")
+        raise ValueError(f"mode={mode!r} is not allowed; allowed: 'strict' (the number after '####') or 'flexible'")
 
 
 @register("gsm8k", format_check=_has_gsm8k_format, check_kwargs=_check_gsm8k_kwargs)
@@ -310,7 +310,7 @@ def f1_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) 
 def _check_format_kwargs(kwargs: dict[str, Any]) -> None:
     pattern = kwargs.get("pattern")
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"pattern: {pattern!r} is not allowed; allowed: a non-empty regular expression string")
+        raise ValueError(f"pattern={pattern!r} is not allowed; allowed: a non-empty regular expression string")
     try:
         re.compile(pattern)
     except re.error as exc:

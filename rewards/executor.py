@@ -135,7 +135,7 @@ class RewardExecutor:
             ("async_concurrency", async_concurrency),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RewardExecutor.{name}: {value!r} is not allowed; allowed: an integer >= 1")
+                raise ValueError(f"RewardExecutor.{name}={value!r} is not allowed; allowed: an integer >= 1")
         self.num_workers = num_workers
         self.fail_steps = fail_steps
         self.async_concurrency = async_concurrency
@@ -199,7 +199,7 @@ class RewardExecutor:
         for i, sample in enumerate(samples):
             if not isinstance(sample.reward_spec, RewardSpec):
                 raise ValueError(
-                    f"samples[{i}].reward_spec: {sample.reward_spec!r} is not allowed; allowed: a RewardSpec "
+                    f"samples[{i}].reward_spec={sample.reward_spec!r} is not allowed; allowed: a RewardSpec "
                     "(the data source stamps it on every sample)"
                 )
         with self._lock:

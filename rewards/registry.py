@@ -242,9 +242,9 @@ def _check_numbers(spec: RewardSpec) -> None:
     ):
         value = getattr(spec, field_name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise RewardConfigError(f"reward.{field_name}: {value!r} is not allowed; allowed: {allowed}")
+            raise RewardConfigError(f"reward.{field_name}={value!r} is not allowed; allowed: {allowed}")
     if not isinstance(spec.kwargs, dict) or not all(isinstance(k, str) for k in spec.kwargs):
-        raise RewardConfigError(f"reward.kwargs: {spec.kwargs!r} is not allowed; allowed: a mapping of str keys")
+        raise RewardConfigError(f"reward.kwargs={spec.kwargs!r} is not allowed; allowed: a mapping of str keys")
 
 
 def resolve(spec: RewardSpec) -> RewardFn:

@@ -164,7 +164,7 @@ def load_hooks(path: str | None, **kwargs: Any) -> GenerateStateHooks:
     if path is None:
         return MultiLoRAHooks(**kwargs)
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise HooksError(f"hooks path={path!r} is invalid: use 'module:Class', e.g. 'my_pkg.hooks:MyHooks'")
+        raise HooksError(f"hooks path={path!r} is not allowed; allowed: 'module:Class', e.g. 'my_pkg.hooks:MyHooks'")
     module_name, attr = path.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -196,9 +196,9 @@ class GenerateState:
         resubmit_backoff_s: float = 0.0,
     ) -> None:
         if max_resubmits < 0:
-            raise ValueError(f"max_resubmits={max_resubmits!r} is invalid: must be >= 0")
+            raise ValueError(f"max_resubmits={max_resubmits!r} is not allowed; allowed: >= 0")
         if resubmit_backoff_s < 0:
-            raise ValueError(f"resubmit_backoff_s={resubmit_backoff_s!r} is invalid: must be >= 0")
+            raise ValueError(f"resubmit_backoff_s={resubmit_backoff_s!r} is not allowed; allowed: >= 0")
         if not isinstance(hooks, GenerateStateHooks):
             raise HooksError(f"hooks={hooks!r} is not a GenerateStateHooks; build it with load_hooks()")
         self.engine = engine

@@ -170,7 +170,7 @@ def test_load_hooks_errors_are_clear(monkeypatch):
         load_hooks("hooks_plugins:NotAHooksClass")
     with pytest.raises(HooksError, match=r"'not_a_class' is .*not a subclass"):
         load_hooks("hooks_plugins:not_a_class")
-    with pytest.raises(HooksError, match=r"use 'module:Class'"):
+    with pytest.raises(HooksError, match=r"allowed: 'module:Class'"):
         load_hooks("hooks_plugins.RecordingHooks")
     with pytest.raises(HooksError, match=r"cannot construct RecordingHooks"):
         load_hooks("hooks_plugins:RecordingHooks", registry=registry)

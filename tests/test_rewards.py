@@ -401,7 +401,7 @@ def test_executor_reports_failing_after_consecutive_all_fail_calls(executor):
 def test_executor_rejects_samples_without_spec_and_bad_args(executor):
     with pytest.raises(ValueError, match=r"samples\[1\].reward_spec"):
         executor.score_samples([*make_samples("a", RewardSpec(name="f1"), ["x"]), Sample(prompt="p")])
-    with pytest.raises(ValueError, match="num_workers: 0"):
+    with pytest.raises(ValueError, match="num_workers=0"):
         RewardExecutor(num_workers=0)
 
 
