@@ -1,10 +1,10 @@
 """Per-adapter checkpoints and run state, written atomically; resume restores each tenant on its own.
 
 Layout:
-    RUN_DIR/run_state.json                       controller registry + global step (atomic replace)
+    RUN_DIR/run_state.json                       the tenants (rl_multilora.tenants) + global step (atomic replace)
     RUN_DIR/adapters/<name>/step_<k>/            one checkpoint, k = the adapter's own step
         adapter_config.json, adapter_model.safetensors   the PEFT folder (loads in PEFT as it is)
-        optimizer.safetensors + optimizer.json            AdamW moments (tensors) + scheduler/step (JSON skeleton)
+        optimizer.safetensors + optimizer.json            AdamW moments (tensors) + scheduler (JSON skeleton)
         data_state.json                                   the adapter's data-source cursor and counters
         checkpoint.json                                   counters; written last, its presence marks completeness
     RUN_DIR/archive/<utc time>/                  what a `--fresh` start found in the run dir (nothing is deleted)
@@ -37,9 +37,10 @@ Design choices (PRIOR_ART):
 - metrics.jsonl on resume: the rows an adapter logged after the global step of the checkpoint it resumes from (all
   its rows when it has none) are dropped, because that adapter trains those steps again; so every adapter's series
   has each adapter step once. The file is rewritten in place behind a journal (`.metrics.jsonl.rewrite`): the
-  open MetricsLogger appends to the same file, and a crash mid-rewrite is finished by the next start. Known gap:
-  the loop saves the run state just before it writes the step's metrics rows, so a kill in between loses those
-  rows (that step is not retrained); logging the rows before saving the run state would close it.
+  open MetricsLogger appends to the same file, and a crash mid-rewrite is finished by the next start. The loop
+  writes a step's metrics rows before it saves the run state, so a kill in between redoes that step on resume.
+- This module sees files only. A tenant hands it an `AdapterSnapshot` (PEFT tensors + config, optimizer state, data
+  cursor, counters) and gets one back; which tenant to save or restore, and when, is `rl_multilora.tenants`'.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from rl_multilora.errors import bad_value
+from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, write_peft_folder
 
 CKPT_META = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
@@ -201,18 +205,38 @@ def _finish_metrics_rewrite(path: Path, journal: Path) -> None:
 
 
 @dataclass
+class AdapterSnapshot:
+    """Everything a tenant hands a checkpoint, and gets back on restore.
+
+    `tensors`/`peft_config` are its PEFT folder (LoRA tensors only, true rank), `optimizer` its optimizer and LR
+    schedule state, `data_state` its data-source cursor; `meta` the counters and config written to checkpoint.json
+    (`adapter_step`, `global_step`, `steps_done`, `weight_version`, `state`, `note`, `config`, ...).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    peft_config: dict[str, Any]
+    optimizer: dict[str, Any]
+    data_state: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def adapter_step(self) -> int:
+        return int(self.meta["adapter_step"])
+
+
+@dataclass
 class RestoredCheckpoint:
-    """What `CheckpointManager.restore_adapter` brought back."""
+    """What `CheckpointManager.load_adapter` found: the newest usable checkpoint and what it discarded."""
 
     path: Path
-    adapter_step: int
-    global_step: int  # the global step in which the checkpoint was written
+    snapshot: AdapterSnapshot
     discarded: list[Path]  # newer checkpoints from a step the run state does not record as finished
-    weight_version: int | None  # the engine version the adapter had when it was written
-    metrics_dropped: int  # metrics rows of later steps removed because they will be trained again
 
 
 class CheckpointManager:
+    """The files of a run directory: adapter checkpoints, the run state, the metrics rewrite. It never sees the
+    runtime: tenants hand it `AdapterSnapshot`s and get them back (`rl_multilora.tenants` decides when)."""
+
     def __init__(self, run_dir: Path, keep_last: int = 2):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
@@ -232,48 +256,34 @@ class CheckpointManager:
         return None
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def save_adapter(self, name: str, rt, note: str | None = None, in_step: bool = True) -> Path:
-        """Checkpoint adapter `name` of Runtime `rt` (slot, optimizer, data cursor); `note` says why (e.g. FAILED).
+    def save_adapter(self, name: str, snap: AdapterSnapshot) -> Path:
+        """Write `snap` as `name`'s newest checkpoint (atomically) and prune old ones; returns its folder.
 
-        `in_step`: saved during global step `rt.controller.global_step` (committed once the run state records that
-        step as done), or between steps (committed already).
+        A snapshot with the same adapter step and data cursor as the newest checkpoint, and no `note`, is already
+        on disk: that checkpoint is returned and nothing is written.
         """
-        rec = rt.controller.get(name)
         adir = self.adapter_dir(name)
         adir.mkdir(parents=True, exist_ok=True)
         existing = _complete(adir)
-        data_state = rt.data.state_dict(name)
-        if note is None and existing and existing[-1][0][0] == rec.adapter_step:
+        step = snap.adapter_step
+        if snap.meta.get("note") is None and existing and existing[-1][0][0] == step:
             last = existing[-1][1]
             # Same adapter step (no optimizer step since) and same data cursor: the newest checkpoint already holds
             # exactly this state, e.g. a drain or a service stop right after a periodic save. Reuse it.
-            if json.loads((last / "data_state.json").read_text()) == json.loads(json.dumps(data_state)):
+            if json.loads((last / "data_state.json").read_text()) == json.loads(json.dumps(snap.data_state)):
                 return last
         seq = max((key[1] for key, _, _ in existing), default=0) + 1
-        final = adir / f"step_{rec.adapter_step}"
+        final = adir / f"step_{step}"
         n = 0
         while final.exists():  # a second save at this adapter step: keep the first until pruning
             n += 1
-            final = adir / f"step_{rec.adapter_step}.{n}"
+            final = adir / f"step_{step}.{n}"
         tmp = Path(tempfile.mkdtemp(dir=adir, prefix=f"{TMP_PREFIX}{final.name}-"))
         try:
-            rt.model.export_adapter(name, tmp)
-            save_tree(rt.trainer.optimizer_state_dict(name), tmp, "optimizer")
-            (tmp / "data_state.json").write_text(json.dumps(data_state))
-            meta = {
-                "adapter": name,
-                "adapter_step": rec.adapter_step,
-                "save_seq": seq,
-                "global_step": rt.controller.global_step,
-                "steps_done": rt.controller.global_step + int(in_step),
-                "weight_version": rt.sync_.versions.get(name),
-                "state": rec.state.value,
-                "note": note,
-                "last_reward": rec.last_reward,
-                "saved_at": time.time(),
-                "rng": {"adapter_seed": rec.cfg.seed, "counters": "data_state.json (epoch, cursor, group_counter)"},
-                "config": rec.cfg.model_dump(mode="json"),
-            }
+            write_peft_folder(tmp, snap.tensors, snap.peft_config)
+            save_tree(snap.optimizer, tmp, "optimizer")
+            (tmp / "data_state.json").write_text(json.dumps(snap.data_state))
+            meta = {"adapter": name, **snap.meta, "save_seq": seq, "saved_at": time.time()}
             (tmp / CKPT_META).write_text(json.dumps(meta, indent=1))
             _fsync_tree(tmp)
             os.rename(tmp, final)
@@ -296,34 +306,28 @@ class CheckpointManager:
                 if d.name.startswith(TMP_PREFIX):
                     shutil.rmtree(d, ignore_errors=True)
 
-    def restore_adapter(self, name: str, rt) -> RestoredCheckpoint | None:
-        """Load the newest complete checkpoint into the (already added) adapter; None when there is none.
+    def load_adapter(self, name: str, committed_step: int | None) -> RestoredCheckpoint | None:
+        """The newest complete checkpoint of `name` that counts, read back; None when there is none.
 
-        Also rolls metrics.jsonl back to that checkpoint (see the module docstring), including when there is no
-        checkpoint: the adapter then starts over and its earlier rows go.
+        `committed_step` is the run state's finished global step count (None without a run state): checkpoints
+        written in a later, unfinished step are discarded (see the module docstring). Stale temp folders go too.
         """
         self._remove_stale_temps(name)
-        rec = rt.controller.get(name)
         found = _complete(self.adapter_dir(name))
         discarded = []
-        committed = rt.controller.global_step if (self.run_dir / "run_state.json").is_file() else None
-        while found and committed is not None and _steps_done(found[-1][2]) > committed:
+        while found and committed_step is not None and _steps_done(found[-1][2]) > committed_step:
             discarded.append(self._discard(found.pop()[1]))
         if not found:
-            prune_metrics(self.run_dir, {name: None})
             return None
         _, ck, meta = found[-1]
-        _check_compatible(name, rec.cfg.model_dump(mode="json"), meta.get("config", {}), ck)
-        cfg = json.loads((ck / "adapter_config.json").read_text())
-        rt.model.load_adapter_state_dict(name, load_file(str(ck / "adapter_model.safetensors")), cfg, source=str(ck))
-        rt.trainer.load_optimizer_state_dict(name, load_tree(ck, "optimizer"))
-        rt.data.load_state_dict(name, json.loads((ck / "data_state.json").read_text()))
-        rec.adapter_step = int(meta["adapter_step"])
-        rec.last_checkpoint = str(ck)
-        rec.last_reward = meta.get("last_reward")
-        global_step = int(meta["global_step"])
-        dropped = prune_metrics(self.run_dir, {name: global_step})
-        return RestoredCheckpoint(ck, rec.adapter_step, global_step, discarded, meta.get("weight_version"), dropped)
+        snap = AdapterSnapshot(
+            tensors=load_file(str(ck / WEIGHTS_NAME)),
+            peft_config=json.loads((ck / CONFIG_NAME).read_text()),
+            optimizer=load_tree(ck, "optimizer"),
+            data_state=json.loads((ck / "data_state.json").read_text()),
+            meta=meta,
+        )
+        return RestoredCheckpoint(ck, snap, discarded)
 
     def _discard(self, ck: Path) -> Path:
         """Remove a checkpoint folder; renamed first, so a kill during rmtree leaves nothing that looks complete."""
@@ -333,8 +337,16 @@ class CheckpointManager:
         return ck
 
     # -- run state ------------------------------------------------------------------------------------------------
-    def save_run_state(self, rt) -> None:
-        atomic_write_text(self.run_dir / "run_state.json", json.dumps(rt.controller.state_dict(), indent=1))
+    @property
+    def run_state_path(self) -> Path:
+        return self.run_dir / "run_state.json"
+
+    def write_run_state(self, state: dict[str, Any]) -> None:
+        atomic_write_text(self.run_state_path, json.dumps(state, indent=1))
+
+    def read_run_state(self) -> dict[str, Any] | None:
+        path = self.run_state_path
+        return json.loads(path.read_text()) if path.is_file() else None
 
     def has_checkpoints(self) -> bool:
         adapters = self.run_dir / "adapters"
@@ -343,7 +355,7 @@ class CheckpointManager:
     def archive_previous(self) -> Path | None:
         """Move an earlier run's run_state, checkpoints and metrics rows to RUN_DIR/archive/<utc time>/."""
         state, adapters, metrics = (
-            self.run_dir / "run_state.json",
+            self.run_state_path,
             self.run_dir / "adapters",
             self.run_dir / METRICS_FILE,
         )
@@ -366,69 +378,22 @@ class CheckpointManager:
                 fh.truncate()
         return dest
 
-    def restore_run_state(self, rt) -> bool:
-        """Bring back the global step and the adapters that already finished (so they are not retrained).
-
-        An adapter that finished its budget and whose budget (`max_steps`, `epochs`) is different in this run's
-        config is not brought back as finished: it resumes from its checkpoint under the new budget.
-
-        `checkpoint.resume`: "never" archives whatever an earlier run left (`archive_previous`) and starts clean;
-        "always" requires run state or a checkpoint; "auto" resumes when there is something to resume.
-        """
-        from rl_multilora.config import AdapterConfig
-        from rl_multilora.controller import AdapterRecord, AdapterState
-
-        mode = rt.cfg.checkpoint.resume
-        path = self.run_dir / "run_state.json"
-        if mode == "never":
-            self.archive_previous()
-            return False
-        if mode == "always" and not (path.is_file() or self.has_checkpoints()):
-            raise FileNotFoundError(
-                f"checkpoint.resume: 'always' (--resume) but {self.run_dir} has no run_state.json and no checkpoint; "
-                "run without --resume to start a new run"
-            )
-        prune_metrics(self.run_dir, {})  # finish an interrupted rewrite, drop a torn last row
-        if not path.is_file():
-            return False
-        state = json.loads(path.read_text())
-        rt.controller.global_step = int(state["global_step"])
-        configured = {a.name: a for a in rt.cfg.adapters}
-        for name, s in state["adapters"].items():
-            st = AdapterState(s["state"])
-            if st in (AdapterState.DRAINED, AdapterState.REMOVED, AdapterState.FAILED):
-                cfg = AdapterConfig.model_validate(s["config"])
-                new = configured.get(name)
-                if (
-                    st != AdapterState.FAILED
-                    and s.get("reason") == "budget reached"
-                    and new is not None
-                    and (new.max_steps, new.epochs) != (cfg.max_steps, cfg.epochs)
-                ):
-                    # Its budget was changed for this run: it registers from the config and resumes from its
-                    # checkpoint, to train further (or leaves at once when it is still at or past the new budget).
-                    continue
-                rec = AdapterRecord(cfg=cfg, state=st)
-                rec.adapter_step = s["adapter_step"]
-                rec.reason = s.get("reason")
-                rec.last_checkpoint = s.get("last_checkpoint")
-                rec.last_reward = s.get("last_reward")
-                rec.registered_at = s.get("registered_at", rec.registered_at)
-                rt.controller.records[name] = rec
-        return True
-
 
 def _steps_done(meta: dict) -> int:
     """Global steps that must be finished for this checkpoint to count (see the module docstring)."""
     return int(meta.get("steps_done", int(meta["global_step"]) + 1))
 
 
-def _check_compatible(name: str, now: dict, then: dict, ck: Path) -> None:
+def check_compatible(name: str, now: dict, then: dict, ck: Path) -> None:
+    """Raise ConfigError when adapter config `now` cannot resume checkpoint `ck`, trained with config `then`."""
     from rl_multilora.config import ConfigError
 
     problems = [
-        f"adapters.{name}.{key}: {now.get(key)!r} -> the checkpoint {ck} was trained with {then[key]!r}; resume "
-        f"with {key}: {then[key]!r}, or start over with --fresh"
+        bad_value(
+            f"adapters.{name}.{key}",
+            now.get(key),
+            f"{then[key]!r}, what the checkpoint {ck} was trained with (or start over with --fresh)",
+        )
         for key in _MUST_MATCH
         if key in then and now.get(key) != then[key]
     ]

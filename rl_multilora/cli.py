@@ -14,9 +14,9 @@ import sys
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rl_multilora.config import ConfigError
-    from rl_multilora.controller import ControllerError
+    from rl_multilora.tenants import TenantError
 
-    errors: list[type[BaseException]] = [ConfigError, ControllerError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ConfigError, TenantError, FileNotFoundError]
     for mod, name in [
         ("rewards", "RewardConfigError"),
         ("rollout.data_source", "DatasetError"),
@@ -61,7 +61,7 @@ def cmd_run(args) -> int:
     summary = summarize(cfg.run_dir)
     print(f"run finished: {cfg.run_dir}")
     for name, s in sorted(summary.items()):
-        state = rt.controller.records[name].state.value if name in rt.controller.records else "?"
+        state = rt.tenants.tenants[name].state.value if name in rt.tenants.tenants else "?"
         print(
             f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
             f"(gain {s['gain']:+.3f}, {s['steps']} steps)"
@@ -94,7 +94,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_engine_serve(args) -> int:
-    from rollout.engines.http_server import main as serve_main
+    from rollout.engines.serve import main as serve_main
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     return serve_main(rest) or 0

@@ -1,30 +1,37 @@
 """Run and adapter configuration: pydantic models loaded from YAML, with `key=value` overrides.
 
 Design choices:
-- Every field has a help string (`Field(description=...)`); `rl-multilora run --help-config` prints them.
+- Every field has a help string (`Field(description=...)`, or an attribute docstring in `DatasetSpec` and
+  `RewardSpec`); `RunConfig.model_json_schema()` collects them.
+- One type per concept: the trainer takes `GRPOSettings` and each adapter's `OptimSettings` as they are, the data
+  source takes `DatasetSpec` and the rewards take `RewardSpec`. The last two are the `rollout` package's dataclasses
+  (they travel with samples and to reward workers); pydantic validates them here as fields, so there is no
+  translator to drift.
 - Validation reports every problem at once: first the structural errors pydantic finds (types, ranges, unknown
   keys), then the cross-field checks (rank <= max_rank, unique names, ...). Each line names the field path, the
   value and what is allowed. `ConfigError` carries the list; the CLI prints it and exits 2 without a traceback.
 - Checks that need the outside world (does the dataset load, does the reward resolve) run when an adapter is
-  registered with the controller (`validate_adapter_resources`), so a service rejects a bad submission the same way
+  registered as a tenant (`validate_adapter_resources`), so a service rejects a bad submission the same way
   a run rejects a bad config.
 - Unknown keys are errors (`extra="forbid"`): a typo such as `learning_rate:` must not be silently ignored.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+from rl_multilora.errors import bad_value
+from rl_multilora.lora.peft_io import validate_adapter_name
+from rollout.data_source import DatasetSpec
+from rollout.types import RewardSpec
 
 
 class ConfigError(ValueError):
-    """One or more configuration problems, each a line `field: value -> what is allowed`."""
+    """One or more configuration problems, each a line `field=value is not allowed; allowed: what` (errors.py)."""
 
     def __init__(self, problems: list[str], source: str | None = None):
         self.problems = problems
@@ -53,60 +60,22 @@ class ModelConfig(_Strict):
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
 
 
-class DatasetConfig(_Strict):
-    path: str = Field(
-        description='`datasets.load_dataset` path: "json" (with data_files), a local folder, or a Hub id.'
-    )
-    name: str | None = Field(None, description="Dataset configuration name (e.g. 'main' for openai/gsm8k).")
-    data_files: str | list[str] | dict[str, Any] | None = Field(None, description="Files for path='json'/'csv'.")
-    split: str = Field("train", description="Split to train on.")
-    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
-    label_key: str = Field("label", description="Column holding the reference answer passed to the reward.")
-    metadata_key: str | None = Field(None, description="Optional column of per-row metadata passed to the reward.")
-    apply_chat_template: bool = Field(
-        True, description="Wrap the prompt as a user turn with the tokenizer's template."
-    )
-    system_prompt: str | None = Field(None, description="Optional system message when the chat template is applied.")
-    prompt_template: str | None = Field(None, description="Optional format string with {prompt}, applied first.")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts are skipped as bad rows.")
-
-
-class RewardConfig(_Strict):
-    name: str | None = Field(None, description="Built-in reward: gsm8k, math, dapo, exact_match, f1, format.")
-    path: str | None = Field(None, description="Custom reward `module:function` (see README for the signature).")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward.")
-    timeout_s: float = Field(10.0, gt=0, description="Per-call timeout; a call past it scores failure_value.")
-    failure_value: float = Field(0.0, description="Reward given to a sample whose reward call raised or timed out.")
-    format_bonus: float = Field(0.0, ge=0, description="Added when the response has the reward's answer format.")
-
-    @model_validator(mode="after")
-    def _one_of(self) -> RewardConfig:
-        if (self.name is None) == (self.path is None):
-            raise ValueError("set exactly one of reward.name (a built-in) or reward.path (module:function)")
-        return self
-
-    def to_spec(self):
-        from rollout.types import RewardSpec
-
-        return RewardSpec(
-            name=self.name,
-            path=self.path,
-            kwargs=dict(self.kwargs),
-            timeout_s=self.timeout_s,
-            failure_value=self.failure_value,
-            format_bonus=self.format_bonus,
-        )
-
-
 class OptimSettings(_Strict):
+    """One adapter's AdamW and learning-rate schedule (the peak lr and the step budget are the adapter's fields)."""
+
     schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="LR schedule: constant or warmup + cosine."
+        "constant", description="LR schedule: constant or warmup + cosine (cosine needs the adapter's max_steps)."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (adapter steps).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (optimizer steps): step k uses (k+1)/warmup.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Per-adapter gradient clipping norm.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1)."
+    )
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip this adapter's own grad norm to this value (null = no clipping)."
+    )
 
 
 class AdapterConfig(_Strict):
@@ -116,20 +85,33 @@ class AdapterConfig(_Strict):
     target_modules: str | list[str] | None = Field(
         None, description="Modules this adapter trains; must equal the model's targets or be a subset. None = model's."
     )
-    dataset: DatasetConfig = Field(description="The adapter's own dataset.")
-    reward: RewardConfig = Field(description="The adapter's own reward function.")
+    dataset: DatasetSpec = Field(description="The adapter's own dataset (fields: rollout.data_source.DatasetSpec).")
+    reward: RewardSpec = Field(description="The adapter's own reward function (fields: rollout.types.RewardSpec).")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")
     n_samples_per_prompt: int | None = Field(None, ge=1, description="Group size override (default: rollout's).")
-    max_steps: int | None = Field(None, ge=1, description="Adapter step budget; the adapter drains when reached.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Budget in optimizer steps (grpo.ppo_epochs per step); the adapter drains at it."
+    )
     epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
     seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
+
+    @field_validator("reward")
+    @classmethod
+    def _one_reward(cls, reward: RewardSpec) -> RewardSpec:
+        if (reward.name is None) == (reward.path is None):
+            raise ValueError(
+                bad_value("name/path", (reward.name, reward.path), "exactly one of name (a built-in) or path")
+            )
+        return reward
 
     @model_validator(mode="after")
     def _budget(self) -> AdapterConfig:
         if self.max_steps is None and self.epochs is None:
-            raise ValueError("set max_steps and/or epochs: an adapter needs a budget to finish")
+            raise ValueError(
+                bad_value("max_steps", None, "an integer >= 1 when epochs is null too: an adapter needs a budget")
+            )
         return self
 
 
@@ -156,10 +138,14 @@ class RolloutConfig(_Strict):
 
 
 class GRPOSettings(_Strict):
-    eps_clip: float = Field(0.2, ge=0, description="PPO clip, low side.")
+    """Loss settings shared by all adapters; the trainer takes this section as it is."""
+
+    eps_clip: float = Field(0.2, ge=0, lt=1, description="PPO clip, low side: the ratio is clipped at 1 - eps_clip.")
     eps_clip_high: float = Field(0.28, ge=0, description="PPO clip, high side (DAPO clip-higher).")
     kl_coef: float = Field(0.0, ge=0, description="KL to the base model (adapter switched off); 0 = off.")
-    kl_type: Literal["k1", "k3", "low_var_kl"] = Field("k3", description="KL estimator.")
+    kl_type: Literal["k1", "k3", "low_var_kl"] = Field(
+        "k3", description="KL estimator: k1 (logp - ref), k3 (Schulman's), low_var_kl (k3 clamped to [-10, 10], verl)."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="Loss aggregation within each adapter."
@@ -167,6 +153,9 @@ class GRPOSettings(_Strict):
     normalize_std: bool = Field(True, description="Divide advantages by the group std (False = Dr. GRPO).")
     drop_uniform_groups: bool = Field(True, description="Drop groups whose rewards are all equal (no signal).")
     micro_batch_size: int = Field(16, ge=1, description="Rows per forward/backward micro-batch.")
+    ppo_epochs: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch; each counts against the adapter's max_steps."
+    )
 
 
 class RewardsSettings(_Strict):
@@ -221,30 +210,57 @@ def _format_pydantic(err: ValidationError, prefix: str = "") -> list[str]:
         loc = ".".join(str(p) for p in e["loc"])
         loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "missing":
-            problems.append(f"{loc}: missing -> this field is required")
-        elif e["type"] == "extra_forbidden":
-            problems.append(f"{loc}: unknown key (value {e['input']!r}) -> remove it or check the spelling")
+        if e["type"] in ("missing", "missing_argument"):
+            problems.append(f"{loc} is missing; allowed: a value (this field is required)")
+        elif e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            problems.append(bad_value(loc, e["input"], "no such key: remove it or check the spelling"))
+        elif "is not allowed; allowed:" in msg:  # a validator's message, already in the grammar: say where
+            problems.append(f"{loc}: {msg}")
         else:
-            problems.append(f"{loc}: {e['input']!r} -> {msg}")
+            problems.append(bad_value(loc, e["input"], _pydantic_allowed(msg)))
     return problems
+
+
+def _pydantic_allowed(msg: str) -> str:
+    """pydantic's 'Input should be greater than 0' -> 'greater than 0'."""
+    return msg.removeprefix("Input should be ")
+
+
+def _name_problem(name: Any, where: str) -> list[str]:
+    try:
+        validate_adapter_name(name)
+    except ValueError as e:
+        return [f"{where}name={name!r} is not allowed; allowed: {_allowed_part(e)}"]
+    return []
+
+
+def _allowed_part(e: Exception) -> str:
+    """The `allowed: ...` tail of a message in the project's grammar (or the whole message)."""
+    text = str(e)
+    return text.split("allowed: ", 1)[1] if "allowed: " in text else text
 
 
 def adapter_problems(a: AdapterConfig, model: ModelConfig, where: str = "") -> list[str]:
     """Cross-field checks of one adapter against the model (no I/O)."""
-    p = []
-    if not ADAPTER_NAME_RE.match(a.name) or a.name in (".", ".."):
-        p.append(f"{where}name: {a.name!r} -> use letters, digits, '.', '_' and '-' only (it becomes a folder name)")
+    p = _name_problem(a.name, where)
     if a.rank > model.max_rank:
-        p.append(f"{where}rank: {a.rank} -> must be <= model.max_rank ({model.max_rank})")
+        p.append(bad_value(f"{where}rank", a.rank, f"an integer <= model.max_rank ({model.max_rank})"))
     if a.target_modules is not None and a.target_modules != model.target_modules:
+        subset = f"a subset of model.target_modules ({model.target_modules!r})"
         if isinstance(a.target_modules, str) or isinstance(model.target_modules, str):
             if model.target_modules != "all-linear":
-                p.append(
-                    f"{where}target_modules: {a.target_modules!r} -> must be a subset of {model.target_modules!r}"
-                )
+                p.append(bad_value(f"{where}target_modules", a.target_modules, subset))
         elif not set(a.target_modules) <= set(model.target_modules):
-            p.append(f"{where}target_modules: {a.target_modules!r} -> must be a subset of {model.target_modules!r}")
+            p.append(bad_value(f"{where}target_modules", a.target_modules, subset))
+    if a.optim.schedule == "cosine" and not (a.max_steps is not None and a.max_steps > a.optim.warmup_steps):
+        p.append(
+            bad_value(
+                f"{where}max_steps",
+                a.max_steps,
+                f"an integer > optim.warmup_steps ({a.optim.warmup_steps}) with optim.schedule 'cosine', which "
+                "decays over max_steps; or optim.schedule 'constant'",
+            )
+        )
     return p
 
 
@@ -255,17 +271,19 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         where = f"adapters.{i}."
         problems += adapter_problems(a, cfg.model, where)
         if a.name in seen:
-            problems.append(f"{where}name: {a.name!r} -> adapter names must be unique")
+            problems.append(bad_value(f"{where}name", a.name, "a name no other adapter of this config has"))
         seen.add(a.name)
     if cfg.rollout.engine == "http" and not cfg.rollout.url:
-        problems.append("rollout.url: None -> engine 'http' needs the server URL (e.g. http://127.0.0.1:30000)")
+        problems.append(
+            bad_value("rollout.url", None, "the server URL with engine 'http' (e.g. http://127.0.0.1:30000)")
+        )
     return problems
 
 
 def parse_run_config(data: Any, source: str | None = None) -> RunConfig:
     """Validate a dict (already YAML-loaded) into a RunConfig, raising ConfigError listing every problem."""
     if not isinstance(data, dict):
-        raise ConfigError([f"(top level): {type(data).__name__} -> the config must be a YAML mapping"], source)
+        raise ConfigError([bad_value("(top level)", type(data).__name__, "a YAML mapping (the run config)")], source)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
@@ -291,17 +309,17 @@ def _partial_adapter_problems(data: dict) -> list[str]:
         if not isinstance(raw, dict):
             continue
         name, rank = raw.get("name"), raw.get("rank")
-        if isinstance(name, str) and (not ADAPTER_NAME_RE.match(name) or name in (".", "..")):
-            problems.append(f"adapters.{i}.name: {name!r} -> use letters, digits, '.', '_' and '-' only")
+        if isinstance(name, str):
+            problems += _name_problem(name, f"adapters.{i}.")
         if isinstance(rank, int) and rank > model.max_rank:
-            problems.append(f"adapters.{i}.rank: {rank} -> must be <= model.max_rank ({model.max_rank})")
+            problems.append(bad_value(f"adapters.{i}.rank", rank, f"an integer <= model.max_rank ({model.max_rank})"))
     return problems
 
 
 def parse_adapter_config(data: Any, model: ModelConfig, source: str | None = None) -> AdapterConfig:
     """Validate one adapter (a service submission) against the running model."""
     if not isinstance(data, dict):
-        raise ConfigError([f"(top level): {type(data).__name__} -> an adapter config must be a YAML mapping"], source)
+        raise ConfigError([bad_value("(top level)", type(data).__name__, "a YAML mapping (one adapter)")], source)
     try:
         a = AdapterConfig.model_validate(data)
     except ValidationError as e:
@@ -355,11 +373,15 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([f"config: {str(path)!r} -> no such file"])
+        raise ConfigError(
+            [bad_value("config", str(path), "the path of an existing YAML file (there is no such file)")]
+        )
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError([f"config: {str(path)!r} is not valid YAML -> {e}"]) from None
+        raise ConfigError(
+            [bad_value("config", str(path), f"a valid YAML file; this one is not valid YAML: {e}")]
+        ) from None
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

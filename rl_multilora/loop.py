@@ -1,8 +1,12 @@
 """The GRPO driver: one step is draw prompts -> generate -> score -> train -> log -> retire/admit -> sync.
 
-`Runtime` wires the components once (`Runtime.build`); `Runtime.step` is the page a reader learns the system from.
-Single-run mode loops until every adapter is done; service mode (`rl_multilora.service`) calls `step` forever and
-admits/retires adapters between steps through the same controller methods.
+`Runtime.build` wires the components once; `Runtime.step` is the page a reader learns the system from. Single-run
+mode loops until every adapter is done; service mode (`rl_multilora.service`) calls `step` forever and admits/retires
+adapters between steps through the same tenant manager.
+
+Who owns what: every fact about an adapter is its `Tenant`'s (`rl_multilora.tenants`), and `TenantManager` fans each
+transition out to the training backend (`rl_multilora.backends`: slot + optimizer), the data source (cursor),
+checkpoints and, at the next sync, the engine. The loop talks to the backend only through its interface.
 
 Design choices:
 - Rollout and training alternate synchronously (colocated, on-policy): every sample trained in step k was generated
@@ -26,12 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
 from rl_multilora.checkpoint import CheckpointManager
-from rl_multilora.config import AdapterConfig, RunConfig, dump_config
-from rl_multilora.controller import AdapterRecord, AdapterState, MultiLoRAController
-from rl_multilora.metrics import MetricsLogger, console_line, plot_reward_curves
+from rl_multilora.config import AdapterConfig, ConfigError, RunConfig, dump_config
+from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, plot_reward_curves
+from rl_multilora.tenants import TenantManager, TenantState
 from rl_multilora.weight_sync import SyncStats, WeightSync
-from rollout.types import AdapterRef, Sample, SampleStatus, SamplingParams
+from rollout.types import Sample, SampleStatus, SamplingParams
 
 log = logging.getLogger("rl_multilora")
 
@@ -42,12 +47,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def build_engine(cfg: RunConfig, model, tokenizer):
     """The rollout engine the config names; all three speak the same RolloutEngine interface."""
     r = cfg.rollout
@@ -55,7 +54,8 @@ def build_engine(cfg: RunConfig, model, tokenizer):
         from rollout.engines.embedded import EmbeddedEngine
 
         return EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size), None
-    from rollout.engines.sglang import SGLangEngine, SGLangLauncher
+    from rollout.engines.sglang import SGLangEngine
+    from rollout.engines.sglang_launcher import SGLangLauncher
 
     if r.engine == "http":
         return SGLangEngine(r.url, api_key=r.api_key, tensor_format="safetensors"), None
@@ -82,47 +82,6 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     return engine, launcher
 
 
-def optim_config(a: AdapterConfig):
-    from rl_multilora.trainer import OptimConfig
-
-    o = a.optim
-    return OptimConfig(
-        lr=a.lr,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        schedule=o.schedule,
-        warmup_steps=o.warmup_steps,
-        total_steps=a.max_steps,
-        min_lr_ratio=o.min_lr_ratio,
-        max_grad_norm=o.max_grad_norm,
-    )
-
-
-def grpo_config(cfg: RunConfig):
-    from rl_multilora.trainer import GRPOConfig
-
-    g = cfg.grpo
-    return GRPOConfig(
-        eps_clip=g.eps_clip,
-        eps_clip_high=g.eps_clip_high,
-        kl_coef=g.kl_coef,
-        kl_type="k3" if g.kl_type == "low_var_kl" else g.kl_type,
-        entropy_coef=g.entropy_coef,
-        loss_agg=g.loss_agg,
-        normalize_std=g.normalize_std,
-        drop_uniform_groups=g.drop_uniform_groups,
-        micro_batch_size=g.micro_batch_size,
-        # The trainer scales logits like the sampler did, so its log-probs match the rollout's (greedy: none).
-        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-    )
-
-
-def dataset_spec(a: AdapterConfig):
-    from rollout.data_source import DatasetSpec
-
-    return DatasetSpec(**a.dataset.model_dump())
-
-
 def validate_adapter_resources(a: AdapterConfig) -> list[str]:
     """I/O checks run at registration: the reward resolves and the dataset loads. Returns problems, not raises."""
     import rewards
@@ -130,11 +89,11 @@ def validate_adapter_resources(a: AdapterConfig) -> list[str]:
 
     problems = []
     try:
-        rewards.validate(a.reward.to_spec())
+        rewards.validate(a.reward)
     except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
         problems.append(f"adapters.{a.name}.reward: {e}")
     try:
-        load_dataset_rows(dataset_spec(a))
+        load_dataset_rows(a.dataset)
     except Exception as e:  # noqa: BLE001
         problems.append(f"adapters.{a.name}.dataset: {e}")
     return problems
@@ -158,7 +117,7 @@ class _Clock:
 @dataclass
 class StepResult:
     step: int
-    records: list[dict] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
     sync: SyncStats | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -166,24 +125,24 @@ class StepResult:
 class Runtime:
     """All components of a run, built once. See the module docstring for the step order."""
 
-    def __init__(self, cfg: RunConfig, model, tokenizer, engine, launcher, data, generator, scorer, trainer):
+    def __init__(self, cfg: RunConfig, backend: TrainingBackend, tokenizer, engine, launcher, data, generator, scorer):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.model = model
+        self.backend = backend
         self.tokenizer = tokenizer
         self.engine = engine
         self.launcher = launcher
-        self.data = data
         self.generator = generator
         self.scorer = scorer
-        self.trainer = trainer
-        self.controller = MultiLoRAController(cfg.model.max_loras)
-        self.sync_ = WeightSync(engine, model)
         self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.checkpoint.keep_last)
+        self.tenants = TenantManager(cfg, backend, data, self.ckpt)
+        self.weight_sync = WeightSync(engine, backend)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))
-        self._pending_push: list[str] = []
-        self._pending_unload: list[str] = []
         self._stop_requested = False
+
+    @property
+    def data(self):
+        return self.tenants.data
 
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -191,8 +150,7 @@ class Runtime:
         from transformers import AutoTokenizer
 
         import rewards
-        from rl_multilora.lora import MultiLoRAModel
-        from rl_multilora.trainer import MultiLoRATrainer
+        from rl_multilora.backends.local import LocalBackend
         from rollout.data_source import MultiLoRADataSource
         from rollout.generate_state import GenerateState, load_hooks
 
@@ -200,16 +158,10 @@ class Runtime:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        device = resolve_device(cfg.model.device)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        model = MultiLoRAModel.from_pretrained(
-            cfg.model.path,
-            max_loras=cfg.model.max_loras,
-            max_rank=cfg.model.max_rank,
-            target_modules=cfg.model.target_modules,
-            dtype=getattr(torch, cfg.model.dtype),
-        ).to(device)
-        engine, launcher = build_engine(cfg, model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        backend = LocalBackend.from_config(cfg, pad_token_id=pad)
+        engine, launcher = build_engine(cfg, backend.model, tokenizer)
         r = cfg.rollout
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         sampling = SamplingParams(
@@ -222,239 +174,138 @@ class Runtime:
         )
         generator = GenerateState(engine, tokenizer, load_hooks(r.hooks), sampling)
         scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers, fail_steps=cfg.rewards.fail_steps)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        trainer = MultiLoRATrainer(model, grpo_config(cfg), pad_token_id=pad)
         data = MultiLoRADataSource(tokenizer)
-        return cls(cfg, model, tokenizer, engine, launcher, data, generator, scorer, trainer)
+        return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer)
 
     # -- tenants --------------------------------------------------------------------------------------------------
-    def register(self, a: AdapterConfig) -> AdapterRecord:
+    def register(self, a: AdapterConfig):
         """Validate an adapter (dataset loads, reward resolves) and add it as PENDING."""
-        from rl_multilora.config import ConfigError
-
         problems = validate_adapter_resources(a)
         if problems:
             raise ConfigError(problems)
-        return self.controller.register(a)
-
-    def admit_pending(self) -> list[str]:
-        """PENDING -> RUNNING for as many as there are free slots, oldest first; returns the admitted names."""
-        admitted = []
-        for rec in self.controller.pending_in_order():
-            free = self.controller.free_slots()
-            if not free:
-                break
-            self._start_adapter(rec)
-            admitted.append(rec.name)
-        return admitted
-
-    def _start_adapter(self, rec: AdapterRecord) -> None:
-        a = rec.cfg
-        slot = self.model.add_adapter(a.name, rank=a.rank, alpha=a.alpha, seed=a.seed, target_modules=a.target_modules)
-        self.controller.activate(a.name, slot)
-        self.trainer.add_adapter(a.name, optim_config(a))
-        n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
-        self.data.add_adapter(
-            AdapterRef(a.name, slot),
-            dataset_spec(a),
-            a.reward.to_spec(),
-            seed=a.seed,
-            prompts_per_step=a.prompts_per_step,
-            n_samples_per_prompt=n,
-            max_epochs=a.epochs,
-        )
-        restored = self.ckpt.restore_adapter(a.name, self) if self.cfg.checkpoint.resume != "never" else None
-        if restored is not None:
-            log.info(
-                "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
-                a.name,
-                restored.path,
-                rec.adapter_step,
-                restored.metrics_dropped,
-            )
-            if self.controller.budget_done(a.name, self.data.exhausted(a.name)):
-                # Killed after its final checkpoint but before the run state recorded DRAINED: training it would
-                # take a step past its budget. It leaves at once, never pushed; its checkpoint is already final.
-                self.controller.drain(a.name, "budget reached")
-                self._release(rec)
-                self.controller.mark_drained(a.name)
-                return
-            if restored.weight_version is not None:
-                # Versions continue from the checkpoint (the push below makes it +1), as in an uninterrupted run.
-                self.sync_.versions[a.name] = restored.weight_version
-        self._pending_push.append(a.name)
+        return self.tenants.register(a)
 
     def remove(self, name: str, reason: str = "removed by request") -> None:
         """Drain an adapter: no new prompts; it is checkpointed and unloaded at the end of the step."""
-        self.controller.drain(name, reason)
-
-    def _release(self, rec: AdapterRecord) -> None:
-        """Free everything a leaving adapter holds: slot, optimizer, data cursor; unload at the next sync."""
-        self.model.remove_adapter(rec.name)
-        self.trainer.remove_adapter(rec.name)
-        self.data.remove_adapter(rec.name)
-        self._pending_unload.append(rec.name)
-
-    def retire_finished(self) -> None:
-        """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED)."""
-        for rec in self.controller.running():
-            if self.controller.budget_done(rec.name, self.data.exhausted(rec.name)):
-                self.controller.drain(rec.name, "budget reached")
-        for rec in self.controller.in_state(AdapterState.DRAINING):
-            rec.last_checkpoint = str(self.ckpt.save_adapter(rec.name, self))
-            self._release(rec)
-            self.controller.mark_drained(rec.name)
-
-    def fail(self, name: str, reason: str) -> None:
-        """FAILED: keep its last good weights in a final checkpoint, free its slot; the others go on."""
-        rec = self.controller.get(name)
-        log.warning("adapter %s FAILED: %s", name, reason)
-        if rec.slot is not None:
-            # The trainer never applies a non-finite step, so the slot still holds the last good weights.
-            rec.last_checkpoint = str(self.ckpt.save_adapter(name, self, note=f"FAILED: {reason}"))
-            self._release(rec)
-        self.controller.fail(name, reason)
+        self.tenants.drain(name, reason)
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        step = self.controller.global_step
-        res = StepResult(step=step)
+        tenants = self.tenants
+        res = StepResult(step=tenants.global_step)
         clock = _Clock(res.timings)
-        names = [r.name for r in self.controller.running()]
+        names = [t.name for t in tenants.running()]
         with clock("rollout_s"):
             groups = [g for gs in self.data.next_groups(names).values() for g in gs]
             samples = self.generator.run_sync(groups) if groups else []
         with clock("reward_s"):
             report = self.scorer.score_samples(samples)
         with clock("train_s"):
-            stats = self.trainer.train_step(samples, current_versions=dict(self.sync_.versions))
-        res.records = [self._account(step, name, samples, stats.get(name), report) for name in names]
+            stats = self.backend.train_step(samples, tenants.current_versions(), tenants.step_limits())
+        for name in names:
+            tenants.record_trained(name, stats.get(name))
+        res.records = [self._record(res.step, name, samples, stats.get(name), report) for name in names]
         with clock("checkpoint_s"):
             self._handle_faults(report)
-            self.retire_finished()
-            self.admit_pending()
+            tenants.retire_finished()
+            tenants.admit_pending()
             self._save_due_checkpoints(names, stats)
         with clock("sync_s"):
             res.sync = self.sync_now()
-        self.controller.global_step += 1
+        tenants.global_step += 1
         for rec in res.records:
-            rec.update(
-                pause_s=res.sync.pause_s,
-                bytes_pushed=res.sync.bytes_pushed,
-                adapters_pushed=len(res.sync.adapters_pushed),
-                **{k: round(v, 4) for k, v in res.timings.items()},
-            )
+            rec.pause_s = res.sync.pause_s
+            rec.bytes_pushed = res.sync.bytes_pushed
+            rec.adapters_pushed = len(res.sync.adapters_pushed)
+            rec.timings = dict(res.timings)
             self.metrics.log(rec)
             log.info(console_line(rec))
         # Last: a step counts as done only once its metrics rows are written (resume redoes unfinished steps).
-        self.ckpt.save_run_state(self)
+        tenants.save_run_state()
         return res
 
     def sync_now(self) -> SyncStats:
-        push, unload = self._pending_push, self._pending_unload
-        self._pending_push, self._pending_unload = [], []
-        return self.sync_.sync(push=push, unload=unload)
+        return self.weight_sync.sync(push=self.tenants.to_push(), unload=self.tenants.to_unload())
 
-    def _account(self, step: int, name: str, samples: list[Sample], st, report) -> dict:
-        """Per-adapter bookkeeping for one step: step counter, rewards, and the metrics record."""
-        rec = self.controller.get(name)
+    def _record(self, step: int, name: str, samples: list[Sample], st: AdapterStepStats | None, report) -> StepRecord:
+        """One adapter's metrics record for this step (its counters were advanced by `record_trained`)."""
+        t = self.tenants.get(name)
         mine = [s for s in samples if s.adapter is not None and s.adapter.name == name]
         rewards_ = [s.reward for s in mine if s.reward is not None]
-        if st is not None and st.stepped:
-            self.controller.mark_trained(name)
-            self._pending_push.append(name)
         try:
             reward_mean = statistics.fmean(rewards_) if rewards_ else None
             reward_std = statistics.pstdev(rewards_) if len(rewards_) > 1 else 0.0
         except OverflowError:  # finite rewards whose sum overflows: the trainer skips that step; log them as null
             reward_mean = reward_std = None
-        rec.last_reward = reward_mean
-        out = {
-            "step": step,
-            "adapter": name,
-            "adapter_step": rec.adapter_step,
-            "reward_mean": reward_mean,
-            "reward_std": reward_std,
-            "response_len_mean": statistics.fmean(len(s.response_ids) for s in mine) if mine else None,
-            "n_samples": len(mine),
-            "truncated_frac": (sum(s.status == SampleStatus.TRUNCATED for s in mine) / len(mine)) if mine else None,
-            "failed_samples": sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in mine),
-            "reward_errors": report.errors.get(name, 0),
-            "reward_timeouts": report.timeouts.get(name, 0),
-            "bad_rows": self.data.stats(name).get("bad_rows", 0),
-            "weight_version": self.sync_.versions.get(name),
-        }
-        if st is not None:
-            out.update(
-                loss=st.loss,
-                pg_loss=st.pg_loss,
-                kl=st.kl,
-                entropy=st.entropy,
-                grad_norm=st.grad_norm,
-                lr=st.lr,
-                clip_frac=st.clip_frac,
-                logprob_gap=st.logprob_gap,
-                dropped_groups=st.dropped_groups,
-                skipped_nonfinite=bool(st.skipped_nonfinite),
-                stepped=bool(st.stepped),
-                stale_samples=getattr(st, "stale", 0),
-            )
-            rec.nonfinite_streak = rec.nonfinite_streak + 1 if st.skipped_nonfinite else 0
-            out["nonfinite_streak"] = rec.nonfinite_streak
-        return out
+        t.last_reward = reward_mean
+        return StepRecord(
+            step=step,
+            adapter=name,
+            adapter_step=t.adapter_step,
+            reward_mean=reward_mean,
+            reward_std=reward_std,
+            response_len_mean=statistics.fmean(len(s.response_ids) for s in mine) if mine else None,
+            n_samples=len(mine),
+            truncated_frac=(sum(s.status == SampleStatus.TRUNCATED for s in mine) / len(mine)) if mine else None,
+            failed_samples=sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in mine),
+            reward_errors=report.errors.get(name, 0),
+            reward_timeouts=report.timeouts.get(name, 0),
+            bad_rows=self.data.stats(name).get("bad_rows", 0),
+            weight_version=t.weight_version,
+            train=st,
+            nonfinite_streak=t.nonfinite_streak,
+        )
 
     def _handle_faults(self, report) -> None:
+        tenants = self.tenants
         for name, reason in report.failing.items():
-            if self.controller.records.get(name) and self.controller.get(name).state == AdapterState.RUNNING:
-                self.fail(name, f"reward failing: {reason}")
+            if name in tenants.tenants and tenants.get(name).state == TenantState.RUNNING:
+                tenants.fail(name, f"reward failing: {reason}")
         limit = self.cfg.faults.max_nonfinite_steps
-        for rec in self.controller.running():
-            if rec.nonfinite_streak >= limit:
-                self.fail(rec.name, f"non-finite loss/gradients for {rec.nonfinite_streak} consecutive steps")
+        for t in tenants.running():
+            if t.nonfinite_streak >= limit:
+                tenants.fail(t.name, f"non-finite loss/gradients for {t.nonfinite_streak} consecutive steps")
 
-    def _save_due_checkpoints(self, names: list[str], stats: dict) -> None:
+    def _save_due_checkpoints(self, names: list[str], stats: dict[str, AdapterStepStats]) -> None:
         every = self.cfg.checkpoint.save_every
         for name in names:
-            rec = self.controller.records[name]
+            t = self.tenants.get(name)
             st = stats.get(name)
-            if rec.state == AdapterState.RUNNING and st is not None and st.stepped and rec.adapter_step % every == 0:
-                rec.last_checkpoint = str(self.ckpt.save_adapter(name, self))
+            if t.state == TenantState.RUNNING and st is not None and st.stepped and t.adapter_step % every == 0:
+                self.tenants.save_checkpoint(t)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Register the config's adapters, resume run state if any, admit, and push the initial weights."""
-        from rl_multilora.config import ConfigError
-
         problems = []
         for a in self.cfg.adapters:
             problems += validate_adapter_resources(a)
         if problems:
             raise ConfigError(problems)
-        self.ckpt.restore_run_state(self)
+        self.tenants.restore_run_state()
         # A tenant fails after this many all-failing reward steps: the stricter of the two settings that say so.
         self.scorer.fail_steps = min(self.cfg.rewards.fail_steps, self.cfg.faults.max_reward_fail_steps)
         for a in self.cfg.adapters:
-            if a.name not in self.controller.records:
-                self.controller.register(a)
-        self.admit_pending()
+            if a.name not in self.tenants.tenants:
+                self.tenants.register(a)
+        self.tenants.admit_pending()
         self.sync_now()
-        self.ckpt.save_run_state(self)  # admission may have retired resumed adapters at their budget: record it
+        self.tenants.save_run_state()  # admission may have retired resumed adapters at their budget: record it
 
     def finished(self) -> bool:
-        if self._stop_requested or self.controller.all_done():
+        if self._stop_requested or self.tenants.all_done():
             return True
         m = self.cfg.max_global_steps
-        return m is not None and self.controller.global_step >= m
+        return m is not None and self.tenants.global_step >= m
 
     def checkpoint_all(self) -> None:
-        for rec in self.controller.in_state(AdapterState.RUNNING, AdapterState.DRAINING):
-            rec.last_checkpoint = str(self.ckpt.save_adapter(rec.name, self, in_step=False))
-        self.ckpt.save_run_state(self)
+        self.tenants.checkpoint_all()
 
     def close(self) -> None:
         self.metrics.close()
         self.scorer.close()
         self.engine.close()
+        self.backend.close()
         if self.launcher is not None:
             self.launcher.stop()
 
@@ -468,12 +319,12 @@ def run(cfg: RunConfig) -> Runtime:
     try:
         rt.start()
         total = cfg.max_global_steps or max((a.max_steps or 0) for a in cfg.adapters) or None
-        bar = tqdm(total=total, initial=rt.controller.global_step, desc="grpo", disable=not cfg.logging.progress)
+        bar = tqdm(total=total, initial=rt.tenants.global_step, desc="grpo", disable=not cfg.logging.progress)
         # Console lines go through tqdm.write, so they print above the bar instead of through it.
         with logging_redirect_tqdm(), bar:
             while not rt.finished():
                 res = rt.step()
-                means = [r["reward_mean"] for r in res.records if r["reward_mean"] is not None]
+                means = [r.reward_mean for r in res.records if r.reward_mean is not None]
                 bar.set_postfix(reward=f"{statistics.fmean(means):.3f}" if means else "-", refresh=False)
                 bar.update(1)
         if cfg.logging.plot:

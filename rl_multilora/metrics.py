@@ -8,10 +8,78 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_multilora.backends.base import AdapterStepStats
 from rl_multilora.config import WandbSettings
+
+
+@dataclass
+class StepRecord:
+    """One adapter's record of one global step, from the loop to metrics.jsonl, wandb and the console.
+
+    `train` is what the training backend reported for the adapter (None when it had no samples this step); its
+    fields appear in the row only then, as they always have. `to_row` is the metrics.jsonl object.
+    """
+
+    step: int
+    adapter: str
+    adapter_step: int
+    reward_mean: float | None
+    reward_std: float | None
+    response_len_mean: float | None
+    n_samples: int
+    truncated_frac: float | None
+    failed_samples: int
+    reward_errors: int
+    reward_timeouts: int
+    bad_rows: int
+    weight_version: int | None
+    train: AdapterStepStats | None = None
+    nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads (reported with `train`)
+    pause_s: float = 0.0
+    bytes_pushed: int = 0
+    adapters_pushed: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_s, train_s, checkpoint_s, sync_s
+
+    def to_row(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "step": self.step,
+            "adapter": self.adapter,
+            "adapter_step": self.adapter_step,
+            "reward_mean": self.reward_mean,
+            "reward_std": self.reward_std,
+            "response_len_mean": self.response_len_mean,
+            "n_samples": self.n_samples,
+            "truncated_frac": self.truncated_frac,
+            "failed_samples": self.failed_samples,
+            "reward_errors": self.reward_errors,
+            "reward_timeouts": self.reward_timeouts,
+            "bad_rows": self.bad_rows,
+            "weight_version": self.weight_version,
+        }
+        st = self.train
+        if st is not None:
+            row.update(
+                loss=st.loss,
+                pg_loss=st.pg_loss,
+                kl=st.kl,
+                entropy=st.entropy,
+                grad_norm=st.grad_norm,
+                lr=st.lr,
+                clip_frac=st.clip_frac,
+                logprob_gap=st.logprob_gap,
+                dropped_groups=st.dropped_groups,
+                skipped_nonfinite=bool(st.skipped_nonfinite),
+                stepped=bool(st.stepped),
+                stale_samples=st.stale,
+                nonfinite_streak=self.nonfinite_streak,
+            )
+        row.update(pause_s=self.pause_s, bytes_pushed=self.bytes_pushed, adapters_pushed=self.adapters_pushed)
+        row.update({k: round(v, 4) for k, v in self.timings.items()})
+        return row
 
 
 def _clean(v: Any) -> Any:
@@ -38,9 +106,9 @@ class MetricsLogger:
                 config=config,
             )
 
-    def log(self, record: dict[str, Any]) -> None:
-        """One adapter's metrics for one step; must hold `step`, `adapter`, `adapter_step`, `reward_mean`."""
-        rec = {k: _clean(v) for k, v in record.items()}
+    def log(self, record: StepRecord) -> None:
+        """One adapter's metrics for one step: a metrics.jsonl row and, with wandb, `<adapter>/<key>` values."""
+        rec = {k: _clean(v) for k, v in record.to_row().items()}
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
         if self._wandb is not None:
@@ -60,7 +128,9 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def console_line(rec: dict[str, Any]) -> str:
+def console_line(record: StepRecord) -> str:
+    rec = record.to_row()
+
     def f(k, fmt="{:.3f}"):
         v = rec.get(k)
         return "-" if v is None else fmt.format(v)

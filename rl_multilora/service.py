@@ -18,6 +18,10 @@ that actor by name. The pieces:
 - Drained adapters are marked REMOVED once the step's weight sync has unloaded them, so a name can be submitted
   again; the Runtime's admission then resumes it from its newest checkpoint (`checkpoint.resume != "never"`).
 
+Why one file (about 650 lines): the core, the actor, the client and the CLI verbs share the values that cross the
+actor boundary (`AdapterStatus`, `ServiceStatus`, `Reply`) and the Ray setup; split, each part would import the
+others. The Ray-free core is the first half and can be read alone.
+
 Security: token authentication stays on. Ray 2.60 enables it by default for a cluster that `ray.init()` starts; we
 set `RAY_AUTH_MODE=token` explicitly for the cluster `serve` starts (an explicit `RAY_AUTH_MODE=disabled` is
 respected, with a warning) and make the generated token file (`~/.ray/auth_token`) readable by its owner only.
@@ -51,7 +55,8 @@ from rl_multilora.config import (
     parse_adapter_config,
     parse_run_config,
 )
-from rl_multilora.controller import AdapterState, ControllerError
+from rl_multilora.errors import bad_value
+from rl_multilora.tenants import TenantError, TenantState
 
 log = logging.getLogger("rl_multilora.service")
 
@@ -60,7 +65,7 @@ ACTOR_NAME = "controller"
 NO_SERVICE = "no rl-multilora service is running (start one with rl-multilora serve CONFIG)"
 # Idle lines repeat at most this often: one per poll would flood the terminal of a service that idles for hours.
 IDLE_LOG_EVERY_S = 60.0
-_LIVE = (AdapterState.PENDING, AdapterState.RUNNING, AdapterState.DRAINING)
+_LIVE = (TenantState.PENDING, TenantState.RUNNING, TenantState.DRAINING)
 
 
 class ServiceError(RuntimeError):
@@ -189,13 +194,14 @@ class ServiceCore:
         problems = validate_adapter_resources(a)
         live = self.status().get(a.name)
         if live is not None and live.state in {s.value for s in _LIVE}:
-            problems.append(f"name: {a.name!r} -> an adapter with this name is already {live.state}")
+            problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))
         done = self._checkpointed_step(a.name)
         if done is not None and a.max_steps is not None and done >= a.max_steps:
             # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
             problems.append(
-                f"max_steps: {a.max_steps} -> its checkpoint in the run dir is already at adapter step {done}; "
-                "raise max_steps to train it further"
+                bad_value(
+                    "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
+                )
             )
         if problems:
             raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
@@ -240,7 +246,7 @@ class ServiceCore:
                 last_idle_log = 0.0
                 continue
             if self._training or time.monotonic() - last_idle_log >= IDLE_LOG_EVERY_S:
-                log.info("idle: no RUNNING adapters (global step %d)", self.rt.controller.global_step)
+                log.info("idle: no RUNNING adapters (global step %d)", self.rt.tenants.global_step)
                 last_idle_log = time.monotonic()
             self._training = False
             self._publish()
@@ -248,27 +254,27 @@ class ServiceCore:
         self._finish()
 
     def _has_work(self) -> bool:
-        c = self.rt.controller
+        c = self.rt.tenants
         waiting = bool(c.pending_in_order()) and bool(c.free_slots())
-        return bool(c.running()) or waiting or bool(c.in_state(AdapterState.DRAINING))
+        return bool(c.running()) or waiting or bool(c.in_state(TenantState.DRAINING))
 
     def _step(self) -> None:
         rt = self.rt
-        if rt.controller.running():
+        if rt.tenants.running():
             rt.step()
         else:
             # Nothing to train: only retire drained adapters and admit pending ones, without a wasted global step.
-            rt.retire_finished()
-            rt.admit_pending()
+            rt.tenants.retire_finished()
+            rt.tenants.admit_pending()
             rt.sync_now()
-            rt.ckpt.save_run_state(rt)
+            rt.tenants.save_run_state()
         self._mark_unloaded_removed()
 
     def _mark_unloaded_removed(self) -> None:
         """DRAINED adapters were unloaded by the sync that ended the step: REMOVED, so the name can be reused."""
-        c = self.rt.controller
-        for rec in c.in_state(AdapterState.DRAINED):
-            c.mark_removed(rec.name)
+        c = self.rt.tenants
+        for t in c.in_state(TenantState.DRAINED):
+            c.mark_removed(t.name)
 
     def _apply_mutations(self, block_s: float) -> None:
         try:
@@ -288,13 +294,13 @@ class ServiceCore:
             if self.error is not None:
                 raise ServiceError(f"the service stopped training after an error: {self.error}")
             if m.kind == "submit":
-                rec = self.rt.register(m.adapter)
-                free = len(self.rt.controller.free_slots())
-                log.info("submitted %s: PENDING (%d free slot(s))", rec.name, free)
+                tenant = self.rt.register(m.adapter)
+                free = len(self.rt.tenants.free_slots())
+                log.info("submitted %s: PENDING (%d free slot(s))", tenant.name, free)
             else:
-                rec = self._drain(m.name)
-            m.done.set_result(AdapterStatus.from_record(rec.to_status()))
-        except (ConfigError, ControllerError, ServiceError) as e:
+                tenant = self._drain(m.name)
+            m.done.set_result(AdapterStatus.from_record(tenant.to_status()))
+        except (ConfigError, TenantError, ServiceError) as e:
             what = f"adapter {m.adapter.name!r} rejected" if m.kind == "submit" else f"cannot remove {m.name!r}"
             m.done.set_exception(ServiceError(f"{what}: {e}"))
         except Exception as e:  # noqa: BLE001 - the caller gets the failure; the service keeps running
@@ -302,17 +308,18 @@ class ServiceCore:
             m.done.set_exception(ServiceError(f"{m.kind} failed inside the service: {type(e).__name__}: {e}"))
 
     def _drain(self, name: str):
-        rec = self.rt.controller.get(name)
-        if rec.state not in (AdapterState.PENDING, AdapterState.RUNNING):
+        tenant = self.rt.tenants.get(name)
+        if tenant.state not in (TenantState.PENDING, TenantState.RUNNING):
+            # a state error, not a bad value: said the way the tenant state machine says it
             raise ServiceError(
-                f"adapter {name!r} is {rec.state.value}; only PENDING or RUNNING adapters can be removed"
+                f"adapter {name!r} is {tenant.state.value}; only PENDING or RUNNING adapters can be removed"
             )
         self.rt.remove(name)
-        log.info("remove %s: %s", name, rec.state.value)
-        return rec
+        log.info("remove %s: %s", name, tenant.state.value)
+        return tenant
 
     def _publish(self) -> None:
-        c = self.rt.controller
+        c = self.rt.tenants
         snap = ServiceStatus(
             global_step=c.global_step,
             training=self._training,
@@ -334,7 +341,7 @@ class ServiceCore:
             m.done.set_exception(ServiceError("the service is stopping"))
         try:
             self.rt.checkpoint_all()
-            log.info("checkpointed every live adapter (global step %d)", self.rt.controller.global_step)
+            log.info("checkpointed every live adapter (global step %d)", self.rt.tenants.global_step)
         except Exception:  # noqa: BLE001 - still close the engine and reward workers
             log.exception("final checkpoint failed")
         self._training = False
@@ -660,7 +667,7 @@ def cli(args) -> int:
         return 0
     if args.command == "remove":
         st = client.remove(args.target)
-        if st.state == AdapterState.REMOVED.value:
+        if st.state == TenantState.REMOVED.value:
             print(f"{st.name}: removed (it never started)")
         else:
             print(f"{st.name}: draining; checkpointed and unloaded at the end of the current step")

@@ -21,7 +21,11 @@ Design choices (and where they differ from a single-adapter GRPO trainer such as
   the same deterministic function; autograd is unaffected. The previous mode is restored afterwards.
 - Non-finite rewards or advantages are caught before the forward: that adapter's rows leave the batch and its step is
   skipped. Non-finite losses or grads produced by the model itself (e.g. a diverged adapter) are caught per adapter
-  after the backward. `adapter_step` counts optimizer steps (`ppo_epochs` per `train_step` when nothing is skipped).
+  after the backward. A `train_step` takes up to `ppo_epochs` optimizer steps per adapter, never more than the
+  adapter's remaining budget (`max_steps` argument), and reports how many it took (`AdapterStepStats.n_steps`); the
+  tenant's step counter adds exactly that, so counter, budget and LR schedule count the same optimizer steps.
+- Settings are the validated config sections as they are: `GRPOSettings` for the loss, each adapter's
+  `OptimSettings` + lr + max_steps for its optimizer and schedule (`rl_multilora.config`); no twin types.
 """
 
 from __future__ import annotations
@@ -29,264 +33,22 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from rl_multilora.backends.base import AdapterStepStats
+from rl_multilora.config import GRPOSettings, OptimSettings
+from rl_multilora.errors import bad_value
+from rl_multilora.grpo import adapter_name_of, compute_advantages, kl_penalty, lr_multiplier, policy_loss
 from rollout.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
     from rl_multilora.lora import MultiLoRAModel
 
-KL_TYPES = ("k1", "k3", "low_var_kl")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-SCHEDULES = ("constant", "cosine")
 EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED)
-
-
-def _raise_problems(cls_name: str, problems: list[str]) -> None:
-    if problems:
-        raise ValueError(f"invalid {cls_name}:\n  " + "\n  ".join(problems))
-
-
-def _problem(field_name: str, value: Any, allowed: str) -> str:
-    return f"{field_name}={value!r}: {allowed}"
-
-
-@dataclass
-class GRPOConfig:
-    """Loss settings shared by all adapters (per-adapter optimizer settings live in `OptimConfig`)."""
-
-    eps_clip: float = field(
-        default=0.2, metadata={"help": "PPO clip range below 1: ratio is clipped at 1 - eps_clip."}
-    )
-    eps_clip_high: float = field(
-        default=0.28,
-        metadata={"help": "PPO clip range above 1 (DAPO clip-higher): ratio clipped at 1 + eps_clip_high."},
-    )
-    kl_coef: float = field(default=0.0, metadata={"help": "Weight of the KL penalty to the base model (0 = off)."})
-    kl_type: str = field(
-        default="k3", metadata={"help": "KL estimator: 'k1' (logp - ref) or 'k3' (alias 'low_var_kl', Schulman's k3)."}
-    )
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (loss -= coef * H)."})
-    loss_agg: str = field(
-        default="token-mean",
-        metadata={"help": "Per-adapter aggregation: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'."},
-    )
-    normalize_std: bool = field(
-        default=True, metadata={"help": "Divide group advantages by the group std (False = Dr. GRPO)."}
-    )
-    drop_uniform_groups: bool = field(
-        default=True, metadata={"help": "Drop groups whose rewards are all equal (zero advantage, no signal)."}
-    )
-    micro_batch_size: int = field(default=16, metadata={"help": "Rows per forward/backward (rows of many adapters)."})
-    ppo_epochs: int = field(
-        default=1, metadata={"help": "Optimizer steps per rollout batch; with 1 the ratio is 1 but the loss is PPO's."}
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Sampling temperature of the rollouts; logits are divided by it before softmax."},
-    )
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0.0 <= self.eps_clip < 1.0:
-            problems.append(_problem("eps_clip", self.eps_clip, "must be in [0, 1)"))
-        if not self.eps_clip_high >= 0.0:
-            problems.append(_problem("eps_clip_high", self.eps_clip_high, "must be >= 0"))
-        if not self.kl_coef >= 0.0:
-            problems.append(_problem("kl_coef", self.kl_coef, "must be >= 0"))
-        if self.kl_type not in KL_TYPES:
-            problems.append(_problem("kl_type", self.kl_type, f"must be one of {KL_TYPES}"))
-        if not self.entropy_coef >= 0.0:
-            problems.append(_problem("entropy_coef", self.entropy_coef, "must be >= 0"))
-        if self.loss_agg not in LOSS_AGGS:
-            problems.append(_problem("loss_agg", self.loss_agg, f"must be one of {LOSS_AGGS}"))
-        if not (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1):
-            problems.append(_problem("micro_batch_size", self.micro_batch_size, "must be an integer >= 1"))
-        if not (isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1):
-            problems.append(_problem("ppo_epochs", self.ppo_epochs, "must be an integer >= 1"))
-        if not self.temperature > 0.0:
-            problems.append(_problem("temperature", self.temperature, "must be > 0"))
-        _raise_problems("GRPOConfig", problems)
-
-
-@dataclass
-class OptimConfig:
-    """One adapter's optimizer (AdamW) and learning-rate schedule."""
-
-    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay."})
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW (beta1, beta2)."})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    schedule: str = field(
-        default="constant", metadata={"help": "'constant' or 'cosine'; both start with `warmup_steps` linear warmup."}
-    )
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps: step k < warmup uses (k+1)/warmup."})
-    total_steps: int | None = field(
-        default=None, metadata={"help": "Optimizer steps over which cosine decays to min_lr_ratio (cosine only)."}
-    )
-    min_lr_ratio: float = field(default=0.0, metadata={"help": "Cosine floor as a fraction of lr."})
-    max_grad_norm: float | None = field(
-        default=1.0, metadata={"help": "Clip this adapter's grad norm to this value (None = no clipping)."}
-    )
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # YAML gives lists
-        problems = []
-        if not self.lr > 0.0:
-            problems.append(_problem("lr", self.lr, "must be > 0"))
-        if not self.weight_decay >= 0.0:
-            problems.append(_problem("weight_decay", self.weight_decay, "must be >= 0"))
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            problems.append(_problem("betas", self.betas, "must be two numbers in [0, 1)"))
-        if not self.eps > 0.0:
-            problems.append(_problem("eps", self.eps, "must be > 0"))
-        if self.schedule not in SCHEDULES:
-            problems.append(_problem("schedule", self.schedule, f"must be one of {SCHEDULES}"))
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
-            problems.append(_problem("warmup_steps", self.warmup_steps, "must be an integer >= 0"))
-        if self.schedule == "cosine":
-            if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
-                problems.append(
-                    _problem("total_steps", self.total_steps, "schedule 'cosine' needs an integer > warmup_steps")
-                )
-        elif self.total_steps is not None and not (isinstance(self.total_steps, int) and self.total_steps >= 1):
-            problems.append(_problem("total_steps", self.total_steps, "must be None or an integer >= 1"))
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            problems.append(_problem("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]"))
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0.0:
-            problems.append(_problem("max_grad_norm", self.max_grad_norm, "must be > 0, or None to disable clipping"))
-        _raise_problems("OptimConfig", problems)
-
-
-def lr_multiplier(step: int, optim: OptimConfig) -> float:
-    """The factor on `optim.lr` for 0-based optimizer step `step` (the LambdaLR lambda).
-
-    Warmup is (step + 1) / warmup_steps so that the first step already learns (HF's step / warmup wastes step 0);
-    cosine then decays from 1 at `warmup_steps` to `min_lr_ratio` at `total_steps` and stays there.
-
-    >>> cfg = OptimConfig(schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
-    >>> [round(lr_multiplier(k, cfg), 4) for k in range(7)]
-    [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
-    """
-    if step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / (optim.total_steps - optim.warmup_steps))
-    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO clipped surrogate with asymmetric clip (DAPO) and where the clipped branch was taken.
-
-    Returns (loss, clipped), both (N,): loss = -min(r * A, clip(r, 1 - eps_clip, 1 + eps_clip_high) * A) with
-    r = exp(logp - old_logp); clipped is True where the clipped term is strictly the active (larger-loss) one.
-    """
-    ratio = torch.exp(logp - old_logp)  # (N,)
-    unclipped = -ratio * advantages  # (N,)
-    clipped_loss = -torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages  # (N,)
-    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """Per-token KL(policy || ref) estimate from sampled-token log-probs; (N,) -> (N,).
-
-    k1 = logp - ref (unbiased, can be negative); k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0,
-    lower variance; verl's 'low_var_kl' which additionally clamps to [-10, 10] for stability).
-    """
-    if kl_type == "k1":
-        return logp - ref_logp
-    if kl_type in ("k3", "low_var_kl"):
-        log_ratio = ref_logp - logp  # (N,)
-        kl = torch.exp(log_ratio) - log_ratio - 1.0  # (N,)
-        return torch.clamp(kl, -10.0, 10.0) if kl_type == "low_var_kl" else kl
-    raise ValueError(f"kl_type={kl_type!r}: must be one of {KL_TYPES}")
-
-
-@dataclass
-class AdvantageStats:
-    """What `compute_advantages` did: which samples keep a learning signal and how many groups were dropped."""
-
-    kept: list[bool]  # per input sample; False for members of dropped uniform groups
-    groups: dict[str, int]  # groups seen per adapter
-    dropped_groups: dict[str, int]  # uniform groups dropped per adapter
-
-
-def _adapter_name(sample: Sample) -> str:
-    if sample.adapter is None:
-        raise ValueError(
-            f"sample index={sample.index} group_index={sample.group_index} has adapter=None: the trainer trains "
-            "adapters only, every sample must carry an AdapterRef"
-        )
-    return sample.adapter.name
-
-
-def compute_advantages(
-    samples: Sequence[Sample], normalize_std: bool = True, drop_uniform_groups: bool = True
-) -> AdvantageStats:
-    """GRPO advantages, written to `sample.advantage`, per (adapter name, group_index) group.
-
-    A = r - mean(r), divided by (std(r) + 1e-6) when `normalize_std` (std is the unbiased one, as in TRL and verl;
-    a one-sample group has std 0). Groups of different adapters never mix even when their group_index is equal.
-    A group whose rewards are all equal has A = 0 everywhere; with `drop_uniform_groups` it is marked not kept and
-    counted. Non-finite rewards are not dropped here: they give non-finite advantages, which the trainer turns into a
-    skipped step for that adapter.
-    """
-    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
-    for i, s in enumerate(samples):
-        if s.reward is None:
-            raise ValueError(
-                f"sample index={s.index} of adapter {_adapter_name(s)!r} (group_index={s.group_index}) has "
-                "reward=None: score every sample before training (failed reward calls score failure_value)"
-            )
-        groups[(_adapter_name(s), s.group_index)].append(i)
-
-    kept = [True] * len(samples)
-    n_groups: dict[str, int] = defaultdict(int)
-    n_dropped: dict[str, int] = defaultdict(int)
-    for (name, _), idx in groups.items():
-        n_groups[name] += 1
-        rewards = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # (G,)
-        centered = rewards - rewards.mean()  # (G,)
-        uniform = bool(torch.all(rewards == rewards[0]))
-        if normalize_std and len(idx) > 1:
-            centered = centered / (rewards.std() + 1e-6)
-        for i, a in zip(idx, centered.tolist(), strict=True):
-            samples[i].advantage = 0.0 if uniform else a
-        if uniform and drop_uniform_groups:
-            n_dropped[name] += 1
-            for i in idx:
-                kept[i] = False
-    return AdvantageStats(kept=kept, groups=dict(n_groups), dropped_groups=dict(n_dropped))
-
-
-@dataclass
-class AdapterStepStats:
-    """One adapter's numbers for one `train_step`. Loss terms use the configured aggregation, so
-    loss = pg_loss + kl_coef * kl - entropy_coef * entropy; with ppo_epochs > 1 they are means over epochs."""
-
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    grad_norm: float | None = None  # pre-clip norm of the last step attempted; None when nothing was attempted
-    lr: float = 0.0  # learning rate of the last step taken (or the next one when none was taken)
-    clip_frac: float = 0.0  # fraction of response tokens where the clipped branch is active
-    n_rows: int = 0
-    n_tokens: int = 0
-    logprob_gap: float | None = None  # mean |rollout logprob - trainer old logprob|; None without rollout logprobs
-    skipped_nonfinite: bool = False
-    dropped_groups: int = 0
-    stepped: bool = False
-    stale: int = 0  # samples generated by an older weight version than current, excluded
-    excluded: int = 0  # samples excluded as FAILED/ABORTED, with an empty response or an all-zero loss mask
-    n_steps: int = 0  # optimizer steps taken in this train_step (ppo_epochs when nothing was skipped)
 
 
 @dataclass
@@ -302,12 +64,11 @@ class _Row:
 
 @dataclass
 class _Tenant:
-    slot: int  # the model slot the optimizer's parameters belong to
-    optim_cfg: OptimConfig
+    slot: int  # the model slot the optimizer's parameters belong to (to catch a caller that re-slotted the name)
+    optim_cfg: OptimSettings
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    step: int = 0
 
 
 class _Sums:
@@ -326,34 +87,50 @@ class _Sums:
 class MultiLoRATrainer:
     """GRPO over a `MultiLoRAModel`: one mixed batch, one AdamW + LR schedule + step counter per adapter."""
 
-    def __init__(self, model: MultiLoRAModel, cfg: GRPOConfig, pad_token_id: int):
-        if not isinstance(cfg, GRPOConfig):
-            raise TypeError(f"cfg must be a GRPOConfig, got {type(cfg).__name__}")
+    def __init__(self, model: MultiLoRAModel, cfg: GRPOSettings, pad_token_id: int, temperature: float = 1.0):
+        """`temperature`: the rollouts' sampling temperature; logits are divided by it before the softmax, so the
+        trainer's log-probs are those of the distribution the engine sampled from (pass 1.0 for greedy rollouts)."""
+        if not isinstance(cfg, GRPOSettings):
+            raise TypeError(bad_value("cfg", type(cfg).__name__, "a rl_multilora.config.GRPOSettings"))
         if not isinstance(pad_token_id, int) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id={pad_token_id!r}: must be a non-negative token id")
+            raise ValueError(bad_value("pad_token_id", pad_token_id, "a non-negative token id"))
+        if not temperature > 0.0:
+            raise ValueError(bad_value("temperature", temperature, "a number > 0"))
         self.model = model
         self.cfg = cfg
         self.pad_token_id = pad_token_id
+        self.temperature = temperature
         self._tenants: dict[str, _Tenant] = {}
 
     # ----- tenants -----
 
-    def add_adapter(self, name: str, optim: OptimConfig) -> None:
-        """Create `name`'s AdamW (over its own slot's parameters only) and LR schedule; the model must hold it."""
+    def add_adapter(self, name: str, optim: OptimSettings, lr: float, max_steps: int | None = None) -> None:
+        """Create `name`'s AdamW (over its own slot's parameters only) and LR schedule; the model must hold it.
+
+        `lr` is the peak learning rate and `max_steps` the adapter's budget in optimizer steps (what a cosine
+        schedule decays over), both as in the adapter's config.
+        """
         if name in self._tenants:
-            raise ValueError(f"adapter {name!r} already has an optimizer; remove_adapter it first")
+            raise ValueError(
+                bad_value("name", name, "a new adapter; it already has an optimizer (remove_adapter it first)")
+            )
         if name not in self.model.adapters:
-            raise ValueError(f"adapter {name!r} is not in the model (model has {sorted(self.model.adapters)})")
-        if not isinstance(optim, OptimConfig):
-            raise TypeError(f"optim for adapter {name!r} must be an OptimConfig, got {type(optim).__name__}")
+            raise ValueError(bad_value("name", name, f"an adapter of the model ({sorted(self.model.adapters)})"))
+        if not isinstance(optim, OptimSettings):
+            raise TypeError(bad_value(f"{name}.optim", type(optim).__name__, "a rl_multilora.config.OptimSettings"))
+        if not lr > 0.0:
+            raise ValueError(bad_value(f"{name}.lr", lr, "a number > 0"))
+        if optim.schedule == "cosine" and not (max_steps is not None and max_steps > optim.warmup_steps):
+            # the same rule as config validation: fail here, at admission, never mid-run
+            raise ValueError(bad_value(f"{name}.max_steps", max_steps, "an integer > warmup_steps with cosine"))
         params = list(self.model.adapter_parameters(name))
         for p in params:
             p.requires_grad_(True)
             p.grad = None
         optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim, max_steps))
         slot = self.model.adapters[name].slot
         self._tenants[name] = _Tenant(
             slot=slot, optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler
@@ -371,31 +148,28 @@ class MultiLoRATrainer:
         return list(self._tenants)
 
     def adapter_step(self, name: str) -> int:
-        """Optimizer steps `name` has taken."""
-        return self._tenant(name).step
+        """Optimizer steps `name` has taken, as its LR scheduler counts them (the tenant's counter must agree)."""
+        return self._tenant(name).scheduler.last_epoch
 
     def adapter_lr(self, name: str) -> float:
         """The learning rate `name`'s next optimizer step will use."""
         return self._tenant(name).optimizer.param_groups[0]["lr"]
 
     def optimizer_state_dict(self, name: str) -> dict[str, Any]:
-        """`name`'s optimizer, scheduler and step counter, for checkpoints."""
+        """`name`'s optimizer and scheduler state, for checkpoints (the scheduler's `last_epoch` is its step count)."""
         tenant = self._tenant(name)
-        return {
-            "optimizer": tenant.optimizer.state_dict(),
-            "scheduler": tenant.scheduler.state_dict(),
-            "step": tenant.step,
-        }
+        return {"optimizer": tenant.optimizer.state_dict(), "scheduler": tenant.scheduler.state_dict()}
 
     def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
-        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimConfig)."""
+        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings)."""
         tenant = self._tenant(name)
-        missing = {"optimizer", "scheduler", "step"} - set(state)
+        missing = {"optimizer", "scheduler"} - set(state)
         if missing:
-            raise ValueError(f"optimizer state for adapter {name!r} lacks keys {sorted(missing)}")
+            raise ValueError(
+                bad_value(f"optimizer state of {name!r}", sorted(state), f"keys including {sorted(missing)}")
+            )
         tenant.optimizer.load_state_dict(state["optimizer"])
         tenant.scheduler.load_state_dict(state["scheduler"])
-        tenant.step = int(state["step"])
 
     def _check_slot(self, name: str) -> None:
         # The optimizer holds the slot's Parameters: stepping it after the model re-slotted the name (or gave the
@@ -411,23 +185,27 @@ class MultiLoRATrainer:
 
     def _tenant(self, name: str) -> _Tenant:
         if name not in self._tenants:
-            raise KeyError(f"adapter {name!r} has no optimizer in the trainer (known: {sorted(self._tenants)})")
+            raise KeyError(bad_value("adapter", name, f"an adapter with an optimizer ({sorted(self._tenants)})"))
         return self._tenants[name]
 
     # ----- training -----
 
     def train_step(
-        self, samples: Sequence[Sample], current_versions: dict[str, int] | None = None
+        self,
+        samples: Sequence[Sample],
+        current_versions: dict[str, int] | None = None,
+        max_steps: dict[str, int] | None = None,
     ) -> dict[str, AdapterStepStats]:
         """One GRPO update of every adapter that has rows in `samples`; returns stats per adapter seen in them.
 
         `current_versions` maps adapter name to its current weight version; samples with an older
-        `weight_version` are excluded and counted as stale.
+        `weight_version` are excluded and counted as stale. `max_steps` caps the optimizer steps an adapter may take
+        in this call (its remaining budget; default `ppo_epochs`).
         """
         stats: dict[str, AdapterStepStats] = {}
         live: list[Sample] = []
         for s in samples:
-            name = _adapter_name(s)
+            name = adapter_name_of(s)
             self._check_slot(name)  # unknown or re-slotted adapters are a caller bug: fail before any work
             st = stats.setdefault(name, AdapterStepStats())
             current = (current_versions or {}).get(name)
@@ -448,7 +226,7 @@ class MultiLoRATrainer:
                 continue
             row = _make_row(s)
             if row is None:
-                stats[_adapter_name(s)].excluded += 1  # all-zero loss mask: nothing to learn from
+                stats[adapter_name_of(s)].excluded += 1  # all-zero loss mask: nothing to learn from
             else:
                 rows.append(row)
 
@@ -469,15 +247,19 @@ class MultiLoRATrainer:
             was_training = self.model.training
             self.model.eval()  # dropout off: old, new and reference log-probs must be the same function
             try:
-                self._optimize(rows, rows_by_adapter, stats)
+                self._optimize(rows, rows_by_adapter, stats, max_steps or {})
             finally:
                 self.model.train(was_training)
         return stats
 
     def _optimize(
-        self, order: list[_Row], rows_by_adapter: dict[str, list[_Row]], stats: dict[str, AdapterStepStats]
+        self,
+        order: list[_Row],
+        rows_by_adapter: dict[str, list[_Row]],
+        stats: dict[str, AdapterStepStats],
+        max_steps: dict[str, int],
     ) -> None:
-        """Run `ppo_epochs` passes over the rows, stepping each adapter after every pass."""
+        """Run `ppo_epochs` passes over the rows, stepping each adapter after every pass (up to its `max_steps`)."""
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(row) -> (old_logp, ref_logp)
         weights = self._token_weights(rows_by_adapter)
         sums = _Sums()
@@ -503,6 +285,8 @@ class MultiLoRATrainer:
                     st.stepped = True
                     st.n_steps += 1
                     st.lr = lr
+                    if st.n_steps >= max_steps.get(name, self.cfg.ppo_epochs):
+                        active.discard(name)  # its budget is spent: it sits out the remaining epochs
                 else:
                     st.skipped_nonfinite = True
                     active.discard(name)  # a diverged tenant sits out the remaining epochs of this batch
@@ -544,7 +328,7 @@ class MultiLoRATrainer:
         # gathering before the softmax keeps it at (N, V), not (B, K, V)
         picked = logits[tok.row, tok.pos - 1 - offset]  # (N, V)
         # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
-        picked = (picked.float() if picked.element_size() < 4 else picked) / self.cfg.temperature  # (N, V)
+        picked = (picked.float() if picked.element_size() < 4 else picked) / self.temperature  # (N, V)
         logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
         logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
@@ -637,7 +421,6 @@ class MultiLoRATrainer:
         if ok:
             tenant.optimizer.step()
             tenant.scheduler.step()
-            tenant.step += 1
         tenant.optimizer.zero_grad(set_to_none=True)
         return ok, grad_norm
 
@@ -694,7 +477,7 @@ class _TokenIndex:
 
 def _make_row(s: Sample) -> _Row | None:
     """The training row of a finished sample, or None when no response token carries loss."""
-    name = _adapter_name(s)
+    name = adapter_name_of(s)
     where = f"sample index={s.index} of adapter {name!r}"
     n_resp = len(s.response_ids)
     if not s.prompt_ids:
@@ -732,8 +515,8 @@ def _pad(rows: list[_Row], pad_token_id: int, device) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def _lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
+def _lr_lambda(optim: OptimSettings, total_steps: int | None) -> Callable[[int], float]:
     def fn(step: int) -> float:
-        return lr_multiplier(step, optim)
+        return lr_multiplier(step, optim, total_steps)
 
     return fn

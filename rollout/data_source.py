@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import ConfigDict
 
+from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef, RewardSpec, Sample
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,13 @@ class DatasetError(ValueError):
 
 @dataclass
 class DatasetSpec:
-    """Where an adapter's prompts come from and how each row becomes a prompt."""
+    """Where an adapter's prompts come from and how each row becomes a prompt.
+
+    This is also the `dataset:` section of an adapter's config: pydantic validates it there as it is (unknown keys
+    are errors; each field's docstring is its help), so there is no second config type to translate from.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     path: str
     """`datasets.load_dataset` path: a builder name ("json", "csv", "parquet") used with `data_files`,
@@ -84,20 +92,20 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
-            raise DatasetError(f"dataset.path={self.path!r} is invalid: give a builder name, a local path or a Hub id")
+            raise DatasetError(bad_value("dataset.path", self.path, "a builder name, a local path or a Hub id"))
         if not self.split:
-            raise DatasetError(f"dataset.split={self.split!r} is invalid: give a split name such as 'train'")
+            raise DatasetError(bad_value("dataset.split", self.split, "a split name such as 'train'"))
         for key_field in ("prompt_key", "label_key"):
             value = getattr(self, key_field)
             if not isinstance(value, str) or not value:
-                raise DatasetError(f"dataset.{key_field}={value!r} is invalid: give a column name")
+                raise DatasetError(bad_value(f"dataset.{key_field}", value, "a column name"))
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise DatasetError(
-                f"dataset.max_prompt_tokens={self.max_prompt_tokens!r} is invalid: give a positive integer or None"
+                bad_value("dataset.max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1 or null")
             )
         if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
             raise DatasetError(
-                f"dataset.prompt_template={self.prompt_template!r} is invalid: it must contain '{{prompt}}'"
+                bad_value("dataset.prompt_template", self.prompt_template, "a format string containing '{prompt}'")
             )
 
 
@@ -261,7 +269,9 @@ class MultiLoRADataSource:
 
     def __init__(self, tokenizer) -> None:
         if tokenizer is None:
-            raise DatasetError("tokenizer=None is invalid: MultiLoRADataSource needs a tokenizer to build prompt_ids")
+            raise DatasetError(
+                "tokenizer=None is not allowed; allowed: a tokenizer (MultiLoRADataSource builds prompt_ids with it)"
+            )
         self.tokenizer = tokenizer
         self._streams: dict[str, _AdapterStream] = {}
 
@@ -290,17 +300,19 @@ class MultiLoRADataSource:
         if name in self._streams:
             raise DatasetError(f"adapter {name!r} is already in the data source; remove it first")
         if not isinstance(seed, int) or seed < 0:
-            raise DatasetError(f"adapter {name!r}: seed={seed!r} is invalid: give a non-negative integer")
+            raise DatasetError(f"adapter {name!r}: seed={seed!r} is not allowed; allowed: a non-negative integer")
         if prompts_per_step < 1:
-            raise DatasetError(f"adapter {name!r}: prompts_per_step={prompts_per_step!r} is invalid: must be >= 1")
+            raise DatasetError(
+                f"adapter {name!r}: prompts_per_step={prompts_per_step!r} is not allowed; allowed: >= 1"
+            )
         if n_samples_per_prompt < 1:
             raise DatasetError(
-                f"adapter {name!r}: n_samples_per_prompt={n_samples_per_prompt!r} is invalid: must be >= 1"
+                f"adapter {name!r}: n_samples_per_prompt={n_samples_per_prompt!r} is not allowed; allowed: >= 1"
             )
         if max_epochs is not None and not max_epochs > 0:
-            raise DatasetError(f"adapter {name!r}: max_epochs={max_epochs!r} is invalid: must be > 0 or None")
+            raise DatasetError(f"adapter {name!r}: max_epochs={max_epochs!r} is not allowed; allowed: > 0 or None")
         if max_rows is not None and max_rows < 1:
-            raise DatasetError(f"adapter {name!r}: max_rows={max_rows!r} is invalid: must be >= 1 or None")
+            raise DatasetError(f"adapter {name!r}: max_rows={max_rows!r} is not allowed; allowed: >= 1 or None")
         if spec.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise DatasetError(
                 f"adapter {name!r}: dataset.apply_chat_template=True but the tokenizer has no chat template; "
@@ -336,7 +348,7 @@ class MultiLoRADataSource:
         """
         streams = [self._stream(name) for name in names]
         if len(set(names)) != len(names):
-            raise DatasetError(f"names={names!r} is invalid: each adapter may appear once")
+            raise DatasetError(f"names={names!r} is not allowed; allowed: each adapter at most once")
         out: dict[str, list[list[Sample]]] = {}
         position = 0
         for stream in streams:

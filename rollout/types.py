@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,26 @@ class RewardSpec:
     (`module:function`, a custom reward) is set. `kwargs` are passed to the function as keyword
     arguments. A call that raises or runs past `timeout_s` scores `failure_value` and is counted.
     `format_bonus` adds that much for a response in the reward's expected answer format (0 = off).
+
+    This is also the `reward:` section of an adapter's config: pydantic validates it there as it is
+    (the constraints below, unknown keys refused); `rewards.validate` checks the rest (exactly one of
+    name/path, the function resolves and takes these kwargs).
     """
 
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     name: str | None = None
+    """Built-in reward: gsm8k, math, dapo, exact_match, f1, format."""
     path: str | None = None
+    """Custom reward `module:function` (see the README for the signature)."""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
-    timeout_s: float = 10.0
+    """Keyword arguments passed to the reward."""
+    timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Per-call timeout; a call past it scores failure_value."""
     failure_value: float = 0.0
-    format_bonus: float = 0.0
+    """Reward given to a sample whose reward call raised or timed out."""
+    format_bonus: Annotated[float, Field(ge=0)] = 0.0
+    """Added when the response has the reward's answer format."""
 
 
 class SampleStatus(str, enum.Enum):

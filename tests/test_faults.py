@@ -117,7 +117,7 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
 def test_healthy_tenants_are_untouched_by_the_faulty_ones(runs):
     faulty, rt, _, clean = runs
     for name in HEALTHY:
-        assert rt.controller.get(name).state.value == "DRAINED"
+        assert rt.tenants.get(name).state.value == "DRAINED"
         got, want = CheckpointManager(faulty).latest(name), CheckpointManager(clean).latest(name)
         for f in ("adapter_model.safetensors", "optimizer.safetensors"):
             a, b = load_file(str(got / f)), load_file(str(want / f))
@@ -134,13 +134,13 @@ def test_healthy_tenants_are_untouched_by_the_faulty_ones(runs):
 
 
 def _assert_failed(rt, run_dir: Path, log: str, name: str, reason: str) -> dict:
-    rec = rt.controller.get(name)
-    status = {s["name"]: s for s in rt.controller.status()}[name]
+    rec = rt.tenants.get(name)
+    status = {s["name"]: s for s in rt.tenants.status()}[name]
     assert rec.state.value == "FAILED" and status["state"] == "FAILED"
     assert reason in status["reason"], status["reason"]
     assert f"adapter {name} FAILED: {status['reason']}" in log
-    assert rec.slot is None and name not in rt.model.adapters and name not in rt.trainer.adapters
-    assert name not in rt.sync_.versions  # unloaded from the engine
+    assert rec.slot is None and name not in rt.backend.model.adapters and name not in rt.backend.trainer.adapters
+    assert not rec.in_engine and name not in rt.engine.adapter_versions()  # unloaded from the engine
     final = Path(rec.last_checkpoint)
     meta = json.loads((final / CKPT_META).read_text())
     assert meta["note"] == f"FAILED: {status['reason']}" and final == CheckpointManager(run_dir).latest(name)
@@ -178,7 +178,7 @@ def test_nan_loss_skips_steps_then_fails_with_last_good_weights(runs):
     assert meta["adapter_step"] == 1
     # The final checkpoint holds exactly the weights and optimizer state of the good step's checkpoint.
     (good, _), *_ = [(d, s) for s, d in list_checkpoints(faulty / "adapters" / "f_nan") if s == 1]
-    final = Path(rt.controller.get("f_nan").last_checkpoint)
+    final = Path(rt.tenants.get("f_nan").last_checkpoint)
     assert good != final
     for f in ("adapter_model.safetensors", "optimizer.safetensors"):
         a, b = load_file(str(good / f)), load_file(str(final / f))
@@ -190,7 +190,7 @@ def test_bad_rows_are_counted_and_an_exhausted_dataset_drains(runs):
     rows = _rows(faulty, "f_data")
     assert [r["n_samples"] for r in rows] == [8, 8, 4]  # 5 good rows: 2 + 2 + 1 prompts
     assert rows[-1]["bad_rows"] == 3
-    rec = rt.controller.get("f_data")
+    rec = rt.tenants.get("f_data")
     assert rec.state.value == "DRAINED" and rec.reason == "budget reached" and rec.adapter_step == 3
     data_state = json.loads((CheckpointManager(faulty).latest("f_data") / "data_state.json").read_text())
     assert len(data_state["bad_rows"]) == 3
@@ -199,7 +199,7 @@ def test_bad_rows_are_counted_and_an_exhausted_dataset_drains(runs):
 def test_a_failed_tenants_slot_goes_to_a_waiting_one(runs):
     faulty, rt, _, _ = runs
     rows = _rows(faulty, "h3")
-    assert rt.controller.get("h3").state.value == "DRAINED" and [r["adapter_step"] for r in rows] == [1, 2]
+    assert rt.tenants.get("h3").state.value == "DRAINED" and [r["adapter_step"] for r in rows] == [1, 2]
     first_h3_step = rows[0]["step"]
     failed_at = min(_rows(faulty, "f_raise")[-1]["step"], _rows(faulty, "f_hang")[-1]["step"])
     assert first_h3_step == failed_at + 1  # admitted in the step its slot was freed, trained in the next

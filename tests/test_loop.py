@@ -65,13 +65,13 @@ def test_three_tenants_run_to_completion(workspace, tmp_path):
             "weight_version",
         ]:
             assert key in r, key
-    assert all(rec.state.value == "DRAINED" for rec in rt.controller.records.values())
+    assert all(rec.state.value == "DRAINED" for rec in rt.tenants.tenants.values())
     assert (run_dir / "config.yaml").is_file() and (run_dir / "reward_curves.png").is_file()
     for name in ["t1", "t2", "t3"]:
         steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "adapters" / name).glob("step_*"))
         assert steps == [2, 3]  # save_every=2 then the drain checkpoint; keep_last=2
     # One pause per step (plus the initial push), never more.
-    assert rt.sync_.pauses <= rt.controller.global_step + 1
+    assert rt.weight_sync.pauses <= rt.tenants.global_step + 1
 
 
 def test_isolation_trained_alone_equals_trained_together(workspace, tmp_path):
@@ -95,12 +95,72 @@ def test_only_stepped_adapters_are_pushed_once_per_step(workspace, tmp_path):
     rt = Runtime.build(cfg)
     try:
         rt.start()
-        assert rt.sync_.pauses == 1 and rt.sync_.versions == {"t1": 0, "t2": 0}
+        assert rt.weight_sync.pauses == 1 and rt.tenants.current_versions() == {"t1": 0, "t2": 0}
         res = rt.step()
-        stepped = sorted(r["adapter"] for r in res.records if r.get("stepped"))
-        assert res.sync.paused and rt.sync_.pauses == 2
+        stepped = sorted(r.adapter for r in res.records if r.train is not None and r.train.stepped)
+        assert res.sync.paused and rt.weight_sync.pauses == 2
         assert sorted(res.sync.adapters_pushed) == stepped
         for name in stepped:
-            assert rt.sync_.versions[name] == 1
+            assert rt.tenants.get(name).weight_version == 1
     finally:
         rt.close()
+
+
+def test_ppo_epochs_step_counter_budget_and_schedule_count_optimizer_steps(workspace, tmp_path):
+    """grpo.ppo_epochs is settable from YAML; the tenant's adapter_step, its max_steps budget and its LR schedule
+    all count the optimizer steps its optimizer took (2 per train step here, the last one capped by the budget)."""
+    cfg = _config(workspace, tmp_path / "r", ["t1"], steps=5, grpo={"micro_batch_size": 8, "ppo_epochs": 2})
+    cfg["adapters"][0]["optim"] = {"schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
+    parsed = parse_run_config(cfg)
+    assert parsed.grpo.ppo_epochs == 2
+    rt = Runtime.build(parsed)
+    try:
+        rt.start()
+        trainer, tenant = rt.backend.trainer, rt.tenants.get("t1")
+        seen = []
+        while not rt.finished():
+            rt.step()
+            if "t1" in trainer.adapters:
+                seen.append((tenant.adapter_step, trainer.adapter_step("t1")))
+                assert tenant.adapter_step == trainer.adapter_step("t1")  # one count, two views agree
+        rows = [r for r in read_metrics(rt.run_dir) if r["adapter"] == "t1"]
+    finally:
+        rt.close()
+    stepped = [r for r in rows if r["stepped"]]
+    assert stepped and tenant.adapter_step == 5 and tenant.state.value == "DRAINED"  # budget 5 optimizer steps
+    assert [r["adapter_step"] for r in stepped][-1] == 5 and all(r["adapter_step"] <= 5 for r in rows)
+    counts = [0] + [r["adapter_step"] for r in stepped]
+    assert all(b - a in (1, 2) for a, b in zip(counts, counts[1:], strict=False))  # 2 per step, 1 at the cap
+    # The schedule decays over the same 5 optimizer steps: the last step's lr is lr * lr_multiplier(4).
+    from rl_multilora.grpo import lr_multiplier
+
+    a = parsed.adapters[0]
+    assert stepped[-1]["lr"] == pytest.approx(a.lr * lr_multiplier(4, a.optim, a.max_steps))
+
+
+def test_low_var_kl_keeps_its_clamp_from_yaml(workspace, tmp_path):
+    """`kl_type: low_var_kl` reaches the trainer as low_var_kl (k3 clamped to [-10, 10]), not as plain k3."""
+    import copy
+
+    cfg = _config(workspace, tmp_path / "r", ["t1"], steps=1)
+    cfg["grpo"] = {"micro_batch_size": 8, "kl_coef": 0.1, "kl_type": "low_var_kl"}
+    rt = Runtime.build(parse_run_config(cfg))
+    try:
+        assert rt.backend.trainer.cfg.kl_type == "low_var_kl"
+        rt.start()
+        # Push the adapter far from the base so per-token k3 exceeds 10 on some tokens, then train one step on
+        # fixed samples: the reported KL must be the clamped mean, below the unclamped one.
+        with torch.no_grad():
+            for p in rt.backend.model.adapter_parameters("t1"):
+                p.mul_(0).add_(torch.randn_like(p) * 3.0)
+        groups = rt.data.next_groups(["t1"])["t1"]
+        samples = rt.generator.run_sync(groups)
+        rt.scorer.score_samples(samples)
+        for i, s in enumerate(samples):
+            s.reward = float(i % 2)  # every group has signal
+        stats = rt.backend.train_step(copy.deepcopy(samples), {}, {})["t1"]
+    finally:
+        rt.close()
+    # The samples came from the engine's copy (B = 0: the base), so under the pushed-away adapter their k3 is far
+    # above 10 per token (plain k3 reports a mean in the thousands here); the clamp bounds every token at 10.
+    assert 0.0 < stats.kl <= 10.0

@@ -140,7 +140,7 @@ def test_stop_then_resume_ignores_half_written_checkpoints_and_matches(workspace
     assert rows_before == 9
 
     rt = run(parse_run_config(cfg))  # checkpoint.resume: auto
-    assert rt.controller.global_step > 3  # it continued from the run state, it did not start over
+    assert rt.tenants.global_step > 3  # it continued from the run state, it did not start over
     assert not list(t1.glob(".tmp-*"))  # stale temp folders are cleaned up on resume
     assert_same_as_reference(run_dir, reference)
 
@@ -187,8 +187,8 @@ def test_finished_run_is_not_retrained_nor_an_adapter_resumed_at_its_budget(work
     rows = len(read_metrics(run_dir))
     rt = run(parse_run_config(_config(workspace, run_dir)))
     # t2 resumed at its budget and left at once; t1 and t3 stayed DRAINED; nothing trained, nothing was saved.
-    assert {n: r.state.value for n, r in rt.controller.records.items()} == {n: "DRAINED" for n in NAMES}
-    assert rt.controller.global_step == state["global_step"]
+    assert {n: r.state.value for n, r in rt.tenants.tenants.items()} == {n: "DRAINED" for n in NAMES}
+    assert rt.tenants.global_step == state["global_step"]
     assert {n: sorted(p.name for p in (run_dir / "adapters" / n).iterdir()) for n in NAMES} == before
     assert len(read_metrics(run_dir)) == rows
     assert_same_as_reference(run_dir, reference)
@@ -200,8 +200,8 @@ def test_fresh_archives_the_previous_run_and_resume_requires_one(workspace, refe
     rt = Runtime.build(parse_run_config(_config(workspace, run_dir, checkpoint={"resume": "never"})))
     try:
         rt.start()
-        assert {r.state.value for r in rt.controller.records.values()} == {"RUNNING"}
-        assert rt.controller.global_step == 0 and all(r.adapter_step == 0 for r in rt.controller.records.values())
+        assert {r.state.value for r in rt.tenants.tenants.values()} == {"RUNNING"}
+        assert rt.tenants.global_step == 0 and all(r.adapter_step == 0 for r in rt.tenants.tenants.values())
     finally:
         rt.close()
     (archive,) = (run_dir / "archive").iterdir()
@@ -224,7 +224,10 @@ def test_resume_refuses_a_changed_rank(workspace, reference, tmp_path):
     cfg["adapters"][0]["rank"] = 8
     rt = Runtime.build(parse_run_config(cfg))
     try:
-        with pytest.raises(ConfigError, match=r"adapters\.t1\.rank: 8 -> the checkpoint .* was trained with 4"):
+        with pytest.raises(
+            ConfigError,
+            match=r"adapters\.t1\.rank=8 is not allowed; allowed: 4, what the checkpoint .* was trained with",
+        ):
             rt.start()
     finally:
         rt.close()
@@ -323,7 +326,7 @@ def test_raising_a_finished_adapters_budget_trains_it_further(workspace, referen
     cfg = _config(workspace, run_dir)
     cfg["adapters"][1]["max_steps"] = 5  # t2 finished at 4
     rt = run(parse_run_config(cfg))
-    assert {n: (r.state.value, r.adapter_step) for n, r in rt.controller.records.items()} == {
+    assert {n: (r.state.value, r.adapter_step) for n, r in rt.tenants.tenants.items()} == {
         "t1": ("DRAINED", 6),
         "t2": ("DRAINED", 5),
         "t3": ("DRAINED", 5),

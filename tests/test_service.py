@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from rl_multilora.config import ModelConfig
-from rl_multilora.controller import AdapterState
 from rl_multilora.service import AdapterStatus, ServiceClient, ServiceError, ServiceStatus
+from rl_multilora.tenants import TenantState, TenantTable
 
 REPO = Path(__file__).resolve().parents[1]
 # Reward 1 when the 4-token response holds a lowercase letter: a random model gets it about half the time, so
@@ -74,11 +74,11 @@ _DROP = object()
     "content, expected",
     [
         ("name: x\nrank: [4\n", r"not valid YAML"),
-        ({"name": _DROP}, r"name: missing"),
-        ({"rank": 64}, r"rank: 64 -> must be <= model.max_rank \(8\)"),
-        ({"learning_rate": 0.1}, r"learning_rate: unknown key"),
-        ({"name": "bad/name"}, r"name: 'bad/name' -> use letters"),
-        ({"max_steps": None}, r"set max_steps and/or epochs"),
+        ({"name": _DROP}, r"name is missing"),
+        ({"rank": 64}, r"rank=64 is not allowed; allowed: an integer <= model.max_rank \(8\)"),
+        ({"learning_rate": 0.1}, r"learning_rate=0.1 is not allowed; allowed: no such key"),
+        ({"name": "bad/name"}, r"name='bad/name' is not allowed; allowed: a non-empty string of letters"),
+        ({"max_steps": None}, r"max_steps=None is not allowed; allowed: .*needs a budget"),
     ],
 )
 def test_client_rejects_bad_adapter_yaml_before_the_actor(tmp_path, content, expected):
@@ -127,8 +127,31 @@ def test_status_table_shows_every_column():
     ]
 
 
+class _OneSlotTenants(TenantTable):
+    """The tenant manager's surface without a backend: one slot, retire = drain -> drained, admit = activate."""
+
+    max_loras = 1
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.max_loras) if s not in self.used_slots()]
+
+    def retire_finished(self) -> None:
+        for t in self.in_state(TenantState.DRAINING):
+            self.mark_drained(t.name)
+
+    def admit_pending(self) -> None:
+        for t in self.pending_in_order():
+            free = self.free_slots()
+            if not free:
+                break
+            self.activate(t.name, free[0])
+
+    def save_run_state(self) -> None:
+        pass
+
+
 class _GatedRuntime:
-    """The Runtime surface ServiceCore uses, with a real controller and checkpoint manager but no model.
+    """The Runtime surface ServiceCore uses, with a real tenant table and checkpoint manager but no model.
 
     Each `step()` announces itself on `started` and then waits for the test to open `gate` (until `free_run` is
     set), so the test can act while a step is in flight. `in_step` records whether a register/remove ran inside a step (it never should).
@@ -137,11 +160,10 @@ class _GatedRuntime:
     def __init__(self, tmp: Path):
         from rl_multilora.checkpoint import CheckpointManager
         from rl_multilora.config import RunConfig
-        from rl_multilora.controller import MultiLoRAController
 
         self.cfg = RunConfig(model=ModelConfig(path=str(tmp), max_loras=1, max_rank=8), run_dir=str(tmp / "run"))
         self.run_dir = Path(self.cfg.run_dir)
-        self.controller = MultiLoRAController(1)
+        self.tenants = _OneSlotTenants()
         self.ckpt = CheckpointManager(self.run_dir)
         self.started = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)
@@ -155,11 +177,11 @@ class _GatedRuntime:
 
     def register(self, a):
         self.events.append(("register", a.name, self.in_step))
-        return self.controller.register(a)
+        return self.tenants.register(a)
 
     def remove(self, name: str, reason: str = "removed by request") -> None:
         self.events.append(("remove", name, self.in_step))
-        self.controller.drain(name, reason)
+        self.tenants.drain(name, reason)
 
     def step(self) -> None:
         self.in_step = True
@@ -169,24 +191,13 @@ class _GatedRuntime:
         try:
             if self.fail_next:
                 raise RuntimeError("boom in step")
-            for rec in self.controller.running():
-                self.controller.mark_trained(rec.name)
-            self.retire_finished()
-            self.admit_pending()
-            self.controller.global_step += 1
+            for t in self.tenants.running():
+                t.adapter_step += 1
+            self.tenants.retire_finished()
+            self.tenants.admit_pending()
+            self.tenants.global_step += 1
         finally:
             self.in_step = False
-
-    def retire_finished(self) -> None:
-        for rec in self.controller.in_state(AdapterState.DRAINING):
-            self.controller.mark_drained(rec.name)
-
-    def admit_pending(self) -> None:
-        for rec in self.controller.pending_in_order():
-            free = self.controller.free_slots()
-            if not free:
-                break
-            self.controller.activate(rec.name, free[0])
 
     def sync_now(self) -> None:
         self.events.append("sync")
@@ -218,7 +229,7 @@ def test_core_applies_mutations_between_steps_only(tmp_path):
             time.sleep(0.3)
             # Both wait for the step in flight to end; nothing changed under it.
             assert not sub_b.done() and not rm_a.done()
-            assert "b" not in rt.controller.records and rt.controller.get("a").state == AdapterState.RUNNING
+            assert "b" not in rt.tenants.tenants and rt.tenants.get("a").state == TenantState.RUNNING
             rt.gate.release()
             assert sub_b.result(10).state == "PENDING" and rm_a.result(10).state == "DRAINING"
         assert all(not e[2] for e in rt.events if isinstance(e, tuple)), rt.events
@@ -471,7 +482,7 @@ def test_service_lifecycle(workspace, ray_client_cleanup):
         out = cli(root, second, "submit", str(unknown_reward))
         assert out.returncode == 2 and "adapter 'r' rejected" in out.stderr and "reward" in out.stderr
         bad = {
-            "rank: 64 -> must be <= model.max_rank (8)": adapter_yaml(root, "big", rank=64),
+            "rank=64 is not allowed; allowed: an integer <= model.max_rank (8)": adapter_yaml(root, "big", rank=64),
             "already RUNNING": adapter_yaml(root, "c"),
             "dataset": adapter_yaml(root, "d", dataset={"path": "json", "data_files": str(root / "none.jsonl")}),
             "already at adapter step": adapter_yaml(root, "b", max_steps=steps["b"]),

@@ -261,8 +261,8 @@ def test_grpo_loop_drives_sglangs_app(oracle, tmp_path):
     }
     mark = oracle.mark()
     rt = run(parse_run_config(cfg))
-    assert rt.engine.tp_size == 1 and rt.engine.module_shapes == rt.model.layer_shapes
-    assert all(rec.state.value == "DRAINED" for rec in rt.controller.records.values())
+    assert rt.engine.tp_size == 1 and rt.engine.module_shapes == rt.backend.model.layer_shapes
+    assert all(rec.state.value == "DRAINED" for rec in rt.tenants.tenants.values())
     rows = read_metrics(run_dir)
     assert sorted((r["adapter"], r["adapter_step"]) for r in rows) == [("t1", 1), ("t1", 2), ("t2", 1), ("t2", 2)]
     assert all(r["failed_samples"] == 0 and r["n_samples"] == 4 for r in rows)
@@ -271,7 +271,7 @@ def test_grpo_loop_drives_sglangs_app(oracle, tmp_path):
     assert gens and all(e["lora_path"] in ("t1", "t2") and e["lora_id"] for e in gens)
     # Initial push + one sync per step, each a single pause; every push after the first replaces a loaded name.
     pauses = [e for e in events if e["event"] == "pause"]
-    assert len(pauses) == rt.sync_.pauses
+    assert len(pauses) == rt.weight_sync.pauses
     assert all(p["mode"] == "abort" for p in pauses)
     loads = [e["lora_name"] for e in events if e["event"] == "backend_loaded"]
     assert loads.count("t1") >= 2 and loads.count("t2") >= 2

@@ -10,16 +10,10 @@ import statistics
 import pytest
 import torch
 
-from rl_multilora.trainer import (
-    AdapterStepStats,
-    GRPOConfig,
-    MultiLoRATrainer,
-    OptimConfig,
-    compute_advantages,
-    kl_penalty,
-    lr_multiplier,
-    policy_loss,
-)
+from rl_multilora.backends.base import AdapterStepStats
+from rl_multilora.config import ConfigError, GRPOSettings, OptimSettings, parse_run_config
+from rl_multilora.grpo import compute_advantages, kl_penalty, lr_multiplier, policy_loss
+from rl_multilora.trainer import MultiLoRATrainer
 from rollout.types import AdapterRef, Sample, SampleStatus
 from tests.tiny_models import PAD_ID, tiny_model
 
@@ -57,15 +51,21 @@ def random_samples(name: str, n_groups: int, group_size: int, seed: int) -> list
     return out
 
 
-def build(names, cfg: GRPOConfig | None = None, optim: OptimConfig | None = None, dtype=torch.float32):
+def optim_of(lr: float = 1e-4, total_steps: int | None = None, **settings) -> tuple[OptimSettings, float, int | None]:
+    """An adapter's optimizer as the trainer takes it: (its `optim:` section, its lr, its max_steps)."""
+    return OptimSettings(**settings), lr, total_steps
+
+
+def build(names, cfg: GRPOSettings | None = None, optim: tuple | None = None, dtype=torch.float32):
     from rl_multilora.lora import MultiLoRAModel
 
     base = tiny_model(seed=0, vocab=VOCAB).to(dtype)
     model = MultiLoRAModel.from_model(base, max_loras=4, max_rank=16, target_modules="all-linear", lora_dtype=dtype)
-    trainer = MultiLoRATrainer(model, cfg or GRPOConfig(micro_batch_size=3), pad_token_id=PAD_ID)
+    trainer = MultiLoRATrainer(model, cfg or GRPOSettings(micro_batch_size=3), pad_token_id=PAD_ID)
     for n in names:
         model.add_adapter(n, rank=RANKS[n], alpha=2 * RANKS[n], seed=SEEDS[n])
-        trainer.add_adapter(n, optim or OptimConfig(lr=1e-2))
+        settings, lr, max_steps = optim or optim_of(lr=1e-2)
+        trainer.add_adapter(n, settings, lr=lr, max_steps=max_steps)
     return model, trainer
 
 
@@ -167,25 +167,35 @@ def test_kl_penalty_k1_k3_against_direct_computation():
 
 
 def test_lr_schedule_warmup_and_cosine_values():
-    cfg = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    cfg = OptimSettings(schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
     for k, want in [(0, 0.25), (1, 0.5), (3, 1.0), (4, 1.0), (9, 0.55), (14, 0.1), (20, 0.1)]:
-        assert lr_multiplier(k, cfg) == pytest.approx(want, abs=1e-12), k
+        assert lr_multiplier(k, cfg, 14) == pytest.approx(want, abs=1e-12), k
     k = 6
-    assert lr_multiplier(k, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
-    constant = OptimConfig(warmup_steps=2)
-    assert [lr_multiplier(k, constant) for k in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_multiplier(k, cfg, 14) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
+    constant = OptimSettings(warmup_steps=2)
+    assert [lr_multiplier(k, constant, None) for k in range(4)] == [0.5, 1.0, 1.0, 1.0]
 
 
 def test_config_errors_name_field_value_and_allowed():
+    # The trainer takes the validated config sections; their errors come from config validation.
+    def parse(grpo=None, **adapter):
+        adapter = {"name": "a", "dataset": {"path": "json"}, "reward": {"name": "gsm8k"}, "max_steps": 4, **adapter}
+        return parse_run_config({"model": {"path": "m"}, "grpo": grpo or {}, "adapters": [adapter]})
+
     with pytest.raises(ValueError, match=r"loss_agg='mean'.*token-mean"):
-        GRPOConfig(loss_agg="mean")
+        parse(grpo={"loss_agg": "mean"})
     with pytest.raises(ValueError) as err:
-        GRPOConfig(kl_type="k2", micro_batch_size=0)
+        parse(grpo={"kl_type": "k2", "micro_batch_size": 0})
     assert "kl_type='k2'" in str(err.value) and "micro_batch_size=0" in str(err.value)
-    with pytest.raises(ValueError, match=r"total_steps=None.*cosine"):
-        OptimConfig(schedule="cosine")
+    with pytest.raises(ConfigError, match=r"max_steps=None.*cosine"):
+        parse(optim={"schedule": "cosine"}, max_steps=None, epochs=1.0)
     with pytest.raises(ValueError, match=r"lr=-1"):
-        OptimConfig(lr=-1)
+        parse(lr=-1)
+    # The trainer refuses the same cosine schedule without a budget at admission, not mid-run.
+    _, trainer = build([])
+    trainer.model.add_adapter("a", rank=4, alpha=8)
+    with pytest.raises(ValueError, match=r"max_steps=None.*cosine"):
+        trainer.add_adapter("a", OptimSettings(schedule="cosine"), lr=1e-3, max_steps=None)
 
 
 # ----- training -----
@@ -194,9 +204,9 @@ def test_config_errors_name_field_value_and_allowed():
 @pytest.mark.parametrize(
     "cfg",
     [
-        GRPOConfig(micro_batch_size=3, kl_coef=0.1, entropy_coef=0.01),
-        GRPOConfig(micro_batch_size=4, loss_agg="seq-mean-token-mean"),
-        GRPOConfig(micro_batch_size=5, loss_agg="seq-mean-token-sum", ppo_epochs=2),
+        GRPOSettings(micro_batch_size=3, kl_coef=0.1, entropy_coef=0.01),
+        GRPOSettings(micro_batch_size=4, loss_agg="seq-mean-token-mean"),
+        GRPOSettings(micro_batch_size=5, loss_agg="seq-mean-token-sum", ppo_epochs=2),
     ],
     ids=["token-mean+kl+entropy", "seq-mean-token-mean", "seq-mean-token-sum-2epochs"],
 )
@@ -223,7 +233,7 @@ def test_isolation_mixed_batch_equals_training_alone(cfg):
 
 
 def test_only_present_adapters_step_and_base_is_frozen():
-    model, trainer = build(["a", "b"], optim=OptimConfig(lr=1e-2, weight_decay=0.1))
+    model, trainer = build(["a", "b"], optim=optim_of(lr=1e-2, weight_decay=0.1))
     a_before = params_of(model, "a")
     others_before = other_params(model, ["a"])
     b_opt_before = copy.deepcopy(trainer.optimizer_state_dict("b"))
@@ -236,7 +246,7 @@ def test_only_present_adapters_step_and_base_is_frozen():
         assert torch.equal(v, others_before[k]), k  # base weights and b's slot are bit-identical
     b_opt_after = trainer.optimizer_state_dict("b")
     assert b_opt_after["optimizer"]["state"] == {} == b_opt_before["optimizer"]["state"]
-    assert b_opt_after["scheduler"] == b_opt_before["scheduler"] and b_opt_after["step"] == 0
+    assert b_opt_after["scheduler"] == b_opt_before["scheduler"] and trainer.adapter_step("b") == 0
 
 
 def test_uniform_batch_is_no_step():
@@ -293,7 +303,7 @@ def _direct_logprobs(model, rows: list[Sample], adapter: str | None) -> list[tor
 
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
 def test_kl_zero_for_fresh_adapter_then_matches_direct_formula(kl_type):
-    model, trainer = build(["a"], GRPOConfig(micro_batch_size=4, kl_coef=0.5, kl_type=kl_type))
+    model, trainer = build(["a"], GRPOSettings(micro_batch_size=4, kl_coef=0.5, kl_type=kl_type))
     first = trainer.train_step(random_samples("a", 2, 3, seed=1))["a"]
     assert abs(first.kl) < 1e-6  # lora_B = 0: the adapter is the base model
 
@@ -324,8 +334,8 @@ def test_logprob_gap_measures_rollout_vs_trainer_mismatch():
 
 
 def test_clip_frac_reported_on_second_ppo_epoch():
-    cfg = GRPOConfig(micro_batch_size=8, ppo_epochs=2, eps_clip=0.0, eps_clip_high=0.0)
-    _, trainer = build(["a"], cfg, OptimConfig(lr=5e-2, max_grad_norm=None))
+    cfg = GRPOSettings(micro_batch_size=8, ppo_epochs=2, eps_clip=0.0, eps_clip_high=0.0)
+    _, trainer = build(["a"], cfg, optim_of(lr=5e-2, max_grad_norm=None))
     stats = trainer.train_step(random_samples("a", 2, 4, seed=9))["a"]
     # Epoch 1 has ratio 1 (nothing clipped); after one step nearly every ratio leaves the zero-width clip range.
     assert stats.n_steps == 2 and trainer.adapter_step("a") == 2
@@ -350,11 +360,11 @@ def test_stale_failed_and_empty_samples_are_excluded_and_counted():
 
 
 def test_lr_follows_schedule_and_optimizer_state_round_trips():
-    optim = OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=6, weight_decay=0.01)
+    optim = optim_of(lr=1e-2, schedule="cosine", warmup_steps=2, total_steps=6, weight_decay=0.01)
     model, trainer = build(["a"], optim=optim)
     batches = [random_samples("a", 2, 3, seed=40 + k) for k in range(4)]
     lrs = [trainer.train_step(copy.deepcopy(b))["a"].lr for b in batches[:3]]
-    assert lrs == pytest.approx([1e-2 * lr_multiplier(k, optim) for k in range(3)])
+    assert lrs == pytest.approx([1e-2 * lr_multiplier(k, optim[0], optim[2]) for k in range(3)])
 
     saved_params = params_of(model, "a")
     saved_state = copy.deepcopy(trainer.optimizer_state_dict("a"))
@@ -369,7 +379,7 @@ def test_lr_follows_schedule_and_optimizer_state_round_trips():
     last2 = trainer2.train_step(copy.deepcopy(batches[3]))["a"]
     assert last2.lr == last.lr and last2.loss == pytest.approx(last.loss, abs=1e-7)
     assert_same(params_of(model2, "a"), params_of(model, "a"))
-    assert trainer2.optimizer_state_dict("a")["step"] == trainer.optimizer_state_dict("a")["step"] == 4
+    assert trainer2.adapter_step("a") == trainer.adapter_step("a") == 4
 
 
 def test_trainer_rejects_unknown_adapter_and_duplicate_registration():
@@ -377,7 +387,7 @@ def test_trainer_rejects_unknown_adapter_and_duplicate_registration():
     with pytest.raises(KeyError, match="'zzz'"):
         trainer.train_step([sample("zzz", 0, 1.0)])
     with pytest.raises(ValueError, match="already has an optimizer"):
-        trainer.add_adapter("a", OptimConfig())
+        trainer.add_adapter("a", OptimSettings(), lr=1e-4)
     trainer.model.remove_adapter("a")
     with pytest.raises(RuntimeError, match="no longer in the model"):
         trainer.train_step([sample("a", 0, 1.0)])

@@ -2,6 +2,8 @@
 
 import torch
 
+from rl_multilora.config import AdapterConfig
+from rl_multilora.tenants import Tenant
 from rl_multilora.weight_sync import WeightSync
 
 
@@ -23,7 +25,7 @@ class RecordingEngine:
         self.calls.append(("unload", name))
 
 
-class FakeModel:
+class FakeBackend:
     def adapter_state_dict(self, name):
         return {
             "base_model.model.x.lora_A.weight": torch.zeros(2, 8),
@@ -34,14 +36,22 @@ class FakeModel:
         return {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
 
 
+def _tenant(name, slot):
+    cfg = AdapterConfig(name=name, dataset={"path": "json"}, reward={"name": "gsm8k"}, max_steps=2, rank=2)
+    return Tenant(cfg=cfg, slot=slot, dirty=True)
+
+
 def test_one_pause_only_changed_pushed_versions_bump():
     eng = RecordingEngine()
-    ws = WeightSync(eng, FakeModel())
-    st = ws.sync(push=["a", "b"], unload=[])
+    ws = WeightSync(eng, FakeBackend())
+    a, b = _tenant("a", 0), _tenant("b", 1)
+    st = ws.sync(push=[a, b], unload=[])
     assert st.adapters_pushed == ["a", "b"] and st.bytes_pushed == 2 * (16 + 16) * 4  # two adapters, fp32
-    st = ws.sync(push=["a", "a"], unload=["b"])
+    assert (a.weight_version, b.weight_version, a.in_engine, a.dirty) == (0, 0, True, False)
+    b.slot = None  # b left
+    st = ws.sync(push=[a], unload=[b])
     assert eng.calls[4:] == [("pause",), ("unload", "b"), ("load", "a", 1), ("resume",)]
-    assert ws.versions == {"a": 1} and ws.pauses == 2
+    assert a.weight_version == 1 and not b.in_engine and ws.pauses == 2
     assert st.adapters_unloaded == ["b"]
     # Nothing changed: no pause at all.
     assert not ws.sync(push=[], unload=[]).paused and ws.pauses == 2

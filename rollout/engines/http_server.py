@@ -50,10 +50,6 @@ from safetensors.torch import load_file
 
 from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME
 from rollout.engines.base import RolloutEngine
-
-# `rl-multilora engine-serve` moved to rollout.engines.serve; rl_multilora/cli.py still imports `main` from here.
-# Remove this re-export once it imports rollout.engines.serve (which imports this module only inside `main`).
-from rollout.engines.serve import main  # noqa: F401
 from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,

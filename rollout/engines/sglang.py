@@ -43,10 +43,6 @@ import torch
 
 from rl_multilora.lora import CONFIG_NAME, validate_adapter_name
 from rollout.engines.base import RolloutEngine
-
-# The launcher's old home: rl_multilora/loop.py imports `SGLangLauncher` from here. Remove this re-export once it
-# imports it from rollout.engines.sglang_launcher (which imports this module only inside `attach`).
-from rollout.engines.sglang_launcher import SGLangLauncher  # noqa: F401
 from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,

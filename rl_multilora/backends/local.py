@@ -1,0 +1,90 @@
+"""The local training backend: the multi-LoRA model and the GRPO trainer in this process, on one device.
+
+It is what CPU runs and single-GPU runs use, and what the embedded engine shares its frozen base with (the engine
+keeps its own copy of the LoRA slots, so a trained adapter reaches rollouts only through the weight sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.config import AdapterConfig, RunConfig
+from rl_multilora.lora import MultiLoRAModel
+from rl_multilora.trainer import MultiLoRATrainer
+from rollout.types import Sample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LocalBackend(TrainingBackend):
+    """`MultiLoRAModel` + `MultiLoRATrainer` behind the `TrainingBackend` interface."""
+
+    def __init__(self, model: MultiLoRAModel, trainer: MultiLoRATrainer):
+        self.model = model
+        self.trainer = trainer
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, pad_token_id: int) -> LocalBackend:
+        """Load the base from `cfg.model` with its slots and build the trainer from `cfg.grpo` as it is."""
+        model = MultiLoRAModel.from_pretrained(
+            cfg.model.path,
+            max_loras=cfg.model.max_loras,
+            max_rank=cfg.model.max_rank,
+            target_modules=cfg.model.target_modules,
+            dtype=getattr(torch, cfg.model.dtype),
+        ).to(resolve_device(cfg.model.device))
+        # The trainer scales logits like the sampler did, so its log-probs match the rollout's (greedy: none).
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        return cls(model, MultiLoRATrainer(model, cfg.grpo, pad_token_id=pad_token_id, temperature=temperature))
+
+    @property
+    def max_loras(self) -> int:
+        return self.model.max_loras
+
+    def free_slots(self) -> list[int]:
+        return self.model.free_slots
+
+    def add_adapter(self, cfg: AdapterConfig) -> int:
+        slot = self.model.add_adapter(
+            cfg.name, rank=cfg.rank, alpha=cfg.alpha, seed=cfg.seed, target_modules=cfg.target_modules
+        )
+        try:
+            self.trainer.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps)
+        except BaseException:
+            self.model.remove_adapter(cfg.name)
+            raise
+        return slot
+
+    def remove_adapter(self, name: str) -> None:
+        self.trainer.remove_adapter(name)
+        self.model.remove_adapter(name)
+
+    def train_step(
+        self, samples: Sequence[Sample], current_versions: Mapping[str, int], max_steps: Mapping[str, int]
+    ) -> dict[str, AdapterStepStats]:
+        return self.trainer.train_step(samples, current_versions=dict(current_versions), max_steps=dict(max_steps))
+
+    def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        return self.model.adapter_state_dict(name)
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        return self.model.peft_config(name)
+
+    def load_adapter_state_dict(
+        self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], source: str
+    ) -> None:
+        self.model.load_adapter_state_dict(name, tensors, config, source=source)
+
+    def optimizer_state_dict(self, name: str) -> dict[str, Any]:
+        return self.trainer.optimizer_state_dict(name)
+
+    def load_optimizer_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
+        self.trainer.load_optimizer_state_dict(name, state)

@@ -1,0 +1,427 @@
+"""Tenants: the one record of each adapter in a run, and the one place that moves it through its life.
+
+A `Tenant` owns every fact about its adapter: config, state, slot, adapter step (optimizer steps taken), weight
+version (what the engine was last given) and whether the engine holds a current copy. Nothing else keeps these:
+the training backend, the data source and the engine act on a tenant when `TenantManager` tells them to, and the
+weight sync, checkpoints and metrics read the tenant.
+
+States only move forward: PENDING -> RUNNING -> DRAINING -> DRAINED -> REMOVED, and any live state -> FAILED.
+- PENDING: registered and validated, waiting for a free slot; starts at the next step once it has one.
+- RUNNING: gets prompts every step.
+- DRAINING: gets no new prompts; its in-flight samples still finish and train, then it is checkpointed.
+- DRAINED: final checkpoint written; its slot is freed and the engine unloads it at the next sync.
+- REMOVED: unloaded everywhere; the record stays for status and metrics.
+- FAILED: stopped for a reason (kept in `reason`); its last good weights are checkpointed and its slot freed.
+
+`TenantTable` is the state machine alone (no I/O, testable on its own). `TenantManager` adds the fan-out of each
+transition: start (backend slot + optimizer, data cursor, checkpoint restore, push at the next sync), release
+(backend, data, unload at the next sync), retire (budget -> final checkpoint -> release), fail; and the run-state
+persistence (`run_state.json`).
+
+Step counters: `adapter_step` advances by the optimizer steps the backend reports for the tenant
+(`AdapterStepStats.n_steps`), so an adapter that got no usable samples does not skip data it never trained on
+(Miles #1141 review), and with `grpo.ppo_epochs > 1` counter, budget (`max_steps`) and LR schedule count the same
+optimizer steps. Each train step is capped at the tenant's remaining budget.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rl_multilora.checkpoint import AdapterSnapshot, check_compatible, prune_metrics
+from rl_multilora.config import AdapterConfig
+from rl_multilora.errors import bad_value
+from rollout.types import AdapterRef
+
+if TYPE_CHECKING:
+    from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+    from rl_multilora.checkpoint import CheckpointManager
+    from rl_multilora.config import RunConfig
+    from rollout.data_source import MultiLoRADataSource
+
+log = logging.getLogger("rl_multilora")
+
+
+class TenantState(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    DRAINING = "DRAINING"
+    DRAINED = "DRAINED"
+    REMOVED = "REMOVED"
+    FAILED = "FAILED"
+
+
+_ORDER = [TenantState.PENDING, TenantState.RUNNING, TenantState.DRAINING, TenantState.DRAINED, TenantState.REMOVED]
+LIVE = frozenset({TenantState.PENDING, TenantState.RUNNING, TenantState.DRAINING})
+FINISHED = frozenset({TenantState.DRAINED, TenantState.REMOVED, TenantState.FAILED})
+
+
+class TenantError(ValueError):
+    """A tenant operation the current state does not allow (clear message, no state change)."""
+
+
+@dataclass
+class Tenant:
+    """One adapter of the run. See the module docstring for who may change what."""
+
+    cfg: AdapterConfig
+    state: TenantState = TenantState.PENDING
+    slot: int | None = None  # the backend's slot while it holds one (RUNNING, DRAINING)
+    adapter_step: int = 0  # optimizer steps taken
+    weight_version: int | None = None  # version of the last push (continues from a resumed checkpoint)
+    in_engine: bool = False  # the engine holds a copy (pushed and not unloaded since)
+    dirty: bool = False  # the slot changed since the last push: the next sync pushes it
+    reason: str | None = None
+    last_reward: float | None = None
+    last_checkpoint: str | None = None
+    registered_at: float = field(default_factory=time.time)
+    nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def steps_left(self) -> int | None:
+        """Optimizer steps left in the budget (None: no step budget)."""
+        return None if self.cfg.max_steps is None else max(0, self.cfg.max_steps - self.adapter_step)
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "slot": self.slot,
+            "adapter_step": self.adapter_step,
+            "max_steps": self.cfg.max_steps,
+            "weight_version": self.weight_version,
+            "last_reward": self.last_reward,
+            "last_checkpoint": self.last_checkpoint,
+            "reason": self.reason,
+        }
+
+
+class TenantTable:
+    """The registry of tenants and their state machine; no tensors, no files."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        self.global_step = 0
+
+    # -- views ----------------------------------------------------------------------------------------------------
+    def get(self, name: str) -> Tenant:
+        if name not in self.tenants:
+            known = ", ".join(sorted(self.tenants)) or "none"
+            raise TenantError(
+                bad_value("adapter", name, f"a registered adapter; {name!r} is not registered (known: {known})")
+            )
+        return self.tenants[name]
+
+    def in_state(self, *states: TenantState) -> list[Tenant]:
+        return [t for t in self.tenants.values() if t.state in states]
+
+    def running(self) -> list[Tenant]:
+        return self.in_state(TenantState.RUNNING)
+
+    def pending_in_order(self) -> list[Tenant]:
+        return sorted(self.in_state(TenantState.PENDING), key=lambda t: t.registered_at)
+
+    def used_slots(self) -> set[int]:
+        return {t.slot for t in self.tenants.values() if t.slot is not None}
+
+    def all_done(self) -> bool:
+        """True when no adapter is live (single-run mode exits then)."""
+        return not any(t.state in LIVE for t in self.tenants.values())
+
+    def status(self) -> list[dict[str, Any]]:
+        return [t.to_status() for t in sorted(self.tenants.values(), key=lambda t: t.registered_at)]
+
+    # -- transitions ----------------------------------------------------------------------------------------------
+    def register(self, cfg: AdapterConfig) -> Tenant:
+        """Add a validated adapter as PENDING. A name may be reused only after its previous tenant left."""
+        old = self.tenants.get(cfg.name)
+        if old is not None and old.state in LIVE | {TenantState.DRAINED}:
+            raise TenantError(
+                bad_value("name", cfg.name, f"a name no live adapter has (it is already {old.state.value})")
+            )
+        t = Tenant(cfg=cfg)
+        self.tenants[cfg.name] = t
+        return t
+
+    def _move(self, t: Tenant, new: TenantState) -> None:
+        if t.state == TenantState.FAILED or (new != TenantState.FAILED and _ORDER.index(new) <= _ORDER.index(t.state)):
+            raise TenantError(f"adapter {t.name!r}: cannot move from {t.state.value} to {new.value}")
+        t.state = new
+
+    def activate(self, name: str, slot: int) -> Tenant:
+        t = self.get(name)
+        self._move(t, TenantState.RUNNING)
+        t.slot = slot
+        return t
+
+    def drain(self, name: str, reason: str | None = None) -> None:
+        t = self.get(name)
+        if t.state == TenantState.PENDING:  # never started: nothing in flight, nothing to checkpoint
+            t.state = TenantState.REMOVED
+            t.reason = reason
+            return
+        if t.state == TenantState.RUNNING:
+            self._move(t, TenantState.DRAINING)
+            t.reason = reason
+
+    def mark_drained(self, name: str) -> int | None:
+        """DRAINING -> DRAINED; frees the slot and returns it."""
+        t = self.get(name)
+        self._move(t, TenantState.DRAINED)
+        slot, t.slot = t.slot, None
+        return slot
+
+    def mark_removed(self, name: str) -> None:
+        t = self.get(name)
+        if t.state == TenantState.DRAINED:
+            self._move(t, TenantState.REMOVED)
+
+    def mark_failed(self, name: str, reason: str) -> int | None:
+        """Any live state -> FAILED; frees the slot and returns it."""
+        t = self.get(name)
+        self._move(t, TenantState.FAILED)
+        t.reason = reason
+        slot, t.slot = t.slot, None
+        return slot
+
+    # -- persistence ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "adapters": {
+                n: {**t.to_status(), "config": t.cfg.model_dump(mode="json"), "registered_at": t.registered_at}
+                for n, t in self.tenants.items()
+            },
+        }
+
+
+class TenantManager(TenantTable):
+    """The state machine plus the fan-out of every transition to backend, data source, checkpoints and sync."""
+
+    def __init__(
+        self, cfg: RunConfig, backend: TrainingBackend, data: MultiLoRADataSource, ckpt: CheckpointManager
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.data = data
+        self.ckpt = ckpt
+
+    @property
+    def max_loras(self) -> int:
+        return self.backend.max_loras
+
+    def free_slots(self) -> list[int]:
+        return self.backend.free_slots()
+
+    # -- admission ------------------------------------------------------------------------------------------------
+    def admit_pending(self) -> list[str]:
+        """PENDING -> RUNNING for as many as there are free slots, oldest first; returns the admitted names."""
+        admitted = []
+        for t in self.pending_in_order():
+            if not self.free_slots():
+                break
+            self._start(t)
+            admitted.append(t.name)
+        return admitted
+
+    def _start(self, t: Tenant) -> None:
+        """Slot + optimizer, data cursor, restore from its newest checkpoint, and a push at the next sync."""
+        a = t.cfg
+        self.activate(a.name, self.backend.add_adapter(a))
+        n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
+        self.data.add_adapter(
+            AdapterRef(a.name, t.slot),
+            a.dataset,
+            a.reward,
+            seed=a.seed,
+            prompts_per_step=a.prompts_per_step,
+            n_samples_per_prompt=n,
+            max_epochs=a.epochs,
+        )
+        if self.cfg.checkpoint.resume != "never" and self._restore(t) and self.budget_done(t):
+            # Killed after its final checkpoint but before the run state recorded DRAINED: training it would take a
+            # step past its budget. It leaves at once, never pushed; its checkpoint is already final.
+            self.drain(t.name, "budget reached")
+            self._release(t)
+            self.mark_drained(t.name)
+            return
+        t.dirty = True
+
+    def _restore(self, t: Tenant) -> bool:
+        """Load `t`'s newest committed checkpoint into its (already added) slot, optimizer and data cursor.
+
+        Also rolls metrics.jsonl back to that checkpoint, including when there is none: the adapter then starts over
+        and its earlier rows go (see rl_multilora.checkpoint).
+        """
+        committed = self.global_step if self.ckpt.read_run_state() is not None else None
+        found = self.ckpt.load_adapter(t.name, committed)
+        if found is None:
+            prune_metrics(self.ckpt.run_dir, {t.name: None})
+            return False
+        snap = found.snapshot
+        check_compatible(t.name, t.cfg.model_dump(mode="json"), snap.meta.get("config", {}), found.path)
+        self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(found.path))
+        self.backend.load_optimizer_state_dict(t.name, snap.optimizer)
+        self.data.load_state_dict(t.name, snap.data_state)
+        t.adapter_step = snap.adapter_step
+        t.last_checkpoint = str(found.path)
+        t.last_reward = snap.meta.get("last_reward")
+        # Versions continue from the checkpoint (the next push makes it +1), as in an uninterrupted run.
+        t.weight_version = snap.meta.get("weight_version")
+        dropped = prune_metrics(self.ckpt.run_dir, {t.name: int(snap.meta["global_step"])})
+        log.info(
+            "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
+            t.name,
+            found.path,
+            t.adapter_step,
+            dropped,
+        )
+        return True
+
+    # -- leaving --------------------------------------------------------------------------------------------------
+    def _release(self, t: Tenant) -> None:
+        """Free everything a leaving adapter holds: slot and optimizer, data cursor; unloaded at the next sync."""
+        self.backend.remove_adapter(t.name)
+        self.data.remove_adapter(t.name)
+        t.dirty = False
+
+    def budget_done(self, t: Tenant) -> bool:
+        return t.steps_left() == 0 or self.data.exhausted(t.name)
+
+    def retire_finished(self) -> None:
+        """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED)."""
+        for t in self.running():
+            if self.budget_done(t):
+                self.drain(t.name, "budget reached")
+        for t in self.in_state(TenantState.DRAINING):
+            self.save_checkpoint(t)
+            self._release(t)
+            self.mark_drained(t.name)
+
+    def fail(self, name: str, reason: str) -> None:
+        """FAILED: keep its last good weights in a final checkpoint, free its slot; the others go on."""
+        t = self.get(name)
+        log.warning("adapter %s FAILED: %s", name, reason)
+        if t.slot is not None:
+            # The trainer never applies a non-finite step, so the slot still holds the last good weights.
+            self.save_checkpoint(t, note=f"FAILED: {reason}")
+            self._release(t)
+        self.mark_failed(name, reason)
+
+    # -- training -------------------------------------------------------------------------------------------------
+    def step_limits(self) -> dict[str, int]:
+        """Optimizer steps each running tenant may still take (only tenants with a step budget)."""
+        return {t.name: left for t in self.running() if (left := t.steps_left()) is not None}
+
+    def current_versions(self) -> dict[str, int]:
+        return {t.name: t.weight_version for t in self.tenants.values() if t.weight_version is not None}
+
+    def record_trained(self, name: str, st: AdapterStepStats | None) -> None:
+        """Count the optimizer steps `name` took this step; a stepped adapter is pushed at the next sync."""
+        t = self.get(name)
+        if st is None:
+            return
+        if st.stepped:
+            t.adapter_step += st.n_steps
+            t.dirty = True
+        t.nonfinite_streak = t.nonfinite_streak + 1 if st.skipped_nonfinite else 0
+
+    # -- sync -----------------------------------------------------------------------------------------------------
+    def to_push(self) -> list[Tenant]:
+        """Tenants whose slot changed since the engine last got it (trained, or just admitted)."""
+        return [t for t in self.tenants.values() if t.dirty and t.slot is not None]
+
+    def to_unload(self) -> list[Tenant]:
+        """Tenants that left (no slot) while the engine still holds them."""
+        return [t for t in self.tenants.values() if t.in_engine and t.slot is None]
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def snapshot(self, t: Tenant, note: str | None = None, in_step: bool = True) -> AdapterSnapshot:
+        """What a checkpoint of `t` holds. `in_step`: taken during global step `global_step` (committed once the
+        run state records that step as done), or between steps (committed already)."""
+        return AdapterSnapshot(
+            tensors=self.backend.adapter_state_dict(t.name),
+            peft_config=self.backend.peft_config(t.name),
+            optimizer=self.backend.optimizer_state_dict(t.name),
+            data_state=self.data.state_dict(t.name),
+            meta={
+                "adapter_step": t.adapter_step,
+                "global_step": self.global_step,
+                "steps_done": self.global_step + int(in_step),
+                "weight_version": t.weight_version,
+                "state": t.state.value,
+                "note": note,
+                "last_reward": t.last_reward,
+                "rng": {"adapter_seed": t.cfg.seed, "counters": "data_state.json (epoch, cursor, group_counter)"},
+                "config": t.cfg.model_dump(mode="json"),
+            },
+        )
+
+    def save_checkpoint(self, t: Tenant, note: str | None = None, in_step: bool = True) -> None:
+        t.last_checkpoint = str(self.ckpt.save_adapter(t.name, self.snapshot(t, note, in_step)))
+
+    def checkpoint_all(self) -> None:
+        """Between steps (a stop): checkpoint every adapter that holds a slot, then the run state."""
+        for t in self.in_state(TenantState.RUNNING, TenantState.DRAINING):
+            self.save_checkpoint(t, in_step=False)
+        self.save_run_state()
+
+    # -- run state ------------------------------------------------------------------------------------------------
+    def save_run_state(self) -> None:
+        self.ckpt.write_run_state(self.state_dict())
+
+    def restore_run_state(self) -> bool:
+        """Bring back the global step and the adapters that already finished (so they are not retrained).
+
+        An adapter that finished its budget and whose budget (`max_steps`, `epochs`) is different in this run's
+        config is not brought back as finished: it resumes from its checkpoint under the new budget.
+
+        `checkpoint.resume`: "never" archives whatever an earlier run left (`archive_previous`) and starts clean;
+        "always" requires run state or a checkpoint; "auto" resumes when there is something to resume.
+        """
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            self.ckpt.archive_previous()
+            return False
+        state = self.ckpt.read_run_state()
+        if mode == "always" and state is None and not self.ckpt.has_checkpoints():
+            raise FileNotFoundError(
+                f"checkpoint.resume: 'always' (--resume) but {self.ckpt.run_dir} has no run_state.json and no "
+                "checkpoint; run without --resume to start a new run"
+            )
+        prune_metrics(self.ckpt.run_dir, {})  # finish an interrupted rewrite, drop a torn last row
+        if state is None:
+            return False
+        self.global_step = int(state["global_step"])
+        configured = {a.name: a for a in self.cfg.adapters}
+        for name, s in state["adapters"].items():
+            st = TenantState(s["state"])
+            if st not in FINISHED:
+                continue
+            cfg = AdapterConfig.model_validate(s["config"])
+            new = configured.get(name)
+            if (
+                st != TenantState.FAILED
+                and s.get("reason") == "budget reached"
+                and new is not None
+                and (new.max_steps, new.epochs) != (cfg.max_steps, cfg.epochs)
+            ):
+                # Its budget was changed for this run: it registers from the config and resumes from its
+                # checkpoint, to train further (or leaves at once when it is still at or past the new budget).
+                continue
+            t = Tenant(cfg=cfg, state=st)
+            t.adapter_step = s["adapter_step"]
+            t.reason = s.get("reason")
+            t.last_checkpoint = s.get("last_checkpoint")
+            t.last_reward = s.get("last_reward")
+            t.registered_at = s.get("registered_at", t.registered_at)
+            self.tenants[name] = t
+        return True
