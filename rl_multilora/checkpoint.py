@@ -336,6 +336,26 @@ class CheckpointManager:
         shutil.rmtree(doomed, ignore_errors=True)
         return ck
 
+    def remove_stale_temps(self) -> list[Path]:
+        """Every temp file or folder a killed or failed write left in the run dir (run state, metrics journal copy,
+        checkpoints); only this process writes the run dir. Returns what was removed."""
+        roots = [self.run_dir]
+        adapters = self.run_dir / "adapters"
+        if adapters.is_dir():
+            roots += [d for d in adapters.iterdir() if d.is_dir()]
+        removed = []
+        for root in roots:
+            if not root.is_dir():
+                continue
+            for p in root.iterdir():
+                if p.name.startswith(TMP_PREFIX):
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+                    removed.append(p)
+        return removed
+
     # -- run state ------------------------------------------------------------------------------------------------
     @property
     def run_state_path(self) -> Path:

@@ -8,8 +8,12 @@ traceback; a bug still shows its traceback. Heavy imports (torch, transformers) 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
+
+# OS errors that are the environment's (space, quota, permissions, read-only file systems), reported without a trace.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -48,16 +52,12 @@ def cmd_run(args) -> int:
     if args.fresh:
         cfg.checkpoint.resume = "never"
     if args.dry_run:
-        from rl_multilora.loop import validate_adapter_resources
+        from rl_multilora.validate import check_run
 
-        problems = [p for a in cfg.adapters for p in validate_adapter_resources(a)]
-        if problems:
-            from rl_multilora.config import ConfigError
-
-            raise ConfigError(problems, args.config)
+        check_run(cfg, args.config)  # the same checks `run` makes before it starts
         print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
         return 0
-    rt = run(cfg)
+    rt = run(cfg, source=args.config)
     summary = summarize(cfg.run_dir)
     print(f"run finished: {cfg.run_dir}")
     for name, s in sorted(summary.items()):
@@ -74,7 +74,13 @@ def cmd_export(args) -> int:
     from pathlib import Path
 
     from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+    from rl_multilora.config import ConfigError
+    from rl_multilora.lora.peft_io import validate_adapter_name
 
+    try:
+        validate_adapter_name(args.name)  # NAME becomes a path under RUN_DIR: no '..', no separators
+    except ValueError as e:
+        raise ConfigError([f"NAME: {e}"]) from None
     manager = CheckpointManager(Path(args.run_dir))
     ck = manager.find(args.name, args.step)
     if ck is None:
@@ -172,6 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        # A full disk, a read-only or forbidden run dir: the machine's problem, not a bug. Checkpoints are written to a
+        # temp folder and renamed, so the last complete one is intact; temp leftovers are removed at the next start.
+        where = f" {e.filename}" if e.filename else ""
+        print(
+            f"error: cannot write{where}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}). Free space or "
+            "fix the permissions, then run the same command again: it resumes from the last complete checkpoint.",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -11,7 +11,7 @@ Design choices:
   keys), then the cross-field checks (rank <= max_rank, unique names, ...). Each line names the field path, the
   value and what is allowed. `ConfigError` carries the list; the CLI prints it and exits 2 without a traceback.
 - Checks that need the outside world (does the dataset load, does the reward resolve) run when an adapter is
-  registered as a tenant (`validate_adapter_resources`), so a service rejects a bad submission the same way
+  registered as a tenant (`rl_multilora.validate`), so a service rejects a bad submission the same way
   a run rejects a bad config.
 - Unknown keys are errors (`extra="forbid"`): a typo such as `learning_rate:` must not be silently ignored.
 """
@@ -19,10 +19,10 @@ Design choices:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rl_multilora.errors import bad_value
 from rl_multilora.lora.peft_io import validate_adapter_name
@@ -42,7 +42,19 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Finite numbers only (`lr: .inf` would train a tenant that never produces a token), and no YAML booleans where
+    # a number is meant (`rank: true` would silently become 1).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in (get_args(annotation) or (annotation,)) and annotation is not Any:
+                kind = getattr(annotation, "__name__", str(annotation))
+                raise ValueError(f"a value of type {kind}, not true/false")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -174,6 +186,12 @@ class CheckpointSettings(_Strict):
 class FaultSettings(_Strict):
     max_nonfinite_steps: int = Field(3, ge=1, description="Consecutive NaN/inf steps before an adapter FAILS.")
     max_reward_fail_steps: int = Field(3, ge=1, description="Consecutive all-failing reward steps before it FAILS.")
+    max_idle_steps: int = Field(
+        20,
+        ge=1,
+        description="Consecutive steps without an optimizer step (all groups uniform, all samples failed) before an "
+        "adapter FAILS, so a tenant with nothing to learn from cannot keep a run from ending.",
+    )
 
 
 class WandbSettings(_Strict):

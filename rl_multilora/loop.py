@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rl_multilora import validate
 from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, ConfigError, RunConfig, dump_config
@@ -80,23 +81,6 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     engine = SGLangEngine(url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes)
     engine.tp_size = tp_size or engine.server_tp_size() or 1
     return engine, launcher
-
-
-def validate_adapter_resources(a: AdapterConfig) -> list[str]:
-    """I/O checks run at registration: the reward resolves and the dataset loads. Returns problems, not raises."""
-    import rewards
-    from rollout.data_source import load_dataset_rows
-
-    problems = []
-    try:
-        rewards.validate(a.reward)
-    except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
-        problems.append(f"adapters.{a.name}.reward: {e}")
-    try:
-        load_dataset_rows(a.dataset)
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"adapters.{a.name}.dataset: {e}")
-    return problems
 
 
 class _Clock:
@@ -179,8 +163,8 @@ class Runtime:
 
     # -- tenants --------------------------------------------------------------------------------------------------
     def register(self, a: AdapterConfig):
-        """Validate an adapter (dataset loads, reward resolves) and add it as PENDING."""
-        problems = validate_adapter_resources(a)
+        """Validate an adapter (reward resolves, dataset has usable rows, targets exist) and add it as PENDING."""
+        problems = validate.adapter_problems(a, self.backend.lora_modules)
         if problems:
             raise ConfigError(problems)
         return self.tenants.register(a)
@@ -206,7 +190,7 @@ class Runtime:
             tenants.record_trained(name, stats.get(name))
         res.records = [self._record(res.step, name, samples, stats.get(name), report) for name in names]
         with clock("checkpoint_s"):
-            self._handle_faults(report)
+            self._handle_faults(report, stats)
             tenants.retire_finished()
             tenants.admit_pending()
             self._save_due_checkpoints(names, stats)
@@ -256,15 +240,24 @@ class Runtime:
             nonfinite_streak=t.nonfinite_streak,
         )
 
-    def _handle_faults(self, report) -> None:
+    def _handle_faults(self, report, stats: dict[str, AdapterStepStats]) -> None:
         tenants = self.tenants
         for name, reason in report.failing.items():
             if name in tenants.tenants and tenants.get(name).state == TenantState.RUNNING:
                 tenants.fail(name, f"reward failing: {reason}")
-        limit = self.cfg.faults.max_nonfinite_steps
+        faults = self.cfg.faults
+        for name, st in stats.items():
+            if st.error is not None and tenants.get(name).state == TenantState.RUNNING:
+                tenants.fail(name, f"malformed sample: {st.error}")
         for t in tenants.running():
-            if t.nonfinite_streak >= limit:
+            if t.nonfinite_streak >= faults.max_nonfinite_steps:
                 tenants.fail(t.name, f"non-finite loss/gradients for {t.nonfinite_streak} consecutive steps")
+            elif t.idle_steps >= faults.max_idle_steps:
+                tenants.fail(
+                    t.name,
+                    f"no optimizer step for {t.idle_steps} consecutive steps (faults.max_idle_steps): every group "
+                    "had uniform rewards or every sample failed, so it had nothing to learn from",
+                )
 
     def _save_due_checkpoints(self, names: list[str], stats: dict[str, AdapterStepStats]) -> None:
         every = self.cfg.checkpoint.save_every
@@ -277,9 +270,7 @@ class Runtime:
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Register the config's adapters, resume run state if any, admit, and push the initial weights."""
-        problems = []
-        for a in self.cfg.adapters:
-            problems += validate_adapter_resources(a)
+        problems = [p for a in self.cfg.adapters for p in validate.adapter_problems(a, self.backend.lora_modules)]
         if problems:
             raise ConfigError(problems)
         self.tenants.restore_run_state()
@@ -310,11 +301,12 @@ class Runtime:
             self.launcher.stop()
 
 
-def run(cfg: RunConfig) -> Runtime:
+def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     """Single-run mode: train until every adapter is done, then write the reward curves."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    validate.check_run(cfg, source)  # everything --dry-run checks, before anything is loaded or written
     rt = Runtime.build(cfg)
     try:
         rt.start()

@@ -186,12 +186,13 @@ class ServiceCore:
     # -- requests (any thread) ------------------------------------------------------------------------------------
     def submit(self, a: AdapterConfig) -> AdapterStatus:
         """Validate and register `a` as PENDING before the next step; raise ServiceError with the reason if not."""
-        from rl_multilora.loop import validate_adapter_resources
+        from rl_multilora import validate
 
         self._check_open()
-        # The I/O checks (dataset loads, reward resolves) run here, in the caller's thread, so a bad submission is
-        # rejected at once instead of after the current step; rt.register repeats them, authoritative, between steps.
-        problems = validate_adapter_resources(a)
+        # The I/O checks (reward resolves, dataset has usable rows, targets exist in the running model) run here, in
+        # the caller's thread, so a bad submission is rejected at once instead of after the current step;
+        # rt.register repeats them, authoritative, between steps.
+        problems = validate.adapter_problems(a, self.rt.backend.lora_modules)
         live = self.status().get(a.name)
         if live is not None and live.state in {s.value for s in _LIVE}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))
@@ -570,6 +571,9 @@ def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code."""
     import ray
 
+    from rl_multilora.validate import check_run
+
+    check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
     # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,
     # or a detached actor would outlive this process on a cluster we joined.
     stop = threading.Event()

@@ -80,6 +80,7 @@ class Tenant:
     last_checkpoint: str | None = None
     registered_at: float = field(default_factory=time.time)
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
+    idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
 
     @property
     def name(self) -> str:
@@ -228,9 +229,23 @@ class TenantManager(TenantTable):
         for t in self.pending_in_order():
             if not self.free_slots():
                 break
-            self._start(t)
+            try:
+                self._start(t)
+            except Exception as e:  # noqa: BLE001 - whatever one tenant's start raises stays with that tenant
+                self._start_failed(t, e)
+                continue
             admitted.append(t.name)
         return admitted
+
+    def _start_failed(self, t: Tenant, e: Exception) -> None:
+        """Undo what `_start` had done for `t` and mark it FAILED; nothing of it stays in the backend or data source."""
+        log.exception("adapter %s could not start", t.name)
+        if t.name in self.data.adapters:
+            self.data.remove_adapter(t.name)
+        if t.name in self.backend.adapters:
+            self.backend.remove_adapter(t.name)
+        t.dirty = False
+        self.mark_failed(t.name, f"could not start: {type(e).__name__}: {e}")
 
     def _start(self, t: Tenant) -> None:
         """Slot + optimizer, data cursor, restore from its newest checkpoint, and a push at the next sync."""
@@ -310,11 +325,12 @@ class TenantManager(TenantTable):
         """FAILED: keep its last good weights in a final checkpoint, free its slot; the others go on."""
         t = self.get(name)
         log.warning("adapter %s FAILED: %s", name, reason)
-        if t.slot is not None:
+        had_slot = t.slot is not None
+        self.mark_failed(name, reason)  # first, so its final checkpoint records the state FAILED
+        if had_slot:
             # The trainer never applies a non-finite step, so the slot still holds the last good weights.
             self.save_checkpoint(t, note=f"FAILED: {reason}")
             self._release(t)
-        self.mark_failed(name, reason)
 
     # -- training -------------------------------------------------------------------------------------------------
     def step_limits(self) -> dict[str, int]:
@@ -327,6 +343,7 @@ class TenantManager(TenantTable):
     def record_trained(self, name: str, st: AdapterStepStats | None) -> None:
         """Count the optimizer steps `name` took this step; a stepped adapter is pushed at the next sync."""
         t = self.get(name)
+        t.idle_steps = 0 if st is not None and st.stepped else t.idle_steps + 1
         if st is None:
             return
         if st.stepped:
@@ -387,6 +404,8 @@ class TenantManager(TenantTable):
         `checkpoint.resume`: "never" archives whatever an earlier run left (`archive_previous`) and starts clean;
         "always" requires run state or a checkpoint; "auto" resumes when there is something to resume.
         """
+        for p in self.ckpt.remove_stale_temps():
+            log.info("removed %s, left by an interrupted write", p)
         mode = self.cfg.checkpoint.resume
         if mode == "never":
             self.ckpt.archive_previous()

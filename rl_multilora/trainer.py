@@ -216,6 +216,22 @@ class MultiLoRATrainer:
             else:
                 live.append(s)
 
+        # A malformed sample (no reward, empty prompt, mismatched mask or log-probs: a hook's or a data bug) costs its
+        # own adapter this step, with the reason in `error`; the other adapters train as if it were not there.
+        for s in live:
+            st = stats[adapter_name_of(s)]
+            if st.error is None:
+                try:
+                    if s.reward is None:
+                        raise ValueError(
+                            f"sample index={s.index} (group_index={s.group_index}) has reward=None: score every "
+                            "sample before training"
+                        )
+                    _make_row(s)
+                except ValueError as e:
+                    st.error = str(e)
+        live = [s for s in live if stats[adapter_name_of(s)].error is None]
+
         adv = compute_advantages(live, self.cfg.normalize_std, self.cfg.drop_uniform_groups)
         for name, n in adv.dropped_groups.items():
             stats[name].dropped_groups = n

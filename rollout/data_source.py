@@ -63,7 +63,7 @@ class DatasetSpec:
     are errors; each field's docstring is its help), so there is no second config type to translate from.
     """
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     path: str
     """`datasets.load_dataset` path: a builder name ("json", "csv", "parquet") used with `data_files`,
@@ -173,6 +173,10 @@ def load_dataset_rows(spec: DatasetSpec):
         if "split" in str(exc).lower():
             raise DatasetError(f"dataset.split={spec.split!r} cannot be read from {spec.path!r}: {exc}") from exc
         raise DatasetError(f"dataset {spec.path!r} cannot be loaded: {exc}") from exc
+    except StopIteration as exc:  # what `datasets` raises for an empty file
+        raise DatasetError(
+            bad_value("dataset.data_files", spec.data_files, "files with at least one row (these have none)")
+        ) from exc
     except Exception as exc:  # datasets raises many types (hub, network, parsing): report them all the same way
         raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     _check_columns(spec, list(rows.column_names))

@@ -36,7 +36,7 @@ class RewardSpec:
     name/path, the function resolves and takes these kwargs).
     """
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     name: str | None = None
     """Built-in reward: gsm8k, math, dapo, exact_match, f1, format."""

@@ -144,6 +144,7 @@ def _assert_failed(rt, run_dir: Path, log: str, name: str, reason: str) -> dict:
     final = Path(rec.last_checkpoint)
     meta = json.loads((final / CKPT_META).read_text())
     assert meta["note"] == f"FAILED: {status['reason']}" and final == CheckpointManager(run_dir).latest(name)
+    assert meta["state"] == "FAILED"  # the final checkpoint records the state it was written for
     state = json.loads((run_dir / "run_state.json").read_text())["adapters"][name]
     assert state["state"] == "FAILED" and state["reason"] == status["reason"]
     return meta

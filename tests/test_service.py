@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -164,6 +165,7 @@ class _GatedRuntime:
         self.cfg = RunConfig(model=ModelConfig(path=str(tmp), max_loras=1, max_rank=8), run_dir=str(tmp / "run"))
         self.run_dir = Path(self.cfg.run_dir)
         self.tenants = _OneSlotTenants()
+        self.backend = SimpleNamespace(lora_modules=None)  # no model: target modules are not checked
         self.ckpt = CheckpointManager(self.run_dir)
         self.started = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)

@@ -49,6 +49,14 @@ class LocalBackend(TrainingBackend):
     def max_loras(self) -> int:
         return self.model.max_loras
 
+    @property
+    def lora_modules(self) -> list[str]:
+        return self.model.lora_modules
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.model.adapters)
+
     def free_slots(self) -> list[int]:
         return self.model.free_slots
 
@@ -64,7 +72,8 @@ class LocalBackend(TrainingBackend):
         return slot
 
     def remove_adapter(self, name: str) -> None:
-        self.trainer.remove_adapter(name)
+        if name in self.trainer.adapters:
+            self.trainer.remove_adapter(name)
         self.model.remove_adapter(name)
 
     def train_step(

@@ -1,0 +1,177 @@
+"""One validation path: everything that can be checked before a tenant starts, for `--dry-run`, `run`, `serve` and
+`submit` alike, so `--dry-run` never calls valid a config that `run` would refuse.
+
+Parsing (`rl_multilora.config`) checks types, ranges, finiteness and cross-field rules without I/O. This module adds
+the checks that need the outside world, each reported as one problem in the project's grammar (`errors.bad_value`):
+
+- run level: the model folder and its files (a local path must be a folder with `config.json`; a Hub id is left to
+  the loader), the device exists, `model.target_modules` names nn.Linear modules of the model (checked on the model
+  built from its config on the meta device: no weights are read), the rollout hooks class imports;
+- per adapter: the reward resolves (`rewards.validate`), the dataset loads and has at least one row with a non-empty
+  prompt and label, and its `target_modules` match modules the model's LoRA covers.
+
+Every function returns problems instead of raising, so one pass reports all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from rl_multilora.config import AdapterConfig, ConfigError, ModelConfig, RunConfig
+from rl_multilora.errors import bad_value
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user meant as a local folder: it exists, is absolute or explicit, or is not shaped like a Hub id."""
+    return os.path.exists(path) or path.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(path)
+
+
+def model_problems(model: ModelConfig) -> list[str]:
+    """The model folder, its config and the device (no weights are read)."""
+    problems = []
+    path = os.path.expanduser(model.path)
+    if _looks_local(path):
+        if os.path.isfile(path):
+            problems.append(bad_value("model.path", model.path, "a folder of an HF model (this is a file)"))
+        elif not os.path.isdir(path):
+            problems.append(bad_value("model.path", model.path, "an existing folder of an HF model, or a Hub id"))
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            problems.append(bad_value("model.path", model.path, "a folder holding an HF model's config.json"))
+    problems += _device_problems(model.device)
+    return problems
+
+
+def _device_problems(device: str) -> list[str]:
+    import torch
+
+    allowed = "'auto', 'cpu', 'cuda' or 'cuda:N' (N < the number of CUDA devices)"
+    if device == "auto":
+        return []
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return [bad_value("model.device", device, allowed)]
+    if dev.type == "cpu":
+        return []
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            return [bad_value("model.device", device, f"{allowed}; this machine has no CUDA device")]
+        if dev.index is not None and dev.index >= n:
+            return [bad_value("model.device", device, f"{allowed}; this machine has {n}")]
+        return []
+    return [bad_value("model.device", device, allowed)]
+
+
+def model_lora_modules(model: ModelConfig) -> tuple[list[str] | None, list[str]]:
+    """(names of the Linears the model's LoRA wraps, problems); names is None when the model cannot be inspected."""
+    path = os.path.expanduser(model.path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None, []  # reported by model_problems, or a Hub id the loader will fetch
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_multilora.lora.model import _select_targets
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - any failure to read the config is the user's model folder
+        return None, [bad_value("model.path", model.path, f"an HF causal LM folder ({type(e).__name__}: {e})")]
+    try:
+        return _select_targets(skeleton, model.target_modules), []
+    except ValueError as e:
+        return None, [f"model.{e}"]
+
+
+def adapter_target_problems(a: AdapterConfig, lora_modules: Sequence[str], where: str) -> list[str]:
+    """Each of the adapter's `target_modules` must match a module the model's LoRA covers (PEFT's suffix rule)."""
+    from rl_multilora.lora.peft_io import _matches_target
+
+    targets = a.target_modules
+    if targets is None or targets == "all-linear":
+        return []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unmatched = [t for t in targets if not any(_matches_target(m, t) for m in lora_modules)]
+    if not unmatched:
+        return []
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in lora_modules})
+    return [
+        bad_value(
+            f"{where}target_modules",
+            a.target_modules,
+            f"names of the model's LoRA modules ({', '.join(leaves)}); {', '.join(map(repr, unmatched))} match none",
+        )
+    ]
+
+
+def dataset_problems(a: AdapterConfig, where: str) -> list[str]:
+    """The dataset loads and has at least one row with a non-empty prompt and label."""
+    from rollout.data_source import load_dataset_rows
+
+    try:
+        rows = load_dataset_rows(a.dataset)
+    except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
+        return [f"{where}dataset: {e}"]
+    spec = a.dataset
+    for row in rows:
+        if _filled(row.get(spec.prompt_key)) and _filled(row.get(spec.label_key)):
+            return []
+    what = (
+        "has no rows" if len(rows) == 0 else f"has no row with a non-empty {spec.prompt_key!r} and {spec.label_key!r}"
+    )
+    return [bad_value(f"{where}dataset.path", spec.path, f"a dataset with at least one usable row; this one {what}")]
+
+
+def _filled(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, str | list | dict | tuple):
+        return len(value) > 0 and (not isinstance(value, str) or bool(value.strip()))
+    return True
+
+
+def adapter_problems(a: AdapterConfig, lora_modules: Sequence[str] | None, where: str | None = None) -> list[str]:
+    """I/O checks of one adapter: reward, dataset, and (when known) its target modules against the model."""
+    import rewards
+
+    where = f"adapters.{a.name}." if where is None else where
+    problems = []
+    try:
+        rewards.validate(a.reward)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"{where}reward: {e}")
+    problems += dataset_problems(a, where)
+    if lora_modules is not None:
+        problems += adapter_target_problems(a, lora_modules, where)
+    return problems
+
+
+def run_problems(cfg: RunConfig) -> list[str]:
+    """Everything `run` needs before it starts: model, device, targets, hooks, and each adapter's I/O checks."""
+    from rollout.generate_state import HooksError, load_hooks
+
+    problems = model_problems(cfg.model)
+    lora_modules, found = model_lora_modules(cfg.model) if not problems else (None, [])
+    problems += found
+    if cfg.rollout.hooks is not None:
+        try:
+            load_hooks(cfg.rollout.hooks)
+        except HooksError as e:
+            problems.append(f"rollout.hooks: {e}")
+    for a in cfg.adapters:
+        problems += adapter_problems(a, lora_modules)
+    return problems
+
+
+def check_run(cfg: RunConfig, source: str | None = None) -> None:
+    """Raise ConfigError listing every problem `run_problems` finds."""
+    problems = run_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)

@@ -1,0 +1,218 @@
+"""One validation path: `--dry-run` and `run` agree on every malformed config, and neither prints a traceback.
+
+Each config below is a mistake a user makes; `run --dry-run` and `run` must both refuse it (exit 2, the same
+problem lines, no traceback). The first ones are those `--dry-run` used to call valid before `run` crashed, or that
+were silently accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl_multilora import cli
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("validation")
+    save_tiny_model(root / "model", hidden=32, layers=2)
+    write_sum_task(root / "data" / "a.jsonl", 20, 1)
+    (root / "data" / "empty_rows.jsonl").write_text("".join(json.dumps({"q": "", "a": ""}) + "\n" for _ in range(5)))
+    (root / "data" / "empty.jsonl").write_text("")
+    (root / "data" / "nolabel.jsonl").write_text(json.dumps({"q": "1+1="}) + "\n")
+    (root / "a_file").write_text("x")
+    return root
+
+
+def _base(ws: Path) -> dict:
+    return {
+        "run_dir": str(ws / "runs" / "x"),
+        "model": {"path": str(ws / "model"), "max_loras": 2, "max_rank": 8, "device": "cpu"},
+        "rollout": {"n_samples_per_prompt": 2, "max_new_tokens": 4},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "adapters": [sum_task_adapter(ws / "data", "a", 1, max_steps=2)],
+    }
+
+
+def _adapter(d: dict) -> dict:
+    return d["adapters"][0]
+
+
+# (id, how to break the valid base config, a fragment the error must contain)
+CASES = [
+    # dry-run used to say valid, then run crashed with a traceback
+    ("model-path-missing", lambda d, ws: d["model"].update(path=str(ws / "nope")), "model.path="),
+    ("model-path-is-file", lambda d, ws: d["model"].update(path=str(ws / "a_file")), "this is a file"),
+    ("model-path-no-config", lambda d, ws: d["model"].update(path=str(ws / "data")), "config.json"),
+    ("device-tpu", lambda d, ws: d["model"].update(device="tpu"), "model.device='tpu'"),
+    ("device-cuda-none", lambda d, ws: d["model"].update(device="cuda:0"), "no CUDA device"),
+    ("model-targets-bogus", lambda d, ws: d["model"].update(target_modules=["nope_proj"]), "matches no module"),
+    ("adapter-targets-bogus", lambda d, ws: _adapter(d).update(target_modules=["nope_proj"]), "match none"),
+    ("epochs-inf", lambda d, ws: _adapter(d).update(epochs=float("inf")), "epochs=inf"),
+    (
+        "cosine-max-le-warmup",
+        lambda d, ws: _adapter(d).update(optim={"schedule": "cosine", "warmup_steps": 2}),
+        "cosine",
+    ),
+    (
+        "cosine-epochs-only",
+        lambda d, ws: _adapter(d).update(optim={"schedule": "cosine"}, max_steps=None, epochs=1.0),
+        "max_steps=None",
+    ),
+    ("name-trailing-newline", lambda d, ws: _adapter(d).update(name="a\n"), "name='a\\n'"),
+    # silently accepted before
+    ("lr-inf", lambda d, ws: _adapter(d).update(lr=float("inf")), "lr=inf"),
+    ("rank-true", lambda d, ws: _adapter(d).update(rank=True), "rank=True"),
+    (
+        "rows-all-empty",
+        lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "empty_rows.jsonl")),
+        "at least one usable row",
+    ),
+    ("hooks-missing", lambda d, ws: d["rollout"].update(hooks="no_such_module_xyz:Hooks"), "rollout.hooks"),
+    ("hooks-not-class", lambda d, ws: d["rollout"].update(hooks="rl_multilora.cli:main"), "rollout.hooks"),
+    # more mistakes, all refused by both
+    ("empty-file", lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "empty.jsonl")), "row"),
+    (
+        "no-label-column",
+        lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "nolabel.jsonl")),
+        "label_key",
+    ),
+    (
+        "data-file-missing",
+        lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "nope.jsonl")),
+        "does not exist",
+    ),
+    ("prompt-key-wrong", lambda d, ws: _adapter(d)["dataset"].update(prompt_key="question"), "prompt_key"),
+    ("reward-unknown", lambda d, ws: _adapter(d).update(reward={"name": "gsm9k"}), "gsm9k"),
+    ("reward-both", lambda d, ws: _adapter(d).update(reward={"name": "gsm8k", "path": "m:f"}), "exactly one"),
+    ("reward-neither", lambda d, ws: _adapter(d).update(reward={"kwargs": {}}), "exactly one"),
+    ("reward-path-bad", lambda d, ws: _adapter(d).update(reward={"path": "no_such_mod_q:f"}), "reward"),
+    ("reward-timeout-0", lambda d, ws: _adapter(d)["reward"].update(timeout_s=0), "timeout_s=0"),
+    (
+        "reward-failure-nan",
+        lambda d, ws: _adapter(d)["reward"].update(failure_value=float("nan")),
+        "failure_value=nan",
+    ),
+    ("reward-kwargs-bad", lambda d, ws: _adapter(d)["reward"].update(kwargs={"pattern": "("}), "pattern"),
+    ("rank-above-max", lambda d, ws: _adapter(d).update(rank=16), "rank=16"),
+    ("rank-zero", lambda d, ws: _adapter(d).update(rank=0), "rank=0"),
+    ("alpha-negative", lambda d, ws: _adapter(d).update(alpha=-1), "alpha=-1"),
+    ("lr-string", lambda d, ws: _adapter(d).update(lr="fast"), "lr='fast'"),
+    ("no-budget", lambda d, ws: _adapter(d).update(max_steps=None), "needs a budget"),
+    ("max-steps-float", lambda d, ws: _adapter(d).update(max_steps=2.5), "max_steps=2.5"),
+    ("prompts-zero", lambda d, ws: _adapter(d).update(prompts_per_step=0), "prompts_per_step=0"),
+    ("unknown-key", lambda d, ws: _adapter(d).update(learning_rate=1e-3), "learning_rate"),
+    ("name-slash", lambda d, ws: _adapter(d).update(name="a/b"), "name='a/b'"),
+    ("name-dotdot", lambda d, ws: _adapter(d).update(name=".."), "name='..'"),
+    ("name-duplicate", lambda d, ws: d["adapters"].append(copy.deepcopy(_adapter(d))), "no other adapter"),
+    ("eps-clip-1", lambda d, ws: d.update(grpo={"eps_clip": 1.0}), "eps_clip=1.0"),
+    ("kl-type-bad", lambda d, ws: d.update(grpo={"kl_type": "k2"}), "kl_type='k2'"),
+    ("ppo-epochs-0", lambda d, ws: d.update(grpo={"ppo_epochs": 0}), "ppo_epochs=0"),
+    ("engine-bad", lambda d, ws: d["rollout"].update(engine="vllm"), "engine='vllm'"),
+    ("http-no-url", lambda d, ws: d["rollout"].update(engine="http"), "rollout.url"),
+    ("temperature-neg", lambda d, ws: d["rollout"].update(temperature=-1), "temperature=-1"),
+    ("dtype-bad", lambda d, ws: d["model"].update(dtype="float8"), "dtype='float8'"),
+    ("max-loras-0", lambda d, ws: d["model"].update(max_loras=0), "max_loras=0"),
+    ("max-idle-0", lambda d, ws: d.update(faults={"max_idle_steps": 0}), "max_idle_steps=0"),
+    ("betas-bad", lambda d, ws: _adapter(d).update(optim={"betas": [0.9, 1.5]}), "betas"),
+    ("top-level-list", None, "YAML mapping"),
+]
+
+
+def _write(ws: Path, case_id: str, mutate) -> Path:
+    path = ws / f"{case_id}.yaml"
+    if mutate is None:
+        path.write_text("- a\n- b\n")
+        return path
+    data = _base(ws)
+    mutate(data, ws)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(argv)  # in process: an uncaught exception (a traceback) fails the test here
+    err = capsys.readouterr().err
+    # the error report only (progress bars of `datasets` also write to stderr)
+    return code, "\n".join(line for line in err.splitlines() if line.startswith(("error:", "  - ", "Traceback")))
+
+
+@pytest.mark.parametrize(("case_id", "mutate", "fragment"), CASES, ids=[c[0] for c in CASES])
+def test_dry_run_and_run_agree_on_malformed_configs(ws, capsys, case_id, mutate, fragment):
+    path = _write(ws, case_id, mutate)
+    dry_code, dry_err = _cli(["run", str(path), "--dry-run"], capsys)
+    run_code, run_err = _cli(["run", str(path)], capsys)
+    assert (dry_code, run_code) == (2, 2), (dry_err, run_err)
+    assert fragment in dry_err, dry_err
+    assert dry_err == run_err  # the same problems, found by the same path
+    assert "Traceback" not in dry_err + run_err
+    assert not (ws / "runs" / "x" / "run_state.json").exists()  # run refused before writing anything
+
+
+def test_at_least_40_cases():
+    assert len(CASES) >= 40
+
+
+def test_the_valid_base_config_is_valid(ws, capsys):
+    path = _write(ws, "valid", lambda d, ws: None)
+    code, err = _cli(["run", str(path), "--dry-run"], capsys)
+    assert code == 0, err
+
+
+def test_export_refuses_a_name_that_is_not_a_folder_name(ws, capsys):
+    code, err = _cli(["export", str(ws / "runs" / "x"), "../../etc", str(ws / "out")], capsys)
+    assert code == 2 and "NAME: " in err and "'../../etc'" in err and "Traceback" not in err
+    assert not (ws / "out").exists()
+
+
+def test_a_full_disk_ends_with_a_clear_message_and_the_last_checkpoint_intact(ws, capsys, monkeypatch):
+    """ENOSPC while a checkpoint is written: exit 2 naming the path, no traceback; the previous checkpoint loads."""
+    import errno
+
+    from rl_multilora.checkpoint import CheckpointManager
+
+    data = _base(ws)
+    data["run_dir"] = str(ws / "runs" / "disk")
+    _adapter(data).update(max_steps=4)
+    data["checkpoint"] = {"save_every": 1, "keep_last": 5}
+    path = ws / "disk.yaml"
+    path.write_text(yaml.safe_dump(data))
+    real_save = CheckpointManager.save_adapter
+    calls = []
+
+    def save_then_fail(self, name, snap):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.adapter_dir(name) / ".tmp-step_2"))
+        return real_save(self, name, snap)
+
+    monkeypatch.setattr(CheckpointManager, "save_adapter", save_then_fail)
+    logging.getLogger("rl_multilora").setLevel(logging.WARNING)
+    code, err = _cli(["run", str(path)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "No space left on device" in err and "ENOSPC" in err and ".tmp-step_2" in err
+    cks = CheckpointManager(ws / "runs" / "disk").latest("a")
+    assert cks is not None and json.loads((cks / "checkpoint.json").read_text())["adapter_step"] == 1
+
+
+def test_temp_files_left_by_a_kill_are_removed_at_the_next_start(ws, capsys):
+    data = _base(ws)
+    run_dir = ws / "runs" / "temps"
+    data["run_dir"] = str(run_dir)
+    _adapter(data).update(max_steps=1)
+    (run_dir / "adapters" / "a" / ".tmp-step_3-abc").mkdir(parents=True)
+    (run_dir / ".tmp-run_state.json-xyz").write_text("{")
+    path = ws / "temps.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, err = _cli(["run", str(path)], capsys)
+    assert code == 0, err
+    assert not (run_dir / ".tmp-run_state.json-xyz").exists()
+    assert not (run_dir / "adapters" / "a" / ".tmp-step_3-abc").exists()
