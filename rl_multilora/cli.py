@@ -62,9 +62,15 @@ def cmd_run(args) -> int:
     print(f"run finished: {cfg.run_dir}")
     for name, s in sorted(summary.items()):
         state = rt.tenants.tenants[name].state.value if name in rt.tenants.tenants else "?"
+        held = ""
+        if s["eval_base"] is not None and s["eval_final"] is not None:
+            held = (
+                f" | held-out: base {s['eval_base']:.3f} -> {s['eval_final']:.3f} at step {s['eval_final_step']} "
+                f"({s['eval_final'] - s['eval_base']:+.3f})"
+            )
         print(
             f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
-            f"(gain {s['gain']:+.3f}, {s['steps']} steps)"
+            f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"
         )
     return 0
 
@@ -96,6 +102,25 @@ def cmd_export(args) -> int:
     for f in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy2(ck / f, out / f)
     print(f"exported {ck} -> {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from rl_multilora.evaluate import evaluate_checkpoints, format_table
+
+    if args.n is not None and args.n < 1:
+        from rl_multilora.config import ConfigError
+        from rl_multilora.errors import bad_value
+
+        raise ConfigError([bad_value("--n", args.n, "an integer >= 1")])
+    rows = evaluate_checkpoints(args.run_dir, args.adapter, args.step, args.split, args.n, args.peft)
+    out = Path(args.out) if args.out else Path(args.run_dir) / f"eval_{rows[0]['split'] if rows else 'none'}.json"
+    out.write_text(json.dumps(rows, indent=1))
+    print(format_table(rows))
+    print(f"wrote {out}")
     return 0
 
 
@@ -138,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out")
     s.add_argument("--step", type=int, default=None, help="adapter step (default: latest)")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("eval", help="evaluate saved checkpoints (or a PEFT folder) on held-out data vs the base")
+    s.add_argument("run_dir", help="a run directory (its config.yaml names the model, datasets and rewards)")
+    s.add_argument("--adapter", action="append", default=None, metavar="NAME", help="adapter(s) (default: all)")
+    s.add_argument("--step", type=int, default=None, help="adapter step of the checkpoint (default: latest)")
+    s.add_argument("--split", default=None, help="split to evaluate on (default: the run's eval.split, 'test')")
+    s.add_argument("--n", type=int, default=None, help="held-out prompts per adapter (default: eval.n_prompts)")
+    s.add_argument("--peft", default=None, metavar="DIR", help="evaluate this PEFT folder as --adapter NAME")
+    s.add_argument("--out", default=None, help="JSON output (default: RUN_DIR/eval_<split>.json)")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("engine-serve", help="serve the embedded engine over SGLang's HTTP protocol", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)

@@ -90,6 +90,41 @@ class OptimSettings(_Strict):
     )
 
 
+class EvalSettings(_Strict):
+    """Held-out evaluation of a tenant: the same reward as training, on prompts it never trains on."""
+
+    enabled: bool = Field(
+        False, description="Evaluate: the base (adapter off) first, every `every` steps, at the end."
+    )
+    split: str = Field("test", description="Split of the adapter's dataset to evaluate on (e.g. data_files' 'test').")
+    data_files: str | list[str] | dict[str, Any] | None = Field(
+        None, description="Files to evaluate on instead of the dataset's own data_files (the split still applies)."
+    )
+    n_prompts: int = Field(64, ge=1, description="Held-out prompts per evaluation (the first n of the split's order).")
+    every: int | None = Field(
+        None, ge=1, description="Also evaluate every N adapter steps (null: only the base and the final adapter)."
+    )
+    greedy: bool = Field(True, description="One greedy answer per prompt: eval/reward_mean.")
+    k: int = Field(0, ge=0, description="k samples per prompt at rollout temperature: eval/pass@k (0 = off).")
+    pass_threshold: float = Field(1.0, description="A sample passes when its reward is >= this (pass@k).")
+
+
+class EvalOverride(_Strict):
+    """An adapter's changes to the run-level `eval` section (unset fields keep the run's value)."""
+
+    enabled: bool | None = None
+    split: str | None = None
+    data_files: str | list[str] | dict[str, Any] | None = None
+    n_prompts: int | None = Field(None, ge=1)
+    every: int | None = Field(None, ge=1)
+    greedy: bool | None = None
+    k: int | None = Field(None, ge=0)
+    pass_threshold: float | None = None
+
+    def apply(self, base: EvalSettings) -> EvalSettings:
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
 class AdapterConfig(_Strict):
     name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+; used as a folder name.")
     rank: int = Field(8, ge=1, description="LoRA rank r (<= model.max_rank).")
@@ -108,6 +143,7 @@ class AdapterConfig(_Strict):
     )
     epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
     seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
+    eval: EvalOverride | None = Field(None, description="Changes to the run-level eval section for this adapter.")
 
     @field_validator("reward")
     @classmethod
@@ -208,6 +244,10 @@ class LoggingSettings(_Strict):
 
 
 class RunConfig(_Strict):
+    def eval_for(self, a: AdapterConfig) -> EvalSettings:
+        """The eval settings of adapter `a`: the run's, with the adapter's overrides."""
+        return a.eval.apply(self.eval) if a.eval is not None else self.eval
+
     run_dir: str = Field("runs/default", description="Where config.yaml, metrics.jsonl and checkpoints go.")
     seed: int = Field(0, description="Global seed (base init of slots uses each adapter's own seed).")
     model: ModelConfig
@@ -217,6 +257,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation (off by default).")
     max_global_steps: int | None = Field(None, ge=1, description="Stop after this many global steps (None = budgets).")
     service_poll_s: float = Field(2.0, gt=0, description="Service mode: idle polling interval.")
     adapters: list[AdapterConfig] = Field(default_factory=list, description="Tenants trained in this run.")

@@ -20,6 +20,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import statistics
@@ -34,7 +35,8 @@ from rl_multilora import validate
 from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, ConfigError, RunConfig, dump_config
-from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, plot_reward_curves
+from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, run_evals
+from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.tenants import TenantManager, TenantState
 from rl_multilora.weight_sync import SyncStats, WeightSync
 from rollout.types import Sample, SampleStatus, SamplingParams
@@ -83,6 +85,19 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     return engine, launcher
 
 
+def rollout_sampling(cfg: RunConfig, tokenizer) -> SamplingParams:
+    """The rollouts' sampling settings (the eval's too, with temperature 0 for its greedy answers)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=list(r.stop),
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+    )
+
+
 class _Clock:
     """`with clock("train_s"): ...` adds the block's wall time to timings["train_s"]."""
 
@@ -102,6 +117,7 @@ class _Clock:
 class StepResult:
     step: int
     records: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalResult] = field(default_factory=list)
     sync: SyncStats | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -122,6 +138,7 @@ class Runtime:
         self.tenants = TenantManager(cfg, backend, data, self.ckpt)
         self.weight_sync = WeightSync(engine, backend)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))
+        self._eval_sets: dict[str, EvalSet] = {}
         self._stop_requested = False
 
     @property
@@ -146,17 +163,7 @@ class Runtime:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         backend = LocalBackend.from_config(cfg, pad_token_id=pad)
         engine, launcher = build_engine(cfg, backend.model, tokenizer)
-        r = cfg.rollout
-        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        sampling = SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop=list(r.stop),
-            stop_token_ids=stop_ids,
-        )
-        generator = GenerateState(engine, tokenizer, load_hooks(r.hooks), sampling)
+        generator = GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), rollout_sampling(cfg, tokenizer))
         scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers, fail_steps=cfg.rewards.fail_steps)
         data = MultiLoRADataSource(tokenizer)
         return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer)
@@ -164,7 +171,7 @@ class Runtime:
     # -- tenants --------------------------------------------------------------------------------------------------
     def register(self, a: AdapterConfig):
         """Validate an adapter (reward resolves, dataset has usable rows, targets exist) and add it as PENDING."""
-        problems = validate.adapter_problems(a, self.backend.lora_modules)
+        problems = validate.adapter_problems(a, self.backend.lora_modules, self.cfg.eval_for(a))
         if problems:
             raise ConfigError(problems)
         return self.tenants.register(a)
@@ -182,6 +189,8 @@ class Runtime:
         with clock("rollout_s"):
             groups = [g for gs in self.data.next_groups(names).values() for g in gs]
             samples = self.generator.run_sync(groups) if groups else []
+        with clock("eval_s"):  # on the versions the rollout used, never trained on
+            res.evals = run_evals(self.engine, self.scorer, self._due_evals())
         with clock("reward_s"):
             report = self.scorer.score_samples(samples)
         with clock("train_s"):
@@ -204,9 +213,83 @@ class Runtime:
             rec.timings = dict(res.timings)
             self.metrics.log(rec)
             log.info(console_line(rec))
+        self._log_evals(res.step, res.evals)
         # Last: a step counts as done only once its metrics rows are written (resume redoes unfinished steps).
         tenants.save_run_state()
         return res
+
+    # -- held-out evaluation ---------------------------------------------------------------------------------------
+    def eval_set(self, a: AdapterConfig) -> EvalSet | None:
+        """Adapter `a`'s held-out prompts (built once), or None when its eval is off."""
+        settings = self.cfg.eval_for(a)
+        if not settings.enabled:
+            return None
+        if a.name not in self._eval_sets:
+            self._eval_sets[a.name] = EvalSet(a, settings, self.tokenizer, self.generator.sampling)
+        return self._eval_sets[a.name]
+
+    def _due_evals(self) -> list[EvalJob]:
+        """The base before a tenant's first step, then its adapter every `eval.every` adapter steps."""
+        jobs = []
+        for t in self.tenants.running():
+            es = self.eval_set(t.cfg)
+            if es is None or t.last_eval_step == t.adapter_step:
+                continue
+            every = es.settings.every
+            if t.adapter_step == 0:
+                jobs.append(EvalJob(es, None, 0))
+            elif every is not None and t.adapter_step % every == 0:
+                jobs.append(EvalJob(es, t.name, t.adapter_step))
+            else:
+                continue
+            t.last_eval_step = t.adapter_step
+        return jobs
+
+    def _log_evals(self, step: int, results: list[EvalResult]) -> None:
+        for r in results:
+            row = r.to_row(step)
+            self.metrics.log_row(row)
+            log.info(eval_line(row))
+
+    def final_evals(self) -> list[EvalResult]:
+        """Evaluate every adapter that finished its budget on its final checkpoint (its weights after the last step,
+        which no rollout used), in batches of as many as the engine has slots."""
+        from safetensors.torch import load_file
+
+        from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME
+        from rl_multilora.metrics import read_metrics
+
+        done = {
+            (r["adapter"], r["adapter_step"])
+            for r in read_metrics(self.run_dir)
+            if r.get("kind") == "eval" and not r.get("eval/base")
+        }  # a finished run dir run again evaluates nothing twice
+        todo = [
+            t
+            for t in self.tenants.in_state(TenantState.DRAINED, TenantState.REMOVED)
+            if t.last_checkpoint
+            and t.last_eval_step != t.adapter_step
+            and (t.name, t.adapter_step) not in done
+            and self.eval_set(t.cfg) is not None
+        ]
+        results: list[EvalResult] = []
+        width = self.cfg.model.max_loras
+        for start in range(0, len(todo), width):
+            chunk = todo[start : start + width]
+            for t in chunk:
+                ck = Path(t.last_checkpoint)
+                config = json.loads((ck / CONFIG_NAME).read_text())
+                self.engine.load_adapter(t.name, load_file(str(ck / WEIGHTS_NAME)), config, version=t.adapter_step)
+            try:
+                jobs = [EvalJob(self.eval_set(t.cfg), t.name, t.adapter_step) for t in chunk]
+                results += run_evals(self.engine, self.scorer, jobs)
+            finally:
+                for t in chunk:
+                    self.engine.unload_adapter(t.name)
+            for t in chunk:
+                t.last_eval_step = t.adapter_step
+        self._log_evals(self.tenants.global_step, results)
+        return results
 
     def sync_now(self) -> SyncStats:
         return self.weight_sync.sync(push=self.tenants.to_push(), unload=self.tenants.to_unload())
@@ -270,7 +353,11 @@ class Runtime:
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Register the config's adapters, resume run state if any, admit, and push the initial weights."""
-        problems = [p for a in self.cfg.adapters for p in validate.adapter_problems(a, self.backend.lora_modules)]
+        problems = [
+            p
+            for a in self.cfg.adapters
+            for p in validate.adapter_problems(a, self.backend.lora_modules, self.cfg.eval_for(a))
+        ]
         if problems:
             raise ConfigError(problems)
         self.tenants.restore_run_state()
@@ -319,6 +406,7 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
                 means = [r.reward_mean for r in res.records if r.reward_mean is not None]
                 bar.set_postfix(reward=f"{statistics.fmean(means):.3f}" if means else "-", refresh=False)
                 bar.update(1)
+        rt.final_evals()
         if cfg.logging.plot:
             png = plot_reward_curves(cfg.run_dir)
             if png:
@@ -328,19 +416,34 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     return rt
 
 
-def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float]]:
-    """First-`window` vs last-`window` mean reward per adapter (the acceptance numbers)."""
+def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float | None]]:
+    """Per adapter: first-`window` vs last-`window` mean training reward, and the held-out reward of the base and of
+    the last evaluated adapter (None without eval)."""
     from rl_multilora.metrics import read_metrics
 
     by: dict[str, list[tuple[int, float]]] = {}
+    evals: dict[str, list[dict]] = {}
     for r in read_metrics(run_dir):
-        if r.get("reward_mean") is not None:
+        if r.get("kind") == "eval":
+            evals.setdefault(r["adapter"], []).append(r)
+        elif r.get("reward_mean") is not None:
             by.setdefault(r["adapter"], []).append((r["step"], r["reward_mean"]))
-    out = {}
+    out: dict[str, dict[str, float | None]] = {}
     for name, pts in by.items():
         pts.sort()
         vals = [v for _, v in pts]
         first = statistics.fmean(vals[:window])
         last = statistics.fmean(vals[-window:])
-        out[name] = {"first": first, "last": last, "gain": last - first, "steps": len(vals)}
+        mine = evals.get(name, [])
+        base = [r["eval/reward_mean"] for r in mine if r.get("eval/base")]
+        held = sorted((r["adapter_step"], r["step"], r["eval/reward_mean"]) for r in mine if not r.get("eval/base"))
+        out[name] = {
+            "first": first,
+            "last": last,
+            "gain": last - first,
+            "steps": len(vals),
+            "eval_base": base[-1] if base else None,
+            "eval_final": held[-1][2] if held else None,
+            "eval_final_step": held[-1][0] if held else None,
+        }
     return out

@@ -108,7 +108,11 @@ class MetricsLogger:
 
     def log(self, record: StepRecord) -> None:
         """One adapter's metrics for one step: a metrics.jsonl row and, with wandb, `<adapter>/<key>` values."""
-        rec = {k: _clean(v) for k, v in record.to_row().items()}
+        self.log_row(record.to_row())
+
+    def log_row(self, row: dict[str, Any]) -> None:
+        """A row with at least `step`, `adapter`, `adapter_step` (a StepRecord's, or an eval result's)."""
+        rec = {k: _clean(v) for k, v in row.items()}
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
         if self._wandb is not None:
@@ -126,6 +130,20 @@ class MetricsLogger:
         self._fh.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def eval_line(row: dict[str, Any]) -> str:
+    """The console line of an eval row."""
+    what = "base (adapter off)" if row.get("eval/base") else f"adapter step {row['adapter_step']}"
+    value = row.get("eval/reward_mean")
+    extra = "".join(
+        f" | {k.removeprefix('eval/')} {v:.3f}" for k, v in row.items() if k.startswith("eval/pass@") and v is not None
+    )
+    reward = "-" if value is None else f"{value:.3f}"
+    return (
+        f"step {row['step']:>4} | {row['adapter']:<12} | held-out reward {reward} on {row['eval/n_prompts']} prompts, "
+        f"{what}{extra}"
+    )
 
 
 def console_line(record: StepRecord) -> str:
@@ -151,7 +169,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """One reward curve per adapter (per adapter step) into reward_curves.png; None when there is nothing to plot."""
-    rows = [r for r in read_metrics(run_dir) if r.get("reward_mean") is not None]
+    everything = read_metrics(run_dir)
+    rows = [r for r in everything if r.get("reward_mean") is not None and r.get("kind") != "eval"]
+    evals = [r for r in everything if r.get("kind") == "eval" and r.get("eval/reward_mean") is not None]
     if not rows:
         return None
     import matplotlib
@@ -169,10 +189,25 @@ def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Pa
         (raw,) = ax.plot(xs, ys, alpha=0.3, linewidth=1)
         # A trailing 5-step mean: per-step means over a few prompts are noisy.
         smooth = [sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
-        ax.plot(xs, smooth, color=raw.get_color(), linewidth=2, label=f"{name} (5-step mean)")
+        ax.plot(xs, smooth, color=raw.get_color(), linewidth=2, label=f"{name} (train, 5-step mean)")
+        mine = [r for r in evals if r["adapter"] == name]
+        base = [r["eval/reward_mean"] for r in mine if r.get("eval/base")]
+        held = sorted((r["adapter_step"], r["eval/reward_mean"]) for r in mine if not r.get("eval/base"))
+        if base:
+            ax.axhline(base[-1], color=raw.get_color(), linestyle="--", linewidth=1, label=f"{name} (base, held-out)")
+        if held:
+            ax.plot(
+                [p[0] for p in held],
+                [p[1] for p in held],
+                "o-",
+                color=raw.get_color(),
+                markersize=4,
+                linewidth=1,
+                label=f"{name} (held-out)",
+            )
     ax.set_xlabel("adapter step")
     ax.set_ylabel("mean reward")
-    ax.set_title("Reward per adapter")
+    ax.set_title("Reward per adapter: training (lines), held-out (dots), base (dashed)")
     ax.grid(alpha=0.3)
     ax.legend()
     out = Path(out) if out else Path(run_dir) / "reward_curves.png"

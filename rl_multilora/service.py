@@ -192,7 +192,7 @@ class ServiceCore:
         # The I/O checks (reward resolves, dataset has usable rows, targets exist in the running model) run here, in
         # the caller's thread, so a bad submission is rejected at once instead of after the current step;
         # rt.register repeats them, authoritative, between steps.
-        problems = validate.adapter_problems(a, self.rt.backend.lora_modules)
+        problems = validate.adapter_problems(a, self.rt.backend.lora_modules, self.rt.cfg.eval_for(a))
         live = self.status().get(a.name)
         if live is not None and live.state in {s.value for s in _LIVE}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))
@@ -468,6 +468,8 @@ def _ray_init(address: str | None, start_cluster: bool) -> None:
     if start_cluster:
         # Ray >= 2.59 turns token auth on (and writes a token) for a cluster ray.init() starts when RAY_AUTH_MODE
         # is unset; only an explicit RAY_AUTH_MODE=disabled turns it off, which we respect but warn about.
+        # include_dashboard=False keeps the dashboard's web server (UI, Jobs API) off; Ray 2.60 still starts a
+        # dashboard.py process (usage stats and a metrics exporter) and nothing in ray.init skips it.
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, configure_logging=False)
         if _auth_mode() == "token":
             _restrict_token_file()

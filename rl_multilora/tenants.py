@@ -81,6 +81,7 @@ class Tenant:
     registered_at: float = field(default_factory=time.time)
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
     idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
+    last_eval_step: int | None = None  # adapter step of its last held-out evaluation in this process
 
     @property
     def name(self) -> str:

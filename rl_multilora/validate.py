@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rl_multilora.config import AdapterConfig, ConfigError, ModelConfig, RunConfig
+from rl_multilora.config import AdapterConfig, ConfigError, EvalSettings, ModelConfig, RunConfig
 from rl_multilora.errors import bad_value
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -137,8 +137,14 @@ def _filled(value: Any) -> bool:
     return True
 
 
-def adapter_problems(a: AdapterConfig, lora_modules: Sequence[str] | None, where: str | None = None) -> list[str]:
-    """I/O checks of one adapter: reward, dataset, and (when known) its target modules against the model."""
+def adapter_problems(
+    a: AdapterConfig,
+    lora_modules: Sequence[str] | None,
+    eval_settings: EvalSettings | None = None,
+    where: str | None = None,
+) -> list[str]:
+    """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, and its eval
+    split when its eval is on."""
     import rewards
 
     where = f"adapters.{a.name}." if where is None else where
@@ -150,7 +156,26 @@ def adapter_problems(a: AdapterConfig, lora_modules: Sequence[str] | None, where
     problems += dataset_problems(a, where)
     if lora_modules is not None:
         problems += adapter_target_problems(a, lora_modules, where)
+    if eval_settings is not None and eval_settings.enabled:
+        problems += _eval_problems(a, eval_settings, where)
     return problems
+
+
+def _eval_problems(a: AdapterConfig, settings: EvalSettings, where: str) -> list[str]:
+    """The eval split loads (`eval.split` of `eval.data_files`, or of the dataset's own files)."""
+    import dataclasses
+
+    from rollout.data_source import load_dataset_rows
+
+    spec = dataclasses.replace(a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files)
+    try:
+        load_dataset_rows(spec)
+    except Exception as e:  # noqa: BLE001
+        return [
+            f"{where}eval: {e} (eval.split={settings.split!r}: give the dataset a '{settings.split}' split, e.g. "
+            "data_files: {train: ..., test: ...}, or set eval.data_files, or eval.enabled: false)"
+        ]
+    return []
 
 
 def run_problems(cfg: RunConfig) -> list[str]:
@@ -166,7 +191,7 @@ def run_problems(cfg: RunConfig) -> list[str]:
         except HooksError as e:
             problems.append(f"rollout.hooks: {e}")
     for a in cfg.adapters:
-        problems += adapter_problems(a, lora_modules)
+        problems += adapter_problems(a, lora_modules, cfg.eval_for(a))
     return problems
 
 

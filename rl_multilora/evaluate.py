@@ -1,0 +1,317 @@
+"""Held-out evaluation per tenant: the same reward as training, on prompts of a split it never trains on.
+
+Design choices:
+- Each tenant's eval prompts are fixed for the run: the first `n_prompts` of its eval split in the order its seed
+  gives (the data source's own order and prompt building, chat template included), so every evaluation of a tenant,
+  the base's included, scores the same prompts.
+- Greedy answers give `eval/reward_mean`; with `k > 0`, k samples per prompt at the rollout temperature (seeded per
+  prompt and sample) give `eval/pass@k` (share of prompts with a sample whose reward >= `pass_threshold`) and
+  `eval/sample_reward_mean`.
+- All due evaluations of a step (every tenant's, base rows included) go to the engine as one batch, right after the
+  step's rollout and on the same adapter versions; they are never trained on, and they are not mixed into the
+  rollout's own batches, so turning eval on cannot change a training sample (a test checks the adapters end
+  bit-identical).
+- Eval samples are scored by the tenants' own reward specs under the key `eval:<adapter>`, so their errors never
+  count toward the tenant's reward-failure limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rl_multilora.config import AdapterConfig, EvalSettings
+from rollout.types import AdapterRef, GenerateRequest, Sample, SampleStatus, SamplingParams
+
+EVAL_PREFIX = "eval:"
+
+
+@dataclass
+class EvalResult:
+    """One evaluation of one adapter (or of the base, for that adapter's prompts)."""
+
+    adapter: str
+    adapter_step: int
+    base: bool
+    n_prompts: int
+    reward_mean: float | None  # greedy
+    k: int
+    pass_at_k: float | None
+    sample_reward_mean: float | None
+    errors: int
+
+    def to_row(self, step: int) -> dict[str, Any]:
+        """The metrics.jsonl row (`kind: eval`; `reward_mean` is the held-out greedy reward)."""
+        row = {
+            "step": step,
+            "adapter": self.adapter,
+            "adapter_step": self.adapter_step,
+            "kind": "eval",
+            "reward_mean": self.reward_mean,
+            "eval/reward_mean": self.reward_mean,
+            "eval/base": self.base,
+            "eval/n_prompts": self.n_prompts,
+            "eval/errors": self.errors,
+        }
+        if self.k:
+            row[f"eval/pass@{self.k}"] = self.pass_at_k
+            row["eval/sample_reward_mean"] = self.sample_reward_mean
+        return row
+
+
+class EvalSet:
+    """One tenant's held-out prompts and how to evaluate on them."""
+
+    def __init__(self, a: AdapterConfig, settings: EvalSettings, tokenizer, rollout_sampling: SamplingParams):
+        from rollout.data_source import MultiLoRADataSource
+
+        self.name = a.name
+        self.reward = a.reward
+        self.settings = settings
+        self.seed = a.seed
+        self.sampling = rollout_sampling
+        spec = dataclasses.replace(
+            a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files
+        )
+        source = MultiLoRADataSource(tokenizer)
+        source.add_adapter(
+            AdapterRef(a.name, 0),
+            spec,
+            a.reward,
+            seed=a.seed,
+            prompts_per_step=settings.n_prompts,
+            n_samples_per_prompt=1,
+            max_epochs=1.0,
+        )
+        self.prompts = [g[0] for g in source.next_groups([a.name])[a.name]]
+        self.tokenizer = tokenizer
+
+    def samples(self, engine_adapter: str | None) -> list[tuple[Sample, SamplingParams]]:
+        """Fresh samples to generate, each with its sampling params; `engine_adapter` None = the base model."""
+        out = []
+        ref = AdapterRef(EVAL_PREFIX + self.name, 0)
+        for i, p in enumerate(self.prompts):
+            draws = []
+            if self.settings.greedy:
+                draws.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0, seed=None)))
+            for j in range(self.settings.k):
+                seed = int(np.random.SeedSequence([self.seed, 7919, i, j]).generate_state(1)[0] & 0x7FFFFFFF)
+                draws.append((f"sample{j}", dataclasses.replace(self.sampling, seed=seed)))
+            for kind, sampling in draws:
+                s = Sample(
+                    prompt=p.prompt,
+                    prompt_ids=list(p.prompt_ids),
+                    label=p.label,
+                    group_index=i,
+                    index=len(out),
+                    metadata={**p.metadata, "eval_kind": kind, "engine_adapter": engine_adapter},
+                    adapter=ref,
+                    reward_spec=self.reward,
+                )
+                out.append((s, sampling))
+        return out
+
+    def summarize(self, samples: Sequence[Sample], adapter_step: int, base: bool) -> EvalResult:
+        greedy = [s.reward for s in samples if s.metadata["eval_kind"] == "greedy" and s.reward is not None]
+        drawn = [s for s in samples if s.metadata["eval_kind"] != "greedy"]
+        pass_at_k = sample_mean = None
+        if self.settings.k:
+            by_prompt: dict[int, list[float]] = {}
+            for s in drawn:
+                by_prompt.setdefault(s.group_index, []).append(float(s.reward or 0.0))
+            pass_at_k = statistics.fmean(
+                any(r >= self.settings.pass_threshold for r in rs) for rs in by_prompt.values()
+            )
+            sample_mean = statistics.fmean(r for rs in by_prompt.values() for r in rs)
+        return EvalResult(
+            adapter=self.name,
+            adapter_step=adapter_step,
+            base=base,
+            n_prompts=len(self.prompts),
+            reward_mean=statistics.fmean(greedy) if greedy else None,
+            k=self.settings.k,
+            pass_at_k=pass_at_k,
+            sample_reward_mean=sample_mean,
+            errors=sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples),
+        )
+
+
+@dataclass
+class EvalJob:
+    """Evaluate `eval_set` on the engine's adapter `engine_adapter` (None: the base) at `adapter_step`."""
+
+    eval_set: EvalSet
+    engine_adapter: str | None
+    adapter_step: int
+
+    @property
+    def base(self) -> bool:
+        return self.engine_adapter is None
+
+
+def run_evals(engine, scorer, jobs: Sequence[EvalJob]) -> list[EvalResult]:
+    """Every job's prompts in one engine batch, scored with each tenant's reward; one result per job."""
+    if not jobs:
+        return []
+    per_job = [job.eval_set.samples(job.engine_adapter) for job in jobs]
+    flat = [pair for pairs in per_job for pair in pairs]
+    requests = [
+        GenerateRequest(
+            input_ids=list(s.prompt_ids), adapter=s.metadata["engine_adapter"], sampling=sampling, rid=f"eval/{i}"
+        )
+        for i, (s, sampling) in enumerate(flat)
+    ]
+    results = engine.generate(requests)
+    for (s, _), result in zip(flat, results, strict=True):
+        s.response_ids = list(result.output_ids)
+        s.finish_reason = result.finish_reason
+        s.weight_version = result.weight_version
+        s.response = jobs[0].eval_set.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        if result.finish_reason in ("abort", "error"):
+            s.status = SampleStatus.FAILED
+            s.metadata["error"] = result.error or result.finish_reason
+        else:
+            s.status = SampleStatus.TRUNCATED if result.finish_reason == "length" else SampleStatus.COMPLETED
+    samples = [s for s, _ in flat]
+    scorer.score_samples(samples)
+    return [
+        job.eval_set.summarize([s for s, _ in pairs], job.adapter_step, job.base)
+        for job, pairs in zip(jobs, per_job, strict=True)
+    ]
+
+
+def evaluate_checkpoints(
+    run_dir: str,
+    adapters: Sequence[str] | None = None,
+    step: int | None = None,
+    split: str | None = None,
+    n: int | None = None,
+    peft: str | None = None,
+) -> list[dict[str, Any]]:
+    """`rl-multilora eval`: the base and saved checkpoints of a run dir (or a PEFT folder for one adapter) on each
+    adapter's held-out prompts; one dict per adapter with base and adapter results.
+
+    The run's own config (RUN_DIR/config.yaml) says the model, datasets, rewards and eval settings; `split` and `n`
+    override the eval split and the number of prompts. Eval is on here whatever the run's `eval.enabled` was.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    import rewards
+    from rl_multilora.backends.local import resolve_device
+    from rl_multilora.checkpoint import CheckpointManager
+    from rl_multilora.config import ConfigError, load_run_config
+    from rl_multilora.errors import bad_value
+    from rl_multilora.loop import rollout_sampling
+    from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, MultiLoRAModel, read_peft_folder
+    from rl_multilora.validate import adapter_problems
+    from rollout.engines.embedded import EmbeddedEngine
+
+    root = Path(run_dir)
+    if not (root / "config.yaml").is_file():
+        raise ConfigError([bad_value("RUN_DIR", run_dir, "a run directory (it holds config.yaml)")])
+    cfg = load_run_config(root / "config.yaml")
+    known = {a.name: a for a in cfg.adapters}
+    names = list(adapters) if adapters else list(known)
+    problems = [
+        bad_value("--adapter", x, f"an adapter of this run ({', '.join(known) or 'none'})")
+        for x in names
+        if x not in known
+    ]
+    if peft is not None and len(names) != 1:
+        problems.append(bad_value("--peft", peft, "a PEFT folder together with exactly one --adapter NAME"))
+    if peft is not None and not (Path(peft) / CONFIG_NAME).is_file():
+        problems.append(bad_value("--peft", peft, f"a PEFT folder (it holds {CONFIG_NAME})"))
+    if problems:
+        raise ConfigError(problems)
+    ckpt = CheckpointManager(root)
+    checkpoints: dict[str, tuple[str, dict, dict, int | None]] = {}
+    for name in names:
+        if peft is not None:
+            tensors, config = read_peft_folder(peft)
+            checkpoints[name] = (peft, tensors, config, None)
+            continue
+        ck = ckpt.find(name, step)
+        if ck is None:
+            which = f"at adapter step {step}" if step is not None else "at any step"
+            problems.append(
+                bad_value("--adapter", name, f"an adapter with a complete checkpoint {which} in {run_dir}")
+            )
+            continue
+        meta = json.loads((ck / "checkpoint.json").read_text())
+        config = json.loads((ck / CONFIG_NAME).read_text())
+        checkpoints[name] = (str(ck), load_file(str(ck / WEIGHTS_NAME)), config, int(meta["adapter_step"]))
+    settings = {}
+    for name in names:
+        update = {"enabled": True, **({"split": split} if split else {}), **({"n_prompts": n} if n else {})}
+        settings[name] = cfg.eval_for(known[name]).model_copy(update=update)
+        problems += adapter_problems(known[name], None, settings[name])
+    if problems:
+        raise ConfigError(problems)
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    model = MultiLoRAModel.from_pretrained(
+        cfg.model.path,
+        max_loras=cfg.model.max_loras,
+        max_rank=cfg.model.max_rank,
+        target_modules=cfg.model.target_modules,
+    ).to(resolve_device(cfg.model.device))
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+    scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers)
+    sampling = rollout_sampling(cfg, tokenizer)
+    out = []
+    try:
+        sets = {name: EvalSet(known[name], settings[name], tokenizer, sampling) for name in names}
+        base = {r.adapter: r for r in run_evals(engine, scorer, [EvalJob(sets[x], None, 0) for x in names])}
+        width = cfg.model.max_loras
+        for start in range(0, len(names), width):
+            chunk = names[start : start + width]
+            for name in chunk:
+                _, tensors, config, at = checkpoints[name]
+                engine.load_adapter(name, tensors, config, version=at or 0)
+            try:
+                jobs = [EvalJob(sets[x], x, checkpoints[x][3] or 0) for x in chunk]
+                for r in run_evals(engine, scorer, jobs):
+                    out.append(
+                        {
+                            "adapter": r.adapter,
+                            "checkpoint": checkpoints[r.adapter][0],
+                            "adapter_step": checkpoints[r.adapter][3],
+                            "split": settings[r.adapter].split,
+                            "base": dataclasses.asdict(base[r.adapter]),
+                            "adapter_result": dataclasses.asdict(r),
+                        }
+                    )
+            finally:
+                for name in chunk:
+                    engine.unload_adapter(name)
+    finally:
+        scorer.close()
+        engine.close()
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `rl-multilora eval` table: base vs adapter held-out reward per adapter."""
+    lines = [f"{'adapter':<14} {'step':>5} {'split':<6} {'prompts':>7} {'base':>6} {'adapter':>8} {'gain':>7}  pass@k"]
+    for row in rows:
+        b, a = row["base"], row["adapter_result"]
+        gain = a["reward_mean"] - b["reward_mean"] if None not in (a["reward_mean"], b["reward_mean"]) else None
+
+        def f(v, fmt="{:.3f}"):
+            return "-" if v is None else fmt.format(v)
+
+        passk = f"{f(b['pass_at_k'])} -> {f(a['pass_at_k'])} (k={a['k']})" if a["k"] else "-"
+        lines.append(
+            f"{row['adapter']:<14} {f(row['adapter_step'], '{}'):>5} {row['split']:<6} {a['n_prompts']:>7} "
+            f"{f(b['reward_mean']):>6} {f(a['reward_mean']):>8} {f(gain, '{:+.3f}'):>7}  {passk}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Held-out evaluation: base first, then every N adapter steps and the final adapter; it never changes training;
+`rl-multilora eval` scores saved checkpoints and PEFT folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rl_multilora import cli
+from rl_multilora.checkpoint import CheckpointManager
+from rl_multilora.config import parse_run_config
+from rl_multilora.loop import run, summarize
+from rl_multilora.metrics import read_metrics
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+TIMINGS = {"rollout_s", "reward_s", "train_s", "checkpoint_s", "sync_s", "eval_s", "pause_s"}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("eval")
+    save_tiny_model(root / "model", hidden=32, layers=2)
+    for name, off in [("a", 1), ("b", 3)]:
+        write_sum_task(root / "data" / f"{name}_train.jsonl", 30, off)
+        write_sum_task(root / "data" / f"{name}_test.jsonl", 10, off + 20)
+    return root
+
+
+def _cfg(ws: Path, run_dir: Path, eval_on: bool) -> dict:
+    adapters = []
+    for i, name in enumerate(["a", "b"]):
+        a = sum_task_adapter(ws / "data", name, 3 + i, max_steps=4)
+        a["dataset"]["data_files"] = {
+            "train": str(ws / "data" / f"{name}_train.jsonl"),
+            "test": str(ws / "data" / f"{name}_test.jsonl"),
+        }
+        adapters.append(a)
+    adapters[1]["eval"] = {"n_prompts": 4}  # a per-adapter override
+    return {
+        "run_dir": str(run_dir),
+        "model": {"path": str(ws / "model"), "max_loras": 2, "max_rank": 8},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 8},
+        "logging": {"plot": True, "progress": False},
+        "rewards": {"num_workers": 1},
+        "checkpoint": {"save_every": 2},
+        "eval": {"enabled": eval_on, "every": 2, "n_prompts": 6, "k": 2},
+        "adapters": adapters,
+    }
+
+
+def _final(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(CheckpointManager(run_dir).latest(name) / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(ws):
+    on, off = ws / "runs" / "on", ws / "runs" / "off"
+    run(parse_run_config(_cfg(ws, on, True)))
+    run(parse_run_config(_cfg(ws, off, False)))
+    return on, off
+
+
+def test_eval_rows_base_every_n_and_final(runs):
+    on, _ = runs
+    rows = [r for r in read_metrics(on) if r.get("kind") == "eval"]
+    for name, n in [("a", 6), ("b", 4)]:
+        mine = [r for r in rows if r["adapter"] == name]
+        assert [(r["adapter_step"], r["eval/base"]) for r in mine] == [(0, True), (2, False), (4, False)]
+        for r in mine:
+            assert r["eval/n_prompts"] == n and 0.0 <= r["eval/reward_mean"] <= 1.0 and "eval/pass@2" in r
+            assert r["reward_mean"] == r["eval/reward_mean"]
+    s = summarize(on)
+    assert s["a"]["eval_base"] is not None and s["a"]["eval_final_step"] == 4
+    assert (on / "reward_curves.png").stat().st_size > 0
+
+
+def test_eval_never_changes_training(runs):
+    on, off = runs
+    for name in ("a", "b"):
+        w_on, w_off = _final(on, name), _final(off, name)
+        assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    train_on = [{k: v for k, v in r.items() if k not in TIMINGS} for r in read_metrics(on) if r.get("kind") != "eval"]
+    train_off = [{k: v for k, v in r.items() if k not in TIMINGS} for r in read_metrics(off)]
+    assert train_on == train_off
+
+
+def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):
+    on, _ = runs
+    assert cli.main(["eval", str(on), "--n", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "adapter" in out and "base" in out
+    result = json.loads((on / "eval_test.json").read_text())
+    assert {r["adapter"] for r in result} == {"a", "b"}
+    by = {r["adapter"]: r for r in result}
+    assert by["a"]["adapter_step"] == 4 and by["a"]["adapter_result"]["n_prompts"] == 5
+    # The final held-out reward the run logged for `a` on 6 prompts is what eval gives on the same 6 prompts.
+    assert cli.main(["eval", str(on), "--adapter", "a", "--out", str(ws / "a.json")]) == 0
+    logged = [r for r in read_metrics(on) if r.get("kind") == "eval" and r["adapter"] == "a"][-1]
+    assert json.loads((ws / "a.json").read_text())[0]["adapter_result"]["reward_mean"] == logged["eval/reward_mean"]
+    # A PEFT folder exported from the run evaluates the same.
+    peft = ws / "peft_a"
+    assert cli.main(["export", str(on), "a", str(peft)]) == 0
+    assert cli.main(["eval", str(on), "--adapter", "a", "--peft", str(peft), "--out", str(ws / "p.json")]) == 0
+    assert json.loads((ws / "p.json").read_text())[0]["adapter_result"]["reward_mean"] == logged["eval/reward_mean"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--adapter", "zzz"], "--adapter='zzz' is not allowed"),
+        (["--peft", "/nonexistent"], "--peft='/nonexistent' is not allowed"),
+        (["--step", "99"], "checkpoint at adapter step 99"),
+        (["--n", "0"], "--n=0 is not allowed"),
+        (["--split", "nope"], "eval.split='nope'"),
+    ],
+)
+def test_eval_cli_bad_arguments_exit_2_without_traceback(runs, capsys, argv, fragment):
+    on, _ = runs
+    assert cli.main(["eval", str(on), *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_eval_cli_needs_a_run_dir(tmp_path, capsys):
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert "RUN_DIR=" in capsys.readouterr().err
+
+
+def test_eval_split_must_exist_when_eval_is_on(ws, tmp_path, capsys):
+    cfg = _cfg(ws, tmp_path / "r", True)
+    cfg["adapters"][0]["dataset"]["data_files"] = {"train": str(ws / "data" / "a_train.jsonl")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", str(path), "--dry-run"]) == 2
+    assert "adapters.a.eval:" in capsys.readouterr().err
