@@ -138,7 +138,7 @@ class Runtime:
         self.tenants = TenantManager(cfg, backend, data, self.ckpt)
         self.weight_sync = WeightSync(engine, backend)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))
-        self._eval_sets: dict[str, EvalSet] = {}
+        self._eval_sets: dict[str, tuple[AdapterConfig, EvalSet]] = {}
         self._stop_requested = False
 
     @property
@@ -224,9 +224,10 @@ class Runtime:
         settings = self.cfg.eval_for(a)
         if not settings.enabled:
             return None
-        if a.name not in self._eval_sets:
-            self._eval_sets[a.name] = EvalSet(a, settings, self.tokenizer, self.generator.sampling)
-        return self._eval_sets[a.name]
+        cached = self._eval_sets.get(a.name)
+        if cached is None or cached[0] != a:  # a name submitted again may come with another dataset
+            self._eval_sets[a.name] = (a, EvalSet(a, settings, self.tokenizer, self.generator.sampling))
+        return self._eval_sets[a.name][1]
 
     def _due_evals(self) -> list[EvalJob]:
         """The base before a tenant's first step, then its adapter every `eval.every` adapter steps."""
