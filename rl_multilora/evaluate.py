@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rl_multilora.config import AdapterConfig, EvalSettings
+from rl_multilora.config import AdapterConfig, EvalSettings, RunConfig
 from rollout.types import AdapterRef, GenerateRequest, Sample, SampleStatus, SamplingParams
 
 EVAL_PREFIX = "eval:"
@@ -188,6 +188,7 @@ def run_evals(engine, scorer, jobs: Sequence[EvalJob]) -> list[EvalResult]:
 
 def evaluate_checkpoints(
     run_dir: str,
+    sampling_of: Callable[[RunConfig, Any], SamplingParams],
     adapters: Sequence[str] | None = None,
     step: int | None = None,
     split: str | None = None,
@@ -199,6 +200,7 @@ def evaluate_checkpoints(
 
     The run's own config (RUN_DIR/config.yaml) says the model, datasets, rewards and eval settings; `split` and `n`
     override the eval split and the number of prompts. Eval is on here whatever the run's `eval.enabled` was.
+    `sampling_of(cfg, tokenizer)` gives the run's rollout sampling settings (`rl_multilora.loop.rollout_sampling`).
     """
     from pathlib import Path
 
@@ -210,7 +212,6 @@ def evaluate_checkpoints(
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import ConfigError, load_run_config
     from rl_multilora.errors import bad_value
-    from rl_multilora.loop import rollout_sampling
     from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, MultiLoRAModel, read_peft_folder
     from rl_multilora.validate import adapter_problems
     from rollout.engines.embedded import EmbeddedEngine
@@ -266,7 +267,7 @@ def evaluate_checkpoints(
     ).to(resolve_device(cfg.model.device))
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
     scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers)
-    sampling = rollout_sampling(cfg, tokenizer)
+    sampling = sampling_of(cfg, tokenizer)
     out = []
     try:
         sets = {name: EvalSet(known[name], settings[name], tokenizer, sampling) for name in names}
