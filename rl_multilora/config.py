@@ -143,6 +143,8 @@ class AdapterConfig(_Strict):
     )
     epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
     seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
+    weight: float = Field(1.0, gt=0, description="Fair-share weight when a step's rows are capped.")
+    priority: int = Field(0, description="Waiting adapters with a higher priority get a free slot first.")
     eval: EvalOverride | None = Field(None, description="Changes to the run-level eval section for this adapter.")
 
     @field_validator("reward")
@@ -180,6 +182,12 @@ class RolloutConfig(_Strict):
         None, description="GenerateStateHooks subclass `module:Class` (default: multi-LoRA hooks)."
     )
     max_batch_size: int = Field(256, ge=1, description="Embedded engine: most rows in one decode batch.")
+    max_rows_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Most rows (samples) one step generates; when the tenants ask for more, the step is split by "
+        "weighted fair share (adapter `weight`), at least one prompt group per RUNNING tenant. null: no cap.",
+    )
     sglang_port: int = Field(30000, ge=1, le=65535, description="Port for a launched SGLang server.")
     sglang_lora_backend: str = Field("triton", description="SGLang --lora-backend.")
     sglang_args: list[str] = Field(default_factory=list, description="Extra sglang.launch_server arguments.")

@@ -37,6 +37,7 @@ from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, ConfigError, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, run_evals
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
+from rl_multilora.shares import fair_quotas
 from rl_multilora.tenants import TenantManager, TenantState
 from rl_multilora.weight_sync import SyncStats, WeightSync
 from rollout.types import Sample, SampleStatus, SamplingParams
@@ -187,7 +188,12 @@ class Runtime:
         clock = _Clock(res.timings)
         names = [t.name for t in tenants.running()]
         with clock("rollout_s"):
-            groups = [g for gs in self.data.next_groups(names).values() for g in gs]
+            quotas = fair_quotas(
+                {n: self.data.ask(n) for n in names},
+                {n: tenants.get(n).cfg.weight for n in names},
+                self.cfg.rollout.max_rows_per_step,
+            )
+            groups = [g for gs in self.data.next_groups(names, quotas).values() for g in gs]
             samples = self.generator.run_sync(groups) if groups else []
         with clock("eval_s"):  # on the versions the rollout used, never trained on
             res.evals = run_evals(self.engine, self.scorer, self._due_evals())
@@ -320,6 +326,8 @@ class Runtime:
             reward_timeouts=report.timeouts.get(name, 0),
             bad_rows=self.data.stats(name).get("bad_rows", 0),
             weight_version=t.weight_version,
+            row_share=round(len(mine) / len(samples), 4) if samples else None,
+            slot_wait_s=round(t.admitted_at - t.registered_at, 3) if t.admitted_at is not None else None,
             train=st,
             nonfinite_streak=t.nonfinite_streak,
         )

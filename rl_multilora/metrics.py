@@ -37,6 +37,8 @@ class StepRecord:
     reward_timeouts: int
     bad_rows: int
     weight_version: int | None
+    row_share: float | None = None  # its share of the step's rows (fair shares decide it when rows are capped)
+    slot_wait_s: float | None = None  # how long it waited for a slot after it was submitted
     train: AdapterStepStats | None = None
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads (reported with `train`)
     pause_s: float = 0.0
@@ -59,6 +61,8 @@ class StepRecord:
             "reward_timeouts": self.reward_timeouts,
             "bad_rows": self.bad_rows,
             "weight_version": self.weight_version,
+            "row_share": self.row_share,
+            "slot_wait_s": self.slot_wait_s,
         }
         st = self.train
         if st is not None:

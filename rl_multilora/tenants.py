@@ -79,6 +79,7 @@ class Tenant:
     last_reward: float | None = None
     last_checkpoint: str | None = None
     registered_at: float = field(default_factory=time.time)
+    admitted_at: float | None = None  # when it got its slot (its wait is admitted_at - registered_at)
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
     idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
     last_eval_step: int | None = None  # adapter step of its last held-out evaluation in this process
@@ -128,7 +129,8 @@ class TenantTable:
         return self.in_state(TenantState.RUNNING)
 
     def pending_in_order(self) -> list[Tenant]:
-        return sorted(self.in_state(TenantState.PENDING), key=lambda t: t.registered_at)
+        """Waiting tenants in the order they get free slots: higher `priority` first, then submission order."""
+        return sorted(self.in_state(TenantState.PENDING), key=lambda t: (-t.cfg.priority, t.registered_at))
 
     def used_slots(self) -> set[int]:
         return {t.slot for t in self.tenants.values() if t.slot is not None}
@@ -252,6 +254,7 @@ class TenantManager(TenantTable):
         """Slot + optimizer, data cursor, restore from its newest checkpoint, and a push at the next sync."""
         a = t.cfg
         self.activate(a.name, self.backend.add_adapter(a))
+        t.admitted_at = time.time()
         n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
         self.data.add_adapter(
             AdapterRef(a.name, t.slot),

@@ -345,8 +345,9 @@ class MultiLoRADataSource:
         self._stream(name)
         del self._streams[name]
 
-    def next_groups(self, names: list[str]) -> dict[str, list[list[Sample]]]:
-        """For each adapter in `names`, up to `prompts_per_step` groups of `n_samples_per_prompt` samples.
+    def next_groups(self, names: list[str], quotas: Mapping[str, int] | None = None) -> dict[str, list[list[Sample]]]:
+        """For each adapter in `names`, up to `prompts_per_step` groups of `n_samples_per_prompt` samples (or up to
+        `quotas[name]` groups, when a step's row cap splits it by fair share).
 
         An adapter whose budget ends mid-step gets the groups still available; an exhausted one gets [].
         """
@@ -357,7 +358,7 @@ class MultiLoRADataSource:
         position = 0
         for stream in streams:
             groups = []
-            for _ in range(stream.prompts_per_step):
+            for _ in range((quotas or {}).get(stream.ref.name, stream.prompts_per_step)):
                 group = self._next_group(stream, position)
                 if group is None:
                     break
@@ -365,6 +366,11 @@ class MultiLoRADataSource:
                 groups.append(group)
             out[stream.ref.name] = groups
         return out
+
+    def ask(self, name: str) -> tuple[int, int]:
+        """(groups, rows per group) adapter `name` asks for in a step."""
+        stream = self._stream(name)
+        return stream.prompts_per_step, stream.n_samples_per_prompt
 
     def exhausted(self, name: str) -> bool:
         """True when the adapter's data budget (epochs or rows) is used up or it has no usable row."""
