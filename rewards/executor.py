@@ -15,7 +15,21 @@ Design choices:
 - Fairness: the next free worker takes a task from the adapter with the fewest tasks in flight, so a tenant whose
   reward hangs holds at most one worker while others have work. After one of its tasks times out, that tenant's
   tasks still queued in the same call are not started (they count as timeouts): a reward that hangs on every
-  sample costs one timeout of wall time per call, not one per sample.
+  sample costs one timeout of wall time per call, not one per sample. An adapter whose reward crashed a worker in
+  its previous call goes last: its tasks are started only when no other adapter has a task queued, so that it
+  cannot take the last live worker (the others may still be starting) from the tenants it would otherwise block.
+- Crashes: a worker that dies while running a task (the reward segfaults, calls `os._exit`, kills its process, or
+  the OOM killer picks it) is treated like a timeout: the task's samples score `spec.failure_value`, the tenant's
+  tasks still queued in the same call are not started (they score `failure_value` too), and the worker is replaced
+  once, in the background, while the other workers keep serving the other tenants. All of them count in
+  `RewardReport.errors` and in `RewardReport.crashes`. So a reward that crashes on some or all of its samples adds
+  at most its own `timeout_s` (its tasks already running elsewhere) plus one worker start to a step, not a worker
+  start per sample.
+- Failure limit: a call counts toward an adapter's `fail_steps` when every one of its samples failed (raised,
+  timed out, bad value) or when its reward crashed a worker, even if its other samples scored. After `fail_steps`
+  such calls in a row the adapter is in `RewardReport.failing`; any other call resets its count. A reward that
+  crashes its worker on only some inputs is thus failed like one that raises on every input: it would otherwise
+  cost a worker start every step for ever.
 - The parent resolves each spec (cached) only to learn its shape (sync, async, batched); a spec that does not
   resolve fails its own samples with the config error, never the call.
 - Data goes to our own workers over a socket pair (pickle between our own processes only).
@@ -59,8 +73,10 @@ class RewardReport:
     """What one `score_samples` call did, per adapter name ("" for samples without an adapter).
 
     `errors` / `timeouts`: samples whose reward raised / ran past `timeout_s` (they scored `failure_value`);
-    `failing`: adapters whose rewards failed on every sample for `fail_steps` consecutive calls, with the reason;
-    `samples`: samples scored per adapter; `last_error`: the last failure message per adapter; `seconds`: wall time.
+    `failing`: adapters whose rewards failed on every sample, or crashed a worker, in each of `fail_steps`
+    consecutive calls, with the reason; `samples`: samples scored per adapter; `last_error`: the last failure
+    message per adapter; `seconds`: wall time; `crashes`: the part of `errors` lost to a worker that died under the
+    adapter's reward: the samples of the task it was running and those of the adapter's tasks not started after.
     """
 
     errors: dict[str, int] = field(default_factory=dict)
@@ -69,6 +85,7 @@ class RewardReport:
     seconds: float = 0.0
     samples: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, str] = field(default_factory=dict)
+    crashes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,9 +140,9 @@ def _stop_workers(workers: list[_Worker]) -> None:
 class RewardExecutor:
     """Scores samples with each one's `RewardSpec` in `num_workers` persistent, killable worker processes.
 
-    `fail_steps`: after this many consecutive `score_samples` calls in which every sample of an adapter failed,
-    the adapter is listed in `RewardReport.failing`. `async_concurrency`: samples of an `async def` reward run
-    concurrently in one worker. One call at a time (a lock enforces it). Use as a context manager or `close()`.
+    `fail_steps`: after this many consecutive `score_samples` calls in which every sample of an adapter failed or
+    its reward crashed a worker, the adapter is listed in `RewardReport.failing`. `async_concurrency`: samples of
+    an `async def` reward run concurrently in one worker. One call at a time (a lock enforces it). Use as a context manager or `close()`.
     """
 
     def __init__(self, num_workers: int = 2, fail_steps: int = 3, *, async_concurrency: int = 32) -> None:
@@ -143,6 +160,7 @@ class RewardExecutor:
         self._task_ids = itertools.count()
         self._resolved: dict[RewardSpec, RewardFn | RewardConfigError] = {}
         self._streak: dict[str, int] = defaultdict(int)
+        self._crashed: set[str] = set()  # adapters whose reward crashed a worker in their previous call
         self._startup_failures = 0
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
@@ -256,13 +274,24 @@ class RewardExecutor:
             in_flight[task.adapter] -= started
             for i, outcome in zip(task.sample_ids, results, strict=True):
                 outcomes[i] = outcome
+            if started and results and results[0][0] == "crash":  # its worker died (see `_receive`)
+                skip_rest(task.adapter, "crash", results[0][1])
+
+        def skip_rest(adapter: str, status: str, message: str) -> None:
+            """Score the adapter's tasks still queued in this call `failure_value` without starting them."""
+            skipped = f"not started: an earlier call in this step: {message}"
+            while queues[adapter]:
+                rest = queues[adapter].popleft()
+                finish(rest, [(status, skipped)] * len(rest.sample_ids), started=False)
 
         while any(queues.values()) or any(w.task is not None for w in self._workers):
             for worker in self._workers:
                 while worker.ready and worker.task is None and any(queues.values()):
-                    # the adapter with the fewest tasks in flight goes next; ties: the one served longest ago
+                    # the adapter with the fewest tasks in flight goes next; ties: the one served longest ago;
+                    # one whose reward crashed a worker last time only when no other has a task queued
                     adapter = min(
-                        (a for a, q in queues.items() if q), key=lambda a: (in_flight[a], last_pick.get(a, -1))
+                        (a for a, q in queues.items() if q),
+                        key=lambda a: (a in self._crashed, in_flight[a], last_pick.get(a, -1)),
                     )
                     task = queues[adapter].popleft()
                     if not self._dispatch(worker, task, samples, finish):
@@ -280,10 +309,7 @@ class RewardExecutor:
                 self._replace(worker)
                 message = f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
                 finish(task, [("timeout", message)] * len(task.sample_ids))
-                skipped = f"not started: an earlier call in this step {message}"
-                while queues[task.adapter]:
-                    rest = queues[task.adapter].popleft()
-                    finish(rest, [("timeout", skipped)] * len(rest.sample_ids), started=False)
+                skip_rest(task.adapter, "timeout", message)
 
     def _wait_and_collect(self, finish: _Finish) -> None:
         """Block until a worker answers, a worker becomes ready, or the nearest task deadline passes."""
@@ -339,13 +365,15 @@ class RewardExecutor:
         worker.task = None
         try:
             task_id, results = worker.conn.recv()
-        except (EOFError, OSError):  # the worker died mid-task (os._exit, segfault, OOM)
+        except (EOFError, OSError):  # the worker died mid-task (os._exit, segfault, SIGKILL, OOM)
             try:
-                code = worker.process.wait(1.0)  # its socket closed as it exited: the status follows at once
+                # its socket closed as it exited: the status follows at once; this blocks every tenant, so not long
+                code = worker.process.wait(0.25)
             except subprocess.TimeoutExpired:
-                code = None
-            self._replace(worker)
-            finish(task, [("error", f"reward worker died (exit code {code})")] * len(task.sample_ids))
+                code = None  # it closed its socket but lives on: `_replace` kills it
+            self._replace(worker)  # one respawn per death; it starts while the other workers keep working
+            died = f"reward {spec_label(task.spec)!r} crashed its worker (exit code {code}{_signal_name(code)})"
+            finish(task, [("crash", died)] * len(task.sample_ids))  # `_run` skips the adapter's queued tasks
             return
         if task_id != task.task_id:
             raise RuntimeError(f"reward worker answered task {task_id}, expected {task.task_id}")
@@ -361,12 +389,30 @@ class RewardExecutor:
             sample.reward = float(sample.reward_spec.failure_value)
             counter = report.timeouts if status == "timeout" else report.errors
             counter[adapter] = counter.get(adapter, 0) + 1
+            if status == "crash":
+                report.crashes[adapter] = report.crashes.get(adapter, 0) + 1
             report.last_error[adapter] = value
         for adapter, n in report.samples.items():
             failed = report.errors.get(adapter, 0) + report.timeouts.get(adapter, 0)
-            self._streak[adapter] = self._streak[adapter] + 1 if failed == n else 0
+            crashed = report.crashes.get(adapter, 0)
+            if crashed:
+                self._crashed.add(adapter)
+            else:
+                self._crashed.discard(adapter)
+            self._streak[adapter] = self._streak[adapter] + 1 if failed == n or crashed else 0
             if self._streak[adapter] >= self.fail_steps:
                 report.failing[adapter] = (
-                    f"every reward failed for {self._streak[adapter]} consecutive steps "
-                    f"({failed}/{n} this step); last: {report.last_error[adapter]}"
+                    f"rewards failed on every sample or crashed a worker in each of {self._streak[adapter]} "
+                    f"consecutive steps ({failed}/{n} failed this step, {crashed} to a crash); "
+                    f"last: {report.last_error[adapter]}"
                 )
+
+
+def _signal_name(code: int | None) -> str:
+    """The signal's name after a comma for a worker killed by one (exit code -9: ", SIGKILL"), else nothing."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        return f", {signal.Signals(-code).name}"
+    except ValueError:
+        return ""

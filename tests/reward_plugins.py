@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from typing import Any
 
@@ -100,6 +101,14 @@ async def blocking_async_reward(prompt: str, response: str, label: Any, metadata
 def exiting_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
     """Kills its own process, like a segfault in a native extension."""
     os._exit(3)
+
+
+def crash_on_marker_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """SIGKILLs its own process on responses containing "CRASH" (a native extension that segfaults on some inputs);
+    otherwise 1.0 if the stripped response equals str(label), else 0.0."""
+    if "CRASH" in response:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0 if response.strip() == str(label) else 0.0
 
 
 def string_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> str:

@@ -368,6 +368,92 @@ def test_executor_worker_death_is_an_error_and_worker_is_replaced(executor):
     assert report.errors == {"exit": 1} and "exit code 3" in report.last_error["exit"]
 
 
+def test_executor_worker_crash_fails_rest_of_tenant_within_one_timeout():
+    # A fresh executor, to measure what one worker start costs on this machine (2 cores: sympy import, ~1 s).
+    with RewardExecutor(num_workers=2, fail_steps=3) as ex:
+        start = time.monotonic()
+        ex.wait_ready()
+        startup = time.monotonic() - start
+        spec = plugin("crash_on_marker_reward", timeout_s=1.0, failure_value=-1.0)
+        crashy = make_samples("crashy", spec, ["CRASH", "4", "CRASH", "CRASH"] * 4)
+        good = make_samples("steady", RewardSpec(name="gsm8k"), ["#### 72", "#### 1"] * 8, label=NATALIA)
+        start = time.monotonic()
+        report = ex.score_samples(crashy + good)
+        elapsed = time.monotonic() - start
+        # One crash costs at most one respawn, never one per crashing sample (12 here: about 6 startups before).
+        assert elapsed < spec.timeout_s + startup + 0.5, (elapsed, startup)
+        assert [s.reward for s in good] == [1.0, 0.0] * 8
+        # The first sample killed its worker; the tenant's queued samples were not started ("4" would score 1.0).
+        # The other worker may have taken crashy[1] (a "4") and then crashy[2] (a crash) before the first crash was
+        # seen, if the healthy tenant's queue ran dry first; nothing after that.
+        rewards_ = [s.reward for s in crashy]
+        assert rewards_ in ([-1.0] * 16, [-1.0, 1.0] + [-1.0] * 14), rewards_
+        failed = rewards_.count(-1.0)
+        assert report.errors == {"crashy": failed} and report.crashes == {"crashy": failed}
+        assert report.timeouts == {} and report.failing == {}
+        assert "exit code -9" in report.last_error["crashy"] and "not started" in report.last_error["crashy"]
+
+        # A step that kills exactly one worker (one task), then the next step at once, that worker still starting:
+        # the crashed tenant goes after the healthy one, so its next crash cannot take the last live worker while
+        # the healthy tenant has work (which would then wait for a worker start).
+        ex.wait_ready()
+        assert ex.score_samples(make_samples("crashy", spec, ["CRASH"])).crashes == {"crashy": 1}
+        crashy = make_samples("crashy", spec, ["CRASH", "4"])
+        good = make_samples("steady", RewardSpec(name="gsm8k"), ["#### 72", "#### 1"] * 8, label=NATALIA)
+        start = time.monotonic()
+        report = ex.score_samples(crashy + good)
+        elapsed = time.monotonic() - start
+        assert elapsed < startup / 2, (elapsed, startup)
+        assert [s.reward for s in good] == [1.0, 0.0] * 8 and [s.reward for s in crashy] == [-1.0, -1.0]
+        assert report.crashes == {"crashy": 2} and report.errors == {"crashy": 2}
+
+        # The next call is served as usual, the crashed tenant included.
+        ex.wait_ready()
+        again = make_samples("crashy", spec, ["4", "5"]) + make_samples("steady", RewardSpec(name="f1"), ["4"])
+        report = ex.score_samples(again)
+        assert [s.reward for s in again] == [1.0, 0.0, 1.0] and report.errors == {} and report.crashes == {}
+
+
+def test_executor_partial_crashes_count_toward_fail_steps(executor):
+    spec = plugin("crash_on_marker_reward", timeout_s=1.0)
+
+    def step(crash: bool):
+        executor.wait_ready()  # every step starts with both workers up, as a training step would
+        samples = make_samples("partcrash", spec, ["4", "4", "4", "CRASH" if crash else "4"])
+        report = executor.score_samples(samples)
+        assert samples[0].reward == 1.0  # scored before the crash: only some samples fail
+        assert report.errors.get("partcrash", 0) < len(samples)
+        return report
+
+    assert step(True).failing == {}
+    assert step(False).failing == {}  # a step without a crash (and not all failing) resets the streak
+    assert step(True).failing == {}
+    assert step(True).failing == {}
+    third = step(True)
+    assert set(third.failing) == {"partcrash"}
+    assert "3 consecutive" in third.failing["partcrash"] and "crash" in third.failing["partcrash"]
+    assert "partcrash" not in step(False).failing
+
+
+def test_executor_healthy_tenant_unaffected_by_crashing_neighbour(executor):
+    crash = plugin("crash_on_marker_reward", timeout_s=1.0, failure_value=-2.0)
+    for call in range(1, executor.fail_steps + 2):
+        executor.wait_ready()
+        crashy = make_samples("allcrash", crash, ["CRASH"] * 16)
+        healthy = make_samples("healthy", RewardSpec(name="gsm8k"), ["#### 72", "#### 71", "72"] * 5, label=NATALIA)
+        healthy += make_samples("healthy", plugin("sync_reward", kwargs={"scale": 2.0}), ["4", "5"])
+        start = time.monotonic()
+        report = executor.score_samples(crashy + healthy)
+        elapsed = time.monotonic() - start
+        assert elapsed < crash.timeout_s + 1.0, elapsed  # was one respawn per crashing sample: 16 of them
+        assert [s.reward for s in healthy] == [1.0, 0.0, 0.0] * 5 + [2.0, 0.0]
+        assert [s.reward for s in crashy] == [-2.0] * 16
+        assert "healthy" not in report.errors and "healthy" not in report.timeouts
+        assert "healthy" not in report.crashes and "healthy" not in report.failing
+        assert report.crashes == {"allcrash": 16}
+        assert ("allcrash" in report.failing) == (call >= executor.fail_steps)
+
+
 def test_executor_survives_idle_worker_death_and_unpicklable_labels(executor):
     executor.wait_ready()
     victim = executor.worker_pids[0]
