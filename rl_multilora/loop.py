@@ -324,6 +324,7 @@ class Runtime:
             failed_samples=sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in mine),
             reward_errors=report.errors.get(name, 0),
             reward_timeouts=report.timeouts.get(name, 0),
+            reward_crashes=report.crashes.get(name, 0),
             bad_rows=self.data.stats(name).get("bad_rows", 0),
             weight_version=t.weight_version,
             row_share=round(len(mine) / len(samples), 4) if samples else None,

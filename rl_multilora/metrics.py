@@ -35,6 +35,7 @@ class StepRecord:
     failed_samples: int
     reward_errors: int
     reward_timeouts: int
+    reward_crashes: int  # samples lost to a reward that killed its worker (also counted in reward_errors)
     bad_rows: int
     weight_version: int | None
     row_share: float | None = None  # its share of the step's rows (fair shares decide it when rows are capped)
@@ -59,6 +60,7 @@ class StepRecord:
             "failed_samples": self.failed_samples,
             "reward_errors": self.reward_errors,
             "reward_timeouts": self.reward_timeouts,
+            "reward_crashes": self.reward_crashes,
             "bad_rows": self.bad_rows,
             "weight_version": self.weight_version,
             "row_share": self.row_share,
