@@ -350,6 +350,115 @@ def test_pause_modes_other_than_abort_are_refused(served):
     assert resp.status_code == 400 and "'abort', 'retract', 'in_place'" in resp.json()["message"]
 
 
+BAD_NAMES = ["../x", "a/b", "", "a\n", ".", "..", 5]
+NAME_RULE = "a non-empty string of letters, digits, '.', '_' and '-', other than '.' and '..'"
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES)
+def test_adapter_names_are_validated_on_every_endpoint(served, tmp_path, bad):
+    """`lora_name` (load, load from a path, unload) and `/generate`'s `lora_path` follow `validate_adapter_name`:
+    a 400 in the project's grammar, and the engine is never reached."""
+    engine, server = served
+    save_file(tensors(0), str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
+    blob = encode_tensors_safetensors(tensors(0))
+    load = {"lora_name": bad, "config_dict": CONFIG, "serialized_named_tensors": [blob], "load_format": "safetensors"}
+    calls = [
+        ("/load_lora_adapter_from_tensors", load, "lora_name"),
+        ("/load_lora_adapter", {"lora_name": bad, "lora_path": str(tmp_path)}, "lora_name"),
+        ("/unload_lora_adapter", {"lora_name": bad}, "lora_name"),
+        ("/generate", {"input_ids": [1], "lora_path": bad}, "lora_path"),
+        ("/generate", {"input_ids": [[1], [2]], "lora_path": [None, bad]}, "lora_path[1]"),
+    ]
+    for path, body, field in calls:
+        resp = requests.post(server.url + path, json=body, timeout=30)
+        assert resp.status_code == 400, (path, resp.text)
+        message = resp.json()["message"]
+        assert message.startswith(f"{field}={bad!r} is not allowed; allowed: ") and NAME_RULE in message, message
+    assert engine.calls == [] and engine.versions == {}
+    # A valid name still works on each endpoint.
+    assert requests.post(server.url + "/load_lora_adapter", json={"lora_name": "ok-1.a_b", "lora_path": str(tmp_path)})
+    assert engine.versions == {"ok-1.a_b": 1}
+
+
+def test_abort_message_is_the_engines_reason_not_the_pause():
+    """An abort the engine reports itself keeps its reason; only the server's own pause abort says /pause_generation."""
+    reason = "adapter 'a' changed from version 1 to 2 mid-request; resubmit it"
+
+    class Aborting(FakeEngine):
+        def _one(self, req):
+            if req.input_ids[0] == 666:
+                return GenerateResult(finish_reason="abort", weight_version=1, error=reason)
+            return super()._one(req)
+
+    engine = Aborting(step_s=0.01)
+    with BackgroundServer(engine) as server:
+        raw = requests.post(server.url + "/generate", json={"input_ids": [666]}, timeout=30).json()
+        assert raw["meta_info"]["finish_reason"] == {
+            "type": "abort",
+            "message": reason,
+            "status_code": None,
+            "err_type": None,
+        }
+        box: dict[str, dict] = {}
+        body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 500}}
+        worker = threading.Thread(
+            target=lambda: box.__setitem__("r", requests.post(server.url + "/generate", json=body, timeout=60).json())
+        )
+        worker.start()
+        wait_until(lambda: engine.progress.get(3, 0) >= 2)
+        requests.post(server.url + "/pause_generation", json={"mode": "abort"}, timeout=30).raise_for_status()
+        worker.join(30)
+        requests.post(server.url + "/continue_generation", json={}, timeout=30).raise_for_status()
+        assert box["r"]["meta_info"]["finish_reason"]["message"] == "Aborted by /pause_generation"
+
+
+def test_embedded_engine_abort_reason_reaches_the_http_response(tmp_path):
+    """The real engine aborts a row whose adapter was reloaded mid-request (no pause); the response says so."""
+    from rollout.engines.serve import build_embedded_engine
+    from tests.tiny_models import EOS_ID, save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "base")
+    engine, tokenizer = build_embedded_engine(str(model_dir), max_loras=2, max_rank=8)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    g = torch.Generator().manual_seed(0)
+    adapter = {f"{prefix}.lora_A.weight": torch.randn(4, 32, generator=g)}
+    adapter[f"{prefix}.lora_B.weight"] = torch.randn(32, 4, generator=g)
+    first_step, release = threading.Event(), threading.Event()
+    sample = engine._sample
+
+    def gated_sample(logits, rows):
+        # Hold the worker after its first token (outside the weights lock) until the adapter has been reloaded;
+        # never let that token be EOS, so the row is still running when the worker checks its adapter.
+        tokens, logprobs = sample(logits, rows)
+        if not first_step.is_set():
+            first_step.set()
+            release.wait(30)
+        return [EOS_ID + 1 if t == EOS_ID else t for t in tokens], logprobs
+
+    engine._sample = gated_sample
+    try:
+        with BackgroundServer(engine, tokenizer=tokenizer) as server:
+            client = SGLangEngine(server.url, tensor_format="safetensors")
+            old = client.load_adapter("a", adapter, CONFIG)
+            box: dict[str, dict] = {}
+            body = {"input_ids": [5, 6, 7], "lora_path": "a", "sampling_params": {"max_new_tokens": 8}}
+            worker = threading.Thread(
+                target=lambda: box.__setitem__("r", requests.post(server.url + "/generate", json=body, timeout=60))
+            )
+            worker.start()
+            assert first_step.wait(30)
+            new = engine.load_adapter("a", adapter, CONFIG)  # a new version, without a pause
+            release.set()
+            worker.join(30)
+    finally:
+        release.set()
+        engine.close()
+    finish = box["r"].json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort"
+    assert finish["message"] == f"adapter 'a' changed from version {old} to {new} mid-request; resubmit it"
+
+
 # ---------------------------------------------------------------------------------------------- sync
 
 

@@ -8,6 +8,8 @@ Design choices (each follows SGLang unless said otherwise):
   required field or a wrong type answers 400. Unknown `sampling_params` keys answer 400 (SGLang's `/generate`
   contract check rejects them), and so do SGLang sampling options this engine cannot honour (e.g. `min_p`)
   unless they are at their default.
+- Adapter names (`lora_name`, and `lora_path` in `/generate`) follow the project's one rule,
+  `validate_adapter_name` (a name becomes a path component downstream); any other name answers 400.
 - Deviation: `/load_lora_adapter_from_tensors` accepts only `load_format="safetensors"` (base64 safetensors
   bytes in `serialized_named_tensors`). SGLang's own encoding is pickle (0.5.23 reads it with an allow-list
   unpickler; unpickling request data ran arbitrary code before, CVE-2025-10164), so it is refused with a 400
@@ -17,9 +19,11 @@ Design choices (each follows SGLang unless said otherwise):
   header; `x-api-key` is refused); otherwise 401 `{"error": "Unauthorized"}`. There is one key: SGLang's
   `--admin-api-key` split of the control endpoints is not modelled. Binds 127.0.0.1 by default.
 - `/pause_generation` implements `mode="abort"` itself: every `/generate` in flight answers at once with
-  finish_reason `{"type": "abort"}` (the engine's result, when it comes, is dropped), and requests that arrive
-  while paused wait until `/continue_generation`, as in SGLang. `retract` and `in_place` answer 400: the
-  weight sync never uses them because unloading in those modes deadlocks SGLang.
+  finish_reason `{"type": "abort", "message": "Aborted by /pause_generation"}` (the engine's result, when it
+  comes, is dropped), and requests that arrive while paused wait until `/continue_generation`, as in SGLang.
+  `retract` and `in_place` answer 400: the weight sync never uses them because unloading in those modes
+  deadlocks SGLang. A row the engine aborts on its own (e.g. its adapter changed mid-request) carries the
+  engine's reason as its message, never the pause's.
 - The engine's blocking calls (generate, load, unload, pause, resume) run in worker threads
   (`engine.agenerate`, `asyncio.to_thread`), never on the event loop.
 - Deviation: `meta_info.weight_version` is the request's adapter version (SGLang's is one server-wide string;
@@ -48,7 +52,7 @@ from typing import Any
 from aiohttp import web
 from safetensors.torch import load_file
 
-from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME
+from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_name
 from rollout.engines.base import RolloutEngine
 from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
@@ -92,6 +96,8 @@ _FLUSH_TEXT = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 _FLUSH_FAILED_TEXT = "Flush cache failed.\n"
+# The abort message of a /generate answered early by /pause_generation; an engine's own abort says why in `error`.
+_PAUSE_ABORT_MESSAGE = "Aborted by /pause_generation"
 
 
 class RequestError(ValueError):
@@ -162,6 +168,19 @@ def _want(body: dict[str, Any], key: str, kind: type | tuple[type, ...], allowed
     if not isinstance(value, kind):
         raise RequestError(f"{key}={value!r} is not allowed; allowed: {allowed}")
     return value
+
+
+def _adapter_name(value: Any, where: str, base_allowed: bool = False) -> str | None:
+    """`value` if it is a valid adapter name (`validate_adapter_name`, the project's one rule), else a 400."""
+    if value is None and base_allowed:
+        return None
+    try:
+        return validate_adapter_name(value)
+    except ValueError as exc:
+        allowed = str(exc).partition("; allowed: ")[2] or "a valid adapter name"
+        if base_allowed:
+            allowed = f"a loaded adapter's name ({allowed}), or null for the base"
+        raise RequestError(f"{where}={value!r} is not allowed; allowed: {allowed}") from None
 
 
 def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
@@ -266,11 +285,7 @@ def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], li
     for i in range(n):
         where = "sampling_params" if single else f"sampling_params[{i}]"
         sp = _sampling_from_dict(sampling_items[i], where)
-        lora = loras[i]
-        if lora is not None and (not isinstance(lora, str) or not lora):
-            raise RequestError(
-                f"lora_path={lora!r} is not allowed; allowed: a loaded adapter's name, or null for the base"
-            )
+        lora = _adapter_name(loras[i], "lora_path" if single else f"lora_path[{i}]", base_allowed=True)
         requests.append(GenerateRequest(input_ids=list(rows[i]), adapter=lora, sampling=sp, rid=rids[i]))
     return requests, [bool(f) for f in logprob_flags], single
 
@@ -282,7 +297,9 @@ def _finish_json(result: GenerateResult) -> dict[str, Any]:
     if result.finish_reason == "length":
         return {"type": "length", "length": len(result.output_ids)}
     if result.finish_reason == "abort":
-        return {"type": "abort", "message": "Aborted by /pause_generation", "status_code": None, "err_type": None}
+        # The engine's own reason (e.g. the adapter changed mid-request), or the server's pause abort.
+        message = result.error or "aborted by the engine; resubmit the request"
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
     # An engine-side failure for this row: SGLang reports request errors as an abort with an HTTP status.
     return {
         "type": "abort",
@@ -356,7 +373,7 @@ async def _generate(request: web.Request) -> web.Response:
         task.cancel()
         state.orphans.add(task)
         task.add_done_callback(_forget_orphan(state))
-        results = [GenerateResult(finish_reason="abort") for _ in reqs]
+        results = [GenerateResult(finish_reason="abort", error=_PAUSE_ABORT_MESSAGE) for _ in reqs]
     else:
         try:
             results = task.result()
@@ -412,7 +429,7 @@ async def _load_tensors(
 async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
     state: _ServerState = request.app[_STATE_KEY]
     body = await _json_body(request, ("lora_name", "config_dict"))
-    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    name = _adapter_name(body["lora_name"], "lora_name")
     config = _want(body, "config_dict", dict, "the PEFT adapter_config as a JSON object")
     load_format = body.get("load_format")
     if load_format != SAFETENSORS_LOAD_FORMAT:
@@ -440,7 +457,7 @@ async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
 async def _load_lora_adapter(request: web.Request) -> web.Response:
     state: _ServerState = request.app[_STATE_KEY]
     body = await _json_body(request, ("lora_name", "lora_path"))
-    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    name = _adapter_name(body["lora_name"], "lora_name")
     folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
     config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_file.is_file() or not weights_file.is_file():
@@ -459,7 +476,7 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
 async def _unload_lora_adapter(request: web.Request) -> web.Response:
     state: _ServerState = request.app[_STATE_KEY]
     body = await _json_body(request, ("lora_name",))
-    name = _want(body, "lora_name", str, "the adapter name (a string)")
+    name = _adapter_name(body["lora_name"], "lora_name")
     if name not in state.engine.adapter_versions():
         return _lora_response(state, False, f"LoRA adapter {name} is not loaded")
     try:

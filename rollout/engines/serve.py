@@ -4,14 +4,28 @@ Design choices:
 - Heavy imports (transformers, the model, the engine, the aiohttp server) happen inside the functions, so the
   CLI can import this module cheaply; `http_server.py` re-exports `main` without an import cycle.
 - Arguments are checked before the model loads, with one message per bad value in the project's grammar.
-- Binds 127.0.0.1 unless told otherwise; `--api-key` (or env RL_MULTILORA_API_KEY) protects every endpoint but
-  `/health*`, as SGLang does.
+- Binds 127.0.0.1 unless told otherwise, and is never open by default: a key protects every endpoint but
+  `/health*` (and SGLang's other exempt prefixes), as SGLang's `--api-key` does. The key is `--api-key` (or env
+  RL_MULTILORA_API_KEY); without one, a random key (`secrets.token_urlsafe(32)`) is generated at every start and
+  written to `--key-file` (default `$XDG_CACHE_HOME/rl-multilora/engine-serve-<port>.key`, i.e.
+  `~/.cache/rl-multilora/...`), a file only its owner can read, replaced atomically so no reader sees a partial
+  key. 127.0.0.1 alone is not enough: every local user and process can reach it. The port is checked first, so a
+  second `engine-serve` started on a busy port fails at once instead of overwriting the running server's key file.
+- The generated key is never printed, only the file's path: server output goes to terminals, nohup/systemd logs
+  and CI logs that others read, and SGLang and vLLM users expect no printed key (neither generates one).
+- `--no-api-key` is the explicit opt-out (serves every endpoint open, with a warning); it refuses to combine
+  with a key, so a key is never dropped silently.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import secrets
+import socket
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this host only)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("RL_MULTILORA_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on every endpoint but /health* (env RL_MULTILORA_API_KEY)",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health* (env RL_MULTILORA_API_KEY); "
+        "without one a random key is generated and written to --key-file",
+    )
+    parser.add_argument(
+        "--key-file",
+        default=None,
+        help="where the generated key is written, readable by its owner only "
+        "(default $XDG_CACHE_HOME or ~/.cache, then rl-multilora/engine-serve-<port>.key)",
+    )
+    parser.add_argument(
+        "--no-api-key", action="store_true", help="serve every endpoint without authentication (prints a warning)"
     )
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots")
     parser.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank a slot holds")
@@ -58,14 +82,85 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}={getattr(args, key)!r} is not allowed; allowed: a positive integer")
     if not Path(args.model).is_dir():
         parser.error(f"--model={args.model!r} is not allowed; allowed: an existing model folder (HF format)")
+    if _port_in_use(args.host, args.port):
+        parser.error(f"--port={args.port!r} is not allowed; allowed: a free port ({args.host}:{args.port} is in use)")
+    api_key = _resolve_api_key(parser, args)
     from rollout.engines.http_server import serve
 
     engine, tokenizer = build_embedded_engine(args.model, args.max_loras, args.max_rank, args.target_modules)
     try:
-        serve(engine, host=args.host, port=args.port, api_key=args.api_key, model_name=args.model, tokenizer=tokenizer)
+        serve(engine, host=args.host, port=args.port, api_key=api_key, model_name=args.model, tokenizer=tokenizer)
     finally:
         engine.close()
     return 0
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """True when `host:port` cannot be bound because something listens there (other bind errors are left to the
+    server, which reports them itself)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, port), family=family):  # SO_REUSEADDR, as aiohttp binds
+            return False
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+
+
+def default_key_file(port: int) -> Path:
+    """Where `engine-serve --port PORT` writes its generated key unless `--key-file` says otherwise."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "rl-multilora" / f"engine-serve-{port}.key"
+
+
+def write_key_file(path: Path, key: str) -> None:
+    """Write `key` to `path`, readable and writable by its owner only (0600), replacing any older file atomically."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp creates it 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key)  # no newline: the file's content is the header value as it is
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _resolve_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The key to serve with: given, generated (and written to the key file), or None after `--no-api-key`."""
+    given = args.api_key if args.api_key is not None else os.environ.get("RL_MULTILORA_API_KEY")
+    source = "--api-key" if args.api_key is not None else "RL_MULTILORA_API_KEY"
+    if given is not None and not given:
+        parser.error(f"{source}='' is not allowed; allowed: a non-empty key, or --no-api-key to serve without one")
+    if args.no_api_key:
+        if given is not None or args.key_file is not None:
+            other = source if given is not None else "--key-file"
+            parser.error(f"--no-api-key together with {other} is not allowed; allowed: one of them")
+        print(
+            f"WARNING: engine-serve --no-api-key: every endpoint (generate, load/unload adapters, pause) answers "
+            f"anyone who can reach {args.host}:{args.port} without authentication; on 127.0.0.1 that is every "
+            "local user and process.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    if given is not None:
+        if args.key_file is not None:
+            parser.error(
+                f"--key-file={args.key_file!r} together with {source} is not allowed; allowed: --key-file only "
+                "without a given key (it is where a generated key is written)"
+            )
+        return given
+    key = secrets.token_urlsafe(32)
+    path = Path(args.key_file).expanduser() if args.key_file is not None else default_key_file(args.port)
+    write_key_file(path, key)
+    print(
+        f"engine-serve: API key written to {path} (readable by you only; a new key at every start). Clients send "
+        f"'Authorization: Bearer <key>', e.g. --set rollout.api_key=\"$(cat {path})\". Opt out with --no-api-key.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return key
 
 
 if __name__ == "__main__":
