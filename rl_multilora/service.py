@@ -22,12 +22,14 @@ Why one file (about 650 lines): the core, the actor, the client and the CLI verb
 actor boundary (`AdapterStatus`, `ServiceStatus`, `Reply`) and the Ray setup; split, each part would import the
 others. The Ray-free core is the first half and can be read alone.
 
-Security: token authentication stays on. Ray 2.60 enables it by default for a cluster that `ray.init()` starts; we
-set `RAY_AUTH_MODE=token` explicitly for the cluster `serve` starts (an explicit `RAY_AUTH_MODE=disabled` is
-respected, with a warning) and make the generated token file (`~/.ray/auth_token`) readable by its owner only.
-Clients on the same machine pick the token up from that file. The dashboard is not started. Note that Ray 2.60's
-own gRPC servers listen on every interface even for a local cluster (it maps 127.0.0.1 to the node IP), so the
-token, not the bind address, is what keeps other machines out; firewall Ray's ports on shared networks.
+Security: token authentication stays on. Ray 2.60 enables it by default for a cluster that `ray.init()` starts
+when RAY_AUTH_MODE is unset; `serve` keeps that default (an explicit `RAY_AUTH_MODE=disabled` is respected, with a
+warning) and makes the generated token file (`~/.ray/auth_token`) readable by its owner only. Clients on the same
+machine pick the token up from that file. The dashboard's web UI and APIs are off (`include_dashboard=False`), but
+Ray 2.60 still runs a `dashboard.py` process for usage stats and metrics. Ray's gRPC servers listen on every
+interface even for a local cluster (it maps 127.0.0.1 to the node IP) and refuse calls without the token; three
+read-only Prometheus metrics ports answer without it (tests/test_security.py names them). Firewall Ray's ports on
+shared networks.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from safetensors.torch import load_file
 
 from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_name
 from rollout.engines.base import RolloutEngine
+from rollout.engines.openai_api import add_openai_routes
 from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,
@@ -591,6 +592,7 @@ def make_app(
     app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/get_model_info", _get_model_info)
     app.router.add_get("/model_info", _get_model_info)  # SGLang's current name; /get_model_info is deprecated
+    add_openai_routes(app)  # /v1/models, /v1/completions, /v1/chat/completions (openai_api.py)
     return app
 
 
