@@ -18,7 +18,10 @@ from rl_multilora.loop import run, summarize
 from rl_multilora.metrics import read_metrics
 from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
-TIMINGS = {"rollout_s", "reward_s", "train_s", "checkpoint_s", "sync_s", "eval_s", "pause_s"}
+TIMINGS = {"rollout_s", "reward_s", "train_s", "checkpoint_s", "sync_s", "eval_s", "pause_s", "slot_wait_s"}
+# The engine's log-probs of the same tokens can differ in the last bits with how rows were batched (timing), so the
+# train/rollout gap is compared to 1e-6; the tokens, rewards, losses and weights are compared exactly.
+APPROX = {"logprob_gap"}
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +88,14 @@ def test_eval_never_changes_training(runs):
     for name in ("a", "b"):
         w_on, w_off = _final(on, name), _final(off, name)
         assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
-    train_on = [{k: v for k, v in r.items() if k not in TIMINGS} for r in read_metrics(on) if r.get("kind") != "eval"]
-    train_off = [{k: v for k, v in r.items() if k not in TIMINGS} for r in read_metrics(off)]
-    assert train_on == train_off
+    drop = TIMINGS | APPROX
+    rows_on = [r for r in read_metrics(on) if r.get("kind") != "eval"]
+    rows_off = read_metrics(off)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows_on] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rows_off
+    ]
+    gaps_on = [r.get("logprob_gap") or 0.0 for r in rows_on]
+    assert gaps_on == pytest.approx([r.get("logprob_gap") or 0.0 for r in rows_off], abs=1e-6)
 
 
 def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):

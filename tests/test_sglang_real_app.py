@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -120,10 +121,16 @@ def _model(oracle: Oracle) -> MultiLoRAModel:
     return model
 
 
+def _tenant(name: str) -> SimpleNamespace:
+    """What WeightSync reads and writes of a tenant (rl_multilora.tenants.Tenant), without a run around it."""
+    return SimpleNamespace(name=name, slot=0, weight_version=None, in_engine=False, dirty=True)
+
+
 def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
     model, engine, mark = _model(oracle), oracle.engine(), oracle.mark()
     sync = WeightSync(engine, model)
-    stats = sync.sync(push=["full", "attn"], unload=[])
+    full, attn = _tenant("full"), _tenant("attn")
+    stats = sync.sync(push=[full, attn], unload=[])
     assert stats.adapters_pushed == ["full", "attn"] and engine.adapter_versions() == {"full": 0, "attn": 0}
 
     received = {e["lora_name"]: e["tensors"] for e in oracle.events("backend_tensors", mark)}
@@ -145,12 +152,13 @@ def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
     # One pause for the whole sync, prefix cache flushed before generation continues.
     order = [e["event"] for e in oracle.events(since=mark) if e["event"] in ("pause", "flush_cache", "continue")]
     assert order == ["pause", "flush_cache", "continue"]
-    sync.sync(push=[], unload=["full", "attn"])
+    full.slot = attn.slot = None
+    sync.sync(push=[], unload=[full, attn])
 
 
 def test_generate_requests_pass_sglangs_contract_and_sampling_checks(oracle):
     model, engine, mark = _model(oracle), oracle.engine(), oracle.mark()
-    WeightSync(engine, model).sync(push=["full"], unload=[])
+    WeightSync(engine, model).sync(push=[_tenant("full")], unload=[])
     params = [
         SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=5, stop_token_ids=[2]),
         SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3),
@@ -178,7 +186,8 @@ def test_generate_requests_pass_sglangs_contract_and_sampling_checks(oracle):
 def test_sync_aborts_requests_in_flight_and_reloads_after_unload(oracle):
     model, engine, mark = _model(oracle), oracle.engine(), oracle.mark()
     sync = WeightSync(engine, model)
-    sync.sync(push=["attn"], unload=[])
+    attn = _tenant("attn")
+    sync.sync(push=[attn], unload=[])
     out: list = []
     worker = threading.Thread(
         target=lambda: out.extend(engine.generate([GenerateRequest([SLOW_TOKEN, 1], "attn", SamplingParams())])),
@@ -188,7 +197,7 @@ def test_sync_aborts_requests_in_flight_and_reloads_after_unload(oracle):
     while not any(e["input_ids"][0] == SLOW_TOKEN for e in oracle.events("generate", mark)):
         assert time.time() < deadline, "the slow request never reached the server"
         time.sleep(0.05)
-    sync.sync(push=["attn"], unload=[])  # new weights under the same name while the request is in flight
+    sync.sync(push=[attn], unload=[])  # new weights under the same name while the request is in flight
     worker.join(timeout=30)
     assert not worker.is_alive()
     # The in-flight request came back aborted (to be resubmitted), not completed on a mix of versions.
