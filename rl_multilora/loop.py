@@ -170,9 +170,15 @@ class Runtime:
         return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer)
 
     # -- tenants --------------------------------------------------------------------------------------------------
+    def _resume_ckpt(self) -> CheckpointManager | None:
+        return self.ckpt if self.cfg.checkpoint.resume != "never" else None
+
     def register(self, a: AdapterConfig):
-        """Validate an adapter (reward resolves, dataset has usable rows, targets exist) and add it as PENDING."""
-        problems = validate.adapter_problems(a, self.backend.lora_modules, self.cfg.eval_for(a))
+        """Validate an adapter (reward resolves, dataset has usable rows, targets exist, its checkpoint fits) and add
+        it as PENDING."""
+        problems = validate.adapter_problems(
+            a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
+        )
         if problems:
             raise ConfigError(problems)
         return self.tenants.register(a)
@@ -366,7 +372,9 @@ class Runtime:
         problems = [
             p
             for a in self.cfg.adapters
-            for p in validate.adapter_problems(a, self.backend.lora_modules, self.cfg.eval_for(a))
+            for p in validate.adapter_problems(
+                a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
+            )
         ]
         if problems:
             raise ConfigError(problems)

@@ -194,7 +194,8 @@ class ServiceCore:
         # The I/O checks (reward resolves, dataset has usable rows, targets exist in the running model) run here, in
         # the caller's thread, so a bad submission is rejected at once instead of after the current step;
         # rt.register repeats them, authoritative, between steps.
-        problems = validate.adapter_problems(a, self.rt.backend.lora_modules, self.rt.cfg.eval_for(a))
+        resume = self.rt.ckpt if self.rt.cfg.checkpoint.resume != "never" else None
+        problems = validate.adapter_problems(a, self.rt.backend.lora_modules, self.rt.cfg.eval_for(a), ckpt=resume)
         live = self.status().get(a.name)
         if live is not None and live.state in {s.value for s in _LIVE}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))

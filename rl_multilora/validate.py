@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, ConfigError, EvalSettings, ModelConfig, RunConfig
 from rl_multilora.errors import bad_value
 
@@ -142,9 +144,10 @@ def adapter_problems(
     lora_modules: Sequence[str] | None,
     eval_settings: EvalSettings | None = None,
     where: str | None = None,
+    ckpt: CheckpointManager | None = None,
 ) -> list[str]:
-    """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, and its eval
-    split when its eval is on."""
+    """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, its eval split
+    when its eval is on, and (with `ckpt`, when the run resumes) that its newest checkpoint can resume it."""
     import rewards
 
     where = f"adapters.{a.name}." if where is None else where
@@ -158,7 +161,26 @@ def adapter_problems(
         problems += adapter_target_problems(a, lora_modules, where)
     if eval_settings is not None and eval_settings.enabled:
         problems += _eval_problems(a, eval_settings, where)
+    if ckpt is not None:
+        problems += resume_problems(a, ckpt)
     return problems
+
+
+def resume_problems(a: AdapterConfig, ckpt: CheckpointManager) -> list[str]:
+    """Rank, alpha, targets and seed must equal those of the checkpoint the adapter would resume from."""
+    import json
+
+    from rl_multilora.checkpoint import CKPT_META, check_compatible
+
+    latest = ckpt.latest(a.name)
+    if latest is None:
+        return []
+    then = json.loads((latest / CKPT_META).read_text()).get("config", {})
+    try:
+        check_compatible(a.name, a.model_dump(mode="json"), then, latest)
+    except ConfigError as e:
+        return e.problems
+    return []
 
 
 def _eval_problems(a: AdapterConfig, settings: EvalSettings, where: str) -> list[str]:
@@ -190,8 +212,9 @@ def run_problems(cfg: RunConfig) -> list[str]:
             load_hooks(cfg.rollout.hooks)
         except HooksError as e:
             problems.append(f"rollout.hooks: {e}")
+    ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     for a in cfg.adapters:
-        problems += adapter_problems(a, lora_modules, cfg.eval_for(a))
+        problems += adapter_problems(a, lora_modules, cfg.eval_for(a), ckpt=ckpt)
     return problems
 
 
