@@ -129,8 +129,8 @@ def _tenant(name: str) -> SimpleNamespace:
 def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
     model, engine, mark = _model(oracle), oracle.engine(), oracle.mark()
     sync = WeightSync(engine, model)
-    full, attn = _tenant("full"), _tenant("attn")
-    stats = sync.sync(push=[full, attn], unload=[])
+    t_full, t_attn = _tenant("full"), _tenant("attn")
+    stats = sync.sync(push=[t_full, t_attn], unload=[])
     assert stats.adapters_pushed == ["full", "attn"] and engine.adapter_versions() == {"full": 0, "attn": 0}
 
     received = {e["lora_name"]: e["tensors"] for e in oracle.events("backend_tensors", mark)}
@@ -152,8 +152,8 @@ def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
     # One pause for the whole sync, prefix cache flushed before generation continues.
     order = [e["event"] for e in oracle.events(since=mark) if e["event"] in ("pause", "flush_cache", "continue")]
     assert order == ["pause", "flush_cache", "continue"]
-    full.slot = attn.slot = None
-    sync.sync(push=[], unload=[full, attn])
+    t_full.slot = t_attn.slot = None
+    sync.sync(push=[], unload=[t_full, t_attn])
 
 
 def test_generate_requests_pass_sglangs_contract_and_sampling_checks(oracle):
