@@ -27,7 +27,13 @@ Design choices:
 - PROVISIONED.json is written last, so its presence means the directory is complete. A second call with the same
   preset, seed and settings returns at once; a different recipe in the same directory is an error unless `force`.
 - Same seed, same files: every file except PROVISIONED.json (which holds wall times) is byte-identical across runs
-  on the same torch build (the tiny build runs on one intra-op thread whatever the machine has).
+  on the same torch build (the tiny build runs on one intra-op thread whatever the machine has). That is also why
+  provisioning uses one core of two: nothing else in it can use the second without changing the files or without
+  a measurable gain (see `_provision_tiny`).
+- The wait is visible: each phase is logged (logger `rl_multilora.provision`, INFO: `rl-multilora provision` and
+  `python -m rl_multilora.provision` print it), pretraining logs its step count with an estimate measured on its
+  first steps and its total at the end, and shows a tqdm bar (loss, ETA) when stderr is a terminal; without one
+  (a log file) it logs a line every 10 % of the steps instead of carriage-return frames.
 - Test questions are held out of the tiny model's pretraining, so its base stats are measured on unseen prompts.
 """
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
 import sys
@@ -46,6 +53,7 @@ from rl_multilora.presets.tiny_config import TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_split
 
 MARKER = "PROVISIONED.json"
+log = logging.getLogger("rl_multilora.provision")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -54,6 +62,77 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _duration(seconds: float) -> str:
+    """'0.4 s', '42 s', '2 min 31 s': how a person reads a wait."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
+class _PretrainProgress:
+    """What the person waiting sees of pretraining, the longest phase by far.
+
+    A tqdm bar on stderr (steps, loss in the postfix, tqdm's rate and ETA) when stderr is a terminal, or always with
+    `show=True`, never with `show=False`; and log lines whatever the bar does: the estimate once the first steps are
+    timed, every 10 % of the steps when there is no bar (a log file gets no carriage-return frames), the total at the
+    end. It only reads the step count and the loss the loop already has, so it cannot change what is trained.
+    """
+
+    WARMUP = 2  # steps left out of the estimate (first calls allocate and warm caches)
+    TIMED = 10  # steps timed after those for the estimate
+
+    def __init__(self, total: int, batch_size: int, show: bool | None):
+        from tqdm import tqdm
+
+        self.total = total
+        self.batch_size = batch_size
+        self.bar = tqdm(
+            total=total,
+            desc="pretraining",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=None if show is None else not show,  # None: tqdm's own rule, on only when stderr is a terminal
+        )
+        self.start = self.timed_from = time.perf_counter()
+        self.first_loss: float | None = None
+
+    def __call__(self, done: int, loss: float) -> None:
+        now = time.perf_counter()
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self.bar.update(1)
+        if done == self.WARMUP:
+            self.timed_from = now
+        if done == self.WARMUP + self.TIMED and done < self.total:
+            per_step = (now - self.timed_from) / self.TIMED
+            left = per_step * (self.total - done)
+            log.info(
+                "pretraining %d steps of %d examples: about %s on this machine "
+                "(%.2f s/step over steps %d-%d)",
+                self.total, self.batch_size, _duration(now - self.start + left), per_step,
+                self.WARMUP + 1, done,
+            )  # fmt: skip
+        if self.bar.disable and done < self.total and done % max(1, self.total // 10) == 0:
+            elapsed = now - self.start
+            log.info(
+                "pretraining step %d/%d  loss %.3f  %s elapsed, about %s left",
+                done, self.total, loss, _duration(elapsed), _duration(elapsed / done * (self.total - done)),
+            )  # fmt: skip
+
+    def done(self, final_loss: float) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.total:
+            log.info(
+                "pretraining done: %d steps in %s (%.2f s/step), loss %.3f -> %.3f (mean of the last 10)",
+                self.total, _duration(elapsed), elapsed / self.total, self.first_loss, final_loss,
+            )  # fmt: skip
 
 
 def _synthetic_splits(tasks: tuple[str, ...], seed: int, n_train: int, n_test: int) -> dict[str, dict]:
@@ -75,22 +154,30 @@ def _write_splits(out: Path, splits: dict[str, dict[str, list[TaskExample]]]) ->
     return sizes
 
 
-def _provision_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
+def _provision_tiny(out: Path, seed: int, cfg: TinyPresetConfig, progress: bool | None) -> dict:
     import torch
 
-    # One intra-op thread: the matmuls are too small to gain from a second one, a shared machine makes two threads
-    # wait on each other (seconds per step under load instead of a fraction), and a fixed count keeps the float
-    # reductions, hence the weights, identical on any machine.
+    # One intra-op thread, for the same files on any machine with this torch build: a fixed count fixes how the float
+    # reductions are split, hence the weights and the base stats, and the main job's published numbers are those of
+    # this base. It is also the fast choice here: the matmuls are too small to gain from a second thread, and on a
+    # shared 2-core machine two threads wait on each other (measured here: 2-4.6x slower per step at load ~3).
+    # Nothing else can use the other core without changing the files or without a measurable gain: pretraining is
+    # ~97 % of the time and one serial chain of steps; its data side (drawing + tokenizing a batch, ~3 % of a step)
+    # was tried on a worker thread, bit-identical but no faster (it is Python and holds the GIL), so it stays inline;
+    # BPE training is already parallel inside `tokenizers`; the datasets, the save and the evaluation (which
+    # samples the tasks in turn from one seeded stream, so they cannot run apart) take ~1-2 s together.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _build_tiny(out, seed, cfg)
+        return _build_tiny(out, seed, cfg, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
+def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig, progress: bool | None) -> dict:
     import torch
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    from transformers.utils import logging as hf_logging
 
     from rl_multilora.presets.tiny import (
         build_model,
@@ -107,20 +194,38 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     splits = _synthetic_splits(TASKS, seed, cfg.n_train, cfg.n_test)
     sizes = _write_splits(out, splits)
     timings["data_s"] = time.perf_counter() - t0
+    log.info(
+        "datasets: %s, %d train + %d test rows each, in %s (%s)",
+        ", ".join(TASKS), cfg.n_train, cfg.n_test, out / "data", _duration(timings["data_s"]),
+    )  # fmt: skip
 
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(tokenizer_corpus(seed), cfg.vocab_size, cfg.max_positions)
     model = build_model(tokenizer, cfg, seed)
     timings["tokenizer_s"] = time.perf_counter() - t0
+    log.info(
+        "tokenizer: byte-level BPE, %d tokens; model: Llama, %d layers x %d wide, %.2fM parameters (%s)",
+        len(tokenizer), cfg.num_layers, cfg.hidden_size, sum(p.numel() for p in model.parameters()) / 1e6,
+        _duration(timings["tokenizer_s"]),
+    )  # fmt: skip
 
     exclude = {ex.question for by_split in splits.values() for ex in by_split["test"]}
-    train_stats = pretrain(model, tokenizer, cfg, seed, exclude)
+    shown = _PretrainProgress(cfg.pretrain_steps, cfg.batch_size, progress)
+    with logging_redirect_tqdm(), shown.bar:  # log lines print above the bar instead of through it
+        train_stats = pretrain(model, tokenizer, cfg, seed, exclude, on_step=shown)
+    shown.done(train_stats.final_loss)
     timings["pretrain_s"] = train_stats.seconds
     fold_temperature(model, cfg.fold_temperature)
 
     t0 = time.perf_counter()
     model_dir = out / "model"
-    model.save_pretrained(model_dir)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its one-shard "Writing model shards" bar is noise between our lines
+    try:
+        model.save_pretrained(model_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(model_dir)
     # "PreTrainedTokenizerFast" loads on transformers 4.x too (5.x saves its new backend class name); either way
     # AutoTokenizer then reads our tokenizer.json as it is.
@@ -129,10 +234,19 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig) -> dict:
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     timings["save_s"] = time.perf_counter() - t0
+    log.info("model and tokenizer saved in %s (%s)", model_dir, _duration(timings["save_s"]))
 
+    if cfg.eval_prompts:
+        log.info(
+            "evaluating the base model: %d held-out prompts per task, sampled at T=1, for %s ...",
+            cfg.eval_prompts, out / MARKER,
+        )  # fmt: skip
     t0 = time.perf_counter()
     base = evaluate_base(model, tokenizer, {t: s["test"] for t, s in splits.items()}, cfg, seed)
     timings["eval_s"] = time.perf_counter() - t0
+    if base:
+        rewards = ", ".join(f"{task} {s.reward:.2f}" for task, s in base.items())
+        log.info("base reward: %s (%s)", rewards, _duration(timings["eval_s"]))
     return {
         "model": {
             "family": "llama",
@@ -154,10 +268,12 @@ def _provision_hub(repo_id: str, out: Path, seed: int, n_train: int, n_test: int
 
     timings = {}
     t0 = time.perf_counter()
+    log.info("downloading %s into %s ...", repo_id, out / "model")
     snapshot_download(repo_id=repo_id, local_dir=str(out / "model"))
     timings["model_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    log.info("downloading GSM8K (openai/gsm8k, main); writing arith and compare ...")
     gsm8k = load_dataset("openai/gsm8k", "main")
     sizes = {"gsm8k": {}}
     for split in ("train", "test"):
@@ -177,6 +293,7 @@ def provision(
     *,
     pretrain_steps: int | None = None,
     config: TinyPresetConfig | None = None,
+    progress: bool | None = None,
 ) -> Path:
     """Write the base model and the datasets of `preset` into `out`; return `out`.
 
@@ -185,6 +302,9 @@ def provision(
     a Hub preset) and `pretrain_steps` overrides its step count (tests pass a handful). If `out` already holds a
     completed provisioning of the same recipe (preset, seed, config), nothing is done unless `force`; a different
     recipe there is an error unless `force`.
+
+    Each phase is logged (logger `rl_multilora.provision`, INFO); `progress` shows a bar over the tiny preset's
+    pretraining on stderr: None (default) when stderr is a terminal, True always, False never.
     """
     if not isinstance(preset, str) or not (preset == "tiny" or _HUB_ID.match(preset)):
         raise ValueError(f"preset={preset!r} is not allowed; use 'tiny' or a Hub model id like 'Qwen/Qwen3-4B'")
@@ -204,6 +324,7 @@ def provision(
         previous = json.loads(marker.read_text())
         same = all(previous.get(k) == v for k, v in recipe.items())
         if same and not force:
+            log.info("%s already holds %s (seed %d): nothing to do (--force rebuilds it)", out, preset, seed)
             return out
         if not same and not force:
             raise FileExistsError(
@@ -216,9 +337,13 @@ def provision(
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
+    phases = "model download, datasets"
+    if preset == "tiny":
+        phases = "datasets, tokenizer, pretraining (most of the time), base-model evaluation"
+    log.info("provisioning %s (seed %d) into %s: %s", preset, seed, out, phases)
     start, cpu_start = time.perf_counter(), time.process_time()
     if preset == "tiny":
-        built = _provision_tiny(out, seed, cfg)
+        built = _provision_tiny(out, seed, cfg, progress)
     else:
         built = _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
     built["timings"]["total_s"] = time.perf_counter() - start
@@ -227,6 +352,11 @@ def provision(
     tmp = out / (MARKER + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(marker)  # atomic: a crash never leaves a half-written marker
+    timings = built["timings"]
+    log.info(
+        "provisioned %s into %s in %s (%s of CPU time); %s marks it complete",
+        preset, out, _duration(timings["total_s"]), _duration(timings["cpu_s"]), MARKER,
+    )  # fmt: skip
     return out
 
 
@@ -236,8 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (model/, data/, PROVISIONED.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, tokenizer, init and pretraining")
     parser.add_argument("--force", action="store_true", help="rebuild even if DIR is already provisioned")
-    parser.add_argument("--pretrain-steps", type=int, default=None, help="tiny preset: AdamW steps (default 300)")
+    parser.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=None,
+        help=f"tiny preset: AdamW steps (default {TinyPresetConfig().pretrain_steps})",
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # as `rl-multilora`
     try:
         out = provision(args.preset, args.out, seed=args.seed, force=args.force, pretrain_steps=args.pretrain_steps)
     except (ValueError, FileExistsError) as err:

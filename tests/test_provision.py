@@ -5,7 +5,9 @@ preset and its base-stat targets are the slow test."""
 from __future__ import annotations
 
 import json
+import logging
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -130,6 +132,46 @@ def test_same_seed_same_files_other_seed_other_data(tmp_path):
     c = _files(provision("tiny", tmp_path / "c", seed=4, config=cfg))
     assert c["data/arith/train.jsonl"] != a["data/arith/train.jsonl"]
     assert c["model/model.safetensors"] != a["model/model.safetensors"]
+
+
+def test_progress_callback_sees_every_step_and_changes_nothing():
+    """The progress display hooks into pretraining; a slow, jittery hook must leave the weights as they were."""
+    from rl_multilora.presets.tiny import build_model, build_tokenizer, pretrain, tokenizer_corpus
+
+    cfg = replace(SMALL, pretrain_steps=6)
+    tok = build_tokenizer(tokenizer_corpus(0, per_task=40), cfg.vocab_size, cfg.max_positions)
+    jitter = random.Random(0)
+    weights, losses = [], []
+    for on_step in (None, lambda done, loss: (losses.append((done, loss)), time.sleep(jitter.random() / 50))):
+        model = build_model(tok, cfg, 0)
+        pretrain(model, tok, cfg, 0, exclude=set(), on_step=on_step)
+        weights.append(model.state_dict())
+    assert [done for done, _ in losses] == list(range(1, 7))
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_phases_are_logged_and_pretraining_shows_a_bar(tmp_path, caplog, capsys):
+    cfg = replace(SMALL, pretrain_steps=14, eval_prompts=2)
+    with caplog.at_level(logging.INFO, logger="rl_multilora.provision"):
+        provision("tiny", tmp_path / "out", seed=0, config=cfg, progress=True)
+        provision("tiny", tmp_path / "out", seed=0, config=cfg)
+    text = caplog.text
+    for line in ("provisioning tiny (seed 0)", "datasets: gsm8k, arith, compare", "tokenizer: byte-level BPE",
+                 "pretraining 14 steps of 16 examples: about", "s/step over steps 3-12",
+                 "pretraining done: 14 steps in", "evaluating the base model: 2 held-out prompts", "base reward: gsm8k",
+                 "provisioned tiny into", "already holds tiny (seed 0): nothing to do"):  # fmt: skip
+        assert line in text, line
+    assert "pretraining step" not in text, "with a bar, no periodic progress lines"
+    bar = capsys.readouterr().err
+    assert "pretraining" in bar and "14/14" in bar and "loss=" in bar
+
+    # No terminal (a log file, a pipe): no bar, a progress line every 10 % of the steps instead.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rl_multilora.provision"):
+        quiet = replace(cfg, pretrain_steps=20, eval_prompts=0)
+        provision("tiny", tmp_path / "out", seed=0, config=quiet, force=True, progress=False)
+    assert "pretraining step 2/20  loss" in caplog.text and "pretraining step 18/20" in caplog.text
+    assert "evaluating the base model" not in caplog.text and "14/14" not in capsys.readouterr().err
 
 
 def test_idempotent_unless_forced(tmp_path):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Provision the offline tiny preset: a small pretrained Qwen2 base + the gsm8k / arith / compare datasets.
+# Provision the offline tiny preset: a small pretrained Llama base + the gsm8k / arith / compare datasets.
 # Usage: examples/multi_lora/provision.sh [DIR] [extra args, e.g. --seed 1 --force]   (DIR defaults to artifacts/tiny)
-# Takes about 2.5 minutes on an idle 2-core machine; a second run on a provisioned DIR returns at once.
+# Takes about 2.5 minutes on an idle 2-core machine (longer when other jobs share it): it logs each phase, and
+# pretraining shows a bar with the loss and an ETA (on a terminal; log lines every 10 % otherwise). A second run on a
+# provisioned DIR returns at once.
 set -euo pipefail
 
 out="${1:-artifacts/tiny}"

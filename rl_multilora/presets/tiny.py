@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -176,8 +177,12 @@ def pretrain(
     cfg: TinyPresetConfig,
     seed: int,
     exclude: set[str],
+    on_step: Callable[[int, float], None] | None = None,
 ) -> PretrainStats:
-    """Pretrain in place on freshly drawn examples whose questions are not in `exclude` (the test questions)."""
+    """Pretrain in place on freshly drawn examples whose questions are not in `exclude` (the test questions).
+
+    `on_step(steps_done, loss)` is called after every optimizer step (progress display; it cannot change the result).
+    """
     rng = named_rng(seed, "pretrain")
     torch.manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -225,6 +230,8 @@ def pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
     model.eval()
     tail = losses[-10:] or [float("nan")]
     return PretrainStats(
