@@ -227,7 +227,7 @@ class TenantManager(TenantTable):
 
     # -- admission ------------------------------------------------------------------------------------------------
     def admit_pending(self) -> list[str]:
-        """PENDING -> RUNNING for as many as there are free slots, oldest first; returns the admitted names."""
+        """PENDING -> RUNNING for as many as there are free slots, by priority then age; returns those admitted."""
         admitted = []
         for t in self.pending_in_order():
             if not self.free_slots():
