@@ -24,6 +24,8 @@ Design choices (and where they differ from a single-adapter GRPO trainer such as
   after the backward. A `train_step` takes up to `ppo_epochs` optimizer steps per adapter, never more than the
   adapter's remaining budget (`max_steps` argument), and reports how many it took (`AdapterStepStats.n_steps`); the
   tenant's step counter adds exactly that, so counter, budget and LR schedule count the same optimizer steps.
+- One file (about 540 lines): the mixed-batch step (rows, token index, per-adapter weights, micro-batches, per-tenant
+  clip/NaN/step) is one algorithm whose parts share private row types; GRPO's model-free math is in `grpo.py`.
 - Settings are the validated config sections as they are: `GRPOSettings` for the loss, each adapter's
   `OptimSettings` + lr + max_steps for its optimizer and schedule (`rl_multilora.config`); no twin types.
 """
