@@ -298,21 +298,13 @@ class CheckpointManager:
         for _, d in cks[: max(0, len(cks) - self.keep_last)]:
             self._discard(d)
 
-    def _remove_stale_temps(self, name: str) -> None:
-        """Temp folders left by a killed save or prune (only this process writes this run dir)."""
-        adir = self.adapter_dir(name)
-        if adir.is_dir():
-            for d in adir.iterdir():
-                if d.name.startswith(TMP_PREFIX):
-                    shutil.rmtree(d, ignore_errors=True)
-
     def load_adapter(self, name: str, committed_step: int | None) -> RestoredCheckpoint | None:
         """The newest complete checkpoint of `name` that counts, read back; None when there is none.
 
         `committed_step` is the run state's finished global step count (None without a run state): checkpoints
         written in a later, unfinished step are discarded (see the module docstring). Stale temp folders go too.
         """
-        self._remove_stale_temps(name)
+        self.remove_stale_temps(name)
         found = _complete(self.adapter_dir(name))
         discarded = []
         while found and committed_step is not None and _steps_done(found[-1][2]) > committed_step:
@@ -336,13 +328,14 @@ class CheckpointManager:
         shutil.rmtree(doomed, ignore_errors=True)
         return ck
 
-    def remove_stale_temps(self) -> list[Path]:
-        """Every temp file or folder a killed or failed write left in the run dir (run state, metrics journal copy,
-        checkpoints); only this process writes the run dir. Returns what was removed."""
-        roots = [self.run_dir]
+    def remove_stale_temps(self, name: str | None = None) -> list[Path]:
+        """Temp files and folders a killed or failed write left: of adapter `name`'s checkpoints, or (None) of the
+        whole run dir (run state, checkpoints). Only this process writes the run dir. Returns what was removed."""
         adapters = self.run_dir / "adapters"
-        if adapters.is_dir():
-            roots += [d for d in adapters.iterdir() if d.is_dir()]
+        if name is not None:
+            roots = [self.adapter_dir(name)]
+        else:
+            roots = [self.run_dir] + ([d for d in adapters.iterdir() if d.is_dir()] if adapters.is_dir() else [])
         removed = []
         for root in roots:
             if not root.is_dir():
