@@ -220,6 +220,7 @@ class MultiLoRATrainer:
 
         # A malformed sample (no reward, empty prompt, mismatched mask or log-probs: a hook's or a data bug) costs its
         # own adapter this step, with the reason in `error`; the other adapters train as if it were not there.
+        made: dict[int, _Row | None] = {}  # id(sample) -> its row (built once; the advantage is set below)
         for s in live:
             st = stats[adapter_name_of(s)]
             if st.error is None:
@@ -229,7 +230,7 @@ class MultiLoRATrainer:
                             f"sample index={s.index} (group_index={s.group_index}) has reward=None: score every "
                             "sample before training"
                         )
-                    _make_row(s)
+                    made[id(s)] = _make_row(s)
                 except ValueError as e:
                     st.error = str(e)
         live = [s for s in live if stats[adapter_name_of(s)].error is None]
@@ -242,10 +243,11 @@ class MultiLoRATrainer:
         for s, kept in zip(live, adv.kept, strict=True):
             if not kept:
                 continue
-            row = _make_row(s)
+            row = made[id(s)]
             if row is None:
                 stats[adapter_name_of(s)].excluded += 1  # all-zero loss mask: nothing to learn from
             else:
+                row.advantage = float(s.advantage)
                 rows.append(row)
 
         # Non-finite rewards/advantages: the tenant's step is skipped before its rows can reach the forward.
