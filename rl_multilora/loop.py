@@ -367,17 +367,22 @@ class Runtime:
                 self.tenants.save_checkpoint(t)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Register the config's adapters, resume run state if any, admit, and push the initial weights."""
-        problems = [
-            p
-            for a in self.cfg.adapters
-            for p in validate.adapter_problems(
-                a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
-            )
-        ]
-        if problems:
-            raise ConfigError(problems)
+    def start(self, checked: bool = False) -> None:
+        """Register the config's adapters, resume run state if any, admit, and push the initial weights.
+
+        `checked`: the caller already ran `validate.check_run(cfg)` (as `run` does), so the adapters' I/O checks
+        (datasets, rewards, checkpoints) are not repeated here.
+        """
+        if not checked:
+            problems = [
+                p
+                for a in self.cfg.adapters
+                for p in validate.adapter_problems(
+                    a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
+                )
+            ]
+            if problems:
+                raise ConfigError(problems)
         self.tenants.restore_run_state()
         # A tenant fails after this many all-failing reward steps: the stricter of the two settings that say so.
         self.scorer.fail_steps = min(self.cfg.rewards.fail_steps, self.cfg.faults.max_reward_fail_steps)
@@ -414,7 +419,7 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     validate.check_run(cfg, source)  # everything --dry-run checks, before anything is loaded or written
     rt = Runtime.build(cfg)
     try:
-        rt.start()
+        rt.start(checked=True)
         total = cfg.max_global_steps or max((a.max_steps or 0) for a in cfg.adapters) or None
         bar = tqdm(total=total, initial=rt.tenants.global_step, desc="grpo", disable=not cfg.logging.progress)
         # Console lines go through tqdm.write, so they print above the bar instead of through it.
