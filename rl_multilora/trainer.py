@@ -8,7 +8,11 @@ Design choices (and where they differ from a single-adapter GRPO trainer such as
   normalized over its own rows only, and its gradient does not depend on who else shares the batch or how the batch
   is cut into micro-batches. The adapters' normalized losses are summed and each micro-batch has one backward; since
   every adapter's parameters only see their own rows, the sum keeps the gradients separate.
-- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name)` only. After the backward passes each
+- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name)` only: leaf views of its own slot in
+  the model's stacked LoRA tensors, so each tenant's optimizer is exactly the per-tenant AdamW it would be over
+  separate tensors (same shapes, state and results) while the forward runs every slot in one grouped path. The
+  backward accumulates into the stacked grads; before a tenant steps, its views' `.grad` are pointed at its slot's
+  part (`attach_slot_grads`), and the stacked grads are dropped after each epoch. After the backward passes each
   adapter with rows checks its own grads for NaN/inf (skip and count, nobody else affected), clips its own grad norm
   and steps. Adapters with no rows are not touched at all: AdamW with weight decay would otherwise still move them,
   and their schedules and step counters would drift from the data they saw.
@@ -284,20 +288,24 @@ class MultiLoRATrainer:
         weights = self._token_weights(rows_by_adapter)
         sums = _Sums()
         active = set(rows_by_adapter)
-        for tenant_name in active:
-            for p in self._tenants[tenant_name].params:
-                p.grad = None
+        self.model.zero_lora_grads()
         for epoch in range(self.cfg.ppo_epochs):
             rows = [r for r in order if r.adapter in active]
             if not rows:
                 break
             nonfinite_loss: set[str] = set()
+            backwarded: set[str] = set()
             for start in range(0, len(rows), self.cfg.micro_batch_size):
                 micro = rows[start : start + self.cfg.micro_batch_size]
-                nonfinite_loss |= self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
+                bad, good = self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
+                nonfinite_loss |= bad
+                backwarded |= good
             for name in sorted({r.adapter for r in rows}):
                 sums.add(name, "epochs", 1.0)
                 lr = self.adapter_lr(name)
+                tenant = self._tenants[name]
+                if name in backwarded:  # the forward's grads are in the stacked tensors: view this slot's part
+                    self.model.attach_slot_grads(name, tenant.params)
                 stepped, grad_norm = self._step_adapter(name, skip=name in nonfinite_loss)
                 st = stats[name]
                 st.grad_norm = grad_norm
@@ -310,6 +318,7 @@ class MultiLoRATrainer:
                 else:
                     st.skipped_nonfinite = True
                     active.discard(name)  # a diverged tenant sits out the remaining epochs of this batch
+            self.model.zero_lora_grads()
         for name in rows_by_adapter:
             st = stats[name]
             n_epochs = max(1.0, sums.get(name, "epochs"))
@@ -361,8 +370,9 @@ class MultiLoRATrainer:
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
         sums: _Sums,
         first_epoch: bool,
-    ) -> set[str]:
-        """Forward + backward of one micro-batch; returns the adapters whose loss here was not finite."""
+    ) -> tuple[set[str], set[str]]:
+        """Forward + backward of one micro-batch; returns the adapters whose loss here was not finite, and those
+        whose loss went into the backward."""
         device = next(self.model.parameters()).device
         names = sorted({r.adapter for r in micro})
         slot_of = {n: i for i, n in enumerate(names)}
@@ -401,7 +411,9 @@ class MultiLoRATrainer:
         if bool(finite.any()):
             # Only finite terms enter the backward; a non-finite tenant is skipped by name below.
             loss_a[finite].sum().backward()
-        nonfinite = {n for n, ok in zip(names, finite.tolist(), strict=True) if not ok}
+        finite_list = finite.tolist()
+        nonfinite = {n for n, ok in zip(names, finite_list, strict=True) if not ok}
+        backwarded = {n for n, ok in zip(names, finite_list, strict=True) if ok}
 
         with torch.no_grad():
             pg_a = per_adapter(tok.weight * pg_tok.detach()).tolist()
@@ -423,7 +435,7 @@ class MultiLoRATrainer:
             if first_epoch:
                 sums.add(n, "gap", gap_a[i])
                 sums.add(n, "gap_tokens", gap_n_a[i])
-        return nonfinite
+        return nonfinite, backwarded
 
     def _step_adapter(self, name: str, skip: bool) -> tuple[bool, float | None]:
         """Check, clip and apply `name`'s accumulated grads; returns (stepped, pre-clip grad norm)."""

@@ -75,8 +75,14 @@ def params_of(model, name) -> list[torch.Tensor]:
 
 def other_params(model, names) -> dict[str, torch.Tensor]:
     """Every parameter (base and all slots) except those of `names`, by name."""
-    skip = {id(p) for n in names for p in model.adapter_parameters(n)}
-    return {k: p.detach().clone() for k, p in model.named_parameters() if id(p) not in skip}
+    skip = {model.slot_of(n) for n in names}
+    out = {}
+    for k, p in model.named_parameters():
+        if k.endswith(("lora_A", "lora_B")):  # stacked slots: every slot but those of `names`
+            out.update({f"{k}[{s}]": p[s].detach().clone() for s in range(p.shape[0]) if s not in skip})
+        else:
+            out[k] = p.detach().clone()
+    return out
 
 
 def assert_same(xs, ys, atol=0.0):

@@ -90,6 +90,11 @@ class LoRABank:
         """(A (max_rank, in), B (out, max_rank)) of `slot` in `module`, views into the bank."""
         return self._a[module][slot], self._b[module][slot]
 
+    def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A (max_loras, max_rank, in), B (max_loras, out, max_rank)) of `module`: every slot, what the layer's
+        grouped path gathers from."""
+        return self._a[module], self._b[module]
+
     def slot_meta(self, slot: int) -> tuple[int, float, frozenset[str]]:
         if self._rank[slot] == 0:
             raise ValueError(f"adapter_slots names bank slot {slot}, which is empty; set it with bank.set_adapter")

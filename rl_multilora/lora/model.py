@@ -188,14 +188,47 @@ class MultiLoRAModel(nn.Module):
         return self._slot_record(name).info.slot
 
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
-        """The adapter's slot tensors (A then B per covered module, model order): what its optimizer owns."""
+        """Leaf Parameters that alias the adapter's slot in the stacked tensors (A `(max_rank, in)` then B
+        `(out, max_rank)` per covered module, model order): what its optimizer owns.
+
+        They share storage with the slot, so an optimizer step on them updates the model in place, and they are
+        what the adapter had before slots were stacked (same shapes, order and optimizer state). The forward's
+        gradients land in the stacked tensors' `.grad`; `attach_slot_grads` points these views' `.grad` at the
+        slot's part of it.
+        """
+        return [nn.Parameter(stacked.detach()[s]) for stacked, s in self._slot_tensors(name)]
+
+    def _slot_tensors(self, name: str) -> list[tuple[nn.Parameter, int]]:
         record = self._slot_record(name)
         s = record.info.slot
-        params: list[nn.Parameter] = []
+        pairs: list[tuple[nn.Parameter, int]] = []
         for module, layer in self._layers.items():
             if module in record.modules:
-                params += [layer.lora_A[s], layer.lora_B[s]]
-        return params
+                pairs += [(layer.lora_A, s), (layer.lora_B, s)]
+        return pairs
+
+    def attach_slot_grads(self, name: str, params: Sequence[torch.Tensor]) -> None:
+        """Set each of `params`' (from `adapter_parameters(name)`) `.grad` to the slot's part of the stacked grads
+        (a view: clipping it in place clips the stacked grad), or None where the backward left none."""
+        pairs = self._slot_tensors(name)
+        if len(pairs) != len(params):
+            raise ValueError(f"adapter {name!r} has {len(pairs)} slot tensors, got {len(params)} parameters")
+        for param, (stacked, s) in zip(params, pairs, strict=True):
+            if stacked.grad is not None and param.data_ptr() != stacked[s].data_ptr():
+                raise ValueError(f"parameters given for adapter {name!r} do not alias its slot {s}")
+            param.grad = None if stacked.grad is None else stacked.grad[s]
+
+    def adapter_grads(self, name: str) -> list[torch.Tensor | None]:
+        """The slot's part of the stacked grads, in `adapter_parameters` order (views; None before any backward).
+        A slot without rows in the backward gets exactly zero here: the gather's backward adds only into the slots
+        that rows used."""
+        return [None if stacked.grad is None else stacked.grad[s] for stacked, s in self._slot_tensors(name)]
+
+    def zero_lora_grads(self) -> None:
+        """Drop the stacked LoRA grads of every slot (what the next backward accumulates into)."""
+        for layer in self._layers.values():
+            layer.lora_A.grad = None
+            layer.lora_B.grad = None
 
     # -- tenants come and go -----------------------------------------------------------------------------------
 
@@ -214,9 +247,10 @@ class MultiLoRAModel(nn.Module):
     def _reset_slot(self, slot: int) -> None:
         with torch.no_grad():
             for layer in self._layers.values():
-                for param in (layer.lora_A[slot], layer.lora_B[slot]):
-                    param.zero_()
-                    param.grad = None
+                for stacked in (layer.lora_A, layer.lora_B):
+                    stacked[slot].zero_()
+                    if stacked.grad is not None:
+                        stacked.grad[slot].zero_()
 
     def add_adapter(
         self, name: str, rank: int, alpha: float, seed: int | None = None, target_modules: Sequence[str] | None = None
@@ -248,7 +282,7 @@ class MultiLoRAModel(nn.Module):
         slot = self._claim_slot(name)
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=next(iter(self._layers.values())).lora_A[slot].device)
+            generator = torch.Generator(device=next(iter(self._layers.values())).lora_A.device)
             generator.manual_seed(seed)
         self._reset_slot(slot)
         with torch.no_grad():
@@ -339,7 +373,7 @@ class MultiLoRAModel(nn.Module):
             self.max_loras,
             self.max_rank,
             dtype or self.lora_dtype,
-            device or any_layer.lora_A[0].device,
+            device or any_layer.lora_A.device,
         )
         for record in self._slots:
             if record is not None:
@@ -441,7 +475,8 @@ class MultiLoRAModel(nn.Module):
                 if s != BASE_SLOT and (r := self._slots[s]) is not None
             }
         device = (input_ids if input_ids is not None else embeds).device
-        routing = _build_routing(slots, meta, device, lora_bank, reference)
+        dtype = lora_bank.dtype if lora_bank is not None else self.lora_dtype
+        routing = _build_routing(slots, meta, device, lora_bank, reference, dtype)
         grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
         with grad_context, self.router.route(routing):
             return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)

@@ -4,12 +4,14 @@ Design choices:
 
 - The row-to-slot mapping lives in one `SlotRouter` shared by all LoRA layers of a model (vLLM's punica_wrapper
   idea), set for the duration of one forward and thread-local, so an engine thread and a trainer thread can share
-  the model. It is computed once per forward (one host sync at most), not once per layer.
-- Rows are grouped by slot. A batch whose rows come grouped by adapter (what the trainer builds; a one-adapter
-  batch always is) needs no permutation: each slot is a contiguous row range and the layers work on views.
-  Otherwise the rows are permuted once here, for all layers.
-- A routing carries each used slot's rank, scale (`alpha / r` as a Python float, never rounded to the base dtype)
-  and covered modules, plus the `LoRABank` to read instead of the trainable slots, if any.
+  the model. It is computed once per forward (one host-to-device copy of two small index tensors), not per layer.
+- The grouped path (`layer.py`) needs, per row that uses an adapter, its slot and its scale: `row_slots` and
+  `scales_for(module)`, plus the rows themselves (`active`, None when every row uses an adapter). These cost
+  O(rows), whatever the number of slots.
+- A routing also keeps one `_SlotGroup` per used slot (its rank, scale `alpha / r` as a Python float, covered
+  modules, rows): the one-slot view path and the float32 reference loop read them.
+- Scales are per row and per module: a row whose adapter does not cover a module gets scale 0 there, and its
+  slot's tensors in that module are zero anyway, so the delta is exactly zero.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ BASE_SLOT = -1
 
 @dataclass(frozen=True)
 class _SlotGroup:
-    """The rows of one slot: `rows[start:stop]` of the routing's permutation, or batch rows `start:stop` when the
-    routing has no permutation (every slot's rows already contiguous)."""
+    """One used slot: its rank, scale, covered modules, and its rows `start:stop` when they are contiguous in the
+    batch (`contiguous`), else the span from its first to its last row."""
 
     slot: int
     rank: int
@@ -39,16 +41,44 @@ class _SlotGroup:
     modules: frozenset[str]
     start: int
     stop: int
+    contiguous: bool
 
 
 @dataclass(frozen=True)
 class _Routing:
     batch_size: int
     slots: tuple[int, ...]  # per row; BASE_SLOT = base model
-    groups: tuple[_SlotGroup, ...]
-    rows: torch.Tensor | None  # (n_active,) row ids sorted by slot; None when each slot's rows are contiguous
+    groups: tuple[_SlotGroup, ...]  # one per used slot, by slot
+    active: torch.Tensor | None  # (n_active,) rows that use an adapter; None when all rows do
+    row_slots: torch.Tensor  # (n_active,) the slot of each active row
+    max_rank: int  # the largest rank among the used slots: the grouped path computes at this rank
     bank: LoRABank | None
     reference: bool
+    dtype: torch.dtype  # the LoRA compute dtype (of the scales)
+    _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
+    _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
+
+    @property
+    def single(self) -> _SlotGroup | None:
+        """The one used slot when there is exactly one and its rows are contiguous: the view path needs no gather."""
+        if len(self.groups) == 1 and self.groups[0].contiguous:
+            return self.groups[0]
+        return None
+
+    def scales_for(self, module: str) -> torch.Tensor | None:
+        """(n_active,) scale of each active row in `module` (0 where its adapter does not cover it); None if no
+        used adapter covers it. One small host-to-device copy per distinct set of covering slots and forward."""
+        if module not in self._scales:
+            covering = frozenset(g.slot for g in self.groups if module in g.modules)
+            if not covering:
+                self._scales[module] = None
+            else:
+                if covering not in self._by_covering:
+                    scale = {g.slot: (g.scale if g.slot in covering else 0.0) for g in self.groups}
+                    values = [scale[s] for s in self.slots if s != BASE_SLOT]
+                    self._by_covering[covering] = torch.tensor(values, dtype=self.dtype, device=self.row_slots.device)
+                self._scales[module] = self._by_covering[covering]
+        return self._scales[module]
 
 
 class SlotRouter:
@@ -77,22 +107,20 @@ def _build_routing(
     device: torch.device,
     bank: LoRABank | None,
     reference: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> _Routing:
-    """Group rows by slot. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row.
-
-    A batch whose rows come grouped by adapter (what the trainer builds) needs no permutation: each slot is a
-    contiguous row range and the layers work on views. Otherwise rows are permuted once here, for all layers.
-    """
+    """The routing of one forward. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row."""
     by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         if slot != BASE_SLOT:
             by_slot.setdefault(slot, []).append(row)
-    if all(rows[-1] - rows[0] + 1 == len(rows) for rows in by_slot.values()):
-        groups = [_SlotGroup(s, *slot_meta[s], rows[0], rows[-1] + 1) for s, rows in sorted(by_slot.items())]
-        return _Routing(len(slots), tuple(slots), tuple(groups), None, bank, reference)
-    groups, order = [], []
-    for slot in sorted(by_slot):
-        groups.append(_SlotGroup(slot, *slot_meta[slot], len(order), len(order) + len(by_slot[slot])))
-        order.extend(by_slot[slot])
-    rows = torch.tensor(order, dtype=torch.long, device=device)
-    return _Routing(len(slots), tuple(slots), tuple(groups), rows, bank, reference)
+    groups = tuple(
+        _SlotGroup(s, *slot_meta[s], rows[0], rows[-1] + 1, rows[-1] - rows[0] + 1 == len(rows))
+        for s, rows in sorted(by_slot.items())
+    )
+    active_rows = [row for row, slot in enumerate(slots) if slot != BASE_SLOT]
+    all_active = len(active_rows) == len(slots)
+    active = None if all_active else torch.tensor(active_rows, dtype=torch.long, device=device)
+    row_slots = torch.tensor([slots[row] for row in active_rows], dtype=torch.long, device=device)
+    max_rank = max((g.rank for g in groups), default=0)
+    return _Routing(len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, {}, {})
