@@ -1,0 +1,449 @@
+"""The stacked-slot LoRA layer's grouped path (gather + bmm) and view path against oracles.
+
+Oracles: the model's own float32 per-row loop (`reference=True`), PEFT's LoRA for the math, and a plain per-tenant
+`torch.optim.AdamW` over separate cloned tensors for the optimizer. Every model is a tiny random Qwen2 / Qwen3 /
+Llama built offline in float32, so tolerances are tight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from tiny_models import FAMILIES, tiny_model
+
+from rl_multilora.lora import LoRALinear, MultiLoRAModel
+
+VOCAB = 128
+TOL = dict(atol=1e-5, rtol=1e-5)
+GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+PEFT_TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: intra-op threads only add barrier waits, which cost 50x on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(family="qwen2", max_loras=8, max_rank=8, target_modules="all-linear", **kw) -> MultiLoRAModel:
+    return MultiLoRAModel.from_model(tiny_model(family, **kw), max_loras, max_rank, target_modules)
+
+
+def lora_layers(m: MultiLoRAModel) -> list[LoRALinear]:
+    return [layer for layer in m.base_model.modules() if isinstance(layer, LoRALinear)]
+
+
+def randomize(m: MultiLoRAModel, name: str, seed: int) -> None:
+    """Give the adapter non-zero B (and a new A) at its true rank in its covered modules; padding stays zero.
+
+    Writes the stacked Parameters directly (not through `adapter_parameters`, which a test checks on its own)."""
+    g = torch.Generator().manual_seed(seed)
+    s, r = m.slot_of(name), m.adapters[name].rank
+    covered = {k.split("base_model.model.", 1)[1].rsplit(".lora_", 1)[0] for k in m.adapter_state_dict(name)}
+    with torch.no_grad():
+        for module in m.lora_modules:
+            if module in covered:
+                layer = m.base_model.get_submodule(module)
+                a, b = layer.lora_A[s], layer.lora_B[s]
+                a[:r].copy_(torch.randn(a[:r].shape, generator=g) * 0.1)
+                b[:, :r].copy_(torch.randn(b[:, :r].shape, generator=g) * 0.1)
+
+
+def add(m: MultiLoRAModel, specs: dict, seed: int = 0) -> None:
+    """Add and randomize adapters `specs[name] = (rank, alpha)` or `(rank, alpha, target_modules)`."""
+    for i, (name, spec) in enumerate(specs.items()):
+        rank, alpha, *targets = spec
+        m.add_adapter(name, rank=rank, alpha=alpha, seed=seed + i, target_modules=targets[0] if targets else None)
+        randomize(m, name, seed=1000 + seed + i)
+
+
+def batch(rows=6, length=7, seed=0, left_pad=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    if left_pad and rows > 1:
+        mask[1, :2] = 0  # a left-padded row: the mask has to pass through to HF untouched
+    return ids, mask
+
+
+def per_adapter_loss(logits, ids, names, adapter):
+    """Mean next-token NLL over `adapter`'s rows only (GRPO normalizes per adapter the same way)."""
+    rows = [i for i, n in enumerate(names) if n == adapter]
+    logp = torch.log_softmax(logits[rows, :-1], dim=-1)  # (n_rows, T-1, V)
+    return -logp.gather(-1, ids[rows, 1:, None]).mean()
+
+
+def mixed_loss(logits, ids, names, adapters=None):
+    used = sorted({n for n in names if n is not None}) if adapters is None else adapters
+    return sum(per_adapter_loss(logits, ids, names, n) for n in used)
+
+
+def cloned_grads(m: MultiLoRAModel, names) -> dict[str, list[torch.Tensor | None]]:
+    return {n: [None if g is None else g.clone() for g in m.adapter_grads(n)] for n in names}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fast path (grouped or view) against the float32 per-row loop
+
+# name -> (rank, alpha[, target_modules]); most scales alpha / rank are not short binary fractions (7/3, 12.3/8).
+SPECS = {"a": (2, 5), "b": (8, 12.3), "c": (6, 7), "d": (1, 0.7), "e": (3, 7), "f": (5, 11)}
+MIXES = {
+    "distinct": (["a", "b", "c", "d", "e", "f"], SPECS, {}),
+    "uniform": (["a", "b", "c", "d"] * 2, SPECS, {}),
+    "skewed": (["b", "b", "b", "a", "b", "b", "d", "b"], SPECS, {}),
+    "one_adapter": (["c"] * 5, SPECS, {}),
+    "base_rows_mixed_in": ([None, "a", None, "b", "b", None, "d"], SPECS, {}),
+    "mixed_ranks": (["r1", "r3", "r8", "r1", "r8", "r3"], {"r1": (1, 0.7), "r3": (3, 7), "r8": (8, 12.3)}, {}),
+    "subset_adapters": (
+        ["qv", "full", "qv", None, "full"],
+        {"qv": (4, 9, ["q_proj", "v_proj"]), "full": (3, 5)},
+        {},
+    ),
+    "256_adapters": (
+        [f"t{i}" for i in range(256)],
+        {f"t{i}": (1 + i % 2, 3 + i % 5) for i in range(256)},
+        dict(max_loras=256, max_rank=2, hidden=16, layers=1, length=4),
+    ),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_fast_path_equals_reference_loop_values_and_grads(mix):
+    names, specs, kw = MIXES[mix]
+    kw = dict(kw)
+    length = kw.pop("length", 7)
+    family = FAMILIES[list(MIXES).index(mix) % len(FAMILIES)]
+    m = make_model(family, **{"max_loras": 8, **kw})
+    add(m, specs)
+    if m.free_slots:  # an idle adapter and, after it, an empty slot: neither may get anything
+        m.add_adapter("idle", rank=1, alpha=2, seed=99)
+        randomize(m, "idle", seed=99)
+    ids, mask = batch(rows=len(names), length=length)
+    used = sorted({n for n in names if n is not None})
+    results = []
+    for reference in (False, True):
+        m.zero_lora_grads()
+        logits = m(ids, attention_mask=mask, adapter_names=names, reference=reference).logits
+        mixed_loss(logits, ids, names).backward()
+        results.append((logits.detach(), cloned_grads(m, m.adapters)))
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, **TOL)
+    with torch.no_grad():
+        base = m(ids, attention_mask=mask).logits
+    lora_rows = [i for i, n in enumerate(names) if n is not None]
+    base_rows = [i for i, n in enumerate(names) if n is None]
+    assert not torch.allclose(fast[lora_rows], base[lora_rows], atol=1e-4)  # the adapters do change the output
+    torch.testing.assert_close(fast[base_rows], base[base_rows], atol=0, rtol=0)
+    for name in m.adapters:
+        for g_fast, g_ref in zip(fast_grads[name], ref_grads[name], strict=True):
+            if name in used:
+                torch.testing.assert_close(g_fast, g_ref, **GRAD_TOL)
+            else:
+                assert g_fast is None or torch.count_nonzero(g_fast) == 0, name
+    for name in used:  # every used adapter really gets a gradient (else the comparison above proves little)
+        assert any(torch.count_nonzero(g) > 0 for g in fast_grads[name]), name
+    for s in m.free_slots:
+        for layer in lora_layers(m):
+            for stacked in (layer.lora_A, layer.lora_B):
+                assert stacked.grad is None or torch.count_nonzero(stacked.grad[s]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact zeros above each rank and in unused slots
+
+RANKS = {"r1": (1, 3), "r3": (3, 7), "r5": (5, 9), "r8": (8, 12.3), "idle": (4, 5)}
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["r1", "r8", "r3", None, "r5", "r1", "r8"],  # grouped at max_rank
+        ["r3", "r5", "r1", "r5", None, "r3"],  # grouped below max_rank (computed at rank 5 of 8)
+        [None, "r3", "r3", "r3", None],  # one slot, contiguous rows: the view path
+        ["r5", None, "r5"],  # one slot, rows not contiguous: grouped
+    ],
+    ids=["grouped_max_rank", "grouped_below_max_rank", "view_path", "one_slot_gathered"],
+)
+def test_grads_above_rank_and_of_unused_slots_are_exactly_zero(names):
+    m = make_model("qwen3", max_loras=8, max_rank=8)
+    add(m, RANKS)
+    m.add_adapter("gone", rank=8, alpha=8, seed=7)
+    randomize(m, "gone", seed=7)
+    m.remove_adapter("gone")
+    assert m.free_slots == [5, 6, 7]
+    ids, mask = batch(rows=len(names))
+    logits = m(ids, attention_mask=mask, adapter_names=names).logits
+    mixed_loss(logits, ids, names).backward()
+    used = {n for n in names if n is not None}
+    for name, info in m.adapters.items():
+        r = info.rank
+        grads = m.adapter_grads(name)
+        assert all(g is not None for g in grads)
+        for ga, gb in zip(grads[::2], grads[1::2], strict=True):
+            assert torch.count_nonzero(ga[r:]) == 0 and torch.count_nonzero(gb[:, r:]) == 0, name
+            if name not in used:
+                assert torch.count_nonzero(ga) == 0 and torch.count_nonzero(gb) == 0, name
+        if name in used:
+            assert all(torch.count_nonzero(g[:r]) > 0 for g in grads[::2]), name
+            assert all(torch.count_nonzero(g[:, :r]) > 0 for g in grads[1::2]), name
+    for layer in lora_layers(m):
+        for s in m.free_slots:
+            assert torch.count_nonzero(layer.lora_A.grad[s]) == 0 and torch.count_nonzero(layer.lora_B.grad[s]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NaN / inf of one tenant stays in that tenant
+
+
+@pytest.mark.parametrize("poison", ["nan_B", "inf_A", "nan_input"])
+def test_nonfinite_tenant_does_not_leak_into_other_tenants_grads(poison):
+    m = make_model("llama", max_loras=6)
+    add(m, {"a": (4, 8), "b": (2, 5), "c": (8, 12.3), "bad": (3, 7)})
+    names = ["a", "bad", "b", "c", "bad", "a", "c", "b"]
+    good = ["a", "b", "c"]
+    bad_rows = [i for i, n in enumerate(names) if n == "bad"]
+    good_rows = [i for i, n in enumerate(names) if n != "bad"]
+    ids, mask = batch(rows=len(names))
+    clean_embeds = m.base_model.get_input_embeddings()(ids).detach()
+
+    def run(embeds, loss_of):
+        m.zero_lora_grads()
+        logits = m(attention_mask=mask, adapter_names=names, inputs_embeds=embeds).logits
+        mixed_loss(logits, ids, names, loss_of).backward()
+        return logits.detach(), cloned_grads(m, good)
+
+    clean = {"all": run(clean_embeds, good), **{t: run(clean_embeds, [t]) for t in good}}
+
+    embeds = clean_embeds.clone()
+    slot = m.slot_of("bad")
+    if poison == "nan_input":
+        embeds[bad_rows] = float("nan")
+    else:
+        module = "model.layers.0.mlp.up_proj" if poison == "nan_B" else "model.layers.1.self_attn.q_proj"
+        layer = m.base_model.get_submodule(module)
+        with torch.no_grad():
+            if poison == "nan_B":
+                layer.lora_B[slot, :, :3] = float("nan")
+            else:
+                layer.lora_A[slot, :3] = float("inf")
+    poisoned = {"all": run(embeds, good), **{t: run(embeds, [t]) for t in good}}
+
+    for key, (logits, grads) in poisoned.items():
+        assert not torch.isfinite(logits[bad_rows]).any(), key  # the poison did reach the bad tenant's rows
+        torch.testing.assert_close(logits[good_rows], clean[key][0][good_rows], atol=1e-6, rtol=0)
+        for name in good:
+            for g, g_clean in zip(grads[name], clean[key][1][name], strict=True):
+                assert torch.isfinite(g).all(), (key, name)
+                torch.testing.assert_close(g, g_clean, atol=1e-6, rtol=0)
+            if key in ("all", name):
+                assert any(torch.count_nonzero(g) > 0 for g in grads[name]), (key, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT parity with mixed ranks in one batch
+
+
+def test_mixed_ranks_in_one_batch_match_peft_per_adapter(tmp_path):
+    family = "qwen3"
+    m = make_model(family, max_loras=6, max_rank=8)
+    peft_models = {}
+    # Built in PEFT with random A and B (init_lora_weights=False), saved, loaded here.
+    peft_specs = {
+        "p1": (1, 0.7, "all-linear"),
+        "p3": (3, 7, ["q_proj", "v_proj", "down_proj"]),
+        "p8": (8, 12.3, "all-linear"),
+    }
+    for i, (name, (rank, alpha, targets)) in enumerate(peft_specs.items()):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(100 + i)
+            pm = get_peft_model(
+                tiny_model(family),
+                LoraConfig(
+                    r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False
+                ),
+            )
+        pm.save_pretrained(str(tmp_path / name))
+        m.load_adapter(name, tmp_path / name)
+        assert (m.adapters[name].rank, m.adapters[name].alpha) == (rank, alpha)
+        peft_models[name] = pm
+    # Built here, exported, loaded in PEFT.
+    add(m, {"x5": (5, 11)}, seed=50)
+    peft_models["x5"] = PeftModel.from_pretrained(tiny_model(family), str(m.export_adapter("x5", tmp_path / "x5")))
+
+    names = ["p1", "p8", None, "x5", "p3", "p1", "x5", "p3", "p8"]
+    ids, mask = batch(rows=len(names))
+    with torch.no_grad():
+        got = m(ids, attention_mask=mask, adapter_names=names).logits
+        base = tiny_model(family)(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[2], base[2], atol=0, rtol=0)
+    for name, pm in peft_models.items():
+        rows = [i for i, n in enumerate(names) if n == name]
+        with torch.no_grad():
+            expected = pm(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(got[rows], expected[rows], **PEFT_TOL)
+        assert not torch.allclose(expected[rows], base[rows], atol=1e-3), name  # the adapter changes the output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-slot AdamW (views of the stacked tensors) against per-tenant AdamW over separate tensors
+
+OPTIM = {
+    "a": dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
+    "b": dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+    "c": dict(lr=5e-2, betas=(0.5, 0.9), eps=1e-4, weight_decay=0.5),
+}
+# Which rows each step has: c sits out step 1, a and b sit out step 2 (c alone: the view path), a sits out step 3.
+STEPS = [
+    ["a", "b", "c", "a", "c", "b"],
+    ["b", "a", None, "a", "b", "b"],
+    ["c", "c", "c", None, None, None],
+    [None, "c", "b", "c", "b", None],
+    ["c", "a", "b", "b", "a", "c"],
+]
+
+
+def test_per_slot_adamw_equals_per_tenant_adamw_bit_for_bit():
+    m = make_model("qwen2", max_loras=4, max_rank=8)
+    add(m, {"a": (2, 5), "b": (5, 7), "c": (8, 12.3, ["q_proj", "v_proj"])})
+    views = {n: m.adapter_parameters(n) for n in OPTIM}
+    optims = {n: torch.optim.AdamW(views[n], **OPTIM[n]) for n in OPTIM}
+    copies = {n: [p.detach().clone().requires_grad_(True) for p in views[n]] for n in OPTIM}
+    copy_optims = {n: torch.optim.AdamW(copies[n], **OPTIM[n]) for n in OPTIM}
+    ids, mask = batch(rows=6)
+    for step, names in enumerate(STEPS):
+        before = {n: [p.detach().clone() for p in m.adapter_parameters(n)] for n in OPTIM}
+        m.zero_lora_grads()
+        logits = m(ids, attention_mask=mask, adapter_names=names).logits
+        mixed_loss(logits, ids, names).backward()
+        present = sorted({n for n in names if n is not None})
+        for name in present:
+            m.attach_slot_grads(name, views[name])
+            # views of the stacked grad (what in-place clipping relies on), not copies
+            assert [p.grad.data_ptr() for p in views[name]] == [g.data_ptr() for g in m.adapter_grads(name)]
+            for copy, g in zip(copies[name], m.adapter_grads(name), strict=True):
+                copy.grad = g.clone()
+            assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in views[name])
+            optims[name].step()
+            copy_optims[name].step()
+        for name in OPTIM:
+            now = m.adapter_parameters(name)  # fresh views of the slot: the optimizer updated the model in place
+            for p, view, copy in zip(now, views[name], copies[name], strict=True):
+                assert torch.equal(p, copy), (step, name)
+                assert torch.equal(view, copy), (step, name)
+            if name in present:
+                assert all(not torch.equal(p, q) for p, q in zip(now, before[name], strict=True)), (step, name)
+            else:  # no rows, no step: not even weight decay moves it
+                assert all(torch.equal(p, q) for p, q in zip(now, before[name], strict=True)), (step, name)
+            r = m.adapters[name].rank
+            for a, b in zip(now[::2], now[1::2], strict=True):
+                assert torch.count_nonzero(a[r:]) == 0 and torch.count_nonzero(b[:, r:]) == 0, (step, name)
+    shapes = m.layer_shapes
+    for name, optim in optims.items():
+        modules = [mod for mod in m.lora_modules if name != "c" or mod.endswith(("q_proj", "v_proj"))]
+        expected = [s for mod in modules for s in ((8, shapes[mod][0]), (shapes[mod][1], 8))]
+        state = optim.state_dict()["state"]
+        assert len(state) == len(expected) == len(views[name])
+        for i, shape in enumerate(expected):
+            assert tuple(state[i]["exp_avg"].shape) == shape and tuple(state[i]["exp_avg_sq"].shape) == shape
+        n_steps = sum(name in s for s in STEPS)
+        assert int(state[0]["step"]) == n_steps == int(copy_optims[name].state_dict()["state"][0]["step"])
+        for i, s in copy_optims[name].state_dict()["state"].items():
+            assert torch.equal(state[i]["exp_avg"], s["exp_avg"]) and torch.equal(
+                state[i]["exp_avg_sq"], s["exp_avg_sq"]
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrap cost and far slots
+
+
+def test_two_lora_parameters_per_linear_whatever_max_loras_and_slot_1000_works():
+    for max_loras in (1, 1024):
+        m = MultiLoRAModel.from_model(tiny_model("qwen2"), max_loras=max_loras, max_rank=8)
+        assert sum("lora_" in n for n, _ in m.named_parameters()) == 2 * len(m.lora_modules) == 2 * 2 * 7
+    layer = m.base_model.get_submodule("model.layers.0.mlp.down_proj")
+    assert layer.lora_A.shape == (1024, 8, 64) and layer.lora_B.shape == (1024, 32, 8)
+
+    for i in range(1000):
+        m.add_adapter(f"t{i}", rank=1 + i % 8, alpha=2, seed=i)
+    randomize(m, "t0", seed=1)
+    randomize(m, "t999", seed=2)
+    snapshot = [(layer.lora_A.detach().clone(), layer.lora_B.detach().clone()) for layer in lora_layers(m)]
+
+    def others_untouched():
+        for layer, (a, b) in zip(lora_layers(m), snapshot, strict=True):
+            for now, then in ((layer.lora_A, a), (layer.lora_B, b)):
+                assert torch.equal(now[:1000], then[:1000]) and torch.equal(now[1001:], then[1001:])
+
+    assert m.add_adapter("far", rank=8, alpha=12.3, seed=5) == 1000
+    randomize(m, "far", seed=3)
+    others_untouched()
+    names = ["far", "t999", None, "far", "t0"]
+    ids, mask = batch(rows=len(names))
+    results = []
+    for reference in (False, True):
+        m.zero_lora_grads()
+        logits = m(ids, attention_mask=mask, adapter_names=names, reference=reference).logits
+        mixed_loss(logits, ids, names).backward()
+        results.append((logits.detach(), cloned_grads(m, ["far", "t0", "t999", "t500"])))
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, **TOL)
+    for name in ("far", "t0", "t999"):
+        for g_fast, g_ref in zip(fast_grads[name], ref_grads[name], strict=True):
+            torch.testing.assert_close(g_fast, g_ref, **GRAD_TOL)
+        assert any(torch.count_nonzero(g) > 0 for g in fast_grads[name])
+    assert all(torch.count_nonzero(g) == 0 for g in fast_grads["t500"])
+    with torch.no_grad():
+        base = m(ids, attention_mask=mask).logits
+    assert not torch.allclose(fast[[0, 3]], base[[0, 3]], atol=1e-3)
+
+    m.remove_adapter("far")
+    assert m.free_slots == list(range(1000, 1024)) and "far" not in m.adapters
+    others_untouched()
+    for layer in lora_layers(m):
+        for stacked in (layer.lora_A, layer.lora_B):
+            assert torch.count_nonzero(stacked[1000]) == 0 and torch.count_nonzero(stacked.grad[1000]) == 0
+    with torch.no_grad():  # the other tenants' rows are as before; the freed slot's rows are now base rows
+        after = m(ids, attention_mask=mask, adapter_names=[None, "t999", None, None, "t0"]).logits
+    torch.testing.assert_close(after[[1, 2, 4]], fast[[1, 2, 4]], **TOL)
+    torch.testing.assert_close(after[[0, 3]], base[[0, 3]], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bank path
+
+
+@pytest.mark.parametrize(
+    "slot_mix",
+    [
+        [0, -1, 1, 2, -1, 0, 3, 2],  # grouped, base rows between, mixed ranks, a subset adapter
+        [-1, 2, 2, 2, -1],  # one slot, contiguous rows: the view path
+        [3, -1, 3, 1],  # grouped, one subset slot spread out
+    ],
+    ids=["mixed", "view_path", "subset_spread"],
+)
+def test_bank_path_equals_reference_loop(slot_mix):
+    m = make_model("qwen2", max_loras=6, max_rank=8)
+    add(m, {"a": (2, 5), "b": (8, 12.3), "c": (3, 7), "qv": (6, 9, ["q_proj", "v_proj"])})
+    bank = m.new_bank()
+    bank.set_adapter(5, m.adapter_state_dict("c"), m.peft_config("c"))  # a bank-only slot holding c
+    ids, mask = batch(rows=len(slot_mix))
+    fast = m(ids, attention_mask=mask, adapter_slots=slot_mix, lora_bank=bank).logits
+    assert not fast.requires_grad
+    with torch.no_grad():
+        ref = m(ids, attention_mask=mask, adapter_slots=slot_mix, reference=True).logits
+        base = m(ids, attention_mask=mask).logits
+    ref_bank = m(ids, attention_mask=mask, adapter_slots=slot_mix, lora_bank=bank, reference=True).logits
+    torch.testing.assert_close(fast, ref, **TOL)
+    torch.testing.assert_close(fast, ref_bank, **TOL)
+    base_rows = [i for i, s in enumerate(slot_mix) if s == -1]
+    lora_rows = [i for i, s in enumerate(slot_mix) if s != -1]
+    torch.testing.assert_close(fast[base_rows], base[base_rows], atol=0, rtol=0)
+    assert not torch.allclose(fast[lora_rows], base[lora_rows], atol=1e-3)
+    # The bank-only slot 5 holds c: rows routed to it equal rows routed to c's own slot 2.
+    moved = [5 if s == 2 else s for s in slot_mix]
+    torch.testing.assert_close(m(ids, attention_mask=mask, adapter_slots=moved, lora_bank=bank).logits, fast, **TOL)
