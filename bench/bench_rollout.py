@@ -1,6 +1,6 @@
 """Rollout throughput of the embedded multi-LoRA engine: one mixed batch vs the alternatives.
 
-For N adapters (1, 4, 8) the same workload (`rows` prompts, each generating exactly `new` tokens; EOS is
+For N adapters (1, 8, 64) the same workload (`rows` prompts, each generating exactly `new` tokens; EOS is
 disabled so every strategy does the same work) is run five ways, all in one process on the same base:
 
 - mixed:       one `EmbeddedEngine.generate` call, row i on adapter i % N (what a multi-tenant step does;
@@ -37,7 +37,7 @@ from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from tests.tiny_models import tiny_model  # noqa: E402
 
-ADAPTER_COUNTS = (1, 4, 8)
+ADAPTER_COUNTS = (1, 8, 64)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Workload:
     rows: int
     prompt_len: int
     new_tokens: int
-    rank: int = 16
+    rank: int = 8
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -197,11 +197,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.quick:
-        workloads = [Workload("tiny", hidden=128, layers=4, vocab=512, rows=16, prompt_len=16, new_tokens=16)]
+        workloads = [Workload("tiny", hidden=128, layers=4, vocab=512, rows=64, prompt_len=16, new_tokens=16)]
     else:
         workloads = [
-            Workload("tiny", hidden=128, layers=4, vocab=512, rows=32, prompt_len=32, new_tokens=32),
-            Workload("small", hidden=512, layers=8, vocab=4096, rows=32, prompt_len=32, new_tokens=32),
+            Workload("tiny", hidden=128, layers=4, vocab=512, rows=64, prompt_len=32, new_tokens=32),
+            Workload("small", hidden=512, layers=8, vocab=4096, rows=64, prompt_len=32, new_tokens=32),
         ]
     for w in workloads:
         print_table(w, run_workload(w, repeats, CLOCKS[args.clock]), repeats, args.clock)
