@@ -13,6 +13,14 @@ Design choices:
   adapter leaves the model (or bank) as it was. `write_peft_folder` checks with the same rules before it writes.
 - An adapter name becomes a path component (checkpoint and export folders): `validate_adapter_name` is the one rule,
   used by the model, the engines and the run config.
+- Expert LoRA (PEFT's `target_parameters` on packed 3-D expert Parameters) is written exactly as PEFT 0.21's
+  `ParamWrapper` saves it: the Parameter's name is not in the key, which is that of the experts module, and when
+  several Parameters of one module are targeted PEFT nests its wrappers in the module's Parameter order, so the last
+  targeted one has `<module>.lora_A.weight` and each earlier one one more `.base_layer` (`gate_up_proj` of a Qwen3-MoE
+  layer with both targeted: `mlp.experts.base_layer.lora_A.weight`). A is `(E * r, in)` with rows expert-major
+  (`A.view(E, r, in)[e]` is expert e's), B is `(out, r * E)` with columns expert-fastest
+  (`B.view(out, r, E)[:, :, e]` is expert e's). Only models with expert targets accept such configs
+  (`peft_config_problems(..., allow_target_parameters=True)`); the bank and the SGLang client still refuse them.
 - Imports no torch at module level: the name and config rules are usable (e.g. by config validation) without it.
 """
 
@@ -22,7 +30,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,12 +105,19 @@ def _check_alpha(alpha: Any, field: str = "alpha") -> float:
     return alpha
 
 
-def peft_config_problems(config: Mapping[str, Any], max_rank: int | None = None, field_prefix: str = "") -> list[str]:
+def peft_config_problems(
+    config: Mapping[str, Any],
+    max_rank: int | None = None,
+    field_prefix: str = "",
+    allow_target_parameters: bool = False,
+) -> list[str]:
     """What makes a PEFT adapter config unusable here, one message per problem ([] when it is fine).
 
     Checks the config alone: peft_type LORA, `r` an integer in [1, max_rank] (no upper bound for None), a finite
     `lora_alpha` > 0, and no field from `_UNSUPPORTED_CONFIG` at a value that changes the math.
     `field_prefix` is put before each field name in the messages (e.g. "config.").
+    `allow_target_parameters`: accept a list of `target_parameters` (expert LoRA; only a model with expert targets
+    can use it).
 
     >>> peft_config_problems({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
     []
@@ -124,9 +139,38 @@ def peft_config_problems(config: Mapping[str, Any], max_rank: int | None = None,
     except ValueError as err:
         problems.append(str(err))
     for key, (allowed, why) in _UNSUPPORTED_CONFIG.items():
+        if key == "target_parameters" and allow_target_parameters:
+            value = config.get(key)
+            if value is not None and (
+                isinstance(value, str) or not all(isinstance(t, str) and t for t in _as_list(value))
+            ):
+                problems.append(bad_value(f"{field_prefix}{key}", value, "a list of parameter names or None"))
+            continue
         if key in config and config[key] not in allowed:
             problems.append(bad_value(f"{field_prefix}{key}", config[key], f"{allowed[0]!r} ({why})"))
     return problems
+
+
+def _as_list(value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        return [value]
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One packed expert Parameter that takes LoRA: its experts module, its name there, and the matmul's sizes."""
+
+    module: str  # e.g. "model.layers.0.mlp.experts"
+    param: str  # e.g. "gate_up_proj"
+    num_experts: int
+    in_features: int
+    out_features: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.param}" if self.module else self.param
 
 
 @dataclass(frozen=True)
@@ -134,6 +178,56 @@ class _ParsedAdapter:
     rank: int
     alpha: float
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A (r, in), B (out, r))
+    experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # param -> A (E, r, in), B (E, out, r)
+
+
+def _expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, ExpertShape]) -> dict[str, str]:
+    """Full Parameter name -> PEFT key stem (key without `.lora_A.weight`) for an adapter covering `covered`.
+
+    PEFT wraps the targeted Parameters of one module in the module's Parameter order, each wrapper around the
+    previous one: the last is outermost (`<module>`), each earlier one a `.base_layer` deeper. `expert_shapes` is in
+    model order, which within a module is its Parameter order.
+    """
+    by_module: dict[str, list[str]] = {}
+    for name, shape in expert_shapes.items():
+        if name in covered:
+            by_module.setdefault(shape.module, []).append(name)
+    stems = {}
+    for module, names in by_module.items():
+        for i, name in enumerate(names):
+            stems[name] = f"{PEFT_PREFIX}{module}" + ".base_layer" * (len(names) - 1 - i)
+    return stems
+
+
+def _expert_to_peft(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (A (E, r, in), B (E, out, r)) -> PEFT's (A (E * r, in) expert-major, B (out, r * E) expert-fastest)."""
+    num_experts, rank, in_features = lora_a.shape
+    out_features = lora_b.shape[1]
+    peft_a = lora_a.reshape(num_experts * rank, in_features)  # peft_a[e * r + k] = A[e, k]
+    peft_b = lora_b.permute(1, 2, 0).reshape(out_features, rank * num_experts)  # peft_b[:, k * E + e] = B[e, :, k]
+    return peft_a, peft_b
+
+
+def _expert_from_peft(
+    peft_a: torch.Tensor, peft_b: torch.Tensor, num_experts: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's (A (E * r, in), B (out, r * E)) -> our (A (E, r, in), B (E, out, r)); the inverse of `_expert_to_peft`."""
+    lora_a = peft_a.reshape(num_experts, rank, peft_a.shape[-1])
+    lora_b = peft_b.reshape(peft_b.shape[0], rank, num_experts).permute(2, 0, 1)
+    return lora_a, lora_b
+
+
+def _target_parameters_for(covered: Sequence[str], all_params: Sequence[str]) -> list[str]:
+    """Shortest PEFT target_parameters selecting exactly `covered` among `all_params` (the base model's Parameter
+    names): the last k name segments of each, for the smallest k that does (PEFT matches by equality or suffix)."""
+    depth = max(n.count(".") + 1 for n in covered)
+    for k in range(2, depth + 1):  # k >= 2: "<module leaf>.<param>", the form PEFT's docs use
+        suffixes = {".".join(n.split(".")[-k:]) for n in covered}
+        if {n for n in all_params if any(_matches_target(n, t) for t in suffixes)} == set(covered):
+            return sorted(suffixes)
+    return sorted(covered)
 
 
 def _peft_key(module: str, which: str) -> str:
@@ -159,17 +253,36 @@ def _parse_peft_adapter(
     layer_shapes: Mapping[str, tuple[int, int]],
     max_rank: int | None,
     source: str,
+    expert_shapes: Mapping[str, ExpertShape] | None = None,
 ) -> _ParsedAdapter:
-    """Validate a PEFT LoRA state dict + config against this model's LoRA modules; every problem in one error."""
+    """Validate a PEFT LoRA state dict + config against this model's LoRA modules; every problem in one error.
+
+    `expert_shapes` (full Parameter name -> shape, model order): the model's expert LoRA targets; with them a config
+    may have `target_parameters`, whose tensors come back in `experts` in our layout.
+    """
     config = _config_dict(config)
-    problems = peft_config_problems(config, max_rank)
+    problems = peft_config_problems(config, max_rank, allow_target_parameters=bool(expert_shapes))
     rank = config.get("r") if _valid_rank(config.get("r"), max_rank) else None  # None: reported, no shape checks
     alpha = config.get("lora_alpha")
     targets = config.get("target_modules")
     # A string is a regex or "all-linear" in PEFT: then the keys alone decide which modules are covered.
     target_list = None if isinstance(targets, str) or targets is None else list(targets)
 
+    expert_stems: dict[str, str] = {}  # PEFT key stem -> full Parameter name
+    target_parameters = config.get("target_parameters") if expert_shapes else None
+    if expert_shapes and target_parameters and not isinstance(target_parameters, str):
+        wanted = _as_list(target_parameters)
+        covered = [n for n in expert_shapes if any(_matches_target(n, t) for t in wanted)]
+        problems += [
+            f"target_parameters entry {t!r} matches none of this model's expert LoRA targets "
+            f"{sorted({s.param for s in expert_shapes.values()})}"
+            for t in wanted
+            if isinstance(t, str) and not any(_matches_target(n, t) for n in expert_shapes)
+        ]
+        expert_stems = {stem: name for name, stem in _expert_key_stems(covered, expert_shapes).items()}
+
     found: dict[str, dict[str, torch.Tensor]] = {}
+    found_experts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         match = _PEFT_KEY.fullmatch(key)
         if match is None:
@@ -178,13 +291,16 @@ def _parse_peft_adapter(
             )
             continue
         module, which = match.groups()
+        if f"{PEFT_PREFIX}{module}" in expert_stems:
+            found_experts.setdefault(expert_stems[f"{PEFT_PREFIX}{module}"], {})[which] = tensor
+            continue
         if module not in layer_shapes:
             problems.append(f"key {key!r}: module {module!r} is not a LoRA target of this model")
             continue
         if target_list is not None and not any(_matches_target(module, t) for t in target_list):
             problems.append(f"key {key!r}: module {module!r} is not in the config's target_modules={targets!r}")
         found.setdefault(module, {})[which] = tensor
-    if not found and not problems:
+    if not found and not found_experts and not problems:
         problems.append("no LoRA tensors found")
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in layer_shapes:  # model order, so exports and bank writes are deterministic
@@ -204,9 +320,34 @@ def _parse_peft_adapter(
                         f"(r={rank}, in={in_features}, out={out_features})"
                     )
         tensors[module] = (pair["A"], pair["B"])
+    experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for stem, name in expert_stems.items():
+        pair = found_experts.get(name, {})
+        missing = [w for w in ("A", "B") if w not in pair]
+        if missing:  # PEFT writes every targeted Parameter: a missing one is a broken or foreign file
+            problems.append(
+                f"expert parameter {name!r} (keys {stem}.lora_A/B.weight) has no "
+                f"{' / '.join(f'lora_{w}' for w in missing)} tensor"
+            )
+            continue
+        shape = expert_shapes[name]
+        e, i, o = shape.num_experts, shape.in_features, shape.out_features
+        if rank is not None:
+            bad = [
+                (w, tuple(pair[w].shape), want)
+                for w, want in (("A", (e * rank, i)), ("B", (o, rank * e)))
+                if tuple(pair[w].shape) != want
+            ]
+            if bad:
+                problems += [
+                    f"{stem}.lora_{w}.weight ({name}) has shape {got}; expected {want} (E={e}, r={rank}, in={i}, out={o})"
+                    for w, got, want in bad
+                ]
+                continue
+            experts[name] = _expert_from_peft(pair["A"], pair["B"], e, rank)
     if problems:
         raise ValueError(f"adapter {source} does not match this model:\n  - " + "\n  - ".join(problems))
-    return _ParsedAdapter(rank, alpha, tensors)
+    return _ParsedAdapter(rank, alpha, tensors, experts)
 
 
 def _target_modules_for(covered: Sequence[str], all_modules: Sequence[str]) -> list[str]:
@@ -255,23 +396,79 @@ def read_peft_folder(peft_dir: str | Path) -> tuple[dict[str, torch.Tensor], dic
     return state_dict, config
 
 
-def write_peft_folder(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], config: Any) -> Path:
+def write_peft_folder(
+    out_dir: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    config: Any,
+    expert_shapes: Mapping[str, ExpertShape] | None = None,
+) -> Path:
     """Write a PEFT adapter folder from PEFT-named tensors at the true rank and the adapter_config.json content.
 
-    `tensors`: `base_model.model.<module>.lora_A.weight` (r, in) and `...lora_B.weight` (out, r) per module;
+    `tensors`: `base_model.model.<module>.lora_A.weight` (r, in) and `...lora_B.weight` (out, r) per module, and for
+    `target_parameters` PEFT's expert keys (A `(E * r, in)`, B `(out, r * E)`, see the module docstring);
     `config`: a dict (or a PEFT `LoraConfig`). Both are checked first with the rules the readers apply (config
     fields, key names, A/B pairs, shapes at rank r, target_modules), so a bad adapter writes nothing and what is
-    written loads with `MultiLoRAModel.load_adapter` on a model with those modules. The weights are written before
-    the config: a folder holding adapter_config.json is complete. Returns the folder (created if missing).
+    written loads with `MultiLoRAModel.load_adapter` on a model with those modules. `expert_shapes` (the model's
+    expert targets) checks expert tensors fully; without it they are checked for what the tensors alone say (A rows
+    = B columns = a multiple of r). The weights are written before the config: a folder holding adapter_config.json
+    is complete. Returns the folder (created if missing).
     """
     from safetensors.torch import save_file
 
     folder = Path(out_dir)
     config = _config_dict(config)
-    _parse_peft_adapter(tensors, config, _implied_shapes(tensors), None, f"to write to {folder}")
+    source = f"to write to {folder}"
+    if config.get("target_parameters") and expert_shapes is None:
+        linear, experts = _split_implied_experts(tensors, config)
+        problems = peft_config_problems(config, None, allow_target_parameters=True)
+        problems += [] if problems else _implied_expert_problems(experts, config["r"])
+        if not linear and not experts:
+            problems.append("no LoRA tensors found")
+        if problems:
+            raise ValueError(f"adapter {source} does not match this model:\n  - " + "\n  - ".join(problems))
+        if linear:
+            _parse_peft_adapter(linear, {**config, "target_parameters": None}, _implied_shapes(linear), None, source)
+    else:
+        shapes = _implied_shapes(tensors)
+        _parse_peft_adapter(tensors, config, shapes, None, source, expert_shapes=expert_shapes)
     state_dict = {k: v.contiguous().cpu() for k, v in tensors.items()}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     with open(folder / CONFIG_NAME, "w") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True))
     return folder
+
+
+def _split_implied_experts(
+    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Without the model: keys of modules the config's target_modules select are linear, the others expert keys
+    (stem -> {"A", "B"})."""
+    targets = config.get("target_modules")
+    target_list = [] if targets is None or isinstance(targets, str) else list(targets)
+    linear: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _PEFT_KEY.fullmatch(key)
+        module = match.group(1) if match else None
+        if match is None or any(_matches_target(module, t) for t in target_list) or isinstance(targets, str):
+            linear[key] = tensor
+        else:
+            experts.setdefault(module, {})[match.group(2)] = tensor
+    return linear, experts
+
+
+def _implied_expert_problems(experts: Mapping[str, Mapping[str, torch.Tensor]], rank: int) -> list[str]:
+    problems = []
+    for module, pair in experts.items():
+        missing = [w for w in ("A", "B") if w not in pair]
+        if missing:
+            problems.append(f"module {module!r} has no {' / '.join(f'lora_{w}' for w in missing)} tensor")
+            continue
+        a, b = tuple(pair["A"].shape), tuple(pair["B"].shape)
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] % rank:
+            problems.append(
+                f"expert tensors of {module!r} have shapes A {a}, B {b}; expected A (E * r, in) and B (out, r * E) "
+                f"with r={rank}"
+            )
+    return problems
