@@ -10,6 +10,12 @@ Design choices:
   per forward (`routing.py`).
 - Adapters load from and export to PEFT folders (`peft_io.py`), at the true rank; an adapter may cover a subset
   of the model's LoRA modules, and uncovered modules of its slot are skipped in the forward and in the export.
+- MoE experts: `target_parameters` (PEFT's name, e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`)
+  lists packed 3-D expert Parameters that get per-slot, per-expert LoRA (`experts.py`), routed per token with its
+  row's slot; they are exported in PEFT's `target_parameters` layout. "all-linear" never wraps a router or gate
+  Linear (`gate`, `router`, `shared_expert_gate`, a Linear subclass named like a router): LoRA on a router changes
+  which experts a token reaches, so it is only put there when named explicitly. An adapter's slot tensors list its
+  Linear modules' A and B first (model order), then its expert Parameters' A and B (model order).
 - Activation checkpointing recomputes layers in backward, outside the forward's routing scope: enable it with
   `MultiLoRAModel.gradient_checkpointing_enable()`, which hands torch's non-reentrant checkpoint a `context_fn` that
   re-installs, for each recompute, the routing captured when that layer ran forward. Checkpointing switched on
@@ -32,14 +38,26 @@ from torch import nn
 
 from rl_multilora.lora._errors import bad_value
 from rl_multilora.lora.bank import LoRABank
+from rl_multilora.lora.experts import (
+    EXPERT_PARAMS,
+    ExpertLoRA,
+    LoRAExperts,
+    init_expert_a,
+    inject_expert_lora,
+    is_packed_experts,
+)
 from rl_multilora.lora.layer import LoRALinear
 from rl_multilora.lora.peft_io import (
+    ExpertShape,
     _check_alpha,
     _check_rank,
+    _expert_key_stems,
+    _expert_to_peft,
     _matches_target,
     _parse_peft_adapter,
     _peft_key,
     _target_modules_for,
+    _target_parameters_for,
     read_peft_folder,
     validate_adapter_name,
     write_peft_folder,
@@ -88,12 +106,13 @@ class MultiLoRAModel(nn.Module):
         max_rank: int,
         target_modules: str | Sequence[str] = "all-linear",
         lora_dtype: torch.dtype = torch.float32,
+        target_parameters: Sequence[str] | None = None,
     ):
         super().__init__()
         for field, value in (("max_loras", max_loras), ("max_rank", max_rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(bad_value(field, value, "an integer >= 1"))
-        if any(isinstance(m, LoRALinear) for m in base_model.modules()):
+        if any(isinstance(m, (LoRALinear, LoRAExperts)) for m in base_model.modules()):
             raise ValueError("base_model already has LoRA layers injected; wrap the plain HF model once")
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -102,7 +121,8 @@ class MultiLoRAModel(nn.Module):
         self.base_model = base_model
         for param in base_model.parameters():
             param.requires_grad_(False)
-        names = _select_targets(base_model, target_modules)
+        expert_targets = _select_parameters(base_model, target_parameters)
+        names = _select_targets(base_model, target_modules, allow_empty=bool(expert_targets))
         self._layers: dict[str, LoRALinear] = {}
         for name in names:
             parent_name, _, child = name.rpartition(".")
@@ -110,7 +130,17 @@ class MultiLoRAModel(nn.Module):
             layer = LoRALinear(getattr(parent, child), name, self.router, max_loras, max_rank, lora_dtype)
             setattr(parent, child, layer)
             self._layers[name] = layer
+        self._experts: dict[str, ExpertLoRA] = {}  # full Parameter name -> its slots, model order
+        self._expert_shapes: dict[str, ExpertShape] = {}
+        for module_name, params in expert_targets.items():
+            module = base_model.get_submodule(module_name)
+            holders = inject_expert_lora(module, module_name, params, self.router, max_loras, max_rank, lora_dtype)
+            for (name, holder), param in zip(holders.items(), params, strict=True):
+                self._experts[name] = holder
+                shape = (holder.num_experts, holder.in_features, holder.out_features)
+                self._expert_shapes[name] = ExpertShape(module_name, param, *shape)
         self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
+        self.target_parameters = list(target_parameters) if target_parameters else []
         self._slots: list[_Slot | None] = [None] * max_loras
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
         self._routed_checkpointing = False
@@ -125,9 +155,11 @@ class MultiLoRAModel(nn.Module):
         max_rank: int = 16,
         target_modules: str | Sequence[str] = "all-linear",
         lora_dtype: torch.dtype = torch.float32,
+        target_parameters: Sequence[str] | None = None,
     ) -> MultiLoRAModel:
-        """Wrap an in-memory HF causal LM (its target Linears are replaced in place)."""
-        return cls(model, max_loras, max_rank, target_modules, lora_dtype)
+        """Wrap an in-memory HF causal LM (its target Linears are replaced in place, its target expert modules get
+        LoRA slots)."""
+        return cls(model, max_loras, max_rank, target_modules, lora_dtype, target_parameters)
 
     @classmethod
     def from_pretrained(
@@ -139,6 +171,7 @@ class MultiLoRAModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         lora_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
+        target_parameters: Sequence[str] | None = None,
         **hf_kwargs: Any,
     ) -> MultiLoRAModel:
         """Load an HF causal LM from `path` (base in `dtype`, LoRA slots in `lora_dtype`) and wrap it."""
@@ -151,7 +184,7 @@ class MultiLoRAModel(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kwarg: dtype}, **hf_kwargs)
         if device is not None:
             model = model.to(device)
-        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype)
+        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype, target_parameters)
         wrapped.name_or_path = str(path)
         return wrapped
 
@@ -169,6 +202,16 @@ class MultiLoRAModel(nn.Module):
     @property
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         return {name: (layer.in_features, layer.out_features) for name, layer in self._layers.items()}
+
+    @property
+    def lora_parameters(self) -> list[str]:
+        """Full names (inside base_model) of the packed expert Parameters with LoRA slots, in model order."""
+        return list(self._experts)
+
+    @property
+    def expert_shapes(self) -> dict[str, ExpertShape]:
+        """Per expert LoRA Parameter: its module, name, number of experts and the matmul's in/out sizes."""
+        return dict(self._expert_shapes)
 
     @property
     def adapters(self) -> dict[str, AdapterInfo]:
@@ -189,7 +232,8 @@ class MultiLoRAModel(nn.Module):
 
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
         """Leaf Parameters that alias the adapter's slot in the stacked tensors (A `(max_rank, in)` then B
-        `(out, max_rank)` per covered module, model order): what its optimizer owns.
+        `(out, max_rank)` per covered module, model order; then A `(E, max_rank, in)` and B `(E, out, max_rank)` per
+        covered expert Parameter, model order): what its optimizer owns.
 
         They share storage with the slot, so an optimizer step on them updates the model in place, and they are
         what the adapter had before slots were stacked (same shapes, order and optimizer state). The forward's
@@ -205,7 +249,14 @@ class MultiLoRAModel(nn.Module):
         for module, layer in self._layers.items():
             if module in record.modules:
                 pairs += [(layer.lora_A, s), (layer.lora_B, s)]
+        for name, holder in self._experts.items():
+            if name in record.modules:
+                pairs += [(holder.lora_A, s), (holder.lora_B, s)]
         return pairs
+
+    def _stacked_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(lora_A, lora_B) of every LoRA Linear and every expert Parameter: all slots' tensors."""
+        return [(m.lora_A, m.lora_B) for m in (*self._layers.values(), *self._experts.values())]
 
     def attach_slot_grads(self, name: str, params: Sequence[torch.Tensor]) -> None:
         """Set each of `params`' (from `adapter_parameters(name)`) `.grad` to the slot's part of the stacked grads
@@ -226,9 +277,9 @@ class MultiLoRAModel(nn.Module):
 
     def zero_lora_grads(self) -> None:
         """Drop the stacked LoRA grads of every slot (what the next backward accumulates into)."""
-        for layer in self._layers.values():
-            layer.lora_A.grad = None
-            layer.lora_B.grad = None
+        for lora_a, lora_b in self._stacked_pairs():
+            lora_a.grad = None
+            lora_b.grad = None
 
     # -- tenants come and go -----------------------------------------------------------------------------------
 
@@ -246,43 +297,46 @@ class MultiLoRAModel(nn.Module):
 
     def _reset_slot(self, slot: int) -> None:
         with torch.no_grad():
-            for layer in self._layers.values():
-                for stacked in (layer.lora_A, layer.lora_B):
+            for pair in self._stacked_pairs():
+                for stacked in pair:
                     stacked[slot].zero_()
                     if stacked.grad is not None:
                         stacked.grad[slot].zero_()
 
     def add_adapter(
-        self, name: str, rank: int, alpha: float, seed: int | None = None, target_modules: Sequence[str] | None = None
+        self,
+        name: str,
+        rank: int,
+        alpha: float,
+        seed: int | None = None,
+        target_modules: Sequence[str] | None = None,
+        target_parameters: Sequence[str] | None = None,
     ) -> int:
         """Put a fresh adapter in the lowest free slot: A kaiming-uniform (PEFT's init) at rank `rank`, B zero.
 
         `seed` makes the init reproducible without touching the global RNG; None draws from the global RNG.
         `target_modules` (leaf names like "q_proj" or full module names) restricts the adapter to a subset of the
-        model's LoRA modules; the others stay exactly zero and are neither trained nor exported. Returns the slot.
+        model's LoRA modules, `target_parameters` (e.g. "mlp.experts.down_proj") to a subset of its expert LoRA
+        Parameters; None means all of them, [] none. The others stay exactly zero and are neither trained nor
+        exported. Returns the slot.
         """
         _check_rank(rank, self.max_rank)
         _check_alpha(alpha)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(bad_value("seed", seed, "an integer or None"))
-        covered = frozenset(self._layers)
-        if isinstance(target_modules, str) and target_modules != "all-linear":
-            target_modules = [target_modules]
-        if target_modules is not None and target_modules != "all-linear":
-            covered = frozenset(m for m in self._layers if any(_matches_target(m, t) for t in target_modules))
-            if not covered:
-                leaves = sorted({m.rsplit(".", 1)[-1] for m in self._layers})
-                raise ValueError(
-                    bad_value(
-                        "target_modules",
-                        list(target_modules),
-                        f"names among {leaves} (this list matches none of the model's LoRA modules)",
-                    )
+        covered = _covered(self._layers, target_modules, "target_modules", all_name="all-linear")
+        covered |= _covered(self._experts, target_parameters, "target_parameters")
+        if not covered:
+            raise ValueError(
+                bad_value(
+                    "target_modules", target_modules, "a selection covering at least one LoRA module or parameter"
                 )
+            )
         slot = self._claim_slot(name)
+        first = self._stacked_pairs()[0][0]
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=next(iter(self._layers.values())).lora_A.device)
+            generator = torch.Generator(device=first.device)
             generator.manual_seed(seed)
         self._reset_slot(slot)
         with torch.no_grad():
@@ -294,6 +348,10 @@ class MultiLoRAModel(nn.Module):
                 nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
                 if module in covered:
                     layer.lora_A[slot][:rank] = init
+            for param, holder in self._experts.items():  # after the Linears: a Linear-only model draws as before
+                init = init_expert_a(holder.lora_A[slot], rank, generator)  # (E, r, in)
+                if param in covered:
+                    holder.lora_A[slot][:, :rank] = init
         self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), covered)
         return slot
 
@@ -306,7 +364,8 @@ class MultiLoRAModel(nn.Module):
     # -- PEFT I/O ----------------------------------------------------------------------------------------------
 
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r).
+        """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r);
+        expert Parameters in PEFT's `target_parameters` keys and layout (`peft_io.py`).
 
         Only the adapter's own slot tensors are gathered, never the full model state dict.
         """
@@ -317,6 +376,13 @@ class MultiLoRAModel(nn.Module):
             if module in record.modules:
                 out[_peft_key(module, "A")] = layer.lora_A[s][:r].detach().clone()
                 out[_peft_key(module, "B")] = layer.lora_B[s][:, :r].detach().clone()
+        stems = _expert_key_stems(record.modules, self._expert_shapes)
+        for param, stem in stems.items():
+            holder = self._experts[param]
+            # PEFT's layout: A (E * r, in) expert-major, B (out, r * E) expert-fastest; (E, r, in) / (E, out, r) here
+            lora_a, lora_b = _expert_to_peft(holder.lora_A[s][:, :r].detach(), holder.lora_B[s][:, :, :r].detach())
+            out[f"{stem}.lora_A.weight"] = lora_a.clone()
+            out[f"{stem}.lora_B.weight"] = lora_b.contiguous().clone()
         return out
 
     def peft_config(self, name: str) -> dict[str, Any]:
@@ -324,21 +390,30 @@ class MultiLoRAModel(nn.Module):
         from peft import LoraConfig
 
         record = self._slot_record(name)
+        modules = sorted(m for m in record.modules if m in self._layers)
+        params = sorted(p for p in record.modules if p in self._experts)
+        extra = {}
+        if params:  # PEFT matches target_parameters against the base model's Parameter names
+            base_params = [n for n, _ in self.base_model.named_parameters() if "lora_" not in n]
+            extra["target_parameters"] = _target_parameters_for(params, base_params)
         config = LoraConfig(
             r=record.info.rank,
             lora_alpha=record.info.alpha,
-            target_modules=_target_modules_for(sorted(record.modules), self.lora_modules),
+            target_modules=_target_modules_for(modules, self.lora_modules) if modules else [],
             lora_dropout=0.0,
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=self.name_or_path,
             inference_mode=True,
+            **extra,
         ).to_dict()
         return json.loads(json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}))
 
     def export_adapter(self, name: str, out_dir: str | Path) -> Path:
         """Write the adapter as a PEFT folder (config + safetensors at the true rank); returns the folder."""
-        return write_peft_folder(out_dir, self.adapter_state_dict(name), self.peft_config(name))
+        return write_peft_folder(
+            out_dir, self.adapter_state_dict(name), self.peft_config(name), expert_shapes=self._expert_shapes
+        )
 
     def load_adapter(self, name: str, peft_dir: str | Path) -> int:
         """Load a PEFT folder into adapter `name` (added in the lowest free slot if absent); returns the slot."""
@@ -354,7 +429,9 @@ class MultiLoRAModel(nn.Module):
         rank/alpha/weights; its stale grads are dropped.
         """
         validate_adapter_name(name)
-        parsed = _parse_peft_adapter(state_dict, config, self.layer_shapes, self.max_rank, source or f"for {name!r}")
+        parsed = _parse_peft_adapter(
+            state_dict, config, self.layer_shapes, self.max_rank, source or f"for {name!r}", self._expert_shapes
+        )
         slot = self.slot_of(name) if name in self.adapters else self._claim_slot(name)
         self._reset_slot(slot)
         with torch.no_grad():
@@ -362,11 +439,21 @@ class MultiLoRAModel(nn.Module):
                 layer = self._layers[module]
                 layer.lora_A[slot][: parsed.rank].copy_(lora_a)  # A[s, :r] = a; a: (r, in)
                 layer.lora_B[slot][:, : parsed.rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
-        self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), frozenset(parsed.tensors))
+            for param, (lora_a, lora_b) in parsed.experts.items():
+                holder = self._experts[param]
+                holder.lora_A[slot][:, : parsed.rank].copy_(lora_a)  # A[s, :, :r] = a; a: (E, r, in)
+                holder.lora_B[slot][:, :, : parsed.rank].copy_(lora_b)  # B[s, :, :, :r] = b; b: (E, out, r)
+        covered = frozenset(parsed.tensors) | frozenset(parsed.experts)
+        self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), covered)
         return slot
 
     def new_bank(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> LoRABank:
         """A LoRABank holding copies of every slot's current tensors (no storage shared with the Parameters)."""
+        if self._experts:
+            raise NotImplementedError(
+                "LoRABank does not hold expert LoRA yet; this model has target_parameters "
+                f"{self.target_parameters}: serve it from the model's own slots"
+            )
         any_layer = next(iter(self._layers.values()))
         bank = LoRABank(
             self.layer_shapes,
@@ -490,8 +577,35 @@ def _checkpointing_on(model: nn.Module) -> bool:
     return False
 
 
-def _select_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
-    """Names of the Linears to wrap: every Linear but the output embedding, or those matching a list (PEFT rule)."""
+# Linear modules that route tokens or gate a branch (MoE routers, Qwen2/3.5-MoE's shared_expert_gate): LoRA there
+# changes which experts a token reaches, so "all-linear" leaves them out; naming them explicitly still wraps them.
+_ROUTER_LEAVES = frozenset({"gate", "router", "shared_expert_gate", "router_gate"})
+
+
+def _is_router(name: str, module: nn.Module) -> bool:
+    return name.rsplit(".", 1)[-1] in _ROUTER_LEAVES or "Router" in type(module).__name__
+
+
+def _covered(
+    names: Mapping[str, Any], selection: str | Sequence[str] | None, field: str, all_name: str | None = None
+) -> frozenset[str]:
+    """The names an adapter's `selection` covers (PEFT's suffix rule): all for None (or `all_name`), none for []."""
+    if selection is None or (all_name is not None and selection == all_name):
+        return frozenset(names)
+    selection = [selection] if isinstance(selection, str) else list(selection)
+    covered = frozenset(n for n in names if any(_matches_target(n, t) for t in selection))
+    if selection and not covered:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ValueError(
+            bad_value(field, selection, f"names among {leaves} (this list matches none of the model's LoRA {field})")
+        )
+    return covered
+
+
+def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow_empty: bool = False) -> list[str]:
+    """Names of the Linears to wrap: every Linear but the output embedding and routers, or those matching a list
+    (PEFT rule). `allow_empty`: an empty list (or an "all-linear" matching nothing) is fine, e.g. when experts are
+    targeted through `target_parameters`."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if isinstance(target_modules, str):
         if target_modules != "all-linear":
@@ -499,13 +613,19 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str]) -> li
                 bad_value("target_modules", target_modules, "'all-linear' or a list of module names (e.g. ['q_proj'])")
             )
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        names = [n for n, m in linears.items() if m is not output and n.rsplit(".", 1)[-1] != "lm_head"]
-        if not names:
+        names = [
+            n
+            for n, m in linears.items()
+            if m is not output and n.rsplit(".", 1)[-1] != "lm_head" and not _is_router(n, m)
+        ]
+        if not names and not allow_empty:
             raise ValueError(
                 bad_value("target_modules", "all-linear", "a list of module names ('all-linear' matched no nn.Linear)")
             )
         return names
     targets = list(target_modules)
+    if not targets and allow_empty:
+        return []
     if not targets or any(not isinstance(t, str) or not t for t in targets):
         raise ValueError(bad_value("target_modules", targets, "a non-empty list of module names"))
     all_names = [name for name, _ in model.named_modules()]
@@ -520,3 +640,38 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str]) -> li
             bad_value("target_modules", targets, "names of nn.Linear modules (" + "; ".join(problems) + ")")
         )
     return [n for n in linears if any(_matches_target(n, t) for t in targets)]
+
+
+def _select_parameters(model: nn.Module, target_parameters: Sequence[str] | None) -> dict[str, list[str]]:
+    """Experts module name -> its Parameters to give LoRA (its Parameter order), for PEFT-style `target_parameters`
+    (a full name or a suffix such as "mlp.experts.down_proj"); every problem in one error."""
+    if target_parameters is None:
+        return {}
+    targets = [target_parameters] if isinstance(target_parameters, str) else list(target_parameters)
+    if not targets:
+        return {}
+    if any(not isinstance(t, str) or not t for t in targets):
+        raise ValueError(bad_value("target_parameters", targets, "a list of parameter names"))
+    selected: dict[str, list[str]] = {}
+    problems = []
+    matched_any = set()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            hits = [t for t in targets if _matches_target(full, t)]
+            if not hits:
+                continue
+            matched_any.update(hits)
+            if not is_packed_experts(module) or param_name not in EXPERT_PARAMS or param.dim() != 3:
+                problems.append(
+                    f"{hits[0]!r} matches {full!r}, which is not a packed 3-D expert weight "
+                    f"({'/'.join(EXPERT_PARAMS)} of a transformers experts module)"
+                )
+                continue
+            selected.setdefault(module_name, []).append(param_name)
+    problems += [f"{t!r} matches no parameter" for t in targets if t not in matched_any]
+    if problems:
+        raise ValueError(
+            bad_value("target_parameters", targets, "packed expert parameters (" + "; ".join(problems) + ")")
+        )
+    return selected
