@@ -5,6 +5,8 @@ engines and the run config can all depend on it. Modules:
 
 - `model.py`: `MultiLoRAModel`, the wrapped HF model (tenants come and go by slot, PEFT load/export, forward).
 - `layer.py`: `LoRALinear`, the per-row-routed LoRA layer that replaces each target `nn.Linear`.
+- `experts.py`: `LoRAExperts` / `ExpertLoRA`, per-slot per-expert LoRA on packed MoE expert weights
+  (`target_parameters`), routed per token with its row's slot.
 - `routing.py`: `SlotRouter` and the row-to-slot routing built once per forward.
 - `bank.py`: `LoRABank`, the engine-side copy of every slot.
 - `peft_io.py`: PEFT folders in and out, and the one copy of the adapter-name and PEFT-config rules.
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rl_multilora.lora.bank import LoRABank
+    from rl_multilora.lora.experts import ExpertLoRA, LoRAExperts
     from rl_multilora.lora.layer import LoRALinear
     from rl_multilora.lora.model import AdapterInfo, MultiLoRAModel, UnknownAdapterError
     from rl_multilora.lora.peft_io import (
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
         CONFIG_NAME,
         PEFT_PREFIX,
         WEIGHTS_NAME,
+        ExpertShape,
         peft_config_problems,
         read_peft_folder,
         validate_adapter_name,
@@ -41,6 +45,9 @@ _EXPORTS = {
     "UnknownAdapterError": "model",
     "LoRABank": "bank",
     "LoRALinear": "layer",
+    "ExpertLoRA": "experts",
+    "LoRAExperts": "experts",
+    "ExpertShape": "peft_io",
     "SlotRouter": "routing",
     "BASE_SLOT": "routing",
     "ADAPTER_NAME_PATTERN": "peft_io",
@@ -58,7 +65,10 @@ __all__ = [
     "AdapterInfo",
     "BASE_SLOT",
     "CONFIG_NAME",
+    "ExpertLoRA",
+    "ExpertShape",
     "LoRABank",
+    "LoRAExperts",
     "LoRALinear",
     "MultiLoRAModel",
     "PEFT_PREFIX",

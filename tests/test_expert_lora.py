@@ -1,0 +1,467 @@
+"""Expert LoRA on packed MoE weights (`target_parameters`) against oracles.
+
+Oracles: PEFT 0.21's own `target_parameters` LoRA (`ParamWrapper`) on the same tiny random Qwen3-MoE base, each
+adapter run alone, the model's float32 per-pair loop (`reference=True`), the router's own top-k choices (captured
+with hooks) for where gradients may land, and a clean run for NaN isolation. Every model is built offline in float32
+(hidden 32, 2 layers, 4 experts, top-2), so tolerances are tight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+from rl_multilora.lora import LoRAExperts, MultiLoRAModel
+
+VOCAB = 128
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TOL = dict(atol=1e-5, rtol=1e-5)
+GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+PEFT_TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors on a shared 2-core box: intra-op threads only add barrier waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_moe(seed: int = 0, layers: int = 2):
+    """A float32 random Qwen3-MoE (hidden 32, 4 experts of width 16, top-2); same arguments, same weights."""
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():  # a peaked router: tokens of a short row reach only some of the experts
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(10)
+    return model.eval()
+
+
+def make_model(max_loras=6, max_rank=8, target_modules="all-linear", target_parameters=EXPERTS) -> MultiLoRAModel:
+    return MultiLoRAModel.from_model(
+        tiny_moe(), max_loras, max_rank, target_modules, target_parameters=target_parameters
+    )
+
+
+def randomize(m: MultiLoRAModel, name: str, seed: int) -> None:
+    """Non-zero A and B at the adapter's true rank in everything it covers (Linears and experts); padding stays 0."""
+    g = torch.Generator().manual_seed(seed)
+    s, r = m.slot_of(name), m.adapters[name].rank
+    with torch.no_grad():
+        for a, b in zip(m.adapter_parameters(name)[::2], m.adapter_parameters(name)[1::2], strict=True):
+            a[..., :r, :].copy_(torch.randn(a[..., :r, :].shape, generator=g) * 0.2)
+            b[..., :r].copy_(torch.randn(b[..., :r].shape, generator=g) * 0.2)
+    assert m.slot_of(name) == s
+
+
+def add(m: MultiLoRAModel, specs: dict, seed: int = 0) -> None:
+    """Add and randomize adapters `specs[name] = (rank, alpha[, target_modules, target_parameters])`."""
+    for i, (name, (rank, alpha, *targets)) in enumerate(specs.items()):
+        modules, params = (targets + [None, None])[:2]
+        m.add_adapter(name, rank=rank, alpha=alpha, seed=seed + i, target_modules=modules, target_parameters=params)
+        randomize(m, name, seed=1000 + seed + i)
+
+
+def batch(rows: int, length: int = 5, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def probe_loss(logits: torch.Tensor, rows: list[int], seed: int = 0) -> torch.Tensor:
+    """A fixed random linear function of every position's logits of `rows` (every token feeds it), as a mean."""
+    probe = torch.randn(logits.shape[1:], generator=torch.Generator().manual_seed(seed))
+    return (logits[rows] * probe).mean()
+
+
+def expert_lora(m: MultiLoRAModel, name: str):
+    """The slots of expert Parameter `name`: `lora_A (S, E, R, in)`, `lora_B (S, E, out, R)`."""
+    shape = m.expert_shapes[name]
+    return m.base_model.get_submodule(shape.module).lora(shape.param)
+
+
+def expert_grads(m: MultiLoRAModel) -> dict[str, torch.Tensor]:
+    """Stacked (all slots) expert LoRA grads, cloned: `<param>.A` (S, E, R, in), `<param>.B` (S, E, out, R)."""
+    out = {}
+    for name in m.lora_parameters:
+        holder = expert_lora(m, name)
+        for which, t in (("A", holder.lora_A), ("B", holder.lora_B)):
+            out[f"{name}.{which}"] = torch.zeros_like(t) if t.grad is None else t.grad.clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One adapter against PEFT's target_parameters LoRA
+
+
+@pytest.mark.parametrize(
+    "rank, targets, params",
+    [
+        (8, [], EXPERTS),  # rank = max_rank, experts only
+        (3, ["q_proj", "v_proj"], EXPERTS),  # rank below max_rank, Linears and experts
+        (5, [], ["mlp.experts.down_proj"]),  # one Parameter of the module: no base_layer nesting in the keys
+    ],
+    ids=["experts_r8", "linear_and_experts_r3", "down_proj_only_r5"],
+)
+def test_one_adapter_matches_peft_target_parameters(rank, targets, params, tmp_path):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        pm = get_peft_model(
+            tiny_moe(),
+            LoraConfig(
+                r=rank,
+                lora_alpha=11,
+                target_modules=targets,
+                target_parameters=params,
+                lora_dropout=0.0,
+                init_lora_weights=False,  # random A and B
+            ),
+        )
+    pm.save_pretrained(str(tmp_path / "peft"))
+    m = make_model()
+    m.load_adapter("p", tmp_path / "peft")
+    covered = [n for n in m.lora_parameters if any(n.endswith(p) for p in params)]
+    assert len(m.adapter_parameters("p")) == 2 * (len(covered) + 2 * len(targets))  # 2 layers
+    ids = batch(3)
+    with torch.no_grad():
+        expected = pm(input_ids=ids).logits
+        base = tiny_moe()(input_ids=ids).logits
+        got = m(ids, adapter_names=["p"] * 3).logits
+        ref = m(ids, adapter_names=["p"] * 3, reference=True).logits
+    assert not torch.allclose(expected, base, atol=1e-2)  # the adapter (experts included) changes the output
+    torch.testing.assert_close(got, expected, **PEFT_TOL)
+    torch.testing.assert_close(ref, expected, **PEFT_TOL)
+    # Our export of it is PEFT's own state dict, key for key and tensor for tensor.
+    ours = m.adapter_state_dict("p")
+    theirs = get_peft_model_state_dict(pm)
+    assert sorted(ours) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), key
+
+
+def test_experts_only_adapter_changes_nothing_but_experts():
+    """An experts-only adapter leaves attention exactly as the base: its Linear slots stay zero and get no grad."""
+    m = make_model()
+    add(m, {"x": (4, 9, [], None)})
+    assert len(m.adapter_parameters("x")) == 2 * len(m.lora_parameters)
+    ids = batch(2)
+    probe_loss(m(ids, adapter_names=["x", "x"]).logits, [0, 1]).backward()
+    for layer_name in m.lora_modules:
+        layer = m.base_model.get_submodule(layer_name)
+        assert layer.lora_A.grad is None or torch.count_nonzero(layer.lora_A.grad) == 0
+    assert all(torch.count_nonzero(g) > 0 for g in m.adapter_grads("x"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Many adapters in one batch
+
+SPECS = {
+    "a": (2, 5),  # Linears and experts
+    "b": (8, 12.3, [], None),  # experts only, at max_rank
+    "c": (3, 7, ["q_proj"], ["mlp.experts.gate_up_proj"]),  # subsets of both
+    "d": (5, 11, None, ["model.layers.1.mlp.experts.down_proj"]),  # one layer's down_proj only
+}
+MIXES = {
+    "distinct_with_base": ["a", None, "b", "c", "d"],
+    "skewed": ["b", "b", "a", "b", None, "b"],
+    "one_adapter": ["c", "c", "c"],
+    "one_slot_spread": ["d", None, "d"],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_mixed_batch_each_row_equals_its_adapter_alone_and_the_reference_loop(mix):
+    names = MIXES[mix]
+    m = make_model()
+    add(m, SPECS)
+    ids = batch(len(names))
+    used = sorted({n for n in names if n is not None})
+    results = []
+    for reference in (False, True):
+        m.zero_lora_grads()
+        logits = m(ids, adapter_names=names, reference=reference).logits
+        sum(
+            probe_loss(logits, [i for i, n in enumerate(names) if n == a], seed=j) for j, a in enumerate(used)
+        ).backward()
+        results.append((logits.detach(), {a: [g.clone() for g in m.adapter_grads(a)] for a in used}))
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, **TOL)
+    for a in used:
+        for g_fast, g_ref in zip(fast_grads[a], ref_grads[a], strict=True):
+            torch.testing.assert_close(g_fast, g_ref, **GRAD_TOL)
+        assert all(torch.count_nonzero(g) > 0 for g in fast_grads[a]), a
+    with torch.no_grad():
+        base = tiny_moe()(input_ids=ids).logits
+        for a in used:
+            rows = [i for i, n in enumerate(names) if n == a]
+            alone = m(ids[rows], adapter_names=[a] * len(rows)).logits
+            torch.testing.assert_close(fast[rows], alone, **TOL)
+            assert not torch.allclose(fast[rows], base[rows], atol=1e-3), a
+    base_rows = [i for i, n in enumerate(names) if n is None]
+    torch.testing.assert_close(fast[base_rows], base[base_rows], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where gradients land
+
+
+def routed_experts(m: MultiLoRAModel, ids: torch.Tensor, names: list) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Run forward with hooks on every router: logits and, per layer, (B, L, top_k) expert ids."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out, i=i: seen.__setitem__(i, out[2].detach()))
+        for i, layer in enumerate(m.base_model.model.layers)
+    ]
+    try:
+        logits = m(ids, adapter_names=names).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, {i: idx.view(*ids.shape, -1) for i, idx in seen.items()}
+
+
+def test_grads_land_only_in_routed_experts_of_each_rows_slot():
+    m = make_model(max_loras=6)
+    add(m, {"a": (2, 5), "b": (8, 12.3, [], None), "c": (3, 7), "idle": (4, 9)})
+    m.add_adapter("gone", rank=8, alpha=8, seed=9)
+    randomize(m, "gone", seed=9)
+    m.remove_adapter("gone")
+    names = ["a", "b", None, "c"]  # one short row each: its tokens reach only some experts
+    ids = batch(len(names), length=2, seed=3)
+    logits, routed = routed_experts(m, ids, names)
+    probe_loss(logits, [0, 1, 3]).backward()
+    grads = expert_grads(m)
+    zero_blocks = 0
+    for slot in range(m.max_loras):
+        name = next((n for n, info in m.adapters.items() if info.slot == slot), None)
+        rows = [i for i, n in enumerate(names) if n == name and n is not None]
+        for param in m.lora_parameters:
+            layer = int(param.split(".")[2])
+            hit = set(routed[layer][rows].flatten().tolist())
+            for which in ("A", "B"):
+                g = grads[f"{param}.{which}"][slot]  # (E, R, in) / (E, out, R)
+                for e in range(g.shape[0]):
+                    if e in hit:
+                        r = m.adapters[name].rank
+                        block = g[e, :r] if which == "A" else g[e, :, :r]
+                        above = g[e, r:] if which == "A" else g[e, :, r:]
+                        assert torch.count_nonzero(block) > 0, (slot, param, which, e)
+                        assert torch.count_nonzero(above) == 0, (slot, param, which, e)  # above the true rank
+                    else:
+                        assert torch.count_nonzero(g[e]) == 0, (slot, param, which, e)
+                        zero_blocks += 1
+    # The zero checks above must have bitten on used slots too, not only on idle and empty ones.
+    used_misses = sum(
+        len(set(range(4)) - set(routed[layer][[i]].flatten().tolist())) for layer in routed for i in (0, 1, 3)
+    )
+    assert used_misses > 0 and zero_blocks > used_misses
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NaN / inf of one tenant stays in that tenant
+
+
+@pytest.mark.parametrize("poison", ["nan_expert_B", "inf_expert_A", "nan_input"])
+def test_nonfinite_tenant_leaves_other_tenants_grads_finite_and_unchanged(poison):
+    m = make_model(max_loras=5)
+    add(m, {"a": (4, 8), "b": (2, 5, [], None), "bad": (3, 7)})
+    names = ["a", "bad", "b", "bad", "a"]
+    good, bad_rows = ["a", "b"], [1, 3]
+    good_rows = [0, 2, 4]
+    ids = batch(len(names), length=4)
+    clean_embeds = m.base_model.get_input_embeddings()(ids).detach()
+
+    def run(embeds):
+        m.zero_lora_grads()
+        logits = m(adapter_names=names, inputs_embeds=embeds).logits
+        (probe_loss(logits, [0, 4], seed=1) + probe_loss(logits, [2], seed=2)).backward()
+        return logits.detach(), {n: [g.clone() for g in m.adapter_grads(n)] for n in good}
+
+    clean_logits, clean_grads = run(clean_embeds)
+    embeds = clean_embeds.clone()
+    slot = m.slot_of("bad")
+    if poison == "nan_input":
+        embeds[bad_rows] = float("nan")
+    else:
+        with torch.no_grad():
+            for name in m.lora_parameters:  # every expert of every layer, so the bad rows surely reach one
+                holder = expert_lora(m, name)
+                if poison == "nan_expert_B":
+                    holder.lora_B[slot, :, :, :2] = float("nan")
+                else:
+                    holder.lora_A[slot, :, :2] = float("inf")
+    logits, grads = run(embeds)
+    assert not torch.isfinite(logits[bad_rows]).any()  # the poison did reach the bad tenant's rows
+    # Not bit for bit: the poisoned tokens route elsewhere, so the per-expert matmuls hold other row counts.
+    torch.testing.assert_close(logits[good_rows], clean_logits[good_rows], **TOL)
+    for name in good:
+        for g, g_clean in zip(grads[name], clean_grads[name], strict=True):
+            assert torch.isfinite(g).all(), name
+            torch.testing.assert_close(g, g_clean, **GRAD_TOL)
+        assert all(torch.count_nonzero(g) > 0 for g in grads[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files and slots
+
+
+def test_export_round_trip_through_peft_and_back(tmp_path):
+    m = make_model()
+    add(m, {"x": (3, 7, ["q_proj", "o_proj"], None), "y": (6, 10, [], ["mlp.experts.gate_up_proj"])})
+    ids = batch(4)
+    with torch.no_grad():
+        got = m(ids, adapter_names=["x", "x", "y", "y"]).logits
+    for name, rows in (("x", [0, 1]), ("y", [2, 3])):
+        folder = m.export_adapter(name, tmp_path / name)
+        config = m.peft_config(name)
+        assert config["r"] == m.adapters[name].rank and config["target_parameters"]
+        pm = PeftModel.from_pretrained(tiny_moe(), str(folder))
+        with torch.no_grad():
+            expected = pm(input_ids=ids[rows]).logits
+        torch.testing.assert_close(got[rows], expected, **PEFT_TOL)
+        # PEFT's own state dict of what it loaded equals what we wrote, tensor for tensor (every expert's slice).
+        ours = m.adapter_state_dict(name)
+        theirs = get_peft_model_state_dict(pm)
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        # And back: a fresh model loads the folder into the same slot tensors.
+        again = make_model()
+        again.load_adapter(name, folder)
+        for p, q in zip(m.adapter_parameters(name), again.adapter_parameters(name), strict=True):
+            assert torch.equal(p, q)
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids[rows], adapter_names=[name] * 2).logits, got[rows], **TOL)
+
+
+def test_reused_slot_holds_nothing_of_the_previous_tenant():
+    m = make_model(max_loras=2)
+    add(m, {"old": (8, 12.3), "other": (2, 5)})
+    ids = batch(3)
+    slot = m.slot_of("old")
+    probe_loss(m(ids, adapter_names=["old", "other", "old"]).logits, [0, 1, 2]).backward()
+    assert all(torch.count_nonzero(g) > 0 for g in m.adapter_grads("old"))
+    m.remove_adapter("old")
+    for name in m.lora_parameters:
+        holder = expert_lora(m, name)
+        for t in (holder.lora_A, holder.lora_B):
+            assert torch.count_nonzero(t[slot]) == 0 and torch.count_nonzero(t.grad[slot]) == 0
+    # The new tenant covers fewer targets at a lower rank: everything else of the slot must be exact zeros.
+    assert m.add_adapter("new", rank=2, alpha=3, seed=4, target_parameters=["mlp.experts.down_proj"]) == slot
+    randomize(m, "new", seed=5)
+    for name in m.lora_parameters:
+        holder = expert_lora(m, name)
+        if name.endswith("gate_up_proj"):
+            assert torch.count_nonzero(holder.lora_A[slot]) == 0 and torch.count_nonzero(holder.lora_B[slot]) == 0
+        else:
+            assert torch.count_nonzero(holder.lora_A[slot, :, 2:]) == 0
+    fresh = make_model(max_loras=2)
+    fresh.add_adapter("new", rank=2, alpha=3, seed=4, target_parameters=["mlp.experts.down_proj"])
+    randomize(fresh, "new", seed=5)
+    with torch.no_grad():
+        got = m(ids, adapter_names=["new", None, "new"]).logits
+        expected = fresh(ids, adapter_names=["new", None, "new"]).logits
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_per_slot_adamw_trains_only_its_own_experts():
+    m = make_model(max_loras=3)
+    add(m, {"a": (3, 5), "b": (2, 4, [], None)})
+    views = m.adapter_parameters("a")
+    optim = torch.optim.AdamW(views, lr=1e-2, weight_decay=0.1)
+    before = {n: [p.detach().clone() for p in m.adapter_parameters(n)] for n in ("a", "b")}
+    ids = batch(3)
+    m.zero_lora_grads()
+    probe_loss(m(ids, adapter_names=["a", "b", "a"]).logits, [0, 2]).backward()
+    m.attach_slot_grads("a", views)
+    optim.step()
+    after = {n: m.adapter_parameters(n) for n in ("a", "b")}
+    r = m.adapters["a"].rank
+    experts_from = 2 * len(m.lora_modules)  # Linears' A and B first, then the experts'
+    for i, (p, q) in enumerate(zip(after["a"], before["a"], strict=True)):
+        assert not torch.equal(p, q), i
+        if i >= experts_from:
+            assert p.shape[0] == 4  # (E, R, in) / (E, out, R)
+            assert torch.count_nonzero(p[:, r:] if i % 2 == 0 else p[..., r:]) == 0  # padding stays zero
+    assert all(torch.equal(p, q) for p, q in zip(after["b"], before["b"], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Targets and errors
+
+
+def test_all_linear_never_wraps_a_router():
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(config).float().eval()
+    m = MultiLoRAModel.from_model(base, max_loras=2, max_rank=2, target_parameters=EXPERTS)
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in m.lora_modules  # shared experts are plain Linears
+    assert not any(n.endswith(("mlp.gate", "shared_expert_gate")) for n in m.lora_modules)
+    assert isinstance(m.base_model.get_submodule("model.layers.0.mlp.experts"), LoRAExperts)
+    qwen3 = make_model()
+    assert not any(n.endswith("mlp.gate") for n in qwen3.lora_modules)
+    # Named explicitly, a gate Linear is wrapped.
+    explicit = MultiLoRAModel.from_model(
+        AutoModelForCausalLM.from_config(config).eval(), 2, 2, target_modules=["shared_expert_gate"]
+    )
+    assert explicit.lora_modules == ["model.layers.0.mlp.shared_expert_gate"]
+
+
+def test_base_keys_unchanged_and_target_errors(tmp_path):
+    m = make_model()
+    base_keys = set(tiny_moe().state_dict())
+    keys = {k for k in m.base_model.state_dict() if "lora_" not in k}
+    assert keys == base_keys
+    assert all(not p.requires_grad for n, p in m.base_model.named_parameters() if "lora_" not in n)
+    with pytest.raises(ValueError, match="'q_proj.weight' matches .* not a packed 3-D expert weight"):
+        make_model(target_parameters=["q_proj.weight"])
+    with pytest.raises(ValueError, match="'nope' matches no parameter"):
+        make_model(target_parameters=["nope"])
+    with pytest.raises(ValueError, match="matches none"):
+        m.add_adapter("bad", rank=2, alpha=4, target_parameters=["mlp.experts.up_proj"])
+    with pytest.raises(NotImplementedError, match="LoRABank does not hold expert LoRA"):
+        m.new_bank()
+    # A PEFT file for 4 experts does not load into a model of 4 experts at another rank layout, and says why.
+    add(m, {"x": (3, 5, [], None)})
+    state, config = m.adapter_state_dict("x"), m.peft_config("x")
+    key = next(k for k in state if k.endswith("experts.lora_B.weight"))
+    broken = {**state, key: state[key][:, :-1]}
+    with pytest.raises(ValueError, match=r"has shape \(32, 11\); expected \(32, 12\)"):
+        m.load_adapter_state_dict("y", broken, config)
+    with pytest.raises(ValueError, match="target_parameters=.* is not allowed"):
+        make_model(target_parameters=None).load_adapter_state_dict("y", state, config)
+    assert "y" not in m.adapters
