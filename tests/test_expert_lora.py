@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
-from rl_multilora.lora import LoRAExperts, MultiLoRAModel
+from rl_multilora.lora import LoRAExperts, MultiLoRAModel, write_peft_folder
 
 VOCAB = 128
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -346,9 +346,11 @@ def test_export_round_trip_through_peft_and_back(tmp_path):
         theirs = get_peft_model_state_dict(pm)
         assert sorted(ours) == sorted(theirs)
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-        # And back: a fresh model loads the folder into the same slot tensors.
+        # And back: a fresh model loads the folder into the same slot tensors; so does a folder written without
+        # the model's shapes (what checkpoints do), whose expert tensors are checked by their own shapes.
+        plain = write_peft_folder(tmp_path / f"{name}_plain", m.adapter_state_dict(name), m.peft_config(name))
         again = make_model()
-        again.load_adapter(name, folder)
+        again.load_adapter(name, plain)
         for p, q in zip(m.adapter_parameters(name), again.adapter_parameters(name), strict=True):
             assert torch.equal(p, q)
         with torch.no_grad():
@@ -462,6 +464,9 @@ def test_base_keys_unchanged_and_target_errors(tmp_path):
     broken = {**state, key: state[key][:, :-1]}
     with pytest.raises(ValueError, match=r"has shape \(32, 11\); expected \(32, 12\)"):
         m.load_adapter_state_dict("y", broken, config)
+    with pytest.raises(ValueError, match=r"expected A \(E \* r, in\) and B \(out, r \* E\) with r=3"):
+        write_peft_folder(tmp_path / "broken", broken, config)
+    assert not (tmp_path / "broken").exists()
     with pytest.raises(ValueError, match="target_parameters=.* is not allowed"):
         make_model(target_parameters=None).load_adapter_state_dict("y", state, config)
     assert "y" not in m.adapters

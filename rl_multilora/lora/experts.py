@@ -175,7 +175,7 @@ class LoRAExperts:
             if n:
                 w = weight[e]  # (out, in), or (in, out) when transposed
                 seg = x_g[start : start + n]
-                pieces.append(seg @ w.to(seg.dtype) if self.is_transposed else F.linear(seg, w))
+                pieces.append(seg @ w if self.is_transposed else F.linear(seg, w))
                 start += n
         y = torch.cat(pieces) if pieces else x_g.new_zeros(0, weight.shape[2 if self.is_transposed else 1])
         bias = getattr(self, f"{which}_bias", None) if getattr(self, "has_bias", False) else None
