@@ -92,28 +92,28 @@ class LoRALinear(nn.Module):
         lora_a, lora_b = self._stacked(routing)  # (S, R, in), (S, out, R)
         # Base + delta is summed in the LoRA dtype and rounded once to y's dtype, as PEFT does. `out` is y itself
         # when the dtypes match: updating it in place is safe because F.linear does not save its output.
-        out = y.to(lora_a.dtype)  # out: (B, ..., out)
+        out = y if y.dtype == lora_a.dtype else y.to(lora_a.dtype)  # out: (B, ..., out)
         g = routing.single
-        training = torch.is_grad_enabled() and lora_a.requires_grad
-        if g is not None and not training:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
+        grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
+        if g is not None and not grad:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
             xa = F.linear(x[g.start : g.stop].to(lora_a.dtype), lora_a[g.slot, : g.rank])  # x[g] @ A[s, :r].T
             out[g.start : g.stop].add_(F.linear(xa, lora_b[g.slot, :, : g.rank]) * g.scale)  # += scale * xa @ B.T
             return out.to(y.dtype)
         xs = x if routing.active is None else x.index_select(0, routing.active)  # (n, ..., in), n active rows
         n = xs.shape[0]
-        x3 = xs.to(lora_a.dtype).reshape(n, -1, self.in_features)  # (n, L, in)
+        x3 = (xs if xs.dtype == lora_a.dtype else xs.to(lora_a.dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
-            _GroupedLoRA.apply(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank)
+            _grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
         else:
             delta = out.new_zeros(n, x3.shape[1], self.out_features)
-            _GroupedLoRA.apply(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank)
+            _grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
             delta = delta.view(*xs.shape[:-1], self.out_features)
             if routing.active is None:
                 out.add_(delta)
             else:
                 out.index_add_(0, routing.active, delta)  # out[active[i]] += delta[i]
-        return out.to(y.dtype)
+        return out if out.dtype == y.dtype else out.to(y.dtype)
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: _Routing) -> torch.Tensor:
         """Plain float32 loop over rows with the full padded tensors: the oracle for the fast paths."""
@@ -127,6 +127,22 @@ class LoRALinear(nn.Module):
                 row = row + meta[slot].scale * ((x[i].float() @ lora_a[slot].float().T) @ lora_b[slot].float().T)
             out.append(row)
         return torch.stack(out).to(y.dtype)
+
+
+def _grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool) -> None:
+    """`y3[i] += scale[i] * (x3[i] @ A[slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i.
+
+    With autograd (training) through `_GroupedLoRA`; without (rollout, eval) as plain ops that gather B in its
+    stored layout (an index_select of the transposed B costs 2-4x more than of B as stored, which only the backward
+    repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer.
+    """
+    if grad:
+        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r)
+        return
+    a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, slots)  # (n, r, in)
+    b = (lora_b if r == lora_b.shape[2] else lora_b.narrow(2, 0, r)).index_select(0, slots)  # (n, out, r)
+    xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # (n, L, r)
+    y3.baddbmm_(xa, b.transpose(1, 2))
 
 
 class _GroupedLoRA(torch.autograd.Function):

@@ -55,6 +55,8 @@ class _Routing:
     bank: LoRABank | None
     reference: bool
     dtype: torch.dtype  # the LoRA compute dtype (of the scales)
+    all_slots: frozenset[int]  # the used slots
+    common_modules: frozenset[str]  # the modules every used adapter covers
     _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
     _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
 
@@ -69,7 +71,10 @@ class _Routing:
         """(n_active,) scale of each active row in `module` (0 where its adapter does not cover it); None if no
         used adapter covers it. One small host-to-device copy per distinct set of covering slots and forward."""
         if module not in self._scales:
-            covering = frozenset(g.slot for g in self.groups if module in g.modules)
+            if module in self.common_modules:  # the usual case: every used adapter covers it
+                covering = self.all_slots
+            else:
+                covering = frozenset(g.slot for g in self.groups if module in g.modules)
             if not covering:
                 self._scales[module] = None
             else:
@@ -123,4 +128,8 @@ def _build_routing(
     active = None if all_active else torch.tensor(active_rows, dtype=torch.long, device=device)
     row_slots = torch.tensor([slots[row] for row in active_rows], dtype=torch.long, device=device)
     max_rank = max((g.rank for g in groups), default=0)
-    return _Routing(len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, {}, {})
+    common = frozenset.intersection(*(g.modules for g in groups)) if groups else frozenset()
+    return _Routing(
+        len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, frozenset(by_slot),
+        common, {}, {},
+    )  # fmt: skip
