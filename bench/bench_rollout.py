@@ -190,6 +190,7 @@ def main() -> None:
         default="wall",
         help="wall: elapsed time; cpu: this process's CPU time (stable when other jobs share the cores)",
     )
+    parser.add_argument("--only", choices=["tiny", "small"], help="run one of the full workloads only")
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 5)
     if repeats < 3:
@@ -203,6 +204,8 @@ def main() -> None:
             Workload("tiny", hidden=128, layers=4, vocab=512, rows=64, prompt_len=32, new_tokens=32),
             Workload("small", hidden=512, layers=8, vocab=4096, rows=64, prompt_len=32, new_tokens=32),
         ]
+    if args.only:
+        workloads = [w for w in workloads if w.name == args.only]
     for w in workloads:
         print_table(w, run_workload(w, repeats, CLOCKS[args.clock]), repeats, args.clock)
 
