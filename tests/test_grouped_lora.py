@@ -447,3 +447,12 @@ def test_bank_path_equals_reference_loop(slot_mix):
     # The bank-only slot 5 holds c: rows routed to it equal rows routed to c's own slot 2.
     moved = [5 if s == 2 else s for s in slot_mix]
     torch.testing.assert_close(m(ids, attention_mask=mask, adapter_slots=moved, lora_bank=bank).logits, fast, **TOL)
+
+
+def test_attach_slot_grads_refuses_parameters_of_another_slot_even_before_any_backward():
+    m = make_model("qwen2", max_loras=3)
+    m.add_adapter("a", rank=2, alpha=4, seed=0)
+    m.add_adapter("b", rank=2, alpha=4, seed=1)
+    with pytest.raises(ValueError, match="do not alias its slot"):
+        m.attach_slot_grads("a", m.adapter_parameters("b"))
+    m.attach_slot_grads("a", m.adapter_parameters("a"))  # its own views: fine, no grads yet

@@ -265,7 +265,7 @@ class MultiLoRAModel(nn.Module):
         if len(pairs) != len(params):
             raise ValueError(f"adapter {name!r} has {len(pairs)} slot tensors, got {len(params)} parameters")
         for param, (stacked, s) in zip(params, pairs, strict=True):
-            if stacked.grad is not None and param.data_ptr() != stacked[s].data_ptr():
+            if param.data_ptr() != stacked[s].data_ptr() or param.shape != stacked[s].shape:
                 raise ValueError(f"parameters given for adapter {name!r} do not alias its slot {s}")
             param.grad = None if stacked.grad is None else stacked.grad[s]
 
