@@ -455,8 +455,6 @@ def test_base_keys_unchanged_and_target_errors(tmp_path):
         make_model(target_parameters=["nope"])
     with pytest.raises(ValueError, match="matches none"):
         m.add_adapter("bad", rank=2, alpha=4, target_parameters=["mlp.experts.up_proj"])
-    with pytest.raises(NotImplementedError, match="LoRABank does not hold expert LoRA"):
-        m.new_bank()
     # A PEFT file for 4 experts does not load into a model of 4 experts at another rank layout, and says why.
     add(m, {"x": (3, 5, [], None)})
     state, config = m.adapter_state_dict("x"), m.peft_config("x")
@@ -470,3 +468,142 @@ def test_base_keys_unchanged_and_target_errors(tmp_path):
     with pytest.raises(ValueError, match="target_parameters=.* is not allowed"):
         make_model(target_parameters=None).load_adapter_state_dict("y", state, config)
     assert "y" not in m.adapters
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine side: LoRABank copies of expert LoRA, greedy decoding against HF + PEFT
+
+
+def test_bank_serves_expert_lora_like_the_model_and_stays_apart_from_training():
+    m = make_model()
+    add(m, {"a": (3, 5), "b": (8, 16, ["q_proj"], ["mlp.experts.down_proj"]), "c": (5, 7, [], EXPERTS)})
+    bank = m.new_bank()
+    names = ["a", None, "b", "c", "a", "c"]
+    slots = [-1 if n is None else m.slot_of(n) for n in names]
+    ids = batch(len(names), length=6)
+    with torch.no_grad():
+        own = m(ids, adapter_names=names).logits
+        banked = m(ids, adapter_slots=slots, lora_bank=bank).logits
+        banked_ref = m(ids, adapter_slots=slots, lora_bank=bank, reference=True).logits
+    torch.testing.assert_close(banked, own, **TOL)
+    torch.testing.assert_close(banked_ref, own, **TOL)
+    # Training the model's slots does not reach the bank until the adapter is written into it again.
+    with torch.no_grad():
+        expert_lora(m, "model.layers.0.mlp.experts.gate_up_proj").lora_B[m.slot_of("a")].add_(1.0)
+        changed = m(ids, adapter_names=names).logits
+        still = m(ids, adapter_slots=slots, lora_bank=bank).logits
+    torch.testing.assert_close(still, banked, atol=0, rtol=0)
+    assert not torch.allclose(changed, own, atol=1e-3)
+    bank.set_adapter(m.slot_of("a"), m.adapter_state_dict("a"), m.peft_config("a"))
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, adapter_slots=slots, lora_bank=bank).logits, changed, **TOL)
+    bank.clear(m.slot_of("a"))
+    with pytest.raises(ValueError, match="empty"):
+        m(ids, adapter_slots=slots, lora_bank=bank)
+
+
+def test_embedded_engine_greedy_matches_peft_generate_in_mixed_batches(tmp_path):
+    from rollout.engines.embedded import EmbeddedEngine
+    from rollout.types import GenerateRequest, SamplingParams
+    from tests.tiny_models import tiny_tokenizer
+
+    specs = {"a": (4, 8, [], EXPERTS), "b": (2, 5, ["q_proj", "o_proj"], ["mlp.experts.gate_up_proj"])}
+    folders = {}
+    for i, (name, (rank, alpha, modules, params)) in enumerate(specs.items()):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(20 + i)
+            config = LoraConfig(
+                r=rank, lora_alpha=alpha, target_modules=modules, target_parameters=params, init_lora_weights=False
+            )
+            pm = get_peft_model(tiny_moe(), config)
+        pm.save_pretrained(str(tmp_path / name))
+        folders[name] = tmp_path / name
+    engine = EmbeddedEngine(make_model(), tiny_tokenizer())
+    try:
+        for name, folder in folders.items():
+            from rl_multilora.lora import read_peft_folder
+
+            engine.load_adapter(name, *read_peft_folder(folder))
+        prompts = [[5, 17, 33, 48, 9, 71], [12, 40], [3, 99, 64, 21]]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[])
+        requests = [GenerateRequest(p, adapter=n, sampling=greedy) for p in prompts for n in ("a", None, "b")]
+        results = engine.generate(requests)
+    finally:
+        engine.close()
+    outputs = {}
+    for request, result in zip(requests, results, strict=True):
+        ref = tiny_moe()
+        if request.adapter is not None:
+            ref = PeftModel.from_pretrained(ref, str(folders[request.adapter])).eval()
+        ids = torch.tensor([request.input_ids])
+        expected = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=None
+        )[0, ids.shape[1] :].tolist()
+        assert result.output_ids == expected, (request.adapter, request.input_ids)
+        outputs.setdefault(tuple(request.input_ids), set()).add(tuple(result.output_ids))
+    assert any(len(v) == 3 for v in outputs.values()), "each adapter must change some greedy output"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# expert_lora="shared_a": one A per slot and Parameter shared by all experts, one B per expert (ModelOpt's layout)
+
+
+def make_shared(**kw) -> MultiLoRAModel:
+    return MultiLoRAModel.from_model(tiny_moe(), 6, 8, "all-linear", target_parameters=EXPERTS, expert_lora="shared_a")
+
+
+def test_shared_a_holds_one_a_per_slot_and_matches_peft_with_that_a_repeated(tmp_path):
+    m = make_shared()
+    holder = expert_lora(m, "model.layers.1.mlp.experts.down_proj")
+    assert holder.lora_A.shape == (6, 1, 8, 16) and holder.lora_B.shape == (6, 4, 32, 8)
+    add(m, {"a": (3, 5), "b": (6, 9, [], EXPERTS)})
+    names = ["a", "b", None, "b"]
+    ids = batch(4, length=6)
+    with torch.no_grad():
+        got = m(ids, adapter_names=names).logits
+        ref = m(ids, adapter_names=names, reference=True).logits
+    torch.testing.assert_close(got, ref, **TOL)
+    # Its PEFT export repeats the shared A per expert: PEFT's own per-expert LoRA gives the same logits.
+    folder = m.export_adapter("b", tmp_path / "b")
+    pm = PeftModel.from_pretrained(tiny_moe(), str(folder)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids[1:2]).logits, got[1:2], **PEFT_TOL)
+    # ... and a per-expert model loads it exactly; a shared-A model takes it back, but not a per-expert A.
+    per_expert = make_model()
+    per_expert.load_adapter("b", folder)
+    with torch.no_grad():
+        torch.testing.assert_close(per_expert(ids[1:2], adapter_names=["b"]).logits, got[1:2], **TOL)
+    m.load_adapter("b2", folder)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids[1:2], adapter_names=["b2"]).logits, got[1:2], **TOL)
+    add(per_expert, {"p": (4, 4)})
+    with pytest.raises(ValueError, match="different A per expert.*expert_lora='shared_a'"):
+        m.load_adapter_state_dict("p", per_expert.adapter_state_dict("p"), per_expert.peft_config("p"))
+    assert "p" not in m.adapters
+    with pytest.raises(ValueError, match="expert_lora=.*'per_expert' or 'shared_a'"):
+        MultiLoRAModel.from_model(tiny_moe(), 2, 4, target_parameters=EXPERTS, expert_lora="shared")
+
+
+def test_shared_a_grads_match_autograd_through_the_reference_loop():
+    m = make_shared()
+    add(m, {"a": (3, 5), "b": (6, 9)})
+    names = ["a", "b", None, "a"]
+    ids = batch(4, length=6)
+    grads = {}
+    for reference in (False, True):
+        m.zero_lora_grads()
+        probe_loss(m(ids, adapter_names=names, reference=reference).logits, [0, 1, 3]).backward()
+        grads[reference] = expert_grads(m)
+    for key in grads[True]:
+        torch.testing.assert_close(grads[False][key], grads[True][key], **GRAD_TOL)
+    shared = grads[False]["model.layers.0.mlp.experts.gate_up_proj.A"]
+    assert shared[m.slot_of("a")].abs().sum() > 0 and shared[m.slot_of("b")].abs().sum() > 0
+    assert shared[[s for s in range(6) if s not in (m.slot_of("a"), m.slot_of("b"))]].abs().sum() == 0
+    # the bank serves a shared-A model too
+    bank = m.new_bank()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            m(ids, adapter_slots=[m.slot_of(n) if n else -1 for n in names], lora_bank=bank).logits,
+            m(ids, adapter_names=names).logits,
+            **TOL,
+        )

@@ -8,6 +8,9 @@ Design choices:
 - Slots are zero-padded above their rank, like the model's, so `LoRALinear` reads a bank slot exactly as it reads
   its own Parameters (`MultiLoRAModel.forward(..., lora_bank=bank)`). A slot with rank 0 is empty.
 - Writes go through the same PEFT validation as the model (`peft_io`), all of it before the slot is touched.
+- Expert LoRA (`target_parameters` on packed MoE experts) is held the same way per expert Parameter:
+  `A: (max_loras, E, max_rank, in)` (`(max_loras, 1, max_rank, in)` for a shared A), `B: (max_loras, E, out,
+  max_rank)`, under the Parameter's full name; `LoRAExperts` reads them through `stacked(name)`.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from typing import Any
 import torch
 
 from rl_multilora.lora._errors import bad_value
-from rl_multilora.lora.peft_io import _parse_peft_adapter
+from rl_multilora.lora.peft_io import ExpertShape, _parse_peft_adapter
 
 
 class LoRABank:
     """Engine-side copy of every slot's LoRA tensors: plain stacked tensors, no autograd, no shared storage.
 
     Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)`, zero-padded above each slot's
-    rank. A slot with rank 0 is empty; routing a row to it raises.
+    rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
+    is empty; routing a row to it raises.
     """
 
     def __init__(
@@ -35,6 +39,7 @@ class LoRABank:
         max_rank: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        expert_shapes: Mapping[str, ExpertShape] | None = None,
     ):
         self.layer_shapes = dict(layer_shapes)
         self.max_loras = max_loras
@@ -49,6 +54,12 @@ class LoRABank:
             m: torch.zeros(max_loras, o, max_rank, dtype=dtype, device=device)
             for m, (i, o) in self.layer_shapes.items()
         }
+        self.expert_shapes = dict(expert_shapes or {})
+        for name, shape in self.expert_shapes.items():
+            a_experts = 1 if shape.shared_a else shape.num_experts
+            e, i, o = shape.num_experts, shape.in_features, shape.out_features
+            self._a[name] = torch.zeros(max_loras, a_experts, max_rank, i, dtype=dtype, device=device)
+            self._b[name] = torch.zeros(max_loras, e, o, max_rank, dtype=dtype, device=device)
         self._rank = [0] * max_loras
         self._alpha: list[float] = [0.0] * max_loras
         self._modules: list[frozenset[str]] = [frozenset()] * max_loras
@@ -61,17 +72,19 @@ class LoRABank:
     def set_adapter(self, slot: int, state_dict: Mapping[str, torch.Tensor], config: Any) -> None:
         """Write a PEFT-named adapter (true rank) into `slot`, zero-padded to max_rank; replaces what was there."""
         self._check_slot(slot)
-        parsed = _parse_peft_adapter(state_dict, config, self.layer_shapes, self.max_rank, f"for bank slot {slot}")
-        self._write(slot, parsed.rank, parsed.alpha, parsed.tensors)
+        parsed = _parse_peft_adapter(
+            state_dict, config, self.layer_shapes, self.max_rank, f"for bank slot {slot}", self.expert_shapes
+        )
+        self._write(slot, parsed.rank, parsed.alpha, {**parsed.tensors, **parsed.experts})
 
     def _write(self, slot: int, rank: int, alpha: float, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]):
         with torch.no_grad():
-            for module in self.layer_shapes:
+            for module in self._a:
                 self._a[module][slot].zero_()
                 self._b[module][slot].zero_()
             for module, (lora_a, lora_b) in tensors.items():
-                self._a[module][slot, :rank].copy_(lora_a)  # A[s, :r] = a; a: (r, in)
-                self._b[module][slot, :, :rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
+                self._a[module][slot][..., :rank, :].copy_(lora_a)  # A[s, (e,) :r] = a; a: ((E,) r, in)
+                self._b[module][slot][..., :rank].copy_(lora_b)  # B[s, (e,) :, :r] = b; b: ((E,) out, r)
         self._rank[slot], self._alpha[slot], self._modules[slot] = rank, alpha, frozenset(tensors)
 
     def clear(self, slot: int) -> None:
@@ -87,12 +100,13 @@ class LoRABank:
         return self.rank(slot) > 0
 
     def lora_weights(self, module: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A (max_rank, in), B (out, max_rank)) of `slot` in `module`, views into the bank."""
+        """(A (max_rank, in), B (out, max_rank)) of `slot` in `module` (with a leading expert dim for an expert
+        Parameter), views into the bank."""
         return self._a[module][slot], self._b[module][slot]
 
     def stacked(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A (max_loras, max_rank, in), B (max_loras, out, max_rank)) of `module`: every slot, what the layer's
-        grouped path gathers from."""
+        """(A (max_loras, max_rank, in), B (max_loras, out, max_rank)) of `module`, or of an expert Parameter with
+        an expert dim after the slot's: every slot, what the grouped paths gather from."""
         return self._a[module], self._b[module]
 
     def slot_meta(self, slot: int) -> tuple[int, float, frozenset[str]]:

@@ -32,8 +32,13 @@ Design choices:
   there, and its slot's tensors are zero too.
 - LoRA tensors are in the LoRA dtype (float32 by default): the projection output is cast to it, the delta added and
   the sum rounded once to the base dtype, like `LoRALinear`.
-- A plain float32 per-pair loop (`reference=True`) is the test oracle. The engine-side `LoRABank` does not hold
-  expert LoRA yet: a bank forward through LoRA experts raises instead of silently serving the base experts.
+- `expert_lora="shared_a"` (ModelOpt's layout): one A per slot and Parameter shared by every expert
+  (`lora_A: (max_loras, 1, max_rank, in)`), one B per expert. The grouped compute indexes A by slot and B by
+  `s * E + e`; files are PEFT's per-expert layout with that A repeated for every expert, so PEFT and per-expert
+  models load them as they are, and a shared-A model loads only files whose experts share one A.
+- The engine serves expert LoRA from its `LoRABank` (same stacked layout, `bank.stacked(name)`); without autograd
+  the grouped compute is plain ops (no Function bookkeeping in a decode step), as in `layer.py`.
+- A plain float32 per-pair loop (`reference=True`) is the test oracle.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rl_multilora.lora.layer import _GroupedLoRA
+from rl_multilora.lora.layer import _grouped_lora
 from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, _Routing
 
 # The projection Parameters transformers' experts implementations read (`integrations/moe.py`).
@@ -61,51 +66,81 @@ def is_packed_experts(module: nn.Module) -> bool:
     )
 
 
+EXPERT_LORA_MODES = ("per_expert", "shared_a")
+
+
 class ExpertLoRA(nn.Module):
     """`max_loras` slots of per-expert LoRA for one packed expert Parameter `(E, out, in)` (or `(E, in, out)`).
 
-    `lora_A: (max_loras, E, max_rank, in)`, `lora_B: (max_loras, E, out, max_rank)`, zero-filled.
+    `lora_A: (max_loras, E, max_rank, in)`, `lora_B: (max_loras, E, out, max_rank)`, zero-filled. With
+    `shared_a` (ModelOpt's layout) one A per slot serves every expert: `lora_A: (max_loras, 1, max_rank, in)`.
     """
 
-    def __init__(self, name: str, param: nn.Parameter, transposed: bool, max_loras: int, max_rank: int, dtype):
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        transposed: bool,
+        max_loras: int,
+        max_rank: int,
+        dtype,
+        shared_a: bool = False,
+    ):
         super().__init__()
         self.name = name
         num_experts, d1, d2 = param.shape
         self.num_experts = num_experts
+        self.shared_a = shared_a
         self.in_features, self.out_features = (d1, d2) if transposed else (d2, d1)
         device = param.device
+        a_experts = 1 if shared_a else num_experts
         self.lora_A = nn.Parameter(
-            torch.zeros(max_loras, num_experts, max_rank, self.in_features, dtype=dtype, device=device)
+            torch.zeros(max_loras, a_experts, max_rank, self.in_features, dtype=dtype, device=device)
         )
         self.lora_B = nn.Parameter(
             torch.zeros(max_loras, num_experts, self.out_features, max_rank, dtype=dtype, device=device)
         )
 
     def extra_repr(self) -> str:
-        return f"name={self.name}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
+        shared = ", shared_a" if self.shared_a else ""
+        return f"name={self.name}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}{shared}"
+
+    def stacked(self, routing: _Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) over every slot: the engine bank's copies when the routing has one, else this module's own."""
+        if routing is not None and routing.bank is not None:
+            return routing.bank.stacked(self.name)
+        return self.lora_A, self.lora_B
 
     def add_delta(self, proj: torch.Tensor, x: torch.Tensor, pairs: _PairRouting) -> torch.Tensor:
         """`proj[p] += scale[s] * (x[p] @ A[s, e].T) @ B[s, e].T` for the LoRA pairs p (slot s, expert e).
 
         proj: (P, out) base projection of every pair, x: (P, in) its input; returns the sum in proj's dtype.
         """
-        scales = pairs.routing.scales_for(self.name)  # (n_active,) per active row, or None: no used slot covers it
+        routing = pairs.routing
+        scales = routing.scales_for(self.name)  # (n_active,) per active row, or None: no used slot covers it
         if scales is None or pairs.sel.numel() == 0:
             return proj
-        lora_a, lora_b = self.lora_A, self.lora_B
+        lora_a, lora_b = self.stacked(routing)
         out = proj.to(lora_a.dtype)  # (P, out); summed in the LoRA dtype and rounded once, as LoRALinear
         n = pairs.sel.numel()
         xs = x.index_select(0, pairs.sel).to(lora_a.dtype).unsqueeze(1)  # (n, 1, in), the LoRA pairs' inputs
         delta = out.new_zeros(n, 1, self.out_features)
-        flat_a = lora_a.view(-1, *lora_a.shape[2:])  # (S * E, R, in): index s * E + e
+        flat_a = lora_a.view(-1, *lora_a.shape[2:])  # (S * E, R, in): index s * E + e; (S, R, in) when shared
         flat_b = lora_b.view(-1, *lora_b.shape[2:])  # (S * E, out, R)
         index = pairs.slot * self.num_experts + pairs.expert  # (n,)
-        _GroupedLoRA.apply(delta, xs, flat_a, flat_b, index, scales[pairs.active_pos], pairs.routing.max_rank)
+        a_index = pairs.slot if self.shared_a else None  # a shared A is indexed by slot alone
+        grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
+        _grouped_lora(delta, xs, flat_a, flat_b, index, scales[pairs.active_pos], routing.max_rank, grad, a_index)
         if pairs.all_pairs:
             out = out + delta.view(n, self.out_features)
         else:
             out = out.index_add(0, pairs.sel, delta.view(n, self.out_features))  # out[sel[i]] += delta[i]
         return out.to(proj.dtype)
+
+
+def expert_a_per_expert(lora_a: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A slot's A `(E, r, in)` or shared `(1, r, in)` -> `(E, r, in)`: what PEFT's per-expert layout holds."""
+    return lora_a if lora_a.shape[0] == num_experts else lora_a.expand(num_experts, *lora_a.shape[1:])
 
 
 class _PairRouting:
@@ -149,11 +184,6 @@ class LoRAExperts:
             or not any(routing.scales_for(name) is not None for name in self._lora_targets.values())
         ):
             return super().forward(hidden_states, top_k_index, top_k_weights)
-        if routing.bank is not None:
-            raise NotImplementedError(
-                f"LoRABank does not hold expert LoRA ({', '.join(self._lora_targets.values())}); serve models with "
-                "target_parameters from the model's own slots"
-            )
         num_tokens = hidden_states.shape[0]
         if num_tokens % routing.batch_size:
             raise RuntimeError(
@@ -224,7 +254,8 @@ class LoRAExperts:
                 y = y + getattr(self, f"{which}_bias")[e].float()
             lora = self.lora(which)
             if lora is not None and slot != BASE_SLOT and lora.name in meta[slot].modules:
-                a, b = lora.lora_A[slot, e].float(), lora.lora_B[slot, e].float()
+                lora_a, lora_b = lora.stacked(routing)
+                a, b = lora_a[slot, 0 if lora.shared_a else e].float(), lora_b[slot, e].float()
                 y = y + meta[slot].scale * ((x @ a.T) @ b.T)  # y += scale[s] * (x @ A[s, e].T) @ B[s, e].T
             return y
 
@@ -252,6 +283,7 @@ def inject_expert_lora(
     max_loras: int,
     max_rank: int,
     dtype: torch.dtype,
+    shared_a: bool = False,
 ) -> dict[str, ExpertLoRA]:
     """Give the packed experts `module` (named `module_name`) LoRA slots on `params`; returns full name -> holder.
 
@@ -266,7 +298,8 @@ def inject_expert_lora(
     holders: dict[str, ExpertLoRA] = {}
     for param in params:
         full = f"{module_name}.{param}" if module_name else param
-        holder = ExpertLoRA(full, getattr(module, param), bool(module.is_transposed), max_loras, max_rank, dtype)
+        transposed = bool(module.is_transposed)
+        holder = ExpertLoRA(full, getattr(module, param), transposed, max_loras, max_rank, dtype, shared_a)
         module.add_module(f"lora_{param}", holder)
         module._lora_targets[param] = full
         holders[full] = holder

@@ -129,17 +129,19 @@ class LoRALinear(nn.Module):
         return torch.stack(out).to(y.dtype)
 
 
-def _grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool) -> None:
-    """`y3[i] += scale[i] * (x3[i] @ A[slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i.
+def _grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None) -> None:
+    """`y3[i] += scale[i] * (x3[i] @ A[a_slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i
+    (`a_slots` defaults to `slots`; expert LoRA with a shared A indexes A by slot and B by (slot, expert)).
 
     With autograd (training) through `_GroupedLoRA`; without (rollout, eval) as plain ops that gather B in its
     stored layout (an index_select of the transposed B costs 2-4x more than of B as stored, which only the backward
     repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer.
     """
     if grad:
-        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r)
+        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
         return
-    a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, slots)  # (n, r, in)
+    a_slots = slots if a_slots is None else a_slots
+    a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, a_slots)  # (n, r, in)
     b = (lora_b if r == lora_b.shape[2] else lora_b.narrow(2, 0, r)).index_select(0, slots)  # (n, out, r)
     xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # (n, L, r)
     y3.baddbmm_(xa, b.transpose(1, 2))
@@ -157,20 +159,22 @@ class _GroupedLoRA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r):
+    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
-        a = lora_a.narrow(1, 0, r).index_select(0, slots)  # a[i] = A[slot[i], :r]; (n, r, in)
+        # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
+        a_slots = slots if a_slots is None else a_slots
+        a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
         bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
         xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
         y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
         ctx.mark_dirty(y3)
-        ctx.save_for_backward(x3, a, bt, xa, slots, scales)
+        ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
         return y3
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
-        x3, a, bt, xa, slots, scales = ctx.saved_tensors
+        x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
         shape_a, shape_b, r = ctx.stacked
         grad = grad.contiguous()
         g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
@@ -179,11 +183,11 @@ class _GroupedLoRA(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
-            grad_a.narrow(1, 0, r).index_add_(0, slots, rows)
+            grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
         if ctx.needs_input_grad[3]:
             rows = torch.bmm(xa.transpose(1, 2), grad)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
             used, inverse = torch.unique(slots, return_inverse=True)
             per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
             grad_b = rows.new_zeros(shape_b)
             grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
-        return grad, grad_x, grad_a, grad_b, None, None, None
+        return grad, grad_x, grad_a, grad_b, None, None, None, None

@@ -39,9 +39,11 @@ from torch import nn
 from rl_multilora.lora._errors import bad_value
 from rl_multilora.lora.bank import LoRABank
 from rl_multilora.lora.experts import (
+    EXPERT_LORA_MODES,
     EXPERT_PARAMS,
     ExpertLoRA,
     LoRAExperts,
+    expert_a_per_expert,
     init_expert_a,
     inject_expert_lora,
     is_packed_experts,
@@ -107,8 +109,11 @@ class MultiLoRAModel(nn.Module):
         target_modules: str | Sequence[str] = "all-linear",
         lora_dtype: torch.dtype = torch.float32,
         target_parameters: Sequence[str] | None = None,
+        expert_lora: str = "per_expert",
     ):
         super().__init__()
+        if expert_lora not in EXPERT_LORA_MODES:
+            raise ValueError(bad_value("expert_lora", expert_lora, " or ".join(repr(m) for m in EXPERT_LORA_MODES)))
         for field, value in (("max_loras", max_loras), ("max_rank", max_rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(bad_value(field, value, "an integer >= 1"))
@@ -134,13 +139,16 @@ class MultiLoRAModel(nn.Module):
         self._expert_shapes: dict[str, ExpertShape] = {}
         for module_name, params in expert_targets.items():
             module = base_model.get_submodule(module_name)
-            holders = inject_expert_lora(module, module_name, params, self.router, max_loras, max_rank, lora_dtype)
+            holders = inject_expert_lora(
+                module, module_name, params, self.router, max_loras, max_rank, lora_dtype, expert_lora == "shared_a"
+            )
             for (name, holder), param in zip(holders.items(), params, strict=True):
                 self._experts[name] = holder
                 shape = (holder.num_experts, holder.in_features, holder.out_features)
-                self._expert_shapes[name] = ExpertShape(module_name, param, *shape)
+                self._expert_shapes[name] = ExpertShape(module_name, param, *shape, shared_a=holder.shared_a)
         self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
         self.target_parameters = list(target_parameters) if target_parameters else []
+        self.expert_lora = expert_lora
         self._slots: list[_Slot | None] = [None] * max_loras
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
         self._routed_checkpointing = False
@@ -156,10 +164,11 @@ class MultiLoRAModel(nn.Module):
         target_modules: str | Sequence[str] = "all-linear",
         lora_dtype: torch.dtype = torch.float32,
         target_parameters: Sequence[str] | None = None,
+        expert_lora: str = "per_expert",
     ) -> MultiLoRAModel:
         """Wrap an in-memory HF causal LM (its target Linears are replaced in place, its target expert modules get
         LoRA slots)."""
-        return cls(model, max_loras, max_rank, target_modules, lora_dtype, target_parameters)
+        return cls(model, max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora)
 
     @classmethod
     def from_pretrained(
@@ -172,6 +181,7 @@ class MultiLoRAModel(nn.Module):
         lora_dtype: torch.dtype = torch.float32,
         device: str | torch.device | None = None,
         target_parameters: Sequence[str] | None = None,
+        expert_lora: str = "per_expert",
         **hf_kwargs: Any,
     ) -> MultiLoRAModel:
         """Load an HF causal LM from `path` (base in `dtype`, LoRA slots in `lora_dtype`) and wrap it."""
@@ -184,7 +194,7 @@ class MultiLoRAModel(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kwarg: dtype}, **hf_kwargs)
         if device is not None:
             model = model.to(device)
-        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype, target_parameters)
+        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora)
         wrapped.name_or_path = str(path)
         return wrapped
 
@@ -380,7 +390,9 @@ class MultiLoRAModel(nn.Module):
         for param, stem in stems.items():
             holder = self._experts[param]
             # PEFT's layout: A (E * r, in) expert-major, B (out, r * E) expert-fastest; (E, r, in) / (E, out, r) here
-            lora_a, lora_b = _expert_to_peft(holder.lora_A[s][:, :r].detach(), holder.lora_B[s][:, :, :r].detach())
+            # (a shared A is written once per expert: PEFT and every per-expert loader read it as it is)
+            lora_a = expert_a_per_expert(holder.lora_A[s][:, :r].detach(), holder.num_experts)
+            lora_a, lora_b = _expert_to_peft(lora_a, holder.lora_B[s][:, :, :r].detach())
             out[f"{stem}.lora_A.weight"] = lora_a.clone()
             out[f"{stem}.lora_B.weight"] = lora_b.contiguous().clone()
         return out
@@ -441,7 +453,7 @@ class MultiLoRAModel(nn.Module):
                 layer.lora_B[slot][:, : parsed.rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
             for param, (lora_a, lora_b) in parsed.experts.items():
                 holder = self._experts[param]
-                holder.lora_A[slot][:, : parsed.rank].copy_(lora_a)  # A[s, :, :r] = a; a: (E, r, in)
+                holder.lora_A[slot][:, : parsed.rank].copy_(lora_a)  # A[s, :, :r] = a; a: (E, r, in) or shared (1, r, in)
                 holder.lora_B[slot][:, :, : parsed.rank].copy_(lora_b)  # B[s, :, :, :r] = b; b: (E, out, r)
         covered = frozenset(parsed.tensors) | frozenset(parsed.experts)
         self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), covered)
@@ -449,18 +461,14 @@ class MultiLoRAModel(nn.Module):
 
     def new_bank(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> LoRABank:
         """A LoRABank holding copies of every slot's current tensors (no storage shared with the Parameters)."""
-        if self._experts:
-            raise NotImplementedError(
-                "LoRABank does not hold expert LoRA yet; this model has target_parameters "
-                f"{self.target_parameters}: serve it from the model's own slots"
-            )
-        any_layer = next(iter(self._layers.values()))
+        first = self._stacked_pairs()[0][0]
         bank = LoRABank(
             self.layer_shapes,
             self.max_loras,
             self.max_rank,
             dtype or self.lora_dtype,
-            device or any_layer.lora_A.device,
+            device or first.device,
+            expert_shapes=self._expert_shapes,
         )
         for record in self._slots:
             if record is not None:

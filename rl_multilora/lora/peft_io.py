@@ -20,7 +20,7 @@ Design choices:
   layer with both targeted: `mlp.experts.base_layer.lora_A.weight`). A is `(E * r, in)` with rows expert-major
   (`A.view(E, r, in)[e]` is expert e's), B is `(out, r * E)` with columns expert-fastest
   (`B.view(out, r, E)[:, :, e]` is expert e's). Only models with expert targets accept such configs
-  (`peft_config_problems(..., allow_target_parameters=True)`); the bank and the SGLang client still refuse them.
+  (`peft_config_problems(..., allow_target_parameters=True)`), and the engine's bank holds them the same way.
 - Imports no torch at module level: the name and config rules are usable (e.g. by config validation) without it.
 """
 
@@ -167,6 +167,7 @@ class ExpertShape:
     num_experts: int
     in_features: int
     out_features: int
+    shared_a: bool = False  # one A per slot for all experts (expert_lora="shared_a"): A comes back as (1, r, in)
 
     @property
     def name(self) -> str:
@@ -180,7 +181,7 @@ class _ParsedAdapter:
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A (r, in), B (out, r))
     experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
-    )  # param -> A (E, r, in), B (E, out, r)
+    )  # param -> A (E, r, in) (shared A: (1, r, in)), B (E, out, r)
 
 
 def _expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, ExpertShape]) -> dict[str, str]:
@@ -344,7 +345,17 @@ def _parse_peft_adapter(
                     for w, got, want in bad
                 ]
                 continue
-            experts[name] = _expert_from_peft(pair["A"], pair["B"], e, rank)
+            lora_a, lora_b = _expert_from_peft(pair["A"], pair["B"], e, rank)
+            if shape.shared_a:  # a shared-A model takes a file whose experts all have the same A (what it exports)
+                if not all(lora_a[0].equal(lora_a[k]) for k in range(1, e)):
+                    problems.append(
+                        f"{stem}.lora_A.weight ({name}) has a different A per expert, but this model is built with "
+                        "expert_lora='shared_a' (one A per slot shared by all experts); load it into a model built "
+                        "with expert_lora='per_expert'"
+                    )
+                    continue
+                lora_a = lora_a[:1]
+            experts[name] = (lora_a, lora_b)
     if problems:
         raise ValueError(f"adapter {source} does not match this model:\n  - " + "\n  - ".join(problems))
     return _ParsedAdapter(rank, alpha, tensors, experts)
