@@ -65,7 +65,7 @@ TMP_PREFIX = ".tmp-"
 METRICS_FILE = "metrics.jsonl"
 METRICS_JOURNAL = ".metrics.jsonl.rewrite"
 # Adapter config fields that shape the slot or the data stream: a checkpoint only resumes into the same values.
-_MUST_MATCH = ("rank", "alpha", "target_modules", "seed")
+_MUST_MATCH = ("rank", "alpha", "target_modules", "target_parameters", "seed")
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -68,6 +68,15 @@ class ModelConfig(_Strict):
     target_modules: str | list[str] = Field(
         "all-linear", description='"all-linear" (every linear layer but lm_head) or a list of module names.'
     )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="MoE: packed expert Parameters that get LoRA too, named as PEFT's target_parameters "
+        '(e.g. ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]); null = none.',
+    )
+    expert_lora: Literal["per_expert", "shared_a"] = Field(
+        "per_expert",
+        description="Expert LoRA layout: an A and a B per expert, or one A per slot shared by all experts (ModelOpt).",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the frozen base.")
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
 
@@ -131,6 +140,10 @@ class AdapterConfig(_Strict):
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; scaling is alpha / r (as PEFT and SGLang).")
     target_modules: str | list[str] | None = Field(
         None, description="Modules this adapter trains; must equal the model's targets or be a subset. None = model's."
+    )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="Expert Parameters this adapter trains: a subset of model.target_parameters. None = the model's.",
     )
     dataset: DatasetSpec = Field(description="The adapter's own dataset (fields: rollout.data_source.DatasetSpec).")
     reward: RewardSpec = Field(description="The adapter's own reward function (fields: rollout.types.RewardSpec).")
@@ -319,6 +332,11 @@ def adapter_problems(a: AdapterConfig, model: ModelConfig, where: str = "") -> l
                 p.append(bad_value(f"{where}target_modules", a.target_modules, subset))
         elif not set(a.target_modules) <= set(model.target_modules):
             p.append(bad_value(f"{where}target_modules", a.target_modules, subset))
+    if a.target_parameters and not set(a.target_parameters) <= set(model.target_parameters or []):
+        allowed = f"a subset of model.target_parameters ({model.target_parameters!r})"
+        if not model.target_parameters:
+            allowed = "null or [] while model.target_parameters is unset (set it to give the model expert LoRA)"
+        p.append(bad_value(f"{where}target_parameters", a.target_parameters, allowed))
     if a.optim.schedule == "cosine" and not (a.max_steps is not None and a.max_steps > a.optim.warmup_steps):
         p.append(
             bad_value(

@@ -177,7 +177,11 @@ class Runtime:
         """Validate an adapter (reward resolves, dataset has usable rows, targets exist, its checkpoint fits) and add
         it as PENDING."""
         problems = validate.adapter_problems(
-            a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
+            a,
+            self.backend.lora_modules,
+            self.cfg.eval_for(a),
+            ckpt=self._resume_ckpt(),
+            lora_parameters=self.backend.lora_parameters,
         )
         if problems:
             raise ConfigError(problems)
@@ -378,7 +382,11 @@ class Runtime:
                 p
                 for a in self.cfg.adapters
                 for p in validate.adapter_problems(
-                    a, self.backend.lora_modules, self.cfg.eval_for(a), ckpt=self._resume_ckpt()
+                    a,
+                    self.backend.lora_modules,
+                    self.cfg.eval_for(a),
+                    ckpt=self._resume_ckpt(),
+                    lora_parameters=self.backend.lora_parameters,
                 )
             ]
             if problems:

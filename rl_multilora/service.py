@@ -195,7 +195,13 @@ class ServiceCore:
         # the caller's thread, so a bad submission is rejected at once instead of after the current step;
         # rt.register repeats them, authoritative, between steps.
         resume = self.rt.ckpt if self.rt.cfg.checkpoint.resume != "never" else None
-        problems = validate.adapter_problems(a, self.rt.backend.lora_modules, self.rt.cfg.eval_for(a), ckpt=resume)
+        problems = validate.adapter_problems(
+            a,
+            self.rt.backend.lora_modules,
+            self.rt.cfg.eval_for(a),
+            ckpt=resume,
+            lora_parameters=self.rt.backend.lora_parameters,
+        )
         live = self.status().get(a.name)
         if live is not None and live.state in {s.value for s in _LIVE}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))

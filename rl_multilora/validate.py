@@ -72,13 +72,20 @@ def _device_problems(device: str) -> list[str]:
 
 def model_lora_modules(model: ModelConfig) -> tuple[list[str] | None, list[str]]:
     """(names of the Linears the model's LoRA wraps, problems); names is None when the model cannot be inspected."""
+    targets, problems = model_lora_targets(model)
+    return (None if targets is None else targets[0]), problems
+
+
+def model_lora_targets(model: ModelConfig) -> tuple[tuple[list[str], list[str]] | None, list[str]]:
+    """((LoRA Linears, expert LoRA Parameters) of the model, problems), read from a meta-device skeleton; None when
+    the model cannot be inspected (no local folder: a Hub id the loader fetches, or a path model_problems reports)."""
     path = os.path.expanduser(model.path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None, []  # reported by model_problems, or a Hub id the loader will fetch
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_multilora.lora.model import _select_targets
+    from rl_multilora.lora.model import _select_parameters, _select_targets
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -87,9 +94,15 @@ def model_lora_modules(model: ModelConfig) -> tuple[list[str] | None, list[str]]
     except Exception as e:  # noqa: BLE001 - any failure to read the config is the user's model folder
         return None, [bad_value("model.path", model.path, f"an HF causal LM folder ({type(e).__name__}: {e})")]
     try:
-        return _select_targets(skeleton, model.target_modules), []
+        experts = _select_parameters(skeleton, model.target_parameters)
     except ValueError as e:
         return None, [f"model.{e}"]
+    params = [f"{m}.{p}" if m else p for m, ps in experts.items() for p in ps]
+    try:
+        linears = _select_targets(skeleton, model.target_modules, allow_empty=bool(params))
+    except ValueError as e:
+        return None, [f"model.{e}"]
+    return (linears, params), []
 
 
 def adapter_target_problems(a: AdapterConfig, lora_modules: Sequence[str], where: str) -> list[str]:
@@ -139,12 +152,30 @@ def _filled(value: Any) -> bool:
     return True
 
 
+def adapter_parameter_problems(a: AdapterConfig, lora_parameters: Sequence[str], where: str) -> list[str]:
+    """Each of the adapter's `target_parameters` must match an expert Parameter the model's LoRA covers."""
+    from rl_multilora.lora.peft_io import _matches_target
+
+    unmatched = [t for t in a.target_parameters or [] if not any(_matches_target(p, t) for p in lora_parameters)]
+    if not unmatched:
+        return []
+    names = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in lora_parameters}) or ["none"]
+    return [
+        bad_value(
+            f"{where}target_parameters",
+            a.target_parameters,
+            f"the model's expert LoRA Parameters ({', '.join(names)}); {', '.join(map(repr, unmatched))} match none",
+        )
+    ]
+
+
 def adapter_problems(
     a: AdapterConfig,
     lora_modules: Sequence[str] | None,
     eval_settings: EvalSettings | None = None,
     where: str | None = None,
     ckpt: CheckpointManager | None = None,
+    lora_parameters: Sequence[str] | None = None,
 ) -> list[str]:
     """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, its eval split
     when its eval is on, and (with `ckpt`, when the run resumes) that its newest checkpoint can resume it."""
@@ -159,6 +190,8 @@ def adapter_problems(
     problems += dataset_problems(a, where)
     if lora_modules is not None:
         problems += adapter_target_problems(a, lora_modules, where)
+    if lora_parameters is not None:
+        problems += adapter_parameter_problems(a, lora_parameters, where)
     if eval_settings is not None and eval_settings.enabled:
         problems += _eval_problems(a, eval_settings, where)
     if ckpt is not None:
@@ -205,7 +238,8 @@ def run_problems(cfg: RunConfig) -> list[str]:
     from rollout.generate_state import HooksError, load_hooks
 
     problems = model_problems(cfg.model)
-    lora_modules, found = model_lora_modules(cfg.model) if not problems else (None, [])
+    targets, found = model_lora_targets(cfg.model) if not problems else (None, [])
+    lora_modules, lora_parameters = targets if targets is not None else (None, None)
     problems += found
     if cfg.rollout.hooks is not None:
         try:
@@ -214,7 +248,7 @@ def run_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"rollout.hooks: {e}")
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     for a in cfg.adapters:
-        problems += adapter_problems(a, lora_modules, cfg.eval_for(a), ckpt=ckpt)
+        problems += adapter_problems(a, lora_modules, cfg.eval_for(a), ckpt=ckpt, lora_parameters=lora_parameters)
     return problems
 
 

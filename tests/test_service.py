@@ -165,7 +165,7 @@ class _GatedRuntime:
         self.cfg = RunConfig(model=ModelConfig(path=str(tmp), max_loras=1, max_rank=8), run_dir=str(tmp / "run"))
         self.run_dir = Path(self.cfg.run_dir)
         self.tenants = _OneSlotTenants()
-        self.backend = SimpleNamespace(lora_modules=None)  # no model: target modules are not checked
+        self.backend = SimpleNamespace(lora_modules=None, lora_parameters=None)  # no model: targets not checked
         self.ckpt = CheckpointManager(self.run_dir)
         self.started = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)

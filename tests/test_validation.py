@@ -56,6 +56,22 @@ CASES = [
     ("device-cuda-none", lambda d, ws: d["model"].update(device="cuda:0"), "no CUDA device"),
     ("model-targets-bogus", lambda d, ws: d["model"].update(target_modules=["nope_proj"]), "matches no module"),
     ("adapter-targets-bogus", lambda d, ws: _adapter(d).update(target_modules=["nope_proj"]), "match none"),
+    (
+        "model-target-parameters-dense",
+        lambda d, ws: d["model"].update(target_parameters=["mlp.experts.down_proj"]),
+        "model.target_parameters=['mlp.experts.down_proj'] is not allowed",
+    ),
+    (
+        "model-target-parameters-not-experts",
+        lambda d, ws: d["model"].update(target_parameters=["mlp.down_proj.weight"]),
+        "not a packed 3-D expert weight",
+    ),
+    (
+        "adapter-target-parameters-no-model",
+        lambda d, ws: _adapter(d).update(target_parameters=["mlp.experts.down_proj"]),
+        "target_parameters=['mlp.experts.down_proj'] is not allowed; allowed: null or []",
+    ),
+    ("expert-lora-bad", lambda d, ws: d["model"].update(expert_lora="shared_b"), "expert_lora='shared_b'"),
     ("epochs-inf", lambda d, ws: _adapter(d).update(epochs=float("inf")), "epochs=inf"),
     (
         "cosine-max-le-warmup",

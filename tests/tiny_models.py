@@ -1,4 +1,4 @@
-"""Tiny random causal LMs (Qwen2, Qwen3, Llama) built offline, for tests and benchmarks.
+"""Tiny random causal LMs (Qwen2, Qwen3, Llama, Qwen3-MoE) built offline, for tests and benchmarks.
 
 Nothing is downloaded: each model is built from its config class with a fixed seed, so two calls with
 the same arguments give bit-identical weights (tests rely on this to build an oracle copy of a base).
@@ -14,9 +14,11 @@ import string
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama")  # the dense families tests run over; "qwen3_moe" is asked for by name
+# The packed expert Parameters of the qwen3_moe family, as PEFT's target_parameters name them.
+MOE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # A role-tagged template made of plain characters, so prompts built with apply_chat_template stay in the vocab.
@@ -28,8 +30,8 @@ CHAT_TEMPLATE = (
 
 def tiny_config(family: str = "qwen2", hidden: int = 32, layers: int = 2, vocab: int = 128, heads: int = 4):
     """Config of a tiny `family` model: `heads` query heads, half as many KV heads (exercises GQA)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r} is not supported; allowed: {', '.join(FAMILIES)}")
+    if family not in (*FAMILIES, "qwen3_moe"):
+        raise ValueError(f"family={family!r} is not supported; allowed: {', '.join(FAMILIES)}, qwen3_moe")
     if hidden % heads:
         raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
     common = dict(
@@ -49,6 +51,9 @@ def tiny_config(family: str = "qwen2", hidden: int = 32, layers: int = 2, vocab:
         return Qwen2Config(**common)
     if family == "qwen3":
         return Qwen3Config(head_dim=hidden // heads, **common)
+    if family == "qwen3_moe":  # 4 experts of width hidden / 2, top-2, every layer sparse
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, norm_topk_prob=True)
+        return Qwen3MoeConfig(head_dim=hidden // heads, **moe, **common)
     return LlamaConfig(head_dim=hidden // heads, **common)
 
 

@@ -40,6 +40,8 @@ class LocalBackend(TrainingBackend):
             max_rank=cfg.model.max_rank,
             target_modules=cfg.model.target_modules,
             dtype=getattr(torch, cfg.model.dtype),
+            target_parameters=cfg.model.target_parameters,
+            expert_lora=cfg.model.expert_lora,
         ).to(resolve_device(cfg.model.device))
         # The trainer scales logits like the sampler did, so its log-probs match the rollout's (greedy: none).
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -54,6 +56,10 @@ class LocalBackend(TrainingBackend):
         return self.model.lora_modules
 
     @property
+    def lora_parameters(self) -> list[str]:
+        return self.model.lora_parameters
+
+    @property
     def adapters(self) -> list[str]:
         return list(self.model.adapters)
 
@@ -62,7 +68,12 @@ class LocalBackend(TrainingBackend):
 
     def add_adapter(self, cfg: AdapterConfig) -> int:
         slot = self.model.add_adapter(
-            cfg.name, rank=cfg.rank, alpha=cfg.alpha, seed=cfg.seed, target_modules=cfg.target_modules
+            cfg.name,
+            rank=cfg.rank,
+            alpha=cfg.alpha,
+            seed=cfg.seed,
+            target_modules=cfg.target_modules,
+            target_parameters=cfg.target_parameters,
         )
         try:
             self.trainer.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps)

@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 
 def build_embedded_engine(
-    model_dir: str, max_loras: int = 8, max_rank: int = 64, target_modules: str = "all-linear"
+    model_dir: str,
+    max_loras: int = 8,
+    max_rank: int = 64,
+    target_modules: str = "all-linear",
+    target_parameters: str = "",
+    expert_lora: str = "per_expert",
 ) -> tuple[RolloutEngine, Any]:
     """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
     # Heavy imports stay here: serving itself only needs aiohttp.
@@ -46,7 +51,15 @@ def build_embedded_engine(
     targets: str | list[str] = target_modules
     if targets != "all-linear":
         targets = [t.strip() for t in target_modules.split(",") if t.strip()]
-    model = MultiLoRAModel.from_pretrained(model_dir, max_loras=max_loras, max_rank=max_rank, target_modules=targets)
+    params = [t.strip() for t in target_parameters.split(",") if t.strip()]
+    model = MultiLoRAModel.from_pretrained(
+        model_dir,
+        max_loras=max_loras,
+        max_rank=max_rank,
+        target_modules=targets,
+        target_parameters=params,
+        expert_lora=expert_lora,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return EmbeddedEngine(model, tokenizer), tokenizer
 
@@ -75,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots")
     parser.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank a slot holds")
     parser.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated names")
+    parser.add_argument(
+        "--target-parameters",
+        default="",
+        help="MoE: comma-separated packed expert Parameters that take LoRA, e.g. "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj (default: none)",
+    )
+    parser.add_argument(
+        "--expert-lora", choices=("per_expert", "shared_a"), default="per_expert", help="expert LoRA layout"
+    )
     args = parser.parse_args(argv)
     for key in ("port", "max_loras", "max_rank"):
         if getattr(args, key) < 1:
@@ -87,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     api_key = _resolve_api_key(parser, args)
     from rollout.engines.http_server import serve
 
-    engine, tokenizer = build_embedded_engine(args.model, args.max_loras, args.max_rank, args.target_modules)
+    engine, tokenizer = build_embedded_engine(
+        args.model, args.max_loras, args.max_rank, args.target_modules, args.target_parameters, args.expert_lora
+    )
     try:
         serve(engine, host=args.host, port=args.port, api_key=api_key, model_name=args.model, tokenizer=tokenizer)
     finally:
