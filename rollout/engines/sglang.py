@@ -25,6 +25,9 @@ Design choices:
   (vLLM #42125, ART #661). After an abort-mode pause nothing is running, so the flush succeeds.
 - Log-probs: SGLang reports those of the distribution it sampled from, softmax(logits / temperature) before
   top-k/top-p (the raw logits' for greedy rows); see `sampling.py` for how the embedded engine's differ.
+- Expert LoRA (`target_parameters`): pushed from memory in the 3-D per-expert layout SGLang's FusedMoE LoRA loads
+  (`experts_to_sglang`), which needs the model's `expert_shapes`; a model whose experts SGLang cannot serve exactly
+  fails when the engine is built, and a PEFT folder with expert LoRA is never handed to SGLang's loader by path.
 - `sglang` is an optional extra: nothing here imports it.
 """
 
@@ -41,7 +44,7 @@ import aiohttp
 import requests
 import torch
 
-from rl_multilora.lora import CONFIG_NAME, validate_adapter_name
+from rl_multilora.lora import CONFIG_NAME, ExpertShape, validate_adapter_name
 from rollout.engines.base import RolloutEngine
 from rollout.engines.sglang_protocol import (
     ADAPTER_VERSION_HEADER,
@@ -51,8 +54,11 @@ from rollout.engines.sglang_protocol import (
     complete_fused_groups,
     encode_tensors_safetensors,
     encode_tensors_sglang,
+    experts_to_sglang,
     generate_payload,
     parse_generate_response,
+    sglang_expert_problems,
+    sglang_expert_refusal,
 )
 from rollout.types import GenerateRequest, GenerateResult
 
@@ -74,6 +80,8 @@ class SGLangEngine(RolloutEngine):
     wants one serialized copy per TP rank. `api_key` is sent as `Authorization: Bearer <key>`. `module_shapes`
     (the trainer model's LoRA module -> (in, out) features) lets `load_adapter` complete SGLang's fused groups with
     zero factors (`complete_fused_groups`), so adapters on a subset such as q_proj alone load correctly.
+    `expert_shapes` (the model's, checked by `sglang_expert_shapes(model)`) lets it push expert LoRA
+    (`target_parameters`) to SGLang; expert shapes SGLang cannot serve exactly are refused here, at once.
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class SGLangEngine(RolloutEngine):
         max_concurrency: int = 256,
         flush_cache_on_resume: bool = True,
         module_shapes: dict[str, tuple[int, int]] | None = None,
+        expert_shapes: dict[str, ExpertShape] | None = None,
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r} is not allowed; allowed: 'http://host:port' (or https)")
@@ -105,6 +114,11 @@ class SGLangEngine(RolloutEngine):
         self.max_concurrency = max_concurrency
         self.flush_cache_on_resume = flush_cache_on_resume
         self.module_shapes = dict(module_shapes) if module_shapes is not None else None
+        self.expert_shapes = dict(expert_shapes) if expert_shapes is not None else None
+        if self.expert_shapes and tensor_format == "sglang":
+            problems = sglang_expert_problems(self.expert_shapes)
+            if problems:
+                raise ValueError(sglang_expert_refusal(problems, f"expert_shapes ({', '.join(self.expert_shapes)})"))
         self._lock = threading.Lock()
         self._versions: dict[str, int] = {}
         # Last version ever given to a name, so a name that is unloaded and loaded again never reuses a version.
@@ -209,11 +223,24 @@ class SGLangEngine(RolloutEngine):
     def load_adapter(
         self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
     ) -> int:
-        """Push adapter `name` from memory; a loaded name is unloaded first (SGLang cannot reload in place)."""
+        """Push adapter `name` from memory; a loaded name is unloaded first (SGLang cannot reload in place).
+
+        `tensors` and `config` are PEFT's (expert LoRA in `target_parameters` keys and layout); for a real SGLang
+        server (tensor_format "sglang") expert LoRA is converted to SGLang's layout first (`experts_to_sglang`).
+        """
         validate_adapter_name(name)
-        check_lora_config(config)
+        experts = isinstance(config, dict) and bool(config.get("target_parameters"))
+        check_lora_config(config, allow_target_parameters=True)  # our server checks its model; SGLang's is below
         if not tensors:
             raise ValueError(f"tensors for adapter {name!r} are empty; expected PEFT-named lora_A/lora_B tensors")
+        if self.tensor_format == "sglang" and (experts or self.expert_shapes):
+            if self.expert_shapes is None:
+                raise ValueError(
+                    f"adapter {name!r} has expert LoRA (target_parameters={config['target_parameters']}), which "
+                    "SGLang loads only in its own per-expert layout; converting needs the model's expert shapes: "
+                    "build the engine with expert_shapes=sglang_expert_shapes(model)"
+                )
+            tensors, config = experts_to_sglang(name, tensors, config, self.expert_shapes)
         new_version = self._next_version(name, version)
         if self.module_shapes is not None:
             tensors, config = complete_fused_groups(tensors, config, self.module_shapes)
@@ -241,7 +268,15 @@ class SGLangEngine(RolloutEngine):
         config_file = Path(path) / CONFIG_NAME
         # The folder may only exist on the server's host; check its config here when we can read it.
         if config_file.is_file():
-            check_lora_config(json.loads(config_file.read_text()))
+            config = json.loads(config_file.read_text())
+            check_lora_config(config, allow_target_parameters=True)
+            if config.get("target_parameters") and self.tensor_format == "sglang":
+                raise ValueError(
+                    f"adapter {name!r} at {path} has expert LoRA (target_parameters={config['target_parameters']}): "
+                    "SGLang's loader reads neither target_parameters nor PEFT's expert keys (they do not name the "
+                    "Parameter); push it from memory instead, load_adapter(name, *read_peft_folder(path)), which "
+                    "converts it to SGLang's per-expert layout"
+                )
         new_version = self._next_version(name, version)
         self._replace(name)
         body = {"lora_name": name, "lora_path": str(path), "pinned": bool(pinned)}

@@ -7,6 +7,9 @@ Design choices:
   alive; a process that dies while starting fails `start()` at once with the tail of its log.
 - The tensor-parallel size comes from the launch arguments (`tp_size_from_args`): the client must send one
   serialized tensor copy per TP rank.
+- Expert LoRA (`expert_lora=True`): SGLang wraps its FusedMoE layers with LoRA only when both gate_up_proj and
+  down_proj are LoRA target modules, so they are added; `--experts-shared-outer-loras` is refused, since the client
+  pushes one A and one B per expert (tests/fixtures/sglang_moe_lora.json).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import requests
+
+from rollout.engines.sglang_protocol import SGLANG_EXPERT_MODULES
 
 if TYPE_CHECKING:
     from rollout.engines.sglang import SGLangEngine
@@ -72,6 +77,7 @@ class SGLangLauncher:
     log_path: str | None = None
     startup_timeout_s: float = 900.0
     stop_grace_s: float = 30.0
+    expert_lora: bool = False  # the model has expert LoRA (target_parameters): serve SGLang's MoE LoRA too
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _log_file: Any = field(default=None, init=False, repr=False)
 
@@ -88,6 +94,12 @@ class SGLangLauncher:
             )
         if not isinstance(self.extra_args, (list, tuple)) or not all(isinstance(a, str) for a in self.extra_args):
             raise ValueError(f"extra_args={self.extra_args!r} is not allowed; allowed: a list of command-line strings")
+        if self.expert_lora and any(a.partition("=")[0] == "--experts-shared-outer-loras" for a in self.extra_args):
+            raise ValueError(
+                "extra_args has --experts-shared-outer-loras, which is not allowed with expert_lora; allowed: "
+                "without it (SGLang then wants one gate_up A and one down B for all experts, and the client pushes "
+                "one per expert)"
+            )
 
     @property
     def url(self) -> str:
@@ -99,13 +111,18 @@ class SGLangLauncher:
         return tp_size_from_args(list(self.extra_args))
 
     def target_modules(self) -> list[str]:
-        """`--lora-target-modules` values; PEFT's "all-linear" is SGLang's "all"."""
+        """`--lora-target-modules` values; PEFT's "all-linear" is SGLang's "all" (which includes its MoE experts).
+
+        With `expert_lora`, SGLang's expert modules are added: it wraps a FusedMoE layer only when both are there.
+        """
         mods = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
         out = ["all" if m == "all-linear" else m for m in mods]
         if not out or not all(isinstance(m, str) and m for m in out):
             raise ValueError(
                 f"lora_target_modules={self.lora_target_modules!r} is not allowed; allowed: e.g. 'all' or ['q_proj']"
             )
+        if self.expert_lora and "all" not in out:
+            out += [m for m in SGLANG_EXPERT_MODULES.values() if m not in out]
         return out
 
     def command(self) -> list[str]:

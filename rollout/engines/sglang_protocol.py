@@ -12,6 +12,13 @@ Design choices:
   rules of `rl_multilora.lora` (`peft_config_problems`), the same the trainer's model and the embedded engine apply.
 - SGLang's loader fuses q/k/v and gate/up projections: `complete_fused_groups` fills the members an adapter does
   not train with exact-zero factors, so SGLang serves exactly the trained adapter.
+- Expert LoRA (PEFT `target_parameters` on packed MoE Parameters): SGLang (>= 0.5.10) never reads
+  `target_parameters` and cannot parse PEFT's expert keys (no Parameter name in them), but its FusedMoE LoRA takes
+  one 3-D tensor per projection and layer, `<...>.experts.gate_up_proj.lora_A.weight (E, r, H)` / `lora_B (E, 2I, r)`
+  and `down_proj` `(E, r, I)` / `(E, H, r)`: our per-expert A and B as they are (`experts_to_sglang`; the facts
+  and sources are in `tests/fixtures/sglang_moe_lora.json`). It splits a gate_up LoRA into gate and up by output
+  rows with the same A, which is exact. What it cannot take exactly (non-gated `up_proj` experts, transposed /
+  interleaved layouts such as gpt-oss) is refused when the engine is built (`sglang_expert_problems`).
 - Loading from memory has two encodings (`TENSOR_FORMATS`): "sglang" is SGLang's own MultiprocessingSerializer
   format (torch's ForkingPickler: pickle, with tensors passed as shared-memory / CUDA IPC handles). It only works
   when the server runs on the same host, and the server unpickles it, so use it only with a trusted server.
@@ -23,7 +30,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -33,7 +42,8 @@ import torch.multiprocessing as torch_mp  # also registers torch's tensor reduct
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from rl_multilora.lora import peft_config_problems
+from rl_multilora.lora import ExpertShape, peft_config_problems
+from rl_multilora.lora.peft_io import PEFT_PREFIX, _expert_from_peft, _expert_key_stems, _matches_target
 from rollout.types import GenerateRequest, SamplingParams
 
 TENSOR_FORMATS = ("sglang", "safetensors")
@@ -46,11 +56,13 @@ ADAPTER_VERSION_HEADER = "X-Adapter-Version"
 _FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def check_lora_config(config: dict[str, Any]) -> None:
+def check_lora_config(config: dict[str, Any], allow_target_parameters: bool = False) -> None:
     """Reject PEFT LoRA configs that SGLang would serve with other math than the adapter was trained with.
 
     The rules are `rl_multilora.lora.peft_config_problems` (peft_type LORA, `r` an integer >= 1, a finite
     `lora_alpha` > 0, no rsLoRA, DoRA, LoRA bias, rank/alpha patterns, ...); every problem is reported.
+    `allow_target_parameters`: accept expert LoRA (a list of `target_parameters`): the SGLang client converts it
+    (`experts_to_sglang`), our own server hands it to a model that checks it.
 
     >>> check_lora_config({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
     >>> check_lora_config({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_rslora": True})  # doctest: +ELLIPSIS
@@ -60,7 +72,7 @@ def check_lora_config(config: dict[str, Any]) -> None:
     """
     if not isinstance(config, dict):
         raise ValueError(f"config must be a PEFT LoRA config dict, got {type(config).__name__}")
-    problems = peft_config_problems(config, field_prefix="config.")
+    problems = peft_config_problems(config, field_prefix="config.", allow_target_parameters=allow_target_parameters)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
@@ -121,6 +133,143 @@ def complete_fused_groups(
         leaves_only = all("." not in t for t in targets)
         config["target_modules"] = sorted(set(targets) | {n.rsplit(".", 1)[-1] if leaves_only else n for n in added})
     return out, config
+
+
+# ----------------------------------------------------------------------------------------------- expert LoRA
+
+# Our packed expert Parameter -> the target module SGLang's FusedMoE LoRA loads it as (sglang >= 0.5.10, recorded
+# from 0.5.23 in tests/fixtures/sglang_moe_lora.json). SGLang wraps its FusedMoE layers only when both modules are
+# in --lora-target-modules (`SGLangLauncher(expert_lora=True)` adds them).
+SGLANG_EXPERT_MODULES = {"gate_up_proj": "gate_up_proj", "down_proj": "down_proj"}
+# SGLang files a weight under the layer `layers.<i>.` in its name says, and routes a 3-D weight to the MoE buffers
+# when the name contains "experts" and not "shared_experts.".
+_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def sglang_expert_problems(expert_shapes: Mapping[str, ExpertShape], transposed: Sequence[str] = ()) -> list[str]:
+    """Why SGLang's MoE LoRA cannot serve these expert LoRA targets exactly, one message per Parameter ([] if it can).
+
+    It takes `gate_up_proj` (gate rows first, then up: out = 2 * I) and `down_proj` of a module named `experts` under
+    `layers.<i>`, stored `(E, out, in)`. `transposed`: full names of Parameters stored `(E, in, out)` (gpt-oss), whose
+    gate/up columns SGLang orders differently (it interleaves a [gate; up] LoRA B itself).
+
+    >>> ok = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", 4, 32, 32)
+    >>> sglang_expert_problems({ok.name: ok})
+    []
+    >>> up = ExpertShape("model.layers.0.mlp.experts", "up_proj", 4, 32, 16)
+    >>> sglang_expert_problems({up.name: up})  # doctest: +ELLIPSIS
+    ["model.layers.0.mlp.experts.up_proj: SGLang's FusedMoE LoRA takes ['down_proj', 'gate_up_proj'] ..."]
+    """
+    problems = []
+    for name, shape in expert_shapes.items():
+        if shape.param not in SGLANG_EXPERT_MODULES:
+            problems.append(
+                f"{name}: SGLang's FusedMoE LoRA takes {sorted(SGLANG_EXPERT_MODULES)} (gated experts); "
+                f"{shape.param!r} (non-gated experts) is not converted"
+            )
+        elif name in transposed:
+            problems.append(
+                f"{name}: stored (E, in, out) with interleaved gate/up columns (gpt-oss layout); the client converts "
+                "only the (E, out, in) [gate; up] layout"
+            )
+        elif shape.module.rsplit(".", 1)[-1] != "experts" or not _LAYER.search(shape.module + "."):
+            problems.append(
+                f"{name}: SGLang finds expert LoRA by a 'layers.<i>.' and an 'experts' module in the weight name; "
+                f"module {shape.module!r} has not both"
+            )
+        elif shape.param == "gate_up_proj" and shape.out_features % 2:
+            problems.append(f"{name}: out_features={shape.out_features} is not 2 * intermediate size")
+    return problems
+
+
+def sglang_expert_refusal(problems: Sequence[str], what: str) -> str:
+    """The error for expert LoRA SGLang cannot serve: what, why, what SGLang supports and the way out."""
+    return (
+        f"{what}: SGLang's MoE LoRA loader (sglang >= 0.5.10, checked against 0.5.23) cannot serve it exactly:\n  - "
+        + "\n  - ".join(problems)
+        + "\nSGLang supports per-expert gate_up_proj / down_proj LoRA of gated MoE experts stored (E, out, in) "
+        "(Qwen2/3-MoE, Mixtral, DeepSeek-V3, ...); use rollout.engine: embedded (or http), or leave these "
+        "Parameters out of model.target_parameters"
+    )
+
+
+def sglang_expert_shapes(model: Any) -> dict[str, ExpertShape]:
+    """`model.expert_shapes` (a `MultiLoRAModel`'s) if SGLang can serve every one exactly, else ValueError.
+
+    Call it before launching a server, so that a model SGLang cannot serve fails at once, and pass the result as
+    `SGLangEngine(expert_shapes=...)`.
+    """
+    shapes = dict(model.expert_shapes)
+    transposed = [
+        n for n, s in shapes.items() if getattr(model.base_model.get_submodule(s.module), "is_transposed", False)
+    ]
+    problems = sglang_expert_problems(shapes, transposed)
+    if problems:
+        raise ValueError(sglang_expert_refusal(problems, f"the model's expert LoRA ({', '.join(shapes)})"))
+    return shapes
+
+
+def experts_to_sglang(
+    name: str,
+    tensors: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    expert_shapes: Mapping[str, ExpertShape],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Adapter `name`'s PEFT `target_parameters` tensors in SGLang's MoE LoRA layout; the Linears' keys pass as they are.
+
+    Per covered Parameter `<module>.<param>` (E experts, matmul in/out, rank r), PEFT's A `(E * r, in)` and B
+    `(out, r * E)` under its nested key stem (`rl_multilora.lora.peft_io`) become
+    `base_model.model.<module>.<param>.lora_A.weight (E, r, in)` and `.lora_B.weight (E, out, r)`:
+    `delta_e = lora_alpha / r * B[e] @ A[e]` for every expert e, the delta our model adds. SGLang repeats a gate_up A
+    to `(E, 2r, in)` and adds `gate += B[e, :I] @ A[e]`, `up += B[e, I:] @ A[e]`, i.e. the fused delta split by
+    output rows: exact. The config's `target_parameters` gives way to SGLang's module names in `target_modules`, the
+    only targets SGLang reads. Every problem is reported at once; returns new (tensors, config).
+    """
+    rank = config["r"]
+    wanted = list(config.get("target_parameters") or [])
+    problems = [
+        f"target_parameters entry {t!r} matches none of the model's expert LoRA targets {sorted(expert_shapes)}"
+        for t in wanted
+        if not any(_matches_target(n, t) for n in expert_shapes)
+    ]
+    covered = [n for n in expert_shapes if any(_matches_target(n, t) for t in wanted)]
+    problems += sglang_expert_problems({n: expert_shapes[n] for n in covered})
+    if problems:
+        raise ValueError(sglang_expert_refusal(problems, f"adapter {name!r} (target_parameters={wanted})"))
+    out, converted = dict(tensors), {}
+    for param, stem in _expert_key_stems(covered, expert_shapes).items():
+        shape = expert_shapes[param]
+        pair = {w: out.pop(f"{stem}.lora_{w}.weight", None) for w in ("A", "B")}
+        missing = [f"{stem}.lora_{w}.weight" for w, t in pair.items() if t is None]
+        if missing:
+            problems.append(f"{param}: no {' / '.join(missing)} (PEFT writes both for every targeted Parameter)")
+            continue
+        e, i, o = shape.num_experts, shape.in_features, shape.out_features
+        want = {"A": (e * rank, i), "B": (o, rank * e)}
+        bad = [f"lora_{w} {tuple(pair[w].shape)}, expected {want[w]}" for w in "AB" if tuple(pair[w].shape) != want[w]]
+        if bad:
+            problems.append(f"{param} ({stem}): {'; '.join(bad)} (E={e}, r={rank}, in={i}, out={o})")
+            continue
+        lora_a, lora_b = _expert_from_peft(pair["A"], pair["B"], e, rank)  # (E, r, in), (E, out, r)
+        key = f"{PEFT_PREFIX}{shape.module}.{SGLANG_EXPERT_MODULES[shape.param]}"
+        converted[f"{key}.lora_A.weight"] = lora_a.contiguous()
+        converted[f"{key}.lora_B.weight"] = lora_b.contiguous()
+    expert_prefixes = tuple(f"{PEFT_PREFIX}{s.module}." for s in expert_shapes.values())
+    problems += [
+        f"key {k!r} is expert LoRA that target_parameters={wanted} does not name"
+        for k in out
+        if k.startswith(expert_prefixes)
+    ]
+    if problems:
+        raise ValueError(
+            f"adapter {name!r}: expert LoRA tensors do not match the model:\n  - " + "\n  - ".join(problems)
+        )
+    sglang_config = {k: v for k, v in config.items() if k != "target_parameters"}
+    targets = config.get("target_modules")
+    added = {SGLANG_EXPERT_MODULES[expert_shapes[p].param] for p in covered}
+    if added and not isinstance(targets, str):  # a list or None; "all-linear" covers SGLang's expert modules
+        sglang_config["target_modules"] = sorted(set(targets or []) | added)
+    return {**out, **converted}, sglang_config
 
 
 def sampling_params_payload(sp: SamplingParams) -> dict[str, Any]:
