@@ -60,9 +60,12 @@ def build_engine(cfg: RunConfig, model, tokenizer):
         return EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size), None
     from rollout.engines.sglang import SGLangEngine
     from rollout.engines.sglang_launcher import SGLangLauncher
+    from rollout.engines.sglang_protocol import sglang_expert_shapes
 
     if r.engine == "http":
         return SGLangEngine(r.url, api_key=r.api_key, tensor_format="safetensors"), None
+    # A model whose expert LoRA SGLang cannot serve exactly fails here, before a minutes-long server start.
+    expert_shapes = sglang_expert_shapes(model)
     launcher = None
     url = r.url
     if url is None:  # launch a colocated SGLang server on this host
@@ -76,12 +79,15 @@ def build_engine(cfg: RunConfig, model, tokenizer):
             lora_backend=r.sglang_lora_backend,
             extra_args=r.sglang_args,
             api_key=r.api_key,
+            expert_lora=bool(expert_shapes),
         )
         url = launcher.start()
     # SGLang wants one serialized copy of the tensors per tensor-parallel rank: take the size from the launch
     # arguments, or ask an attached server.
     tp_size = launcher.tp_size if launcher is not None else None
-    engine = SGLangEngine(url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes)
+    engine = SGLangEngine(
+        url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes, expert_shapes=expert_shapes
+    )
     engine.tp_size = tp_size or engine.server_tp_size() or 1
     return engine, launcher
 

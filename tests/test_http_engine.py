@@ -573,6 +573,44 @@ def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
     assert [r.weight_version for r in results] == [1, None, 1]
 
 
+def test_expert_lora_served_over_http_matches_peft_generate(tmp_path):
+    """`engine-serve --target-parameters ...` on a MoE base: an expert adapter pushed over HTTP in PEFT's own
+    target_parameters layout gives PEFT's greedy output."""
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+    from rollout.engines.serve import build_embedded_engine
+    from tests.tiny_models import MOE_EXPERTS, save_tiny_model, tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "base", family="qwen3_moe")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=MOE_EXPERTS,
+                          init_lora_weights=False)  # fmt: skip
+        peft_model = get_peft_model(tiny_model("qwen3_moe"), lora)
+    peft_tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    peft_model.save_pretrained(tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+
+    prompt = [5, 17, 33, 48]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[])
+    engine, tokenizer = build_embedded_engine(str(model_dir), 2, 8, "q_proj", ",".join(MOE_EXPERTS))
+    try:
+        with BackgroundServer(engine, tokenizer=tokenizer) as server:
+            client = SGLangEngine(server.url, tensor_format="safetensors")
+            client.load_adapter("moe", peft_tensors, config)
+            results = client.generate([GenerateRequest(prompt, n, greedy) for n in ("moe", None)])
+    finally:
+        engine.close()
+    ids = torch.tensor([prompt])
+    expected = []
+    for model in (PeftModel.from_pretrained(tiny_model("qwen3_moe"), tmp_path / "peft").eval(), tiny_model("qwen3_moe")):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None)  # fmt: skip
+        expected.append(out[0, len(prompt) :].tolist())
+    assert [r.output_ids for r in results] == expected
+    assert expected[0] != expected[1]
+
+
 def test_engine_serve_cli_rejects_bad_arguments(tmp_path, capsys):
     from rollout.engines.serve import main
 

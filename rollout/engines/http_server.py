@@ -420,7 +420,7 @@ async def _load_tensors(
     state: _ServerState, name: str, tensors: dict, config: dict, version: int | None
 ) -> web.Response:
     try:
-        check_lora_config(config)
+        check_lora_config(config, allow_target_parameters=True)  # expert LoRA: the engine's model checks it
         await asyncio.to_thread(state.engine.load_adapter, name, tensors, config, version)
     except (ValueError, KeyError, RuntimeError) as exc:
         return _lora_response(state, False, f"Failed to load LoRA adapter {name}: {exc}")
