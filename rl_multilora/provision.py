@@ -18,6 +18,10 @@ Presets:
   (see `rl_multilora.presets.tiny`), plus the synthetic datasets (`rl_multilora.presets.tiny_tasks`). The base
   answers in its task's format only part of the time, so GRPO can raise the reward within a few dozen steps;
   PROVISIONED.json holds its measured base stats per task.
+- `tiny-moe` (offline; ~2.5-3 CPU-minutes): the same recipe, tokenizer and datasets (byte-identical for the same seed)
+  on a ~1.15M-parameter Qwen3-MoE model (`Qwen3MoeForCausalLM`, every layer 4 experts, top-2, packed expert
+  weights), for expert LoRA; PROVISIONED.json also records its family and expert counts. A variant of `tiny`'s
+  config (`rl_multilora.presets.tiny_config.PRESETS`), not a second code path.
 - any Hub model id (`owner/name`, e.g. `Qwen/Qwen3-4B`): `huggingface_hub.snapshot_download` into `DIR/model`,
   GSM8K from `openai/gsm8k` (config `main`) exported in the layout above; arith and compare are synthetic tasks with
   no Hub counterpart, so they are written by the same seeded generators as for `tiny`. Needs network access.
@@ -49,7 +53,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from rl_multilora.presets.tiny_config import TinyPresetConfig, named_rng
+from rl_multilora.presets.tiny_config import PRESETS, TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_split
 
 MARKER = "PROVISIONED.json"
@@ -203,10 +207,13 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig, progress: bool | No
     tokenizer = build_tokenizer(tokenizer_corpus(seed), cfg.vocab_size, cfg.max_positions)
     model = build_model(tokenizer, cfg, seed)
     timings["tokenizer_s"] = time.perf_counter() - t0
+    architecture = "Llama"
+    if cfg.family == "qwen3_moe":
+        architecture = f"Qwen3-MoE ({cfg.num_experts} experts {cfg.moe_intermediate_size} wide, top-{cfg.top_k})"
     log.info(
-        "tokenizer: byte-level BPE, %d tokens; model: Llama, %d layers x %d wide, %.2fM parameters (%s)",
-        len(tokenizer), cfg.num_layers, cfg.hidden_size, sum(p.numel() for p in model.parameters()) / 1e6,
-        _duration(timings["tokenizer_s"]),
+        "tokenizer: byte-level BPE, %d tokens; model: %s, %d layers x %d wide, %.2fM parameters (%s)",
+        len(tokenizer), architecture, cfg.num_layers, cfg.hidden_size,
+        sum(p.numel() for p in model.parameters()) / 1e6, _duration(timings["tokenizer_s"]),
     )  # fmt: skip
 
     exclude = {ex.question for by_split in splits.values() for ex in by_split["test"]}
@@ -247,9 +254,17 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig, progress: bool | No
     if base:
         rewards = ", ".join(f"{task} {s.reward:.2f}" for task, s in base.items())
         log.info("base reward: %s (%s)", rewards, _duration(timings["eval_s"]))
+    experts = {}
+    if cfg.family == "qwen3_moe":
+        experts = {
+            "num_experts": cfg.num_experts,
+            "top_k": cfg.top_k,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+        }
     return {
         "model": {
-            "family": "llama",
+            "family": cfg.family,
+            **experts,
             "parameters": sum(p.numel() for p in model.parameters()),
             "vocab_size": len(tokenizer),
             "torch": torch.__version__,
@@ -297,26 +312,34 @@ def provision(
 ) -> Path:
     """Write the base model and the datasets of `preset` into `out`; return `out`.
 
-    `preset` is "tiny" (built offline) or a Hub model id "owner/name" (downloaded). `config` changes the tiny recipe
-    (model size, data sizes, pretraining; its `n_train` / `n_test` also size the synthetic arith and compare splits of
-    a Hub preset) and `pretrain_steps` overrides its step count (tests pass a handful). If `out` already holds a
+    `preset` is "tiny" or "tiny-moe" (built offline) or a Hub model id "owner/name" (downloaded). `config` changes
+    the offline recipe (model size, data sizes, pretraining; its `n_train` / `n_test` also size the synthetic arith
+    and compare splits of a Hub preset; its `family` must be the preset's, so derive it from `PRESETS[preset]`) and
+    `pretrain_steps` overrides its step count (tests pass a handful). If `out` already holds a
     completed provisioning of the same recipe (preset, seed, config), nothing is done unless `force`; a different
     recipe there is an error unless `force`.
 
-    Each phase is logged (logger `rl_multilora.provision`, INFO); `progress` shows a bar over the tiny preset's
+    Each phase is logged (logger `rl_multilora.provision`, INFO); `progress` shows a bar over an offline preset's
     pretraining on stderr: None (default) when stderr is a terminal, True always, False never.
     """
-    if not isinstance(preset, str) or not (preset == "tiny" or _HUB_ID.match(preset)):
-        raise ValueError(f"preset={preset!r} is not allowed; use 'tiny' or a Hub model id like 'Qwen/Qwen3-4B'")
+    if not isinstance(preset, str) or not (preset in PRESETS or _HUB_ID.match(preset)):
+        names = ", ".join(map(repr, PRESETS))
+        raise ValueError(f"preset={preset!r} is not allowed; use {names} or a Hub model id like 'Qwen/Qwen3-4B'")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
     if config is not None and not isinstance(config, TinyPresetConfig):
         raise TypeError(f"config={config!r} must be a TinyPresetConfig or None")
-    cfg = config or TinyPresetConfig()
+    offline = preset in PRESETS
+    cfg = config or PRESETS.get(preset, TinyPresetConfig())
+    if offline and cfg.family != PRESETS[preset].family:
+        raise ValueError(
+            f"config.family={cfg.family!r} does not fit preset={preset!r} (family {PRESETS[preset].family!r}); "
+            f"pass the preset whose family the config has, or derive the config from PRESETS[{preset!r}]"
+        )
     if pretrain_steps is not None:
         cfg = replace(cfg, pretrain_steps=pretrain_steps)  # validated again, naming the field
     recipe = {"preset": preset, "seed": seed}
-    recipe["settings"] = asdict(cfg) if preset == "tiny" else {"n_train": cfg.n_train, "n_test": cfg.n_test}
+    recipe["settings"] = cfg.settings() if offline else {"n_train": cfg.n_train, "n_test": cfg.n_test}
 
     out = Path(out)
     marker = out / MARKER
@@ -338,11 +361,11 @@ def provision(
     out.mkdir(parents=True, exist_ok=True)
 
     phases = "model download, datasets"
-    if preset == "tiny":
+    if offline:
         phases = "datasets, tokenizer, pretraining (most of the time), base-model evaluation"
     log.info("provisioning %s (seed %d) into %s: %s", preset, seed, out, phases)
     start, cpu_start = time.perf_counter(), time.process_time()
-    if preset == "tiny":
+    if offline:
         built = _provision_tiny(out, seed, cfg, progress)
     else:
         built = _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
@@ -362,7 +385,9 @@ def provision(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl-multilora provision", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", help="'tiny' (offline) or a Hub model id such as Qwen/Qwen3-4B")
+    parser.add_argument(
+        "--preset", default="tiny", help="'tiny' or 'tiny-moe' (offline) or a Hub model id such as Qwen/Qwen3-4B"
+    )
     parser.add_argument("--out", required=True, help="output directory (model/, data/, PROVISIONED.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, tokenizer, init and pretraining")
     parser.add_argument("--force", action="store_true", help="rebuild even if DIR is already provisioned")
@@ -370,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pretrain-steps",
         type=int,
         default=None,
-        help=f"tiny preset: AdamW steps (default {TinyPresetConfig().pretrain_steps})",
+        help=f"offline presets: AdamW steps (default {TinyPresetConfig().pretrain_steps})",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # as `rl-multilora`

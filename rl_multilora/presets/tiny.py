@@ -1,4 +1,7 @@
-"""The tiny base of the offline preset: tokenizer, small Llama causal LM, 2.5 CPU-minutes of pretraining, base stats.
+"""The tiny bases of the offline presets: tokenizer, small causal LM, ~3 CPU-minutes of pretraining, base stats.
+
+`tiny` (Llama) and `tiny-moe` (Qwen3-MoE) differ only in `TinyPresetConfig.family` and the expert fields, which
+`build_model` reads; the tokenizer, data, pretraining, temperature folding and evaluation below are the same code.
 
 Design choices:
 
@@ -13,10 +16,24 @@ Design choices:
   so PEFT, the embedded engine and SGLang-style module names all apply unchanged. Llama rather than Qwen2 because
   transformers 5 forces `Qwen2Tokenizer` on any `qwen2` checkpoint directory (whatever tokenizer_config.json says),
   which adds its own `<|endoftext|>` token beyond the embedding table; for `llama` it honours our tokenizer.json.
+- MoE model (`tiny-moe`): a real `Qwen3MoeForCausalLM` with the same width, depth and attention (`head_dim` set to
+  hidden / heads = 32: Qwen3's default is 128 whatever the width), every layer sparse (`decoder_sparse_step=1`,
+  `mlp_only_layers=[]`): 4 experts 144 wide, top-2, weights renormalized over the two (`norm_topk_prob`), so the
+  MLP weights are transformers 5's packed expert Parameters `mlp.experts.gate_up_proj (E, 2I, H)` /
+  `down_proj (E, H, I)` and the router `mlp.gate`, which expert LoRA targets (~1.15M parameters, ~0.71M active per
+  token). Its tokenizer is the same files: `qwen3_moe` is mapped to `Qwen2Tokenizer` too, but unlike `qwen2` it is
+  not in transformers 5's `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`, so the `tokenizer_class` that provisioning
+  writes into tokenizer_config.json ("PreTrainedTokenizerFast") is honoured and AutoTokenizer reads our
+  tokenizer.json (without it, 5.23 loads a `Qwen2Tokenizer` with 523 tokens for our 522; tests/test_provision.py
+  checks the ids). No router load-balancing loss (`output_router_logits=False`): pretraining is the same plain LM
+  loss as for llama, and with 4 experts and top-2 every expert still takes ~13-40 % of the routed token slots in
+  every layer of the pretrained base (measured on test prompts), so no expert is dead for LoRA to miss. The experts
+  run transformers' default implementation (grouped_mm on torch 2.13 CPU), the one a loaded checkpoint gets too.
 - Pretraining: AdamW on freshly drawn chat examples of the three tasks (never the test questions), loss on the
   response tokens and EOS only (the prompts are given, as in SFT). A response uses its task's answer format at
   rate `right_format_rate` (0.45, spread evenly over the run), else an off-format one: the base answers correctly
-  ~60-70 % of the time but in the right format only ~40 %, which is the headroom GRPO is meant to find quickly.
+  ~60-70 % of the time (`tiny`; `tiny-moe` ~80-98 %) but in the right format only ~40 %, which is the headroom
+  GRPO is meant to find quickly.
 - Temperature folding: so short a pretraining leaves the digit distributions broad, so T=1 samples are much
   less often right than greedy ones. The saved model has the final norm weight divided by `fold_temperature` (0.5),
   which makes T=1 sampling from it exactly T=0.5 sampling from the trained one: answers are right about as often as
@@ -36,7 +53,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from rl_multilora.presets.tiny_config import SPECIAL_TOKENS, TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_example, render_response, score_response
@@ -129,9 +153,9 @@ def tokenizer_corpus(seed: int, per_task: int = 400) -> list[str]:
     return texts
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed: int) -> LlamaForCausalLM:
-    """A freshly initialized Llama causal LM sized by `cfg`, with the tokenizer's special-token ids."""
-    config = LlamaConfig(
+def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed: int) -> PreTrainedModel:
+    """A freshly initialized causal LM of `cfg.family` sized by `cfg`, with the tokenizer's special-token ids."""
+    shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -144,8 +168,23 @@ def build_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyPresetConfig, seed:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if cfg.family == "llama":
+        config, model_class = LlamaConfig(**shared), LlamaForCausalLM
+    else:
+        config = Qwen3MoeConfig(
+            **shared,
+            head_dim=cfg.hidden_size // cfg.num_heads,  # Qwen3's default is 128, whatever the width
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,  # every layer sparse: no dense MLP anywhere
+            mlp_only_layers=[],
+            output_router_logits=False,  # no load-balancing loss (see the module docstring)
+        )
+        model_class = Qwen3MoeForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -172,7 +211,7 @@ def _training_batch(
 
 
 def pretrain(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     cfg: TinyPresetConfig,
     seed: int,
@@ -244,7 +283,7 @@ def pretrain(
 
 @torch.no_grad()
 def evaluate_base(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     test: dict[str, list[TaskExample]],
     cfg: TinyPresetConfig,
@@ -298,7 +337,7 @@ def evaluate_base(
 
 
 @torch.no_grad()
-def fold_temperature(model: LlamaForCausalLM, temperature: float) -> None:
+def fold_temperature(model: PreTrainedModel, temperature: float) -> None:
     """Make sampling at T=1 from `model` equal sampling at `temperature` from it as trained.
 
     logits = (w * x / rms(x)) @ E.T are linear in the final norm weight w: w /= T scales every logit by 1/T exactly.
