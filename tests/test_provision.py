@@ -1,6 +1,7 @@
-"""`rl-multilora provision`: the tiny preset's files load through the standard APIs, are seeded, idempotent, and the
-Hub path calls the right downloads. Unit tests shrink the model (hidden 64, 2 layers) and the pretraining; the full
-preset and its base-stat targets are the slow test."""
+"""`rl-multilora provision`: the tiny presets' files load through the standard APIs, are seeded, idempotent, and the
+Hub path calls the right downloads. `tiny` (Llama) and `tiny-moe` (Qwen3-MoE) share every test that is about the
+recipe rather than the architecture. Unit tests shrink the model (hidden 64, 2 layers) and the pretraining; the full
+presets and their base-stat targets are the slow tests."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 import torch
 from datasets import load_dataset
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
-from rl_multilora.presets.tiny_config import TinyPresetConfig
+from rl_multilora.presets.tiny_config import PRESETS, SPECIAL_TOKENS, TinyPresetConfig
 from rl_multilora.presets.tiny_tasks import TASKS, generate_example, render_response, score_response, strict_answer
 from rl_multilora.provision import MARKER, main, provision
 
@@ -35,6 +36,9 @@ SMALL = TinyPresetConfig(
     batch_size=16,
     eval_prompts=4,
 )
+# The same, sparse: 4 experts of width 48 per layer, top-2 (48 != 64 / 2, so a transposed expert weight shows).
+SMALL_MOE = replace(SMALL, family="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=48)
+SMALL_BY_PRESET = {"tiny": SMALL, "tiny-moe": SMALL_MOE}
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -46,13 +50,25 @@ def tiny_dir(tmp_path_factory) -> Path:
     return provision("tiny", tmp_path_factory.mktemp("tiny") / "out", seed=0, config=SMALL)
 
 
-def test_model_tokenizer_and_datasets_load(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model")
-    assert model.config.model_type == "llama" and model.config.hidden_size == 64
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    return provision("tiny-moe", tmp_path_factory.mktemp("tiny-moe") / "out", seed=0, config=SMALL_MOE)
+
+
+@pytest.fixture(params=["tiny", "tiny-moe"])
+def preset_dir(request) -> Path:
+    """Each offline preset's small build, for the tests both must pass."""
+    return request.getfixturevalue({"tiny": "tiny_dir", "tiny-moe": "tiny_moe_dir"}[request.param])
+
+
+def test_model_tokenizer_and_datasets_load(preset_dir):
+    record = json.loads((preset_dir / MARKER).read_text())
+    tok = AutoTokenizer.from_pretrained(preset_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(preset_dir / "model")
+    assert model.config.model_type == record["model"]["family"] and model.config.hidden_size == 64
     # AutoTokenizer must read our tokenizer.json as is (no family tokenizer adding tokens past the embedding table).
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
-    raw = Tokenizer.from_file(str(tiny_dir / "model" / "tokenizer.json"))
+    raw = Tokenizer.from_file(str(preset_dir / "model" / "tokenizer.json"))
     text = "<|bos|><|user|>\nTom has 12 + 30 = 42 apples.  Two  spaces\n#### 42<|end|>"
     assert tok(text)["input_ids"] == raw.encode(text).ids
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|end|>")
@@ -60,18 +76,56 @@ def test_model_tokenizer_and_datasets_load(tiny_dir):
 
     columns = {"gsm8k": ["question", "answer"], "arith": ["problem", "answer"], "compare": ["question", "answer"]}
     for task in TASKS:
-        files = {s: str(tiny_dir / "data" / task / f"{s}.jsonl") for s in ("train", "test")}
+        files = {s: str(preset_dir / "data" / task / f"{s}.jsonl") for s in ("train", "test")}
         ds = load_dataset("json", data_files=files)
         assert ds["train"].num_rows == SMALL.n_train and ds["test"].num_rows == SMALL.n_test
         assert ds["train"].column_names == columns[task]
         prompt_col = columns[task][0]
         assert not set(ds["train"][prompt_col]) & set(ds["test"][prompt_col]), "train and test must be disjoint"
 
-    record = json.loads((tiny_dir / MARKER).read_text())
-    assert record["preset"] == "tiny" and record["seed"] == 0
+    assert record["seed"] == 0 and record["settings"] == SMALL_BY_PRESET[record["preset"]].settings()
     assert record["data"]["arith"] == {"train": SMALL.n_train, "test": SMALL.n_test}
     assert set(record["base_stats"]) == set(TASKS)
     assert record["model"]["pretrain"]["final_loss"] < record["model"]["pretrain"]["first_loss"]
+
+
+def test_tiny_moe_is_qwen3_moe_with_packed_experts_and_the_tiny_tokenizer_and_data(tiny_moe_dir, tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir / "model")
+    assert type(model) is Qwen3MoeForCausalLM
+    config = model.config
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 48)
+    assert config.norm_topk_prob and not config.output_router_logits
+    assert config.decoder_sparse_step == 1 and config.mlp_only_layers == [], "every layer sparse"
+    params = dict(model.named_parameters())
+    for i in range(SMALL_MOE.num_layers):
+        mlp = f"model.layers.{i}.mlp"
+        assert params[f"{mlp}.experts.gate_up_proj"].shape == (4, 2 * 48, 64)  # (E, 2I, H), packed
+        assert params[f"{mlp}.experts.down_proj"].shape == (4, 64, 48)  # (E, H, I)
+        assert params[f"{mlp}.gate.weight"].shape == (4, 64)  # router (E, H)
+        experts = {name.removeprefix(f"{mlp}.experts.") for name in params if name.startswith(f"{mlp}.experts.")}
+        assert experts == {"gate_up_proj", "down_proj"}, "packed 3-D Parameters, no per-expert Linears"
+
+    # transformers maps qwen3_moe to Qwen2Tokenizer; the saved tokenizer_class must keep AutoTokenizer on ours.
+    moe_tok = AutoTokenizer.from_pretrained(tiny_moe_dir / "model")
+    tiny_tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    assert type(moe_tok) is type(tiny_tok) and len(moe_tok) == len(tiny_tok) == model.config.vocab_size
+    assert moe_tok.get_vocab() == tiny_tok.get_vocab()
+    assert moe_tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(SPECIAL_TOKENS)))
+    assert (moe_tok.pad_token_id, moe_tok.bos_token_id, moe_tok.eos_token_id) == (0, 1, 2)
+    moe_files, tiny_files = _files(tiny_moe_dir), _files(tiny_dir)
+    for name in ("model/tokenizer.json", "model/tokenizer_config.json", "model/chat_template.jinja"):
+        assert moe_files[name] == tiny_files[name], name
+    for name in (n for n in tiny_files if n.startswith("data/")):
+        assert moe_files[name] == tiny_files[name], f"{name}: same seed, same datasets"
+
+    record, tiny_record = (json.loads((d / MARKER).read_text()) for d in (tiny_moe_dir, tiny_dir))
+    assert record["preset"] == "tiny-moe" and record["model"]["family"] == "qwen3_moe"
+    counts = {k: record["model"][k] for k in ("num_experts", "top_k", "moe_intermediate_size")}
+    assert counts == {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 48}
+    assert record["settings"]["family"] == "qwen3_moe" and record["settings"]["num_experts"] == 4
+    # The dense record reads as before the MoE fields existed (old `tiny` directories still match their recipe).
+    assert tiny_record["model"]["family"] == "llama" and "num_experts" not in tiny_record["model"]
+    assert not {"family", "num_experts", "top_k", "moe_intermediate_size"} & set(tiny_record["settings"])
 
 
 def test_dataset_rows_hold_the_right_answers(tiny_dir):
@@ -90,8 +144,8 @@ def test_dataset_rows_hold_the_right_answers(tiny_dir):
         assert int(row["answer"]) == (max(a, b) if word == "larger" else min(a, b))
 
 
-def test_chat_template_and_digit_tokens(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+def test_chat_template_and_digit_tokens(preset_dir):
+    tok = AutoTokenizer.from_pretrained(preset_dir / "model")
     messages = [{"role": "user", "content": "Compute 17 + 25."}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "<|bos|><|user|>\nCompute 17 + 25.<|end|>\n<|assistant|>\n"
@@ -107,10 +161,10 @@ def test_chat_template_and_digit_tokens(tiny_dir):
         tok.apply_chat_template([{"role": "robot", "content": "hi"}], tokenize=False)
 
 
-def test_model_generates_a_response_that_ends_in_eos(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model")
-    rows = [json.loads((tiny_dir / "data" / t / "test.jsonl").read_text().splitlines()[0]) for t in TASKS]
+def test_model_generates_a_response_that_ends_in_eos(preset_dir):
+    tok = AutoTokenizer.from_pretrained(preset_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(preset_dir / "model")
+    rows = [json.loads((preset_dir / "data" / t / "test.jsonl").read_text().splitlines()[0]) for t in TASKS]
     prompts = [tok.apply_chat_template([{"role": "user", "content": r.get("question", r.get("problem"))}],
                                        add_generation_prompt=True, tokenize=False) for r in rows]  # fmt: skip
     batch = tok(prompts, padding=True, return_tensors="pt")
@@ -121,15 +175,16 @@ def test_model_generates_a_response_that_ends_in_eos(tiny_dir):
         assert tok.decode(row[: row.index(tok.eos_token_id)]).strip(), "a non-empty response before EOS"
 
 
-def test_same_seed_same_files_other_seed_other_data(tmp_path):
-    cfg = replace(SMALL, pretrain_steps=2, eval_prompts=0)
-    a = _files(provision("tiny", tmp_path / "a", seed=3, config=cfg))
-    b = _files(provision("tiny", tmp_path / "b", seed=3, config=cfg))
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_same_seed_same_files_other_seed_other_data(tmp_path, preset):
+    cfg = replace(SMALL_BY_PRESET[preset], pretrain_steps=2, eval_prompts=0)
+    a = _files(provision(preset, tmp_path / "a", seed=3, config=cfg))
+    b = _files(provision(preset, tmp_path / "b", seed=3, config=cfg))
     a.pop(MARKER), b.pop(MARKER)  # the marker records wall times
     assert a.keys() == b.keys() and "model/model.safetensors" in a and "model/tokenizer.json" in a
     for name in a:
         assert a[name] == b[name], f"{name} differs between two runs with the same seed"
-    c = _files(provision("tiny", tmp_path / "c", seed=4, config=cfg))
+    c = _files(provision(preset, tmp_path / "c", seed=4, config=cfg))
     assert c["data/arith/train.jsonl"] != a["data/arith/train.jsonl"]
     assert c["model/model.safetensors"] != a["model/model.safetensors"]
 
@@ -190,6 +245,12 @@ def test_idempotent_unless_forced(tmp_path):
     assert json.loads(marker.read_text())["seed"] == 1
     assert (out / "keep.txt").read_text() == "user file", "force clears only what provisioning writes"
 
+    moe = replace(SMALL_MOE, pretrain_steps=1, eval_prompts=0)
+    with pytest.raises(FileExistsError, match="preset='tiny' seed=1"):
+        provision("tiny-moe", out, seed=1, config=moe)  # same seed and sizes, other architecture: another recipe
+    provision("tiny-moe", out, seed=1, force=True, config=moe)
+    assert json.loads(marker.read_text())["model"]["family"] == "qwen3_moe"
+
 
 def test_hub_preset_downloads_model_and_gsm8k(tmp_path, monkeypatch):
     import datasets
@@ -227,9 +288,17 @@ def test_hub_preset_downloads_model_and_gsm8k(tmp_path, monkeypatch):
     assert record["preset"] == "Qwen/Qwen3-4B" and record["data"]["gsm8k"] == {"train": 1, "test": 2}
 
 
-def test_bad_input_names_the_field(tmp_path):
-    with pytest.raises(ValueError, match="preset='tiny-ish'"):
+def test_bad_input_names_the_field(tmp_path, capsys):
+    with pytest.raises(ValueError, match="preset='tiny-ish' is not allowed; use 'tiny', 'tiny-moe' or a Hub model id"):
         provision("tiny-ish", tmp_path)
+    with pytest.raises(ValueError, match="config.family='llama' does not fit preset='tiny-moe'"):
+        provision("tiny-moe", tmp_path, config=SMALL)
+    with pytest.raises(ValueError, match="num_experts=4 needs family='qwen3_moe'"):
+        TinyPresetConfig(num_experts=4)
+    with pytest.raises(ValueError, match="family='mixtral' must be one of 'llama', 'qwen3_moe'"):
+        TinyPresetConfig(family="mixtral")
+    with pytest.raises(ValueError, match=r"top_k=3 must be in \[1, num_experts=2\]"):
+        replace(PRESETS["tiny-moe"], num_experts=2, top_k=3)
     with pytest.raises(ValueError, match="seed=-1"):
         provision("tiny", tmp_path, seed=-1)
     with pytest.raises(ValueError, match="pretrain_steps=-5"):
@@ -238,6 +307,7 @@ def test_bad_input_names_the_field(tmp_path):
         TinyPresetConfig(hidden_size=0, right_format_rate=1.5)
     assert not (tmp_path / MARKER).exists()
     assert main(["--preset", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "'tiny', 'tiny-moe'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -254,9 +324,10 @@ def test_rendered_responses_score_by_format_and_number(task):
 
 
 @pytest.mark.slow
-def test_full_tiny_preset_base_stats_in_target_range(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_full_tiny_preset_base_stats_in_target_range(tmp_path, preset):
     torch.manual_seed(0)
-    out = provision("tiny", tmp_path / "tiny", seed=0)
+    out = provision(preset, tmp_path / preset, seed=0)
     record = json.loads((out / MARKER).read_text())
     for task, stats in record["base_stats"].items():
         # Target 0.15-0.5 with ~0.04 sampling error on 96 prompts: a little slack on both ends.
