@@ -143,8 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("provision", help="build the offline tiny preset (or download a Hub model + datasets)")
-    s.add_argument("--preset", default="tiny", help='"tiny" (offline) or a Hub model id such as Qwen/Qwen3-4B')
+    s = sub.add_parser(
+        "provision", help="build an offline tiny preset (dense or MoE), or download a Hub model + datasets"
+    )
+    s.add_argument(
+        "--preset",
+        default="tiny",
+        help='"tiny" (offline, Llama), "tiny-moe" (offline, Qwen3-MoE) or a Hub model id such as Qwen/Qwen3-4B',
+    )
     s.add_argument("--out", default="artifacts/tiny", help="output folder")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--force", action="store_true", help="rebuild even if already provisioned")

@@ -22,11 +22,16 @@ Design choices:
   rounding, not bit for bit (the base implementation may order the sums differently).
 - LoRA is added to each projection output of the pairs whose row uses an adapter, before the gate and before the
   routing weight, exactly as PEFT's `W + scale * B @ A` fold: `y_p += scale[s] * (x_p @ A[s, e].T) @ B[s, e].T` with
-  s the row's slot and e the pair's expert. The compute is `layer.py`'s `_GroupedLoRA` over the flattened
-  `(slot, expert)` index `s * E + e`: each pair gathers its own A and B (`pairs x rank x (in + out)` values) and
-  two batched matmuls run over all pairs at once, so the cost does not grow with the number of slots; the backward
-  adds each pair's gradient into its own (slot, expert) only, so gradients land only in the experts a row's tokens
-  were routed to and a NaN/inf row stays in its own tenant (no one-hot mask times NaN).
+  s the row's slot and e the pair's expert. The pairs are sorted by the flat index `s * E + e` and cut into segments
+  of one (slot, expert) each, at most `ceil(pairs / groups)` long (`_Segments`, once per layer); `layer.py`'s
+  grouped compute (`_GroupedLoRA`, its hand-written backward) then runs over the segments: one gather of A and B
+  per segment and two batched matmuls over all of them. Gathering A and B per pair instead, as a Linear does per
+  row, would move `rank x (in + out)` values per token (a pair is one token, a row a whole sequence): measured
+  on the tiny MoE preset (`bench/bench_moe.py`), a forward + backward with expert LoRA cost 3.7x the same batch
+  with LoRA on the Linears only that way, 1.5-1.6x with segments. The cost does not grow with the number of
+  slots; the backward adds
+  each segment's gradient into its own (slot, expert) only, so gradients land only in the experts a row's tokens
+  were routed to, and a NaN/inf row stays in its own tenant (segments never mix slots).
 - Scales, ranks and covered targets come from the shared `SlotRouter` routing (`routing.py`); an expert Parameter is
   a "module" there, named by its full Parameter name. A row whose adapter does not cover a Parameter gets scale 0
   there, and its slot's tensors are zero too.
@@ -115,6 +120,8 @@ class ExpertLoRA(nn.Module):
         """`proj[p] += scale[s] * (x[p] @ A[s, e].T) @ B[s, e].T` for the LoRA pairs p (slot s, expert e).
 
         proj: (P, out) base projection of every pair, x: (P, in) its input; returns the sum in proj's dtype.
+        The pairs are cut into segments of one (slot, expert) each (`_Segments`): per segment one gather of its A
+        and B and two batched matmuls over all segments at once.
         """
         routing = pairs.routing
         scales = routing.scales_for(self.name)  # (n_active,) per active row, or None: no used slot covers it
@@ -122,20 +129,55 @@ class ExpertLoRA(nn.Module):
             return proj
         lora_a, lora_b = self.stacked(routing)
         out = proj.to(lora_a.dtype)  # (P, out); summed in the LoRA dtype and rounded once, as LoRALinear
-        n = pairs.sel.numel()
-        xs = x.index_select(0, pairs.sel).to(lora_a.dtype).unsqueeze(1)  # (n, 1, in), the LoRA pairs' inputs
-        delta = out.new_zeros(n, 1, self.out_features)
-        flat_a = lora_a.view(-1, *lora_a.shape[2:])  # (S * E, R, in): index s * E + e; (S, R, in) when shared
+        seg = pairs.segments
+        x_sorted = x.index_select(0, seg.pair_index).to(lora_a.dtype)  # (n, in): LoRA pairs by (slot, expert)
+        # x_pad[k, j] = the j-th pair of segment k (zero past its end)
+        x_pad = x_sorted.new_zeros(seg.count * seg.width, self.in_features).index_copy(0, seg.pad_pos, x_sorted)
+        seg_scale = scales.new_zeros(seg.count).index_copy(0, seg.seg_of, scales.index_select(0, seg.active_pos))
+        flat_a = lora_a.view(-1, *lora_a.shape[2:])  # (S * E, R, in), or (S, R, in) when shared
         flat_b = lora_b.view(-1, *lora_b.shape[2:])  # (S * E, out, R)
-        index = pairs.slot * self.num_experts + pairs.expert  # (n,)
-        a_index = pairs.slot if self.shared_a else None  # a shared A is indexed by slot alone
+        y_pad = out.new_zeros(seg.count, seg.width, self.out_features)
         grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
-        _grouped_lora(delta, xs, flat_a, flat_b, index, scales[pairs.active_pos], routing.max_rank, grad, a_index)
-        if pairs.all_pairs:
-            out = out + delta.view(n, self.out_features)
-        else:
-            out = out.index_add(0, pairs.sel, delta.view(n, self.out_features))  # out[sel[i]] += delta[i]
-        return out.to(proj.dtype)
+        # y_pad[k] += scale[k] * x_pad[k] @ A[s_k, e_k].T @ B[s_k, e_k].T: one gather of A and B per segment
+        _grouped_lora(
+            y_pad, x_pad.view(seg.count, seg.width, -1), flat_a, flat_b, seg.key, seg_scale, routing.max_rank, grad,
+            seg.slot if self.shared_a else None,
+        )  # fmt: skip
+        delta = y_pad.view(-1, self.out_features).index_select(0, seg.pad_pos)  # (n, out), in sorted order
+        return out.index_add(0, seg.pair_index, delta).to(proj.dtype)  # out[pair_index[i]] += delta[i]
+
+
+class _Segments:
+    """The LoRA pairs of one layer sorted by (slot, expert) and cut into `count` segments of at most `width` pairs,
+    each of one (slot, expert): what `ExpertLoRA.add_delta` runs its batched matmuls over.
+
+    Per-pair gathers of A and B (as `layer.py` does per row) would move `rank x (in + out)` values per token, rank
+    times the activations themselves: a row of a Linear is a whole sequence, a pair is one token. Per segment the
+    gather is paid once. A large group is cut into several segments of `width` = ceil(pairs / groups), so a skewed
+    mix pads at most one partial segment per group: the padded size stays below twice the pairs plus the groups.
+    Segments never mix slots, so a NaN/inf pair reaches only its own slot's gradients.
+    """
+
+    def __init__(self, pairs: _PairRouting, num_experts: int):
+        key = pairs.slot * num_experts + pairs.expert  # (n,) flat (slot, expert) index
+        sorted_key, order = torch.sort(key, stable=True)
+        groups, counts = torch.unique_consecutive(sorted_key, return_counts=True)  # (U,), (U,)
+        n, num_groups = key.numel(), groups.numel()
+        self.width = -(-n // num_groups)  # ceil: the mean group size
+        chunks = (counts + self.width - 1) // self.width  # (U,) segments per group
+        self.count = int(chunks.sum())  # host sync (one per layer, shared by its expert Parameters)
+        device = key.device
+        group_of = torch.repeat_interleave(torch.arange(num_groups, device=device), counts)  # (n,) sorted pairs
+        start = torch.cumsum(counts, 0) - counts  # (U,) first sorted pair of each group
+        pos = torch.arange(n, device=device) - start.index_select(0, group_of)  # (n,) position in its group
+        first_seg = torch.cumsum(chunks, 0) - chunks  # (U,) first segment of each group
+        seg_of = first_seg.index_select(0, group_of) + torch.div(pos, self.width, rounding_mode="floor")
+        self.seg_of = seg_of  # (n,) each sorted pair's segment
+        self.pad_pos = seg_of * self.width + pos % self.width  # (n,) each sorted pair's row in the padded layout
+        self.key = torch.repeat_interleave(groups, chunks)  # (K,) (slot, expert) of each segment
+        self.slot = torch.div(self.key, num_experts, rounding_mode="floor")  # (K,)
+        self.pair_index = pairs.sel.index_select(0, order)  # (n,) the sorted pairs' positions among all pairs
+        self.active_pos = pairs.active_pos.index_select(0, order)  # (n,) into the routing's active rows
 
 
 def expert_a_per_expert(lora_a: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -146,7 +188,7 @@ def expert_a_per_expert(lora_a: torch.Tensor, num_experts: int) -> torch.Tensor:
 class _PairRouting:
     """Which (token, k) pairs, sorted by expert, use an adapter: their positions, slots, experts, active rows."""
 
-    def __init__(self, routing: _Routing, pair_row: torch.Tensor, expert: torch.Tensor):
+    def __init__(self, routing: _Routing, pair_row: torch.Tensor, expert: torch.Tensor, num_experts: int):
         # pair_row, expert: (P,) the batch row and the expert of each sorted pair
         self.routing = routing
         if routing.active is None:  # every row uses an adapter
@@ -158,10 +200,18 @@ class _PairRouting:
             pos = row_pos[pair_row]  # (P,) position of each pair's row among the active rows; -1 = base row
             self.sel = (pos >= 0).nonzero().squeeze(1)
             active_pos = pos.index_select(0, self.sel)
-        self.all_pairs = self.sel.numel() == pair_row.numel()
         self.active_pos = active_pos  # (n,) into routing.row_slots / scales_for(...)
         self.slot = routing.row_slots.index_select(0, active_pos)  # (n,)
         self.expert = expert.index_select(0, self.sel)  # (n,)
+        self.num_experts = num_experts
+        self._segments: _Segments | None = None
+
+    @property
+    def segments(self) -> _Segments:
+        """The pairs cut into (slot, expert) segments, computed once per layer for all its expert Parameters."""
+        if self._segments is None:
+            self._segments = _Segments(self, self.num_experts)
+        return self._segments
 
 
 class LoRAExperts:
@@ -224,7 +274,7 @@ class LoRAExperts:
         expert_g, perm = torch.sort(expert_ids, stable=True)  # pairs sorted by expert
         token_g = perm // top_k  # (P,) token of each sorted pair
         counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()  # one host sync per layer
-        pairs = _PairRouting(routing, token_g // seq, expert_g)
+        pairs = _PairRouting(routing, token_g // seq, expert_g, self.num_experts)
         x_g = hidden_states.index_select(0, token_g)  # (P, H)
 
         first, second = self._first_proj(), SECOND_PROJ
