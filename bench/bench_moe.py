@@ -13,6 +13,7 @@ Variants, forward + backward to the input embeddings (what a train micro-batch c
   base         no row uses an adapter: the base MoE forward (transformers' experts implementation) and backward
   lin_1        every row uses `lin`: LoRA on the Linears, the experts run the base implementation
   moe_1/8/64   rows split evenly over 1, 8 or 64 tenants with expert LoRA
+  moe_1_nodelta  as moe_1 with the expert LoRA delta skipped: the experts computed in the LoRA path, no LoRA math
 and the same without autograd (`nograd_*`: a rollout prefill). With expert LoRA in a batch the experts module
 computes the experts itself (a loop over the E experts, one matmul each, plus the grouped LoRA over (slot, expert)
 pairs), so `moe_1 / lin_1` is the expert LoRA's own cost including that switch of implementation.
@@ -21,8 +22,10 @@ pairs), so `moe_1 / lin_1` is the expert LoRA's own cost including that switch o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,9 +34,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from bench.bench_lora import paired_ratio, time_interleaved  # noqa: E402
 from rl_multilora.lora import MultiLoRAModel  # noqa: E402
+from rl_multilora.lora.experts import ExpertLoRA  # noqa: E402
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 TENANTS = (1, 8, 64)
+
+
+@contextlib.contextmanager
+def no_expert_delta() -> Iterator[None]:
+    """Expert LoRA rows take the LoRA experts forward, but its delta is skipped: what computing the experts in the
+    LoRA path (a loop over the E experts) costs by itself."""
+    add_delta = ExpertLoRA.add_delta
+    ExpertLoRA.add_delta = lambda self, proj, x, pairs: proj
+    try:
+        yield
+    finally:
+        ExpertLoRA.add_delta = add_delta
 
 
 def build(model_dir: str) -> MultiLoRAModel:
@@ -80,6 +96,12 @@ def main() -> None:
     cases = {"base": None, "lin_1": "lin", **{f"moe_{n}": n for n in TENANTS}}
     fns = {key: (lambda v=v: fwd_bwd(names_for(v))) for key, v in cases.items()}
     fns |= {f"nograd_{key}": (lambda v=v: fwd(names_for(v))) for key, v in cases.items()}
+
+    def skipped(fn):
+        with no_expert_delta():
+            fn(names_for(1))
+
+    fns |= {"moe_1_nodelta": lambda: skipped(fwd_bwd), "nograd_moe_1_nodelta": lambda: skipped(fwd)}
     times = time_interleaved(fns, args.warmup, args.runs, "cpu")
 
     print(
@@ -98,7 +120,8 @@ def main() -> None:
         tenants = ", ".join(f"{n}: {r(f'moe_{n}', 'moe_1'):.2f}" for n in TENANTS[1:])
         print(
             f"  {label}: tenants N/1 {tenants}; lin_1/base {r('lin_1', 'base'):.2f}, moe_1/base "
-            f"{r('moe_1', 'base'):.2f}, moe_1/lin_1 {r('moe_1', 'lin_1'):.2f}"
+            f"{r('moe_1', 'base'):.2f}, moe_1/lin_1 {r('moe_1', 'lin_1'):.2f}, moe_1_nodelta/lin_1 "
+            f"{r('moe_1_nodelta', 'lin_1'):.2f}"
         )
 
 
