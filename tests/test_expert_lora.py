@@ -607,3 +607,63 @@ def test_shared_a_grads_match_autograd_through_the_reference_loop():
             m(ids, adapter_names=names).logits,
             **TOL,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other MoE families: Mixtral, DeepSeek-V3 (with shared experts) and gpt-oss (transposed experts with biases and
+# interleaved gate/up, router `mlp.router`), each against PEFT's target_parameters LoRA
+
+
+def _family_config(family: str):
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    if family == "mixtral":
+        return MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=8, **common)
+    if family == "deepseek_v3":
+        return DeepseekV3Config(
+            intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4, **common,
+        )  # fmt: skip
+    return GptOssConfig(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"] * 2,
+        **common,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
+    def base():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return AutoModelForCausalLM.from_config(_family_config(family)).float().eval()
+
+    folders = {}
+    for i, (name, modules) in enumerate((("p", []), ("q", ["o_proj"]))):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5 + i)
+            config = LoraConfig(
+                r=4 - 2 * i, lora_alpha=8, target_modules=modules, target_parameters=EXPERTS, init_lora_weights=False
+            )
+            pm = get_peft_model(base(), config)
+        pm.save_pretrained(str(tmp_path / name))
+        folders[name] = pm
+    m = MultiLoRAModel.from_model(base(), 3, 8, "all-linear", target_parameters=EXPERTS)
+    assert not any("router" in n or n.endswith("mlp.gate") for n in m.lora_modules)  # never a router
+    assert any("shared_experts" in n for n in m.lora_modules) == (family == "deepseek_v3")  # plain Linears
+    for name in folders:
+        m.load_adapter(name, tmp_path / name)
+    ids = batch(4, length=6)
+    with torch.no_grad():
+        alone = {name: pm(input_ids=ids).logits for name, pm in folders.items()}
+        plain = base()(input_ids=ids).logits
+        mixed = m(ids, adapter_names=["p", None, "q", "p"]).logits
+        ref = m(ids, adapter_names=["p", None, "q", "p"], reference=True).logits
+    assert not torch.allclose(alone["p"], plain, atol=1e-2)
+    for row, want in enumerate((alone["p"], plain, alone["q"], alone["p"])):
+        torch.testing.assert_close(mixed[row], want[row], **PEFT_TOL)
+    torch.testing.assert_close(ref, mixed, **PEFT_TOL)
