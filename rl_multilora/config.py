@@ -184,6 +184,16 @@ class RolloutConfig(_Strict):
         description="embedded (in-process torch), sglang (launch/attach a server), http (any server at url).",
     )
     url: str | None = Field(None, description="Server URL for engine http, or sglang to attach instead of launching.")
+    num_engines: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Rollout engines: each step's prompt groups are spread over them (least in flight) and every sync "
+        "reaches all. Embedded: engines in this process over the shared base; http: one per URL in `urls`.",
+    )
+    urls: list[str] | None = Field(
+        None, description="Engine http with num_engines > 1: one server URL per engine (instead of url)."
+    )
     api_key: str | None = Field(None, description="Bearer token for the server's state-changing endpoints.")
     n_samples_per_prompt: int = Field(8, ge=1, description="GRPO group size (samples per prompt).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
@@ -358,9 +368,25 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         if a.name in seen:
             problems.append(bad_value(f"{where}name", a.name, "a name no other adapter of this config has"))
         seen.add(a.name)
-    if cfg.rollout.engine == "http" and not cfg.rollout.url:
+    r = cfg.rollout
+    if r.engine == "http" and r.num_engines == 1 and not r.url:
         problems.append(
             bad_value("rollout.url", None, "the server URL with engine 'http' (e.g. http://127.0.0.1:30000)")
+        )
+    if r.engine == "http" and r.num_engines > 1 and len(r.urls or []) != r.num_engines:
+        problems.append(
+            bad_value("rollout.urls", r.urls, f"{r.num_engines} server URLs (one per engine, rollout.num_engines)")
+        )
+    if r.urls is not None and (r.engine != "http" or r.num_engines == 1):
+        problems.append(bad_value("rollout.urls", r.urls, "null unless engine is 'http' with num_engines > 1"))
+    if r.engine == "sglang" and r.num_engines > 1:
+        problems.append(
+            bad_value(
+                "rollout.num_engines",
+                r.num_engines,
+                "1 with engine 'sglang' (several SGLang servers: start them yourself and use engine 'http' with "
+                "urls, or SGLang's own data parallelism, --dp-size in rollout.sglang_args)",
+            )
         )
     return problems
 

@@ -52,18 +52,21 @@ def seed_everything(seed: int) -> None:
 
 
 def build_engine(cfg: RunConfig, model, tokenizer):
-    """The rollout engine the config names; all three speak the same RolloutEngine interface."""
+    """The rollout engine the config names; all three speak the same RolloutEngine interface (several engines:
+    a `MultiEngine` over them)."""
     r = cfg.rollout
     if r.engine == "embedded":
         from rollout.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size), None
+        engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
+        return _one_or_many(engines), None
     from rollout.engines.sglang import SGLangEngine
     from rollout.engines.sglang_launcher import SGLangLauncher
     from rollout.engines.sglang_protocol import sglang_expert_shapes
 
     if r.engine == "http":
-        return SGLangEngine(r.url, api_key=r.api_key, tensor_format="safetensors"), None
+        urls = r.urls if r.num_engines > 1 else [r.url]
+        return _one_or_many([SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]), None
     # A model whose expert LoRA SGLang cannot serve exactly fails here, before a minutes-long server start.
     expert_shapes = sglang_expert_shapes(model)
     launcher = None
@@ -90,6 +93,14 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     )
     engine.tp_size = tp_size or engine.server_tp_size() or 1
     return engine, launcher
+
+
+def _one_or_many(engines: list):
+    if len(engines) == 1:
+        return engines[0]
+    from rollout.engines.multi import MultiEngine
+
+    return MultiEngine(engines)
 
 
 def rollout_sampling(cfg: RunConfig, tokenizer) -> SamplingParams:

@@ -99,6 +99,8 @@ class ServiceStatus:
     max_loras: int
     adapters: list[AdapterStatus] = field(default_factory=list)
     error: str | None = None
+    engines: int = 1  # rollout engines (rollout.num_engines)
+    trainer_ranks: int = 1  # training processes (the backend's world size)
 
     def get(self, name: str) -> AdapterStatus | None:
         return next((a for a in self.adapters if a.name == name), None)
@@ -109,7 +111,10 @@ class ServiceStatus:
     def table(self) -> str:
         used = sum(a.slot is not None for a in self.adapters)
         mode = "ERROR" if self.error else ("training" if self.training else "idle")
-        head = f"service: {mode} | global step {self.global_step} | slots {used}/{self.max_loras} | {self.run_dir}"
+        head = (
+            f"service: {mode} | global step {self.global_step} | slots {used}/{self.max_loras} | "
+            f"trainer ranks {self.trainer_ranks} | engines {self.engines} | {self.run_dir}"
+        )
         lines = [head]
         if self.error:
             lines.append(f"error: {self.error}")
@@ -337,6 +342,8 @@ class ServiceCore:
             max_loras=c.max_loras,
             adapters=[AdapterStatus.from_record(d) for d in c.status()],
             error=self.error,
+            engines=self.rt.cfg.rollout.num_engines,
+            trainer_ranks=self.rt.backend.world_size,
         )
         with self._lock:
             self._status = snap

@@ -114,7 +114,7 @@ def test_status_table_shows_every_column():
         ],
     )
     lines = st.table().splitlines()
-    assert lines[0] == "service: training | global step 7 | slots 1/2 | runs/x"
+    assert lines[0] == "service: training | global step 7 | slots 1/2 | trainer ranks 1 | engines 1 | runs/x"
     assert lines[1].split() == ["NAME", "STATE", "SLOT", "STEPS", "LAST", "REWARD", "CHECKPOINT", "REASON"]
     assert lines[2].split() == ["a", "RUNNING", "0", "5/30", "0.625", "runs/x/adapters/a/step_4"]
     assert lines[3].split() == ["b", "PENDING", "-", "0", "-", "-"]
@@ -123,7 +123,7 @@ def test_status_table_shows_every_column():
     assert json.loads(json.dumps(st.to_dict()))["adapters"][0]["last_reward"] == 0.625
     idle = ServiceStatus(0, False, "runs/x", 2, error="RuntimeError: boom")
     assert idle.table().splitlines()[:2] == [
-        "service: ERROR | global step 0 | slots 0/2 | runs/x",
+        "service: ERROR | global step 0 | slots 0/2 | trainer ranks 1 | engines 1 | runs/x",
         "error: RuntimeError: boom",
     ]
 
@@ -165,7 +165,7 @@ class _GatedRuntime:
         self.cfg = RunConfig(model=ModelConfig(path=str(tmp), max_loras=1, max_rank=8), run_dir=str(tmp / "run"))
         self.run_dir = Path(self.cfg.run_dir)
         self.tenants = _OneSlotTenants()
-        self.backend = SimpleNamespace(lora_modules=None, lora_parameters=None)  # no model: targets not checked
+        self.backend = SimpleNamespace(lora_modules=None, lora_parameters=None, world_size=1)  # no model
         self.ckpt = CheckpointManager(self.run_dir)
         self.started = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)

@@ -63,6 +63,11 @@ class TrainingBackend(abc.ABC):
         """Names of the modules the model's LoRA slots cover (what an adapter's target_modules may name)."""
 
     @property
+    def world_size(self) -> int:
+        """Training processes (ranks) behind this backend."""
+        return 1
+
+    @property
     def lora_parameters(self) -> list[str]:
         """Full names of the packed expert Parameters the model's LoRA slots cover (what an adapter's
         target_parameters may name); none unless the model has expert LoRA."""
