@@ -191,6 +191,11 @@ class RolloutConfig(_Strict):
         description="Rollout engines: each step's prompt groups are spread over them (least in flight) and every sync "
         "reaches all. Embedded: engines in this process over the shared base; http: one per URL in `urls`.",
     )
+    engine_actors: bool = Field(
+        False,
+        description="Engine embedded: run each of the num_engines engines as a Ray actor that loads the base from "
+        "model.path itself (one GPU each when CUDA is available), instead of in this process.",
+    )
     urls: list[str] | None = Field(
         None, description="Engine http with num_engines > 1: one server URL per engine (instead of url)."
     )
@@ -379,6 +384,8 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         )
     if r.urls is not None and (r.engine != "http" or r.num_engines == 1):
         problems.append(bad_value("rollout.urls", r.urls, "null unless engine is 'http' with num_engines > 1"))
+    if r.engine_actors and r.engine != "embedded":
+        problems.append(bad_value("rollout.engine_actors", True, "false unless engine is 'embedded'"))
     if r.engine == "sglang" and r.num_engines > 1:
         problems.append(
             bad_value(

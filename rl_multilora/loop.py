@@ -58,6 +58,8 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     if r.engine == "embedded":
         from rollout.engines.embedded import EmbeddedEngine
 
+        if r.engine_actors:
+            return _one_or_many(_ray_engines(cfg)), None
         engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
         return _one_or_many(engines), None
     from rollout.engines.sglang import SGLangEngine
@@ -93,6 +95,25 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     )
     engine.tp_size = tp_size or engine.server_tp_size() or 1
     return engine, launcher
+
+
+def _ray_engines(cfg: RunConfig) -> list:
+    """`rollout.num_engines` embedded engines as Ray actors, each loading the base from `model.path` (a GPU each
+    when CUDA is available). Joins the Ray cluster this process is in, or starts a local one."""
+    import ray
+
+    from rollout.engines.ray_engine import RayEngine
+
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+    m = cfg.model
+    kwargs = dict(
+        max_loras=m.max_loras, max_rank=m.max_rank, target_modules=m.target_modules,
+        target_parameters=m.target_parameters or [], expert_lora=m.expert_lora,
+        max_batch_size=cfg.rollout.max_batch_size, dtype=m.dtype,
+    )  # fmt: skip
+    gpus = 1 if torch.cuda.is_available() and m.device != "cpu" else 0
+    return [RayEngine(m.path, kwargs, num_gpus=gpus) for _ in range(cfg.rollout.num_engines)]
 
 
 def _one_or_many(engines: list):

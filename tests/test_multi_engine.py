@@ -154,3 +154,53 @@ def test_engine_count_errors_name_the_field(workspace, tmp_path, rollout, fragme
     with pytest.raises(ConfigError) as err:
         parse_run_config(cfg)
     assert fragment in str(err.value)
+
+
+@pytest.fixture
+def local_ray():
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_engines_as_ray_actors_match_in_process_engines(workspace, tmp_path, local_ray, model):
+    """Two engines in their own actor processes, each loading the base from the folder: the same outputs and
+    versions as an in-process engine, every sync reaching both; then a whole run with them matches one engine."""
+    from rollout.engines.ray_engine import RayEngine
+
+    folder = workspace / "model"  # save_tiny_model(seed 0): the same weights as tiny_model()
+    actors = MultiEngine([RayEngine(folder, {"max_loras": 3, "max_rank": 8}) for _ in range(2)])
+    local = EmbeddedEngine(model, tiny_tokenizer())
+    try:
+        _load(actors, model, 5)
+        _load(local, model, 5)
+        assert actors.engine_adapter_versions() == [{"a": 5, "b": 5}] * 2
+        requests = _requests()
+
+        async def by_group():
+            groups = [requests[i : i + 3] for i in range(0, 12, 3)] + [[r] for r in requests[12:]]
+            return await asyncio.gather(*(actors.agenerate(g) for g in groups))
+
+        got = [r for group in asyncio.run(by_group()) for r in group]
+        want = local.generate(requests)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert [r.weight_version for r in got] == [r.weight_version for r in want]
+        assert all(n > 0 for n in actors.served)
+    finally:
+        actors.close()
+        local.close()
+
+    cfg = _config(workspace, tmp_path / "actors", 2)
+    cfg["rollout"]["engine_actors"] = True
+    run(parse_run_config(cfg))
+    reference = tmp_path / "one"
+    run(parse_run_config(_config(workspace, reference, 1)))
+    series = [
+        [(r["adapter"], r["adapter_step"], r["reward_mean"], r["weight_version"]) for r in read_metrics(d)]
+        for d in (tmp_path / "actors", reference)
+    ]
+    assert series[0] == series[1]

@@ -38,8 +38,11 @@ def build_embedded_engine(
     max_loras: int = 8,
     max_rank: int = 64,
     target_modules: str = "all-linear",
-    target_parameters: str = "",
+    target_parameters: str | list[str] = "",
     expert_lora: str = "per_expert",
+    device: str | None = None,
+    max_batch_size: int = 256,
+    dtype: str = "float32",
 ) -> tuple[RolloutEngine, Any]:
     """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
     # Heavy imports stay here: serving itself only needs aiohttp.
@@ -48,10 +51,14 @@ def build_embedded_engine(
     from rl_multilora.lora import MultiLoRAModel
     from rollout.engines.embedded import EmbeddedEngine
 
+    import torch
+
     targets: str | list[str] = target_modules
-    if targets != "all-linear":
+    if isinstance(targets, str) and targets != "all-linear":
         targets = [t.strip() for t in target_modules.split(",") if t.strip()]
-    params = [t.strip() for t in target_parameters.split(",") if t.strip()]
+    params = target_parameters
+    if isinstance(params, str):
+        params = [t.strip() for t in params.split(",") if t.strip()]
     model = MultiLoRAModel.from_pretrained(
         model_dir,
         max_loras=max_loras,
@@ -59,9 +66,11 @@ def build_embedded_engine(
         target_modules=targets,
         target_parameters=params,
         expert_lora=expert_lora,
+        device=device,
+        dtype=getattr(torch, dtype),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return EmbeddedEngine(model, tokenizer), tokenizer
+    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

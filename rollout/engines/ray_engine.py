@@ -1,0 +1,115 @@
+"""`RayEngine`: an embedded engine in its own Ray actor process, behind the `RolloutEngine` interface.
+
+Design choices:
+
+- The actor builds its engine itself from the model folder (`rollout.engines.serve.build_embedded_engine`, what
+  `engine-serve` serves): its own copy of the frozen base and its own adapter bank, on the device Ray gives it
+  (`num_gpus=1` puts it on a GPU of its own). Only LoRA tensors travel afterwards: `load_adapter` ships an adapter's
+  PEFT-named tensors through Ray's object store, never the base.
+- The actor is threaded (`max_concurrency`): concurrent `generate` calls (one per prompt group) reach the engine
+  together, so they batch as in-process calls do, and `pause` is served while generations are running.
+- `agenerate` awaits the actor's result without holding a thread, so one event loop can keep many engines busy.
+- Ray's serialization runs between this project's own processes in one cluster (trusted); nothing from the network
+  is unpickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollout.engines.base import RolloutEngine
+from rollout.types import GenerateRequest, GenerateResult
+
+
+class _EngineActor:
+    """Runs inside the actor process: an embedded engine built from the model folder."""
+
+    def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None):
+        from rollout.engines.serve import build_embedded_engine
+
+        self.engine, _ = build_embedded_engine(model_dir, **engine_kwargs, device=device)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return self.engine.generate(requests)
+
+    def load_adapter(self, name: str, tensors: dict, config: dict, version: int | None) -> int:
+        return self.engine.load_adapter(name, tensors, config, version=version)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def adapter_versions(self) -> dict[str, int]:
+        return self.engine.adapter_versions()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class RayEngine(RolloutEngine):
+    """A proxy to one `_EngineActor`; every call waits for the actor's answer (errors re-raise here)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        engine_kwargs: dict[str, Any] | None = None,
+        num_gpus: float = 0,
+        num_cpus: float = 1,
+        max_concurrency: int = 256,
+    ):
+        import ray
+
+        actor_cls = ray.remote(_EngineActor).options(
+            num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency
+        )
+        self._actor = actor_cls.remote(str(model_dir), dict(engine_kwargs or {}), "cuda" if num_gpus else None)
+        ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
+
+    def _get(self, ref):
+        import ray
+
+        return ray.get(ref)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return self._get(self._actor.generate.remote(requests))
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return await self._actor.generate.remote(requests)
+
+    def load_adapter(
+        self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None = None
+    ) -> int:
+        return self._get(self._actor.load_adapter.remote(name, tensors, config, version))
+
+    def unload_adapter(self, name: str) -> None:
+        self._get(self._actor.unload_adapter.remote(name))
+
+    def pause(self) -> None:
+        self._get(self._actor.pause.remote())
+
+    def resume(self) -> None:
+        self._get(self._actor.resume.remote())
+
+    def health(self) -> bool:
+        return self._get(self._actor.health.remote())
+
+    def adapter_versions(self) -> dict[str, int]:
+        return self._get(self._actor.adapter_versions.remote())
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            self._get(self._actor.close.remote())
+        finally:
+            ray.kill(self._actor)
