@@ -73,7 +73,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     if not (Path(args.model) / "config.json").is_file():
-        sys.exit(f"error: --model={args.model!r} has no config.json; provision it: rl-multilora provision --preset tiny-moe")
+        sys.exit(
+            f"error: --model={args.model!r} has no config.json; provision it: rl-multilora provision --preset tiny-moe"
+        )
     torch.set_num_threads(1)
     m = build(args.model)
     cfg = m.config
@@ -114,7 +116,8 @@ def main() -> None:
         print(f"{key:>16} {min(t):9.1f} {statistics.median(t):10.1f} {max(t):9.1f}")
     print("ratios (median of per-run ratios):")
     for prefix, label in (("", "forward + backward"), ("nograd_", "forward, no autograd")):
-        def r(a: str, b: str) -> float:
+
+        def r(a: str, b: str, prefix: str = prefix) -> float:
             return paired_ratio(times[prefix + a], times[prefix + b])
 
         tenants = ", ".join(f"{n}: {r(f'moe_{n}', 'moe_1'):.2f}" for n in TENANTS[1:])

@@ -603,7 +603,10 @@ def test_expert_lora_served_over_http_matches_peft_generate(tmp_path):
         engine.close()
     ids = torch.tensor([prompt])
     expected = []
-    for model in (PeftModel.from_pretrained(tiny_model("qwen3_moe"), tmp_path / "peft").eval(), tiny_model("qwen3_moe")):
+    for model in (
+        PeftModel.from_pretrained(tiny_model("qwen3_moe"), tmp_path / "peft").eval(),
+        tiny_model("qwen3_moe"),
+    ):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                              eos_token_id=None)  # fmt: skip
         expected.append(out[0, len(prompt) :].tolist())

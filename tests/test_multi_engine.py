@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import ConfigError, parse_run_config
-from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.loop import run
+from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.metrics import read_metrics
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.engines.multi import MultiEngine
@@ -43,7 +43,9 @@ def _requests() -> list[GenerateRequest]:
     out = []
     for g, (prompt, adapter) in enumerate(zip(PROMPTS, ["a", "b", None, "a"], strict=True)):
         for k in range(3):
-            out.append(GenerateRequest(prompt, adapter, SamplingParams(temperature=1.0, max_new_tokens=8, seed=g * 10 + k)))
+            out.append(
+                GenerateRequest(prompt, adapter, SamplingParams(temperature=1.0, max_new_tokens=8, seed=g * 10 + k))
+            )
     out += [GenerateRequest(p, "b", SamplingParams(temperature=0.0, max_new_tokens=8)) for p in PROMPTS]
     return out
 
@@ -51,7 +53,10 @@ def _requests() -> list[GenerateRequest]:
 def _load(engine, model: MultiLoRAModel, version: int) -> None:
     engine.pause()
     for name in ("a", "b"):
-        assert engine.load_adapter(name, model.adapter_state_dict(name), model.peft_config(name), version=version) == version
+        assert (
+            engine.load_adapter(name, model.adapter_state_dict(name), model.peft_config(name), version=version)
+            == version
+        )
     engine.resume()
 
 
@@ -129,7 +134,9 @@ def test_a_run_with_two_engines_matches_one_engine(workspace, tmp_path):
             assert isinstance(rt.engine, MultiEngine) and all(s > 0 for s in rt.engine.served)
 
     def series(run_dir):
-        return [(r["adapter"], r["adapter_step"], r["reward_mean"], r["weight_version"]) for r in read_metrics(run_dir)]
+        return [
+            (r["adapter"], r["adapter_step"], r["reward_mean"], r["weight_version"]) for r in read_metrics(run_dir)
+        ]
 
     assert series(runs[2]) == series(runs[1])
     for name in ("t1", "t2"):

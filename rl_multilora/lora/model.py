@@ -453,7 +453,9 @@ class MultiLoRAModel(nn.Module):
                 layer.lora_B[slot][:, : parsed.rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
             for param, (lora_a, lora_b) in parsed.experts.items():
                 holder = self._experts[param]
-                holder.lora_A[slot][:, : parsed.rank].copy_(lora_a)  # A[s, :, :r] = a; a: (E, r, in) or shared (1, r, in)
+                holder.lora_A[slot][:, : parsed.rank].copy_(
+                    lora_a
+                )  # A[s, :, :r] = a; a: (E, r, in) or shared (1, r, in)
                 holder.lora_B[slot][:, :, : parsed.rank].copy_(lora_b)  # B[s, :, :, :r] = b; b: (E, out, r)
         covered = frozenset(parsed.tensors) | frozenset(parsed.experts)
         self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), covered)

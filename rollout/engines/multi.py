@@ -147,4 +147,3 @@ def _runs(requests: Sequence[GenerateRequest]) -> list[tuple[int, int]]:
 
 def _same_group(a: GenerateRequest, b: GenerateRequest) -> bool:
     return a.adapter == b.adapter and a.input_ids == b.input_ids
-

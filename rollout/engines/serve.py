@@ -46,12 +46,11 @@ def build_embedded_engine(
 ) -> tuple[RolloutEngine, Any]:
     """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
     # Heavy imports stay here: serving itself only needs aiohttp.
+    import torch
     from transformers import AutoTokenizer
 
     from rl_multilora.lora import MultiLoRAModel
     from rollout.engines.embedded import EmbeddedEngine
-
-    import torch
 
     targets: str | list[str] = target_modules
     if isinstance(targets, str) and targets != "all-linear":
