@@ -309,9 +309,10 @@ class MultiLoRAModel(nn.Module):
         with torch.no_grad():
             for pair in self._stacked_pairs():
                 for stacked in pair:
-                    stacked[slot].zero_()
-                    if stacked.grad is not None:
-                        stacked.grad[slot].zero_()
+                    for tensor in (stacked, stacked.grad):
+                        view = None if tensor is None else _local_slot(tensor, slot)
+                        if view is not None:
+                            view.zero_()
 
     def add_adapter(
         self,
@@ -353,15 +354,18 @@ class MultiLoRAModel(nn.Module):
             for module, layer in self._layers.items():
                 # The generator advances through every layer, so a subset adapter's covered layers get the same
                 # init as the same layers of a full adapter with that seed.
-                init = layer.lora_A[slot].new_empty(layer.lora_A[slot][:rank].shape)
+                a = layer.lora_A
+                init = torch.empty((rank, *a.shape[2:]), dtype=a.dtype, device=a.device)
                 # PEFT's kaiming_uniform_(A, a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)); fan_in = in on the (r, in) view.
                 nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
-                if module in covered:
-                    layer.lora_A[slot][:rank] = init
+                if module in covered and (view := _local_slot(a, slot)) is not None:
+                    view[:rank] = init
             for param, holder in self._experts.items():  # after the Linears: a Linear-only model draws as before
-                init = init_expert_a(holder.lora_A[slot], rank, generator)  # (E, r, in)
-                if param in covered:
-                    holder.lora_A[slot][:, :rank] = init
+                a = holder.lora_A
+                like = torch.empty((), dtype=a.dtype, device=a.device).expand(a.shape[1:])  # the slot's shape
+                init = init_expert_a(like, rank, generator)  # (E, r, in)
+                if param in covered and (view := _local_slot(a, slot)) is not None:
+                    view[:, :rank] = init
         self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), covered)
         return slot
 
@@ -373,26 +377,28 @@ class MultiLoRAModel(nn.Module):
 
     # -- PEFT I/O ----------------------------------------------------------------------------------------------
 
-    def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+    def adapter_state_dict(self, name: str, read_slot=None) -> dict[str, torch.Tensor]:
         """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r);
         expert Parameters in PEFT's `target_parameters` keys and layout (`peft_io.py`).
 
-        Only the adapter's own slot tensors are gathered, never the full model state dict.
+        Only the adapter's own slot tensors are gathered, never the full model state dict. `read_slot(stacked, s)`
+        returns slot `s` of a stacked tensor (default: `stacked[s]`; a sharded model gathers it from its rank).
         """
         record = self._slot_record(name)
         s, r = record.info.slot, record.info.rank
+        read = read_slot or (lambda stacked, slot: stacked[slot])
         out: dict[str, torch.Tensor] = {}
         for module, layer in self._layers.items():
             if module in record.modules:
-                out[_peft_key(module, "A")] = layer.lora_A[s][:r].detach().clone()
-                out[_peft_key(module, "B")] = layer.lora_B[s][:, :r].detach().clone()
+                out[_peft_key(module, "A")] = read(layer.lora_A, s)[:r].detach().clone()
+                out[_peft_key(module, "B")] = read(layer.lora_B, s)[:, :r].detach().clone()
         stems = _expert_key_stems(record.modules, self._expert_shapes)
         for param, stem in stems.items():
             holder = self._experts[param]
             # PEFT's layout: A (E * r, in) expert-major, B (out, r * E) expert-fastest; (E, r, in) / (E, out, r) here
             # (a shared A is written once per expert: PEFT and every per-expert loader read it as it is)
-            lora_a = expert_a_per_expert(holder.lora_A[s][:, :r].detach(), holder.num_experts)
-            lora_a, lora_b = _expert_to_peft(lora_a, holder.lora_B[s][:, :, :r].detach())
+            lora_a = expert_a_per_expert(read(holder.lora_A, s)[:, :r].detach(), holder.num_experts)
+            lora_a, lora_b = _expert_to_peft(lora_a, read(holder.lora_B, s)[:, :, :r].detach())
             out[f"{stem}.lora_A.weight"] = lora_a.clone()
             out[f"{stem}.lora_B.weight"] = lora_b.contiguous().clone()
         return out
@@ -447,16 +453,19 @@ class MultiLoRAModel(nn.Module):
         slot = self.slot_of(name) if name in self.adapters else self._claim_slot(name)
         self._reset_slot(slot)
         with torch.no_grad():
+            r = parsed.rank
             for module, (lora_a, lora_b) in parsed.tensors.items():
                 layer = self._layers[module]
-                layer.lora_A[slot][: parsed.rank].copy_(lora_a)  # A[s, :r] = a; a: (r, in)
-                layer.lora_B[slot][:, : parsed.rank].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
+                if (view := _local_slot(layer.lora_A, slot)) is not None:
+                    view[:r].copy_(lora_a)  # A[s, :r] = a; a: (r, in)
+                if (view := _local_slot(layer.lora_B, slot)) is not None:
+                    view[:, :r].copy_(lora_b)  # B[s, :, :r] = b; b: (out, r)
             for param, (lora_a, lora_b) in parsed.experts.items():
                 holder = self._experts[param]
-                holder.lora_A[slot][:, : parsed.rank].copy_(
-                    lora_a
-                )  # A[s, :, :r] = a; a: (E, r, in) or shared (1, r, in)
-                holder.lora_B[slot][:, :, : parsed.rank].copy_(lora_b)  # B[s, :, :, :r] = b; b: (E, out, r)
+                if (view := _local_slot(holder.lora_A, slot)) is not None:
+                    view[:, :r].copy_(lora_a)  # A[s, :, :r] = a; a: (E, r, in) or shared (1, r, in)
+                if (view := _local_slot(holder.lora_B, slot)) is not None:
+                    view[:, :, :r].copy_(lora_b)  # B[s, :, :, :r] = b; b: (E, out, r)
         covered = frozenset(parsed.tensors) | frozenset(parsed.experts)
         self._slots[slot] = _Slot(AdapterInfo(name, slot, parsed.rank, parsed.alpha), covered)
         return slot
@@ -650,6 +659,18 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow
             bad_value("target_modules", targets, "names of nn.Linear modules (" + "; ".join(problems) + ")")
         )
     return [n for n in linears if any(_matches_target(n, t) for t in targets)]
+
+
+def _local_slot(stacked: torch.Tensor, slot: int) -> torch.Tensor | None:
+    """Slot `slot` of a stacked LoRA tensor as a writable view; None when it lives on another rank (a DTensor that
+    FSDP2 shards on the slot dim in chunks of ceil(slots / world))."""
+    mesh = getattr(stacked, "device_mesh", None)
+    if mesh is None:
+        return stacked[slot]
+    per_rank = -(-stacked.shape[0] // mesh.size())
+    if slot // per_rank != mesh.get_local_rank():
+        return None
+    return stacked.to_local()[slot % per_rank]
 
 
 def _select_parameters(model: nn.Module, target_parameters: Sequence[str] | None) -> dict[str, list[str]]:

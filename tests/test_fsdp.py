@@ -1,0 +1,114 @@
+"""The multi-LoRA model sharded with FSDP2 over 2 ranks (gloo on CPU), against the same model unsharded.
+
+Each rank is a process (`torch.multiprocessing.spawn`). Checked: only rank 0 opens the weight files (counted), nothing
+is left on meta, each rank holds half of every sharded parameter (base and LoRA slots), adapters added or loaded on
+the sharded model give the unsharded model's logits and LoRA gradients in a mixed batch (each rank its own half of
+the rows: the reduce-scatter must sum them), and an adapter's export moves only its slot's bytes and equals the
+unsharded export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.tiny_models import MOE_EXPERTS, save_tiny_model
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, folder: str, port: int, out_dir: str, moe: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        _check(rank, Path(folder), Path(out_dir), moe)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(rank: int, folder: Path, out_dir: Path, moe: bool) -> None:
+    import transformers.modeling_utils as modeling_utils
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rl_multilora.backends.fsdp import adapter_slot_bytes, gather_adapter_state_dict, load_sharded, meta_tensors
+    from rl_multilora.lora import MultiLoRAModel
+
+    opened = []
+    real_open = modeling_utils.safe_open
+    modeling_utils.safe_open = lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1]
+    params = MOE_EXPERTS if moe else None
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = load_sharded(folder, mesh, max_loras=4, max_rank=8, target_parameters=params)
+    modeling_utils.safe_open = real_open
+    reads = [None] * WORLD
+    dist.all_gather_object(reads, len(opened))
+
+    shards = {}
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        shards[name] = [local.shape[0], p.shape[0]]
+    report = {"reads": reads, "meta": meta_tensors(model), "shards": shards}
+
+    ref = MultiLoRAModel.from_pretrained(folder, max_loras=4, max_rank=8, target_parameters=params)
+    for m in (model, ref):  # the same adapters: seeded inits, and b loaded from the other's export
+        m.add_adapter("a", rank=4, alpha=8, seed=1)  # slot 0, on rank 0
+        m.add_adapter("x", rank=2, alpha=2, seed=4)  # slot 1, on rank 0
+    ref.add_adapter("b", rank=8, alpha=16, seed=2)  # slot 2, on rank 1: its export has to move
+    with torch.no_grad():
+        for p in ref.adapter_parameters("b")[1::2]:  # B non-zero, so the adapter changes the output
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    model.load_adapter_state_dict("b", ref.adapter_state_dict("b"), ref.peft_config("b"))
+
+    ids = torch.randint(3, 100, (4, 6), generator=torch.Generator().manual_seed(0))
+    names = ["a", "b", None, "b"]
+    mine = slice(2 * rank, 2 * rank + 2)  # each rank its half of the rows
+    out = model(ids[mine], adapter_names=names[mine]).logits
+    want = ref(ids, adapter_names=names).logits
+    torch.testing.assert_close(out, want[mine], rtol=1e-5, atol=1e-5)
+    out.float().sum().div(want.numel()).backward()  # each rank's share of the mean: the ranks' grads are summed
+    want.float().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        if "lora_" in name:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    state, received = gather_adapter_state_dict(model, "b", dst=0)
+    if rank == 0:
+        expected = ref.adapter_state_dict("b")
+        assert sorted(state) == sorted(expected)
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], rtol=0, atol=0)
+        report["received"] = received
+        report["slot_bytes"] = adapter_slot_bytes(model, "b")
+        report["slot_b"] = model.slot_of("b")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_experts"])
+@pytest.mark.timeout(300)
+def test_two_ranks_shard_load_once_and_match_the_unsharded_model(tmp_path, moe):
+    folder = save_tiny_model(tmp_path / "model", family="qwen3_moe" if moe else "qwen2")
+    mp.spawn(_worker, args=(str(folder), _free_port(), str(tmp_path), moe), nprocs=WORLD, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert reports[0]["reads"][0] >= 1 and reports[0]["reads"][1:] == [0]  # only rank 0 opened weight files
+    for report in reports:
+        assert report["meta"] == []
+        for name, (local, full) in report["shards"].items():
+            assert local == -(-full // WORLD) or local == full - -(-full // WORLD), name  # half of dim 0 each
+    assert all(sum(r["shards"][n][0] for r in reports) == reports[0]["shards"][n][1] for n in reports[0]["shards"])
+    # b's slot (2 of 4, 2 per rank) lives on rank 1: its export moved exactly its slot's LoRA bytes to rank 0
+    first = reports[0]
+    assert first["slot_b"] == 2 and first["received"] == first["slot_bytes"] > 0
