@@ -30,6 +30,12 @@ Design choices (and where they differ from a single-adapter GRPO trainer such as
   tenant's step counter adds exactly that, so counter, budget and LR schedule count the same optimizer steps.
 - One file (about 540 lines): the mixed-batch step (rows, token index, per-adapter weights, micro-batches, per-tenant
   clip/NaN/step) is one algorithm whose parts share private row types; GRPO's model-free math is in `grpo.py`.
+- Over several ranks (a model sharded with FSDP2, `rl_multilora/backends/fsdp.py`) every rank gets the same samples
+  and computes the same rows, advantages and per-tenant weights (normalized over the whole batch), then trains its
+  own share of the rows (balanced by tokens) in the same number of micro-batches (a rank short of rows runs one at
+  weight zero, so every collective is joined). The reduce-scatter sums the ranks' grads into the rank holding each
+  slot; each tenant's grad norm is all-reduced in the same tenant order on every rank, so clipping and the NaN skip
+  agree everywhere, and only the holding rank's optimizer has parameters (the others keep the schedule in step).
 - Settings are the validated config sections as they are: `GRPOSettings` for the loss, each adapter's
   `OptimSettings` + lr + max_steps for its optimizer and schedule (`rl_multilora.config`); no twin types.
 """
@@ -107,6 +113,7 @@ class MultiLoRATrainer:
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self._tenants: dict[str, _Tenant] = {}
+        self._ranks = _Ranks.of(model)
 
     # ----- tenants -----
 
@@ -133,8 +140,10 @@ class MultiLoRATrainer:
         for p in params:
             p.requires_grad_(True)
             p.grad = None
+        # A rank that does not hold the slot keeps an optimizer over a placeholder, so its schedule stays in step.
+        held = params or [torch.nn.Parameter(torch.zeros(0))]
         optimizer = torch.optim.AdamW(
-            params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+            held, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim, max_steps))
         slot = self.model.adapters[name].slot
@@ -288,18 +297,27 @@ class MultiLoRATrainer:
         weights = self._token_weights(rows_by_adapter)
         sums = _Sums()
         active = set(rows_by_adapter)
+        ranks = self._ranks
         self.model.zero_lora_grads()
         for epoch in range(self.cfg.ppo_epochs):
-            rows = [r for r in order if r.adapter in active]
+            rows = [r for r in order if r.adapter in active]  # every rank: the same rows, in the same order
             if not rows:
                 break
+            shares = ranks.split(rows)
+            mine = shares[ranks.rank]
+            mbs = self.cfg.micro_batch_size
+            n_micro = max(-(-len(share) // mbs) for share in shares)  # the same count on every rank
             nonfinite_loss: set[str] = set()
             backwarded: set[str] = set()
-            for start in range(0, len(rows), self.cfg.micro_batch_size):
-                micro = rows[start : start + self.cfg.micro_batch_size]
+            for i in range(n_micro):
+                micro = mine[i * mbs : (i + 1) * mbs]
+                if not micro:  # this rank is short of rows: join the collectives at weight zero
+                    self._micro_step([rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), first_epoch=True)
+                    continue
                 bad, good = self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
                 nonfinite_loss |= bad
                 backwarded |= good
+            nonfinite_loss, backwarded = ranks.agree(sorted(active), nonfinite_loss, backwarded)
             for name in sorted({r.adapter for r in rows}):
                 sums.add(name, "epochs", 1.0)
                 lr = self.adapter_lr(name)
@@ -319,13 +337,14 @@ class MultiLoRATrainer:
                     st.skipped_nonfinite = True
                     active.discard(name)  # a diverged tenant sits out the remaining epochs of this batch
             self.model.zero_lora_grads()
+        ranks.sum_over_ranks(sums, sorted(rows_by_adapter), _RANK_SUMMED)
         for name in rows_by_adapter:
             st = stats[name]
             n_epochs = max(1.0, sums.get(name, "epochs"))
             for key in ("loss", "pg_loss", "kl", "entropy"):
                 setattr(st, key, sums.get(name, key) / n_epochs)
             st.clip_frac = sums.get(name, "clipped") / max(1.0, sums.get(name, "tokens"))
-            n_gap = sums.get(name, "gap_tokens")
+            n_gap = sums.get(name, "gap_tokens")  # (summed over ranks below when sharded)
             st.logprob_gap = sums.get(name, "gap") / n_gap if n_gap > 0 else None
 
     def _token_weights(self, rows_by_adapter: dict[str, list[_Row]]) -> dict[int, float]:
@@ -442,7 +461,14 @@ class MultiLoRATrainer:
         tenant = self._tenants[name]
         params = [p for p in tenant.params if p.grad is not None]
         grad_norm: float | None = None
-        if params:
+        if self._ranks.world > 1:  # every rank, same tenant order: the norm of the tenant's shards on all ranks
+            grad_norm = self._ranks.norm([p.grad for p in params])
+            max_norm = tenant.optim_cfg.max_grad_norm
+            if max_norm is not None and not skip and math.isfinite(grad_norm):
+                coef = min(1.0, max_norm / (grad_norm + 1e-6))  # clip_grad_norm_'s rule
+                for p in params:
+                    p.grad.mul_(coef)
+        elif params:
             max_norm = tenant.optim_cfg.max_grad_norm
             if max_norm is None or skip:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -455,6 +481,68 @@ class MultiLoRATrainer:
             tenant.scheduler.step()
         tenant.optimizer.zero_grad(set_to_none=True)
         return ok, grad_norm
+
+
+_RANK_SUMMED = ("loss", "pg_loss", "kl", "entropy", "clipped", "tokens", "gap", "gap_tokens")
+
+
+class _Ranks:
+    """The trainer's view of the ranks a sharded model spans (world 1 for an unsharded one)."""
+
+    def __init__(self, world: int, rank: int):
+        self.world, self.rank = world, rank
+
+    @classmethod
+    def of(cls, model: MultiLoRAModel) -> _Ranks:
+        import torch.distributed as dist
+
+        sharded = any(getattr(p, "device_mesh", None) is not None for p in model.parameters())
+        if not sharded or not dist.is_initialized():
+            return cls(1, 0)
+        return cls(dist.get_world_size(), dist.get_rank())
+
+    def split(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Each rank's share of `rows`, balanced by tokens (each row to the rank with the fewest tokens so far),
+        every share in the rows' order. The same on every rank."""
+        if self.world == 1:
+            return [rows]
+        shares: list[list[_Row]] = [[] for _ in range(self.world)]
+        load = [0] * self.world
+        for r in rows:
+            k = min(range(self.world), key=lambda i: (load[i], i))
+            shares[k].append(r)
+            load[k] += len(r.input_ids)
+        return shares
+
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def agree(self, names: list[str], bad: set[str], good: set[str]) -> tuple[set[str], set[str]]:
+        """A tenant's loss is non-finite if it was on any rank, and it had a backward if it had one on any."""
+        if self.world == 1 or not names:
+            return bad, good
+        flags = self._all_reduce([float(n in bad) for n in names] + [float(n in good) for n in names], "max")
+        k = len(names)
+        return {n for n, f in zip(names, flags[:k], strict=True) if f}, {
+            n for n, f in zip(names, flags[k:], strict=True) if f
+        }
+
+    def norm(self, grads: list[torch.Tensor]) -> float:
+        """The L2 norm over every rank's part of one tenant's grads (all ranks call it, in the same order)."""
+        local = sum(float(g.double().pow(2).sum()) for g in grads)
+        return math.sqrt(self._all_reduce([local])[0])
+
+    def sum_over_ranks(self, sums: _Sums, names: list[str], keys: Sequence[str]) -> None:
+        if self.world == 1 or not names:
+            return
+        flat = self._all_reduce([sums.get(n, k) for n in names for k in keys])
+        for i, n in enumerate(names):
+            for j, k in enumerate(keys):
+                sums.values[n][k] = flat[i * len(keys) + j]
 
 
 @dataclass

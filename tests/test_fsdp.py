@@ -112,3 +112,68 @@ def test_two_ranks_shard_load_once_and_match_the_unsharded_model(tmp_path, moe):
     # b's slot (2 of 4, 2 per rank) lives on rank 1: its export moved exactly its slot's LoRA bytes to rank 0
     first = reports[0]
     assert first["slot_b"] == 2 and first["received"] == first["slot_bytes"] > 0
+
+
+def _train_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rl_multilora.backends.fsdp import gather_adapter_state_dict, load_sharded
+
+        model = load_sharded(Path(folder), init_device_mesh("cpu", (WORLD,)), max_loras=4, max_rank=16)
+        stats, state = _train(model)
+        gathered = {name: gather_adapter_state_dict(model, name)[0] for name in TENANTS}
+        if rank == 0:
+            torch.save({"stats": stats, "state": gathered}, Path(out_dir) / "sharded.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+TENANTS = {"a": (4, 11), "b": (8, 22), "c": (16, 33)}  # name -> (rank, seed), as tests/test_trainer.py
+
+
+def _train(model):
+    """Three tenants (ranks 4/8/16), two GRPO steps of 2 PPO epochs on a mixed batch, one tenant clipped hard."""
+    from rl_multilora.config import GRPOSettings, OptimSettings
+    from rl_multilora.trainer import MultiLoRATrainer
+    from tests.test_trainer import random_samples
+
+    trainer = MultiLoRATrainer(model, GRPOSettings(micro_batch_size=3, ppo_epochs=2), pad_token_id=0)
+    for name, (r, seed) in TENANTS.items():
+        model.add_adapter(name, rank=r, alpha=2 * r, seed=seed)
+        clip = {"max_grad_norm": 1e-3} if name == "b" else {}
+        # eps 1e-3: an element whose grad is float noise moves by noise, not by lr (Adam divides by |grad| + eps)
+        trainer.add_adapter(name, OptimSettings(weight_decay=0.01, eps=1e-3, **clip), lr=1e-2)
+    samples = [s for i, name in enumerate(TENANTS) for s in random_samples(name, 2, 4, seed=i)]
+    stats = []
+    for _ in range(2):
+        out = trainer.train_step(samples)
+        stats.append({n: (s.loss, s.grad_norm, s.n_steps, s.entropy, s.n_tokens) for n, s in out.items()})
+    return stats, None
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_train_like_one(tmp_path):
+    """The same GRPO steps on 2 sharded ranks (rows split between them) and on one unsharded model: the same
+    per-tenant losses, grad norms (clipping included), step counts and final adapters, within float tolerance."""
+    from rl_multilora.lora import MultiLoRAModel
+
+    folder = save_tiny_model(tmp_path / "model")
+    mp.spawn(_train_worker, args=(str(folder), _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    ref = MultiLoRAModel.from_pretrained(folder, max_loras=4, max_rank=16)
+    ref_stats, _ = _train(ref)
+    for got, want in zip(sharded["stats"], ref_stats, strict=True):
+        assert got.keys() == want.keys()
+        for name in want:
+            (loss, norm, steps, ent, ntok), (loss_r, norm_r, steps_r, ent_r, ntok_r) = got[name], want[name]
+            assert (steps, ntok) == (steps_r, ntok_r) and steps == 2
+            assert loss == pytest.approx(loss_r, rel=1e-4, abs=1e-6) and ent == pytest.approx(ent_r, rel=1e-5)
+            assert norm == pytest.approx(norm_r, rel=1e-4)
+    for name in TENANTS:
+        want = ref.adapter_state_dict(name)
+        for key, tensor in want.items():
+            torch.testing.assert_close(sharded["state"][name][key], tensor, rtol=1e-4, atol=1e-6, msg=key)

@@ -248,9 +248,17 @@ class MultiLoRAModel(nn.Module):
         They share storage with the slot, so an optimizer step on them updates the model in place, and they are
         what the adapter had before slots were stacked (same shapes, order and optimizer state). The forward's
         gradients land in the stacked tensors' `.grad`; `attach_slot_grads` points these views' `.grad` at the
-        slot's part of it.
+        slot's part of it. On a model sharded over ranks (FSDP2) only the rank holding the slot gets them; the others
+        get an empty list.
         """
-        return [nn.Parameter(stacked.detach()[s]) for stacked, s in self._slot_tensors(name)]
+        views = [_local_slot(stacked.detach(), s) for stacked, s in self._slot_tensors(name)]
+        return [nn.Parameter(v) for v in views if v is not None]
+
+    def _local_slot_tensors(self, name: str) -> list[tuple[torch.Tensor, int]]:
+        """`_slot_tensors` of the slot rows this rank holds (all of them unless the model is sharded)."""
+        return [
+            (stacked, s) for stacked, s in self._slot_tensors(name) if _local_slot(stacked.detach(), s) is not None
+        ]
 
     def _slot_tensors(self, name: str) -> list[tuple[nn.Parameter, int]]:
         record = self._slot_record(name)
@@ -271,19 +279,23 @@ class MultiLoRAModel(nn.Module):
     def attach_slot_grads(self, name: str, params: Sequence[torch.Tensor]) -> None:
         """Set each of `params`' (from `adapter_parameters(name)`) `.grad` to the slot's part of the stacked grads
         (a view: clipping it in place clips the stacked grad), or None where the backward left none."""
-        pairs = self._slot_tensors(name)
+        pairs = self._local_slot_tensors(name)
         if len(pairs) != len(params):
             raise ValueError(f"adapter {name!r} has {len(pairs)} slot tensors, got {len(params)} parameters")
         for param, (stacked, s) in zip(params, pairs, strict=True):
-            if param.data_ptr() != stacked[s].data_ptr() or param.shape != stacked[s].shape:
+            view = _local_slot(stacked.detach(), s)
+            if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
                 raise ValueError(f"parameters given for adapter {name!r} do not alias its slot {s}")
-            param.grad = None if stacked.grad is None else stacked.grad[s]
+            param.grad = None if stacked.grad is None else _local_slot(stacked.grad, s)
 
     def adapter_grads(self, name: str) -> list[torch.Tensor | None]:
         """The slot's part of the stacked grads, in `adapter_parameters` order (views; None before any backward).
         A slot without rows in the backward gets exactly zero here: the gather's backward adds only into the slots
         that rows used."""
-        return [None if stacked.grad is None else stacked.grad[s] for stacked, s in self._slot_tensors(name)]
+        return [
+            None if stacked.grad is None else _local_slot(stacked.grad, s)
+            for stacked, s in self._local_slot_tensors(name)
+        ]
 
     def zero_lora_grads(self) -> None:
         """Drop the stacked LoRA grads of every slot (what the next backward accumulates into)."""
