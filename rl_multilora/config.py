@@ -279,6 +279,18 @@ class LoggingSettings(_Strict):
     progress: bool = Field(True, description="Show a progress bar.")
 
 
+class TrainerConfig(_Strict):
+    """Where the trainable slots live: one process, or ranks on Ray with the base sharded by FSDP2."""
+
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Trainer ranks. 1: this process. N > 1: N Ray actors (one GPU each with CUDA, else one CPU), the "
+        "base and the LoRA slots sharded over them with FSDP2; needs the ray extra.",
+    )
+
+
 class RunConfig(_Strict):
     def eval_for(self, a: AdapterConfig) -> EvalSettings:
         """The eval settings of adapter `a`: the run's, with the adapter's overrides."""
@@ -289,6 +301,7 @@ class RunConfig(_Strict):
     model: ModelConfig
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rewards: RewardsSettings = Field(default_factory=RewardsSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     faults: FaultSettings = Field(default_factory=FaultSettings)

@@ -200,7 +200,12 @@ class Runtime:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        backend = LocalBackend.from_config(cfg, pad_token_id=pad)
+        if cfg.trainer.world_size > 1:
+            from rl_multilora.backends.ray_fsdp import RayFSDPBackend
+
+            backend = RayFSDPBackend(cfg, pad_token_id=pad)
+        else:
+            backend = LocalBackend.from_config(cfg, pad_token_id=pad)
         engine, launcher = build_engine(cfg, backend.model, tokenizer)
         generator = GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), rollout_sampling(cfg, tokenizer))
         scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers, fail_steps=cfg.rewards.fail_steps)

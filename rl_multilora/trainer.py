@@ -175,15 +175,24 @@ class MultiLoRATrainer:
         tenant = self._tenant(name)
         return {"optimizer": tenant.optimizer.state_dict(), "scheduler": tenant.scheduler.state_dict()}
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds `name`'s slot (always, unless the model is sharded over ranks)."""
+        return bool(self._tenant(name).params)
+
     def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
-        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings)."""
+        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings). A rank that
+        does not hold the slot (sharded model) takes the schedule and learning rate only."""
         tenant = self._tenant(name)
         missing = {"optimizer", "scheduler"} - set(state)
         if missing:
             raise ValueError(
                 bad_value(f"optimizer state of {name!r}", sorted(state), f"keys including {sorted(missing)}")
             )
-        tenant.optimizer.load_state_dict(state["optimizer"])
+        if tenant.params:
+            tenant.optimizer.load_state_dict(state["optimizer"])
+        else:
+            for group, saved in zip(tenant.optimizer.param_groups, state["optimizer"]["param_groups"], strict=True):
+                group["lr"] = saved["lr"]
         tenant.scheduler.load_state_dict(state["scheduler"])
 
     def _check_slot(self, name: str) -> None:

@@ -238,6 +238,15 @@ def run_problems(cfg: RunConfig) -> list[str]:
     from rollout.generate_state import HooksError, load_hooks
 
     problems = model_problems(cfg.model)
+    if cfg.trainer.world_size > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            problems.append(
+                bad_value(
+                    "trainer.world_size", cfg.trainer.world_size, "1 without Ray; install the ray extra for more ranks"
+                )
+            )
     targets, found = model_lora_targets(cfg.model) if not problems else (None, [])
     lora_modules, lora_parameters = targets if targets is not None else (None, None)
     problems += found

@@ -1,0 +1,246 @@
+"""`RayFSDPBackend`: trainer ranks as Ray actors, the base and the LoRA slots sharded over them with FSDP2.
+
+Design choices:
+
+- `trainer.world_size: N` starts N actors in one placement group (one CPU, or one GPU with CUDA, per bundle). Rank 0
+  reports its node address and a free port, every rank joins one `torch.distributed` group (`cpu:gloo,cuda:nccl`)
+  and a 1-D device mesh, and builds the model with `fsdp.load_sharded`: rank 0 alone reads the weight files.
+- Every call of the `TrainingBackend` interface goes to all ranks at once and returns when all have answered:
+  adding and removing tenants, loading adapters, and `train_step`, which hands every rank the whole batch (each
+  trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's normalization, clipping, NaN skip and
+  optimizer consistent across ranks). Rank 0's stats are the step's (they are summed over ranks).
+- `adapter_state_dict` gathers only the adapter's slot rows to rank 0 (`fsdp.gather_adapter_state_dict`) and
+  counts the bytes that moved (`gathered_bytes`); optimizer state comes from the rank holding the slot, in the same
+  layout as one process, so checkpoints keep their format and resume with another world size.
+- The driver keeps an unsharded copy of the base for an in-process embedded engine (`model`), loaded lazily: with
+  `rollout.engine_actors` or a server engine it is never loaded.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.config import AdapterConfig, RunConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _TrainerRank:
+    """One trainer rank (inside its Ray actor): a shard of the model and the GRPO trainer over it."""
+
+    def __init__(self, rank: int, world: int, cfg_json: dict[str, Any], pad_token_id: int):
+        self.rank, self.world = rank, world
+        self.cfg = RunConfig.model_validate(cfg_json)
+        self.pad_token_id = pad_token_id
+        self.model = None
+        self.trainer = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        import os
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rl_multilora.backends.fsdp import load_sharded, meta_tensors
+        from rl_multilora.trainer import MultiLoRATrainer
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        cuda = torch.cuda.is_available() and self.cfg.model.device != "cpu"
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=self.rank, world_size=self.world)
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        m = self.cfg.model
+        self.model = load_sharded(
+            m.path, mesh, m.max_loras, m.max_rank, m.target_modules, m.target_parameters, m.expert_lora,
+            getattr(torch, m.dtype),
+        )  # fmt: skip
+        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        self.trainer = MultiLoRATrainer(self.model, self.cfg.grpo, self.pad_token_id, temperature=temperature)
+        shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
+        return {
+            "lora_modules": self.model.lora_modules,
+            "lora_parameters": self.model.lora_parameters,
+            "meta": meta_tensors(self.model),
+            "shards": shard,
+        }
+
+    def add_adapter(self, cfg_json: dict[str, Any]) -> int:
+        cfg = AdapterConfig.model_validate(cfg_json)
+        slot = self.model.add_adapter(
+            cfg.name, rank=cfg.rank, alpha=cfg.alpha, seed=cfg.seed, target_modules=cfg.target_modules,
+            target_parameters=cfg.target_parameters,
+        )  # fmt: skip
+        try:
+            self.trainer.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps)
+        except BaseException:
+            self.model.remove_adapter(cfg.name)
+            raise
+        return slot
+
+    def remove_adapter(self, name: str) -> None:
+        if name in self.trainer.adapters:
+            self.trainer.remove_adapter(name)
+        self.model.remove_adapter(name)
+
+    def adapters(self) -> list[str]:
+        return list(self.model.adapters)
+
+    def free_slots(self) -> list[int]:
+        return self.model.free_slots
+
+    def train_step(self, samples, current_versions, max_steps) -> dict[str, AdapterStepStats]:
+        return self.trainer.train_step(samples, current_versions=dict(current_versions), max_steps=dict(max_steps))
+
+    def adapter_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], int]:
+        from rl_multilora.backends.fsdp import gather_adapter_state_dict
+
+        return gather_adapter_state_dict(self.model, name, dst=0)
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        return self.model.peft_config(name)
+
+    def load_adapter_state_dict(self, name: str, tensors, config, source: str) -> None:
+        self.model.load_adapter_state_dict(name, tensors, config, source=source)
+
+    def optimizer_state_dict(self, name: str) -> tuple[bool, dict[str, Any]]:
+        """(whether this rank holds the tenant's slot, its optimizer + scheduler state)."""
+        return self.trainer.holds(name), self.trainer.optimizer_state_dict(name)
+
+    def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
+        self.trainer.load_optimizer_state_dict(name, state)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayFSDPBackend(TrainingBackend):
+    """`world_size` trainer ranks as Ray actors over an FSDP2-sharded model (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, pad_token_id: int):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+        self.cfg = cfg
+        self._world = cfg.trainer.world_size
+        gpu = torch.cuda.is_available() and cfg.model.device != "cpu"
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self._pg = placement_group([bundle] * self._world, strategy="PACK")
+        ray.get(self._pg.ready())
+        actor = ray.remote(_TrainerRank)
+        self._ranks = [
+            actor.options(
+                num_cpus=1, num_gpus=1 if gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            ).remote(i, self._world, cfg.model_dump(mode="json"), pad_token_id)
+            for i in range(self._world)
+        ]  # fmt: skip
+        addr, port = ray.get(self._ranks[0].address.remote())
+        info = self._all("setup", addr, port)
+        self._info = info[0]
+        self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
+        self.gathered_bytes = 0
+        self._model = None
+
+    def _all(self, method: str, *args) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(r, method).remote(*args) for r in self._ranks])
+
+    @property
+    def model(self):
+        """An unsharded copy of the base with slots, for an in-process rollout engine (loaded on first use)."""
+        if self._model is None:
+            from rl_multilora.lora import MultiLoRAModel
+
+            m = self.cfg.model
+            self._model = MultiLoRAModel.from_pretrained(
+                m.path, max_loras=m.max_loras, max_rank=m.max_rank, target_modules=m.target_modules,
+                dtype=getattr(torch, m.dtype), target_parameters=m.target_parameters, expert_lora=m.expert_lora,
+            )  # fmt: skip
+        return self._model
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def max_loras(self) -> int:
+        return self.cfg.model.max_loras
+
+    @property
+    def lora_modules(self) -> list[str]:
+        return list(self._info["lora_modules"])
+
+    @property
+    def lora_parameters(self) -> list[str]:
+        return list(self._info["lora_parameters"])
+
+    @property
+    def adapters(self) -> list[str]:
+        return self._all("adapters")[0]
+
+    def free_slots(self) -> list[int]:
+        return self._all("free_slots")[0]
+
+    def add_adapter(self, cfg: AdapterConfig) -> int:
+        return self._all("add_adapter", cfg.model_dump(mode="json"))[0]
+
+    def remove_adapter(self, name: str) -> None:
+        self._all("remove_adapter", name)
+
+    def train_step(
+        self, samples: Sequence[Any], current_versions: Mapping[str, int], max_steps: Mapping[str, int]
+    ) -> dict[str, AdapterStepStats]:
+        return self._all("train_step", list(samples), dict(current_versions), dict(max_steps))[0]
+
+    def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        state, received = self._all("adapter_state_dict", name)[0]
+        self.gathered_bytes += received
+        return state
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        return self._all("peft_config", name)[0]
+
+    def load_adapter_state_dict(
+        self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], source: str
+    ) -> None:
+        self._all("load_adapter_state_dict", name, dict(tensors), dict(config), source)
+
+    def optimizer_state_dict(self, name: str) -> dict[str, Any]:
+        for held, state in self._all("optimizer_state_dict", name):
+            if held:
+                return state
+        raise RuntimeError(f"no trainer rank holds adapter {name!r}'s slot")
+
+    def load_optimizer_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
+        self._all("load_optimizer_state_dict", name, dict(state))
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._all("close")
+        finally:
+            for r in self._ranks:
+                ray.kill(r)
+            remove_placement_group(self._pg)
