@@ -268,6 +268,7 @@ class Runtime:
         for rec in res.records:
             rec.pause_s = res.sync.pause_s
             rec.bytes_pushed = res.sync.bytes_pushed
+            rec.bytes_gathered = res.sync.bytes_gathered
             rec.adapters_pushed = len(res.sync.adapters_pushed)
             rec.timings = dict(res.timings)
             self.metrics.log(rec)

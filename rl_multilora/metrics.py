@@ -44,6 +44,7 @@ class StepRecord:
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads (reported with `train`)
     pause_s: float = 0.0
     bytes_pushed: int = 0
+    bytes_gathered: int = 0  # LoRA bytes moved between trainer ranks for the sync (0 with one rank)
     adapters_pushed: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_s, train_s, checkpoint_s, sync_s
 
@@ -84,6 +85,7 @@ class StepRecord:
                 nonfinite_streak=self.nonfinite_streak,
             )
         row.update(pause_s=self.pause_s, bytes_pushed=self.bytes_pushed, adapters_pushed=self.adapters_pushed)
+        row.update(bytes_gathered=self.bytes_gathered)
         row.update({k: round(v, 4) for k, v in self.timings.items()})
         return row
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class SyncStats:
     pause_s: float = 0.0
     bytes_pushed: int = 0
+    bytes_gathered: int = 0  # moved between trainer ranks to gather the pushed adapters (backend.gathered_bytes)
     adapters_pushed: list[str] = field(default_factory=list)
     adapters_unloaded: list[str] = field(default_factory=list)
     paused: bool = False
@@ -45,6 +46,7 @@ class WeightSync:
         if not push and not unload:
             return stats
         t0 = time.perf_counter()
+        gathered = getattr(self.backend, "gathered_bytes", 0)
         self.engine.pause()
         self.pauses += 1
         stats.paused = True
@@ -63,4 +65,5 @@ class WeightSync:
         finally:
             self.engine.resume()
         stats.pause_s = time.perf_counter() - t0
+        stats.bytes_gathered = getattr(self.backend, "gathered_bytes", 0) - gathered
         return stats

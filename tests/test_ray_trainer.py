@@ -103,6 +103,8 @@ def test_two_ranks_train_like_one_and_sync_moves_lora_bytes_only(workspace, one_
     base_bytes = sum(p.numel() * p.element_size() for n, p in probe.named_parameters() if "lora_" not in n)
     versions = max(r["weight_version"] for r in read_metrics(tmp_path / "two") if r["adapter"] == "t2")
     assert gathered > 0 and gathered % slot_bytes == 0 and gathered // slot_bytes >= versions
+    logged = sum(r["bytes_gathered"] for r in read_metrics(tmp_path / "two") if r["adapter"] == "t2")
+    assert 0 < logged <= gathered and logged % slot_bytes == 0  # the metrics count the sync's share (not checkpoints)
     assert slot_bytes < base_bytes
 
 

@@ -63,6 +63,11 @@ class TrainingBackend(abc.ABC):
         """Names of the modules the model's LoRA slots cover (what an adapter's target_modules may name)."""
 
     @property
+    def gathered_bytes(self) -> int:
+        """LoRA bytes moved between trainer ranks by `adapter_state_dict` so far (0 in one process)."""
+        return 0
+
+    @property
     def world_size(self) -> int:
         """Training processes (ranks) behind this backend."""
         return 1

@@ -157,7 +157,7 @@ class RayFSDPBackend(TrainingBackend):
         info = self._all("setup", addr, port)
         self._info = info[0]
         self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
-        self.gathered_bytes = 0
+        self._gathered = 0
         self._model = None
 
     def _all(self, method: str, *args) -> list[Any]:
@@ -181,6 +181,10 @@ class RayFSDPBackend(TrainingBackend):
     @property
     def world_size(self) -> int:
         return self._world
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self._gathered
 
     @property
     def max_loras(self) -> int:
@@ -214,7 +218,7 @@ class RayFSDPBackend(TrainingBackend):
 
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         state, received = self._all("adapter_state_dict", name)[0]
-        self.gathered_bytes += received
+        self._gathered += received
         return state
 
     def peft_config(self, name: str) -> dict[str, Any]:
