@@ -667,3 +667,30 @@ def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
     for row, want in enumerate((alone["p"], plain, alone["q"], alone["p"])):
         torch.testing.assert_close(mixed[row], want[row], **PEFT_TOL)
     torch.testing.assert_close(ref, mixed, **PEFT_TOL)
+
+
+@pytest.mark.gpu
+def test_mixed_batch_on_cuda_matches_the_cpu_model_in_logits_and_grads():
+    """The grouped expert path on CUDA (bf16 base, fp32 LoRA): each row's logits and every slot's grads match the
+    same model on CPU in fp32 to bf16 tolerance."""
+    cpu = make_model()
+    add(cpu, {"a": (3, 5), "b": (8, 16, ["q_proj"], ["mlp.experts.down_proj"]), "c": (5, 7)})
+    gpu = make_model()
+    gpu.load_state_dict(cpu.state_dict())
+    for name in ("a", "b", "c"):
+        gpu.load_adapter_state_dict(name, cpu.adapter_state_dict(name), cpu.peft_config(name))
+    gpu.base_model.to(device="cuda", dtype=torch.bfloat16)
+    for holder in gpu._experts.values():
+        holder.to(device="cuda", dtype=torch.float32)
+    names = ["a", None, "b", "c", "a", "c"]
+    ids = batch(len(names), length=6)
+    for m, device in ((cpu, "cpu"), (gpu, "cuda")):
+        m.zero_lora_grads()
+        probe_loss(m(ids.to(device), adapter_names=names).logits.float().cpu(), [0, 2, 3, 4, 5]).backward()
+    with torch.no_grad():
+        got = gpu(ids.cuda(), adapter_names=names).logits.float().cpu()
+        want = cpu(ids, adapter_names=names).logits
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    for name, holder in cpu._experts.items():
+        other = gpu._experts[name]
+        torch.testing.assert_close(other.lora_B.grad.cpu(), holder.lora_B.grad, atol=5e-2, rtol=5e-2)
