@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.backends.local import LocalBackend
 from rl_multilora.config import AdapterConfig, RunConfig
 
 
@@ -69,6 +70,7 @@ class _TrainerRank:
         )  # fmt: skip
         temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
         self.trainer = MultiLoRATrainer(self.model, self.cfg.grpo, self.pad_token_id, temperature=temperature)
+        self.local = LocalBackend(self.model, self.trainer)  # this rank's shard behind the one-process interface
         shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
         return {
             "lora_modules": self.model.lora_modules,
@@ -78,31 +80,19 @@ class _TrainerRank:
         }
 
     def add_adapter(self, cfg_json: dict[str, Any]) -> int:
-        cfg = AdapterConfig.model_validate(cfg_json)
-        slot = self.model.add_adapter(
-            cfg.name, rank=cfg.rank, alpha=cfg.alpha, seed=cfg.seed, target_modules=cfg.target_modules,
-            target_parameters=cfg.target_parameters,
-        )  # fmt: skip
-        try:
-            self.trainer.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps)
-        except BaseException:
-            self.model.remove_adapter(cfg.name)
-            raise
-        return slot
+        return self.local.add_adapter(AdapterConfig.model_validate(cfg_json))
 
     def remove_adapter(self, name: str) -> None:
-        if name in self.trainer.adapters:
-            self.trainer.remove_adapter(name)
-        self.model.remove_adapter(name)
+        self.local.remove_adapter(name)
 
     def adapters(self) -> list[str]:
-        return list(self.model.adapters)
+        return self.local.adapters
 
     def free_slots(self) -> list[int]:
-        return self.model.free_slots
+        return self.local.free_slots()
 
     def train_step(self, samples, current_versions, max_steps) -> dict[str, AdapterStepStats]:
-        return self.trainer.train_step(samples, current_versions=dict(current_versions), max_steps=dict(max_steps))
+        return self.local.train_step(samples, current_versions, max_steps)
 
     def adapter_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], int]:
         from rl_multilora.backends.fsdp import gather_adapter_state_dict
@@ -110,17 +100,17 @@ class _TrainerRank:
         return gather_adapter_state_dict(self.model, name, dst=0)
 
     def peft_config(self, name: str) -> dict[str, Any]:
-        return self.model.peft_config(name)
+        return self.local.peft_config(name)
 
     def load_adapter_state_dict(self, name: str, tensors, config, source: str) -> None:
-        self.model.load_adapter_state_dict(name, tensors, config, source=source)
+        self.local.load_adapter_state_dict(name, tensors, config, source)
 
     def optimizer_state_dict(self, name: str) -> tuple[bool, dict[str, Any]]:
         """(whether this rank holds the tenant's slot, its optimizer + scheduler state)."""
         return self.trainer.holds(name), self.trainer.optimizer_state_dict(name)
 
     def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
-        self.trainer.load_optimizer_state_dict(name, state)
+        self.local.load_optimizer_state_dict(name, state)
 
     def close(self) -> None:
         import torch.distributed as dist
