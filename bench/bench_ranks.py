@@ -9,9 +9,11 @@ median step time over `--steps` steps after one warm-up, the bytes of parameters
 should halve) and its peak RSS, and on 2 ranks the share of the step spent in FSDP2's collectives (the
 `FSDP::all_gather*` and `FSDP::post_backward_reduce` regions, torch profiler, one profiled step).
 
-On a 2-core machine 2 ranks cannot be faster than 1: each rank has one core, and gloo moves data through memory on
-the same host. What transfers to a GPU cluster is the communication share and the memory split: with NVLink or
-InfiniBand the collectives are much cheaper than here, and FSDP2 overlaps them with compute.
+Every process runs one intra-op thread, so 1 rank uses one core of this 2-core machine and 2 ranks use both: the
+step-time ratio says what splitting the rows over two workers gains net of the collectives, not what two GPUs would.
+gloo moves the shards through memory on one host; what transfers to a GPU cluster is the communication share and the
+memory split (with NVLink or InfiniBand the collectives are much cheaper than here, and FSDP2 overlaps them with
+compute).
 """
 
 from __future__ import annotations
