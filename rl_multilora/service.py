@@ -582,6 +582,8 @@ def _actor_resources(cfg: RunConfig) -> dict[str, float]:
     device = cfg.model.device
     if device.startswith("cuda") and gpus < 1:
         raise ServiceError(f"model.device: {device!r} -> the Ray cluster has no GPU; use 'auto' or 'cpu'")
+    if cfg.trainer.world_size > 1:  # the trainer ranks are actors with resources of their own
+        return {"num_cpus": 0, "num_gpus": 0}
     return {"num_cpus": 1, "num_gpus": 1 if device != "cpu" and gpus >= 1 else 0}
 
 

@@ -28,6 +28,8 @@ from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
 from rl_multilora.backends.local import LocalBackend
 from rl_multilora.config import AdapterConfig, RunConfig
 
+PLACEMENT_TIMEOUT_S = 120.0  # how long the trainer ranks' placement group may wait for resources
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -124,7 +126,7 @@ class RayFSDPBackend(TrainingBackend):
 
     def __init__(self, cfg: RunConfig, pad_token_id: int):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
@@ -134,7 +136,15 @@ class RayFSDPBackend(TrainingBackend):
         gpu = torch.cuda.is_available() and cfg.model.device != "cpu"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self._pg = placement_group([bundle] * self._world, strategy="PACK")
-        ray.get(self._pg.ready())
+        try:
+            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"trainer.world_size={self._world} needs {self._world} bundles of {bundle} on the Ray cluster, which "
+                f"has {ray.available_resources()} free of {ray.cluster_resources()}; lower trainer.world_size or add "
+                "nodes"
+            ) from None
         actor = ray.remote(_TrainerRank)
         self._ranks = [
             actor.options(
