@@ -313,11 +313,11 @@ def service_config(root: Path, run_dir: Path, adapters: list | None = None) -> d
 class Served:
     """`rl-multilora serve` in a subprocess, as a user runs it; `address` is parsed from its banner."""
 
-    def __init__(self, root: Path, timeout: float = 240):
+    def __init__(self, root: Path, timeout: float = 240, config: str = "service.yaml"):
         self.log = root / f"serve-{time.time_ns()}.log"
         self._fh = self.log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rl_multilora.cli", "serve", str(root / "service.yaml")],
+            [sys.executable, "-m", "rl_multilora.cli", "serve", str(root / config)],
             cwd=root,
             stdout=self._fh,
             stderr=subprocess.STDOUT,
@@ -526,3 +526,23 @@ def test_service_lifecycle(workspace, ray_client_cleanup):
     assert [r["adapter_step"] for r in rows] == [r["adapter_step"] for r in alone]
     assert [r["reward_mean"] for r in rows] == pytest.approx([r["reward_mean"] for r in alone], abs=1e-6)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in alone], abs=1e-5)
+
+
+@pytest.mark.ray
+def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup):
+    """`serve` with trainer.world_size 2 on a 2-CPU cluster: the ranks get their placement group (the service actor
+    reserves nothing), a submitted tenant trains, status shows the ranks, and a stop checkpoints it."""
+    root = workspace
+    cfg = service_config(root, root / "run_ranks")
+    cfg["trainer"] = {"world_size": 2}
+    write_yaml(root / "service_ranks.yaml", cfg)
+    served = Served(root, config="service_ranks.yaml")
+    try:
+        client = connect(served.address)
+        assert client.submit(root / "a.yaml").state == "PENDING"
+        st = wait_until(client, served, lambda s: s.get("a").adapter_step >= 2, "a training on 2 ranks")
+        assert st.trainer_ranks == 2 and "trainer ranks 2 | engines 1" in st.table()
+        assert served.stop() == 0, served.tail()
+    finally:
+        served.kill()
+    assert checkpoint_step(root / "run_ranks", "a") >= 2
