@@ -114,6 +114,55 @@ def test_two_ranks_shard_load_once_and_match_the_unsharded_model(tmp_path, moe):
     assert first["slot_b"] == 2 and first["received"] == first["slot_bytes"] > 0
 
 
+def _node_worker(rank: int, world: int, nodes: list[list[int]], folder: str, port: int, out_dir: str) -> None:
+    """Load the model sharded over `world` ranks that `nodes` groups into nodes; report the weight-file reads and
+    whether every gathered parameter equals the unsharded model's."""
+    import transformers.modeling_utils as modeling_utils
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rl_multilora.backends.fsdp import load_sharded, meta_tensors
+    from rl_multilora.lora import MultiLoRAModel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        opened = []
+        real_open = modeling_utils.safe_open
+        modeling_utils.safe_open = lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1]
+        model = load_sharded(Path(folder), init_device_mesh("cpu", (world,)), 4, 8, node_ranks=nodes)
+        modeling_utils.safe_open = real_open
+        reads = [None] * world
+        dist.all_gather_object(reads, len(opened))
+        ref = dict(MultiLoRAModel.from_pretrained(folder, max_loras=4, max_rank=8).named_parameters())
+        ref_buffers = dict(MultiLoRAModel.from_pretrained(folder, max_loras=4, max_rank=8).named_buffers())
+        mismatched = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), ref[n].detach())]
+        mismatched += [n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])]
+        report = {"reads": reads, "meta": meta_tensors(model), "mismatched": mismatched}
+        (Path(out_dir) / f"node_rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("world", "nodes", "readers"),
+    [(2, [[0, 1]], [0]), (2, [[0], [1]], [0, 1]), (4, [[0, 1], [2, 3]], [0, 2]), (3, [[0, 2], [1]], [0, 1])],
+    ids=["1node_x2", "2nodes_x1", "2nodes_x2", "uneven"],
+)
+@pytest.mark.timeout(300)
+def test_weights_are_read_once_per_node_and_every_shard_is_exact(tmp_path, world, nodes, readers):
+    """Only the first rank of each node opens the weight files; each rank's shard (scattered within its node) and
+    every buffer equal the unsharded model's, bit for bit, and nothing stays on meta. 3 ranks: the last shard of
+    every 4-slot / odd-sized dim is short or empty."""
+    folder = save_tiny_model(tmp_path / "model")
+    mp.spawn(_node_worker, args=(world, nodes, str(folder), _free_port(), str(tmp_path)), nprocs=world, join=True)
+    reports = [json.loads((tmp_path / f"node_rank{r}.json").read_text()) for r in range(world)]
+    reads = reports[0]["reads"]
+    assert [r for r in range(world) if reads[r] > 0] == readers, reads
+    for report in reports:
+        assert report["meta"] == [] and report["mismatched"] == []
+
+
 def _train_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

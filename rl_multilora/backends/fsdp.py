@@ -8,12 +8,14 @@ Design choices:
   tenants come and go. Each rank then holds 1/world of every sharded parameter (dim 0; FSDP2 pads the last
   shard), the base and the stacked LoRA slots alike: a slot's A and B live on the rank that holds its row of
   dim 0.
-- Pretrained weights are read once: rank 0 loads the folder (`AutoModelForCausalLM.from_pretrained`) and
-  `set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)` sends every rank its shards; the
-  others never open the weight files. The LoRA slots are not in that state dict (`strict=False` would leave them
-  on meta, uninitialized after `to_empty`), so they are zeroed explicitly, and buffers that are not in a state
-  dict (rotary `inv_freq`) are broadcast from rank 0's loaded model. `meta_tensors` lets a test prove nothing is
-  left on meta.
+- Pretrained weights are read once per node, not once per rank and not all through global rank 0 (which would
+  push every other node's shards over the network from one process): the first rank of each node loads the folder
+  (`AutoModelForCausalLM.from_pretrained`, so transformers' key conversions apply) and scatters each parameter's
+  dim-0 chunks to the ranks of its node over a node-local process group; the others never open the weight files
+  and receive only their own shard. `node_ranks` says which global ranks share a node (the Ray backend reads it
+  off the actors' node ids; default: one node). The LoRA slots are in no pretrained state dict, so they are zeroed
+  explicitly, and buffers (rotary `inv_freq`, in no state dict either) come from the node's loaded model.
+  `meta_tensors` lets a test prove nothing is left on meta.
 - `gather_adapter_state_dict` moves only the adapter's own slot tensors, at its true rank, from the rank that holds
   each to `dst` (point to point; every rank joins), never a full state dict; it returns the bytes received.
 - Communication is `torch.distributed` on whatever group is initialized (`gloo` on CPU, `nccl` on CUDA).
@@ -69,12 +71,18 @@ def load_sharded(
     target_parameters: Sequence[str] | None = None,
     expert_lora: str = "per_expert",
     dtype: torch.dtype = torch.float32,
+    node_ranks: Sequence[Sequence[int]] | None = None,
 ) -> MultiLoRAModel:
-    """The model at `path` with its LoRA slots, sharded over `mesh`; only rank 0 reads the weight files."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """The model at `path` with its LoRA slots, sharded over `mesh`; on each node only its first rank (of
+    `node_ranks`, the global ranks per node; default: all on one node) reads the weight files. Every rank calls it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = [sorted(n) for n in (node_ranks or [range(world)])]
+    if sorted(r for n in nodes for r in n) != list(range(world)):
+        raise ValueError(f"node_ranks={nodes} must list every rank 0..{world - 1} exactly once")
+    group, node = _node_group(nodes)
+    leader = node[0]
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -83,26 +91,67 @@ def load_sharded(
         expert_lora=expert_lora,
     )  # fmt: skip
     model.name_or_path = str(path)
-    full: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    if rank == 0:
-        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        full = {f"base_model.{k}": v for k, v in loaded.state_dict().items()}
-        buffers = {f"base_model.{k}": v for k, v in loaded.named_buffers()}
+    loaded: dict[str, torch.Tensor] = {}
+    if rank == leader:
+        pretrained = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        loaded = {f"base_model.{k}": v for k, v in (*pretrained.state_dict().items(), *pretrained.named_buffers())}
+        del pretrained
     shard(model, mesh)
     model.to_empty(device=mesh.device_type)
-    set_model_state_dict(
-        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    )
+    slots = {id(t) for pair in model._stacked_pairs() for t in pair}
     with torch.no_grad():
-        for lora_a, lora_b in model._stacked_pairs():  # not in the state dict: empty until set here
+        for lora_a, lora_b in model._stacked_pairs():  # in no pretrained state dict: zero until a tenant sets them
             lora_a.to_local().zero_()
             lora_b.to_local().zero_()
-        for name, buf in model.named_buffers():  # non-persistent buffers (rotary inv_freq) are in no state dict
-            if rank == 0:
-                buf.copy_(buffers[name])
-            dist.broadcast(buf, src=0)
+        for name, param in model.named_parameters():
+            if id(param) not in slots:
+                full = _loaded(loaded, name) if rank == leader else None
+                _scatter_node_chunks(param.to_local(), param.shape, full, node, group, world)
+        for name, buf in model.named_buffers():  # not sharded: the node's copy, whole
+            if rank == leader:
+                buf.copy_(_loaded(loaded, name))
+            dist.broadcast(buf, src=leader, group=group)
     return model
+
+
+def _node_group(nodes: list[list[int]]):
+    """(the process group of this rank's node, its ranks). Every rank creates every node's group, in one order,
+    as `new_group` requires; a single node uses the default group."""
+    rank = dist.get_rank()
+    node = next(n for n in nodes if rank in n)
+    if len(nodes) == 1:
+        return None, node
+    groups = [dist.new_group(n) for n in nodes]
+    return groups[nodes.index(node)], node
+
+
+def _loaded(loaded: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in loaded:
+        raise KeyError(f"{name} is not in the pretrained weights; the folder does not match its config")
+    return loaded[name]
+
+
+def _scatter_node_chunks(local, full_shape, full, node: list[int], group, world: int) -> None:
+    """Copy this rank's dim-0 chunk of a parameter into `local` (its FSDP2 shard): the node's first rank holds the
+    whole tensor (`full`) and sends each rank of its node only that rank's chunk. FSDP2 shards dim 0 in chunks of
+    ceil(rows / world); the last ones may be short or empty, so the chunks travel padded to one size."""
+    rank = dist.get_rank()
+    per_rank = -(-full_shape[0] // world)
+    buf = local.new_empty((per_rank, *full_shape[1:]))
+    chunks = None
+    if rank == node[0]:
+        whole = full.to(device=local.device, dtype=local.dtype)
+        chunks = []
+        for r in node:
+            piece = whole[r * per_rank : (r + 1) * per_rank]
+            padded = buf.new_zeros(buf.shape)
+            padded[: piece.shape[0]] = piece
+            chunks.append(padded)
+    if len(node) == 1:
+        buf = chunks[0]
+    else:
+        dist.scatter(buf, chunks, src=node[0], group=group)
+    local.copy_(buf[: local.shape[0]])
 
 
 def meta_tensors(model: nn.Module) -> list[str]:
