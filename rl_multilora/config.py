@@ -289,6 +289,12 @@ class TrainerConfig(_Strict):
         description="Trainer ranks. 1: this process. N > 1: N Ray actors (one GPU each with CUDA, else one CPU), the "
         "base and the LoRA slots sharded over them with FSDP2; needs the ray extra.",
     )
+    colocate_engines: bool = Field(
+        False,
+        description="With world_size > 1 and rollout.engine_actors: place engine i in trainer rank i's placement-group "
+        "bundle, on the same node and sharing its GPU (each takes half of the bundle's GPU and CPU), instead of on "
+        "resources of its own. Needs rollout.num_engines <= world_size.",
+    )
 
 
 class RunConfig(_Strict):
@@ -399,6 +405,24 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         problems.append(bad_value("rollout.urls", r.urls, "null unless engine is 'http' with num_engines > 1"))
     if r.engine_actors and r.engine != "embedded":
         problems.append(bad_value("rollout.engine_actors", True, "false unless engine is 'embedded'"))
+    if cfg.trainer.colocate_engines:
+        t = cfg.trainer
+        if t.world_size == 1 or not r.engine_actors:
+            problems.append(
+                bad_value(
+                    "trainer.colocate_engines",
+                    True,
+                    "false unless trainer.world_size > 1 and rollout.engine_actors is true (engines as Ray actors)",
+                )  # fmt: skip
+            )
+        elif r.num_engines > t.world_size:
+            problems.append(
+                bad_value(
+                    "rollout.num_engines",
+                    r.num_engines,
+                    f"at most trainer.world_size ({t.world_size}) with trainer.colocate_engines (one engine per rank)",
+                )  # fmt: skip
+            )
     if r.engine == "sglang" and r.num_engines > 1:
         problems.append(
             bad_value(

@@ -51,15 +51,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: RunConfig, model, tokenizer):
+def build_engine(cfg: RunConfig, model, tokenizer, placement=None):
     """The rollout engine the config names; all three speak the same RolloutEngine interface (several engines:
-    a `MultiEngine` over them)."""
+    a `MultiEngine` over them). `placement(i)`: Ray actor options that colocate engine i with a trainer rank."""
     r = cfg.rollout
     if r.engine == "embedded":
         from rollout.engines.embedded import EmbeddedEngine
 
         if r.engine_actors:
-            return _one_or_many(_ray_engines(cfg)), None
+            return _one_or_many(_ray_engines(cfg, placement)), None
         engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
         return _one_or_many(engines), None
     from rollout.engines.sglang import SGLangEngine
@@ -97,9 +97,10 @@ def build_engine(cfg: RunConfig, model, tokenizer):
     return engine, launcher
 
 
-def _ray_engines(cfg: RunConfig) -> list:
+def _ray_engines(cfg: RunConfig, placement=None) -> list:
     """`rollout.num_engines` embedded engines as Ray actors, each loading the base from `model.path` (a GPU each
-    when CUDA is available). Joins the Ray cluster this process is in, or starts a local one."""
+    when CUDA is available, or half of trainer rank i's with `placement`). Joins the Ray cluster this process is in,
+    or starts a local one."""
     import ray
 
     from rollout.engines.ray_engine import RayEngine
@@ -112,6 +113,8 @@ def _ray_engines(cfg: RunConfig) -> list:
         target_parameters=m.target_parameters or [], expert_lora=m.expert_lora,
         max_batch_size=cfg.rollout.max_batch_size, dtype=m.dtype,
     )  # fmt: skip
+    if placement is not None:
+        return [RayEngine(m.path, kwargs, **placement(i)) for i in range(cfg.rollout.num_engines)]
     gpus = 1 if torch.cuda.is_available() and m.device != "cpu" else 0
     return [RayEngine(m.path, kwargs, num_gpus=gpus) for _ in range(cfg.rollout.num_engines)]
 
@@ -206,7 +209,8 @@ class Runtime:
             backend = RayFSDPBackend(cfg, pad_token_id=pad)
         else:
             backend = LocalBackend.from_config(cfg, pad_token_id=pad)
-        engine, launcher = build_engine(cfg, backend.model, tokenizer)
+        placement = backend.engine_placement if cfg.trainer.colocate_engines else None
+        engine, launcher = build_engine(cfg, backend.model, tokenizer, placement)
         generator = GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), rollout_sampling(cfg, tokenizer))
         scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers, fail_steps=cfg.rewards.fail_steps)
         data = MultiLoRADataSource(tokenizer)

@@ -153,10 +153,20 @@ def test_a_run_with_two_engines_matches_one_engine(workspace, tmp_path):
         ({"engine": "embedded", "urls": ["http://127.0.0.1:1"]}, "null unless engine is 'http'"),
         ({"engine": "sglang", "num_engines": 2}, "rollout.num_engines=2 is not allowed"),
         ({"num_engines": 0}, "num_engines"),
+        ({"trainer": {"colocate_engines": True}}, "trainer.colocate_engines=True is not allowed"),
+        (
+            {"engine_actors": True, "trainer": {"world_size": 2, "colocate_engines": True}, "num_engines": 3},
+            "rollout.num_engines=3 is not allowed; allowed: at most trainer.world_size (2)",
+        ),
+        ({"trainer": {"world_size": 2, "colocate_engines": True}}, "rollout.engine_actors is true"),
     ],
 )
 def test_engine_count_errors_name_the_field(workspace, tmp_path, rollout, fragment):
     cfg = _config(workspace, tmp_path / "x", 1)
+    rollout = dict(rollout)
+    trainer = rollout.pop("trainer", None)
+    if trainer:
+        cfg["trainer"] = trainer
     cfg["rollout"].update(rollout)
     with pytest.raises(ConfigError) as err:
         parse_run_config(cfg)

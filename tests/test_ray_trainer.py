@@ -117,3 +117,30 @@ def test_resume_with_another_world_size_ends_like_an_uninterrupted_run(
     run(parse_run_config(_config(workspace, run_dir, then)))
     assert _series(run_dir) == _series(one_rank)
     _assert_same_adapters(run_dir, one_rank)
+
+
+def test_colocated_engines_share_the_ranks_bundles_and_train_like_one_rank(workspace, one_rank, local_ray, tmp_path):
+    """`trainer.colocate_engines`: the engine actors land in the trainer ranks' placement group, each bundle taken
+    by one rank and one engine (half of it each, so both bundles are exactly full), and the run still gives the
+    one-rank run's rewards and adapters."""
+    from rl_multilora.loop import Runtime
+
+    cfg = _config(workspace, tmp_path / "colocated", 2, trainer={"world_size": 2, "colocate_engines": True})
+    cfg["rollout"].update(engine_actors=True, num_engines=2)
+    rt = Runtime.build(parse_run_config(cfg))
+    try:
+        ranks = rt.backend.rank_placement()
+        engines = [e.placement() for e in rt.engine.engines]
+        pg = ranks[0]["pg"]
+        assert pg is not None and all(p["pg"] == pg for p in ranks + engines)
+        assert all(p["resources"] == {"CPU": 0.5} for p in ranks + engines)
+        assert len({p["node"] for p in ranks + engines}) == 1
+        left = local_ray.available_resources()
+        assert all(left.get(f"CPU_group_{i}_{pg}", 0) == 0 for i in range(2)), left  # one rank + one engine each
+        rt.start()
+        while not rt.finished():
+            rt.step()
+    finally:
+        rt.close()
+    assert _series(tmp_path / "colocated") == _series(one_rank)
+    _assert_same_adapters(tmp_path / "colocated", one_rank)

@@ -4,7 +4,8 @@ Design choices:
 
 - `trainer.world_size: N` starts N actors in one placement group (one CPU, or one GPU with CUDA, per bundle). Rank 0
   reports its node address and a free port, every rank joins one `torch.distributed` group (`cpu:gloo,cuda:nccl`)
-  and a 1-D device mesh, and builds the model with `fsdp.load_sharded`: rank 0 alone reads the weight files.
+  and a 1-D device mesh, and builds the model with `fsdp.load_sharded`: the ranks are grouped by the Ray node they
+  landed on, and the first rank of each node alone reads the weight files.
 - Every call of the `TrainingBackend` interface goes to all ranks at once and returns when all have answered:
   adding and removing tenants, loading adapters, and `train_step`, which hands every rank the whole batch (each
   trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's normalization, clipping, NaN skip and
@@ -12,6 +13,8 @@ Design choices:
 - `adapter_state_dict` gathers only the adapter's slot rows to rank 0 (`fsdp.gather_adapter_state_dict`) and
   counts the bytes that moved (`gathered_bytes`); optimizer state comes from the rank holding the slot, in the same
   layout as one process, so checkpoints keep their format and resume with another world size.
+- `trainer.colocate_engines` puts rollout engine actor i in rank i's bundle (same node, half of its GPU), as
+  verl's colocated layout does; otherwise engines take resources of their own.
 - The driver keeps an unsharded copy of the base for an in-process embedded engine (`model`), loaded lazily: with
   `rollout.engine_actors` or a server engine it is never loaded.
 """
@@ -52,7 +55,17 @@ class _TrainerRank:
 
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def placement(self) -> dict[str, Any]:
+        from rollout.engines.ray_engine import actor_placement
+
+        return actor_placement()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def setup(self, master_addr: str, master_port: int, node_ranks: list[list[int]]) -> dict[str, Any]:
         import os
 
         import torch.distributed as dist
@@ -68,7 +81,7 @@ class _TrainerRank:
         m = self.cfg.model
         self.model = load_sharded(
             m.path, mesh, m.max_loras, m.max_rank, m.target_modules, m.target_parameters, m.expert_lora,
-            getattr(torch, m.dtype),
+            getattr(torch, m.dtype), node_ranks=node_ranks,
         )  # fmt: skip
         temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
         self.trainer = MultiLoRATrainer(self.model, self.cfg.grpo, self.pad_token_id, temperature=temperature)
@@ -121,6 +134,14 @@ class _TrainerRank:
             dist.destroy_process_group()
 
 
+def _ranks_by_node(node_ids: Sequence[str]) -> list[list[int]]:
+    """The global ranks on each node, nodes in order of their first rank: `[[0, 1], [2, 3]]` for 2 nodes x 2."""
+    nodes: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        nodes.setdefault(node, []).append(rank)
+    return list(nodes.values())
+
+
 class RayFSDPBackend(TrainingBackend):
     """`world_size` trainer ranks as Ray actors over an FSDP2-sharded model (see the module docstring)."""
 
@@ -135,6 +156,9 @@ class RayFSDPBackend(TrainingBackend):
         self._world = cfg.trainer.world_size
         gpu = torch.cuda.is_available() and cfg.model.device != "cpu"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        # colocated: rank i and engine i share bundle i, half of its CPU and GPU each
+        self._share = 0.5 if cfg.trainer.colocate_engines else 1.0
+        self._gpu = gpu
         self._pg = placement_group([bundle] * self._world, strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -148,13 +172,14 @@ class RayFSDPBackend(TrainingBackend):
         actor = ray.remote(_TrainerRank)
         self._ranks = [
             actor.options(
-                num_cpus=1, num_gpus=1 if gpu else 0,
+                num_cpus=self._share, num_gpus=self._share if gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
             ).remote(i, self._world, cfg.model_dump(mode="json"), pad_token_id)
             for i in range(self._world)
         ]  # fmt: skip
         addr, port = ray.get(self._ranks[0].address.remote())
-        info = self._all("setup", addr, port)
+        self.node_ranks = _ranks_by_node(self._all("node_id"))
+        info = self._all("setup", addr, port, self.node_ranks)
         self._info = info[0]
         self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
         self._gathered = 0
@@ -164,6 +189,23 @@ class RayFSDPBackend(TrainingBackend):
         import ray
 
         return ray.get([getattr(r, method).remote(*args) for r in self._ranks])
+
+    def engine_placement(self, i: int) -> dict[str, Any]:
+        """Ray options that put rollout engine `i` in trainer rank i's bundle (same node, same GPU), taking the half
+        of the bundle the rank left (`trainer.colocate_engines`)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= i < self._world or self._share == 1.0:
+            raise ValueError(f"engine {i} cannot be colocated: {self._world} trainer ranks, share {self._share}")
+        return {
+            "num_cpus": 1 - self._share,
+            "num_gpus": (1 - self._share) if self._gpu else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+        }
+
+    def rank_placement(self) -> list[dict[str, Any]]:
+        """Where Ray put each trainer rank (node, placement group, assigned resources)."""
+        return self._all("placement")
 
     @property
     def model(self):

@@ -23,6 +23,15 @@ from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult
 
 
+def actor_placement() -> dict[str, Any]:
+    """Where Ray put the calling actor: its node, placement group and assigned resources (bundle-indexed names
+    such as `CPU_group_0_<pg>` say which bundle)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"node": ctx.get_node_id(), "pg": ctx.get_placement_group_id(), "resources": ctx.get_assigned_resources()}
+
+
 class _EngineActor:
     """Runs inside the actor process: an embedded engine built from the model folder."""
 
@@ -52,6 +61,9 @@ class _EngineActor:
     def adapter_versions(self) -> dict[str, int]:
         return self.engine.adapter_versions()
 
+    def placement(self) -> dict[str, Any]:
+        return actor_placement()
+
     def close(self) -> None:
         self.engine.close()
 
@@ -66,12 +78,14 @@ class RayEngine(RolloutEngine):
         num_gpus: float = 0,
         num_cpus: float = 1,
         max_concurrency: int = 256,
+        scheduling_strategy: Any = None,
     ):
         import ray
 
         actor_cls = ray.remote(_EngineActor).options(
-            num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency
-        )
+            num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency,
+            scheduling_strategy=scheduling_strategy,
+        )  # fmt: skip
         self._actor = actor_cls.remote(str(model_dir), dict(engine_kwargs or {}), "cuda" if num_gpus else None)
         ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
 
@@ -105,6 +119,9 @@ class RayEngine(RolloutEngine):
 
     def adapter_versions(self) -> dict[str, int]:
         return self._get(self._actor.adapter_versions.remote())
+
+    def placement(self) -> dict[str, Any]:
+        return self._get(self._actor.placement.remote())
 
     def close(self) -> None:
         import ray
