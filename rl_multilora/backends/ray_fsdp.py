@@ -7,8 +7,9 @@ Design choices:
   and a 1-D device mesh, and builds the model with `fsdp.load_sharded`: the ranks are grouped by the Ray node they
   landed on, and the first rank of each node alone reads the weight files.
 - Every call of the `TrainingBackend` interface goes to all ranks at once and returns when all have answered:
-  adding and removing tenants, loading adapters, and `train_step`, which hands every rank the whole batch (each
-  trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's normalization, clipping, NaN skip and
+  adding and removing tenants, loading adapters, and `train_step`, which hands every rank the whole batch through
+  one object in Ray's object store (put once, not once per rank; each rank derives the same advantages and
+  per-tenant counts from it and trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's normalization, clipping, NaN skip and
   optimizer consistent across ranks). Rank 0's stats are the step's (they are summed over ranks).
 - `adapter_state_dict` gathers only the adapter's slot rows to rank 0 (`fsdp.gather_adapter_state_dict`) and
   counts the bytes that moved (`gathered_bytes`); optimizer state comes from the rank holding the slot, in the same
@@ -256,7 +257,10 @@ class RayFSDPBackend(TrainingBackend):
     def train_step(
         self, samples: Sequence[Any], current_versions: Mapping[str, int], max_steps: Mapping[str, int]
     ) -> dict[str, AdapterStepStats]:
-        return self._all("train_step", list(samples), dict(current_versions), dict(max_steps))[0]
+        import ray
+
+        batch = ray.put(list(samples))  # serialized once for all ranks (Ray resolves the ref in each)
+        return self._all("train_step", batch, dict(current_versions), dict(max_steps))[0]
 
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         state, received = self._all("adapter_state_dict", name)[0]
@@ -269,7 +273,9 @@ class RayFSDPBackend(TrainingBackend):
     def load_adapter_state_dict(
         self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], source: str
     ) -> None:
-        self._all("load_adapter_state_dict", name, dict(tensors), dict(config), source)
+        import ray
+
+        self._all("load_adapter_state_dict", name, ray.put(dict(tensors)), dict(config), source)
 
     def optimizer_state_dict(self, name: str) -> dict[str, Any]:
         for held, state in self._all("optimizer_state_dict", name):
