@@ -308,11 +308,13 @@ class MultiLoRATrainer:
         active = set(rows_by_adapter)
         ranks = self._ranks
         self.model.zero_lora_grads()
+        # Each row stays on one rank for every epoch: its old and reference log-probs are cached where it ran first.
+        assigned = ranks.split(order)
         for epoch in range(self.cfg.ppo_epochs):
             rows = [r for r in order if r.adapter in active]  # every rank: the same rows, in the same order
             if not rows:
                 break
-            shares = ranks.split(rows)
+            shares = [[r for r in share if r.adapter in active] for share in assigned]
             mine = shares[ranks.rank]
             mbs = self.cfg.micro_batch_size
             n_micro = max(-(-len(share) // mbs) for share in shares)  # the same count on every rank
@@ -320,8 +322,8 @@ class MultiLoRATrainer:
             backwarded: set[str] = set()
             for i in range(n_micro):
                 micro = mine[i * mbs : (i + 1) * mbs]
-                if not micro:  # this rank is short of rows: join the collectives at weight zero
-                    self._micro_step([rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), first_epoch=True)
+                if not micro:  # this rank is short of rows: join the collectives (same forwards) at weight zero
+                    self._micro_step([rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), first_epoch=epoch == 0, filler=True)
                     continue
                 bad, good = self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
                 nonfinite_loss |= bad
@@ -398,9 +400,11 @@ class MultiLoRATrainer:
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
         sums: _Sums,
         first_epoch: bool,
+        filler: bool = False,
     ) -> tuple[set[str], set[str]]:
         """Forward + backward of one micro-batch; returns the adapters whose loss here was not finite, and those
-        whose loss went into the backward."""
+        whose loss went into the backward. `filler`: a zero-weight stand-in on a rank short of rows, which runs the
+        same forwards and backward as the other ranks (their FSDP collectives) and caches nothing."""
         device = next(self.model.parameters()).device
         names = sorted({r.adapter for r in micro})
         slot_of = {n: i for i, n in enumerate(names)}
@@ -413,7 +417,11 @@ class MultiLoRATrainer:
             with torch.no_grad():
                 ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(micro), tok)  # (N,)
         logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok)  # (N,), (N,)
-        if first_epoch:
+        if filler:
+            old_logp = logp.detach()
+            if need_ref and not first_epoch:
+                ref_logp = old_logp
+        elif first_epoch:
             # No optimizer step has happened yet in this train_step: this forward IS the old policy.
             old_logp = logp.detach()
             splits_old = old_logp.split(tok.counts)
@@ -436,8 +444,9 @@ class MultiLoRATrainer:
 
         loss_a = per_adapter(tok.weight * tok_loss)  # (n_adapters,)
         finite = torch.isfinite(loss_a)  # (n_adapters,)
-        if bool(finite.any()):
-            # Only finite terms enter the backward; a non-finite tenant is skipped by name below.
+        # Only finite terms enter the backward; a non-finite tenant is skipped by name below. Sharded, every rank
+        # runs the backward even with nothing finite here: it holds the FSDP reduce-scatters the others wait in.
+        if bool(finite.any()) or self._ranks.world > 1:
             loss_a[finite].sum().backward()
         finite_list = finite.tolist()
         nonfinite = {n for n, ok in zip(names, finite_list, strict=True) if not ok}

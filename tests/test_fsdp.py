@@ -226,3 +226,83 @@ def test_two_ranks_train_like_one(tmp_path):
         want = ref.adapter_state_dict(name)
         for key, tensor in want.items():
             torch.testing.assert_close(sharded["state"][name][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+
+
+HARD = {"n": (2, 5), "a": (4, 11), "b": (4, 22)}  # name -> (rank, seed); added in this order: slots 0, 1, 2
+
+
+def _train_hard(model, max_loras: int = 3):
+    """Three tenants, three PPO epochs with a KL term, micro-batches of 2: `n` has NaN weights (every step skipped),
+    `a` may take one step (it leaves after the first epoch, so the rows left are re-dealt unevenly and a short rank
+    runs zero-weight filler steps), `b` (rank 4 < max_rank 8) sits in slot 2, which rank 1 holds."""
+    from rl_multilora.config import GRPOSettings, OptimSettings
+    from rl_multilora.trainer import MultiLoRATrainer
+    from tests.test_trainer import random_samples
+
+    settings = GRPOSettings(micro_batch_size=2, ppo_epochs=3, kl_coef=0.05, kl_type="k3")
+    trainer = MultiLoRATrainer(model, settings, pad_token_id=0)
+    for name, (r, seed) in HARD.items():
+        model.add_adapter(name, rank=r, alpha=2 * r, seed=seed)
+        trainer.add_adapter(name, OptimSettings(eps=1e-3), lr=1e-2)
+    with torch.no_grad():
+        for p in model.adapter_parameters("n"):
+            p.fill_(float("nan"))
+    samples = [s for i, name in enumerate(HARD) for s in random_samples(name, 2, 3 + i, seed=10 + i)]
+    stats = []
+    for _ in range(2):
+        out = trainer.train_step(samples, max_steps={"a": 1})
+        stats.append({n: (s.loss, s.grad_norm, s.n_steps, s.skipped_nonfinite, s.n_tokens) for n, s in out.items()})
+    return stats
+
+
+def _hard_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rl_multilora.backends.fsdp import adapter_slot_bytes, gather_adapter_state_dict, load_sharded
+
+        model = load_sharded(Path(folder), init_device_mesh("cpu", (WORLD,)), max_loras=3, max_rank=8)
+        stats = _train_hard(model)
+        gathered = {name: gather_adapter_state_dict(model, name) for name in ("a", "b")}
+        if rank == 0:
+            torch.save(
+                {
+                    "stats": stats,
+                    "state": {name: g[0] for name, g in gathered.items()},
+                    "received": gathered["b"][1],
+                    "b_bytes": adapter_slot_bytes(model, "b"),
+                },
+                Path(out_dir) / "hard.pt",
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_match_one_with_kl_a_tenant_leaving_mid_batch_and_a_diverged_tenant(tmp_path):
+    """The paths where ranks could fall out of step: a tenant whose budget ends after the first epoch (rows re-dealt,
+    filler steps on a short rank, reference log-probs needed in later epochs), a tenant whose loss is NaN on every
+    step (its backward still joins the collectives), 3 slots over 2 ranks, and an export of a rank-4 adapter from
+    rank 1 that moves only its true-rank bytes. Everything equals the one-process run."""
+    from rl_multilora.lora import MultiLoRAModel
+
+    folder = save_tiny_model(tmp_path / "model")
+    mp.spawn(_hard_worker, args=(str(folder), _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    sharded = torch.load(tmp_path / "hard.pt", weights_only=True)
+    ref = MultiLoRAModel.from_pretrained(folder, max_loras=3, max_rank=8)
+    ref_stats = _train_hard(ref)
+    for got, want in zip(sharded["stats"], ref_stats, strict=True):
+        assert got.keys() == want.keys()
+        assert got["n"][2:4] == (0, True) and got["a"][2] == 1 and got["b"][2] == 3
+        for name in ("a", "b"):
+            (loss, norm, *rest), (loss_r, norm_r, *rest_r) = got[name], want[name]
+            assert rest == rest_r
+            assert loss == pytest.approx(loss_r, rel=1e-4, abs=1e-6) and norm == pytest.approx(norm_r, rel=1e-4)
+    for name in ("a", "b"):
+        for key, tensor in ref.adapter_state_dict(name).items():
+            torch.testing.assert_close(sharded["state"][name][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    b_true_rank = sum(t.numel() * t.element_size() for t in ref.adapter_state_dict("b").values())
+    assert sharded["received"] == sharded["b_bytes"] == b_true_rank  # rank 4 of max_rank 8: half the slot

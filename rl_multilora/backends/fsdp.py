@@ -54,6 +54,11 @@ def shard(model: MultiLoRAModel, mesh) -> MultiLoRAModel:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # A layer's post-backward (its reduce-scatter) fires from autograd only if its input requires grad, otherwise
+    # from FSDP's final callback, in another order. Which layers' inputs do would depend on the LoRA modules a rank's
+    # rows happen to use, so ranks could run the reduce-scatters of same-shaped layers in different orders and swap
+    # their grads. The embeddings' output requires grad on every rank: every layer fires from autograd, in order.
+    model.base_model.enable_input_require_grads()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_reduce_scatter_unused_params(True)
@@ -174,32 +179,38 @@ def _slot_owner(stacked, slot: int) -> tuple[int, int]:
 def gather_adapter_state_dict(model: MultiLoRAModel, name: str, dst: int = 0) -> tuple[dict[str, torch.Tensor], int]:
     """(the adapter's PEFT state dict on `dst`, {} elsewhere; bytes `dst` received). Every rank must call it.
 
-    Only the adapter's slot rows travel, each from the rank holding it, at the adapter's true rank."""
+    Only the adapter's slot rows travel, each from the rank holding it, cut to the adapter's true rank."""
     rank = dist.get_rank()
     received = 0
 
-    def read(stacked, slot: int) -> torch.Tensor:
+    def read(stacked, slot: int, index: tuple[slice, ...]) -> torch.Tensor:
         nonlocal received
         owner, local = _slot_owner(stacked, slot)
         shard_tensor = stacked.to_local()
         if owner == dst and rank == dst:
-            return shard_tensor[local]
+            return shard_tensor[local][index]
+        shape = torch.empty(stacked.shape[1:], device="meta")[index].shape
         if rank == owner:
-            dist.send(shard_tensor[local].contiguous(), dst=dst)
+            dist.send(shard_tensor[local][index].contiguous(), dst=dst)
         elif rank == dst:
-            buf = shard_tensor.new_empty(stacked.shape[1:])
+            buf = shard_tensor.new_empty(shape)
             dist.recv(buf, src=owner)
             received += buf.numel() * buf.element_size()
             return buf
-        return shard_tensor.new_empty(stacked.shape[1:])  # not used off `dst`: the slot's shape, unfilled
+        return torch.zeros(shape, dtype=stacked.dtype)  # not used off `dst`: the right shape for the conversion
 
     state = model.adapter_state_dict(name, read_slot=read)
     return (state if rank == dst else {}), received
 
 
 def adapter_slot_bytes(model: MultiLoRAModel, name: str) -> int:
-    """Bytes of the adapter's slot tensors at max_rank (what `gather_adapter_state_dict` moves at most)."""
-    return sum(math.prod(stacked.shape[1:]) * stacked.element_size() for stacked, _ in model._slot_tensors(name))
+    """Bytes of the adapter's slot tensors at its true rank: what `gather_adapter_state_dict` moves from a rank
+    that is not `dst` (every stacked tensor has one rank dim, of size max_rank)."""
+    r, max_rank = model.adapters[name].rank, model.max_rank
+    return sum(
+        math.prod(stacked.shape[1:]) // max_rank * r * stacked.element_size()
+        for stacked, _ in model._slot_tensors(name)
+    )
 
 
 __all__: list[Any] = ["adapter_slot_bytes", "gather_adapter_state_dict", "load_sharded", "meta_tensors", "shard"]

@@ -393,24 +393,28 @@ class MultiLoRAModel(nn.Module):
         """PEFT-named detached copies at the true rank: `base_model.model.<module>.lora_A.weight` (r, in), B (out, r);
         expert Parameters in PEFT's `target_parameters` keys and layout (`peft_io.py`).
 
-        Only the adapter's own slot tensors are gathered, never the full model state dict. `read_slot(stacked, s)`
-        returns slot `s` of a stacked tensor (default: `stacked[s]`; a sharded model gathers it from its rank).
+        Only the adapter's own slot tensors are gathered, never the full model state dict, and only their first r
+        ranks. `read_slot(stacked, s, index)` returns `stacked[s][index]` (the default; a sharded model fetches it
+        from the rank holding slot `s`, so only the true-rank part travels).
         """
         record = self._slot_record(name)
         s, r = record.info.slot, record.info.rank
-        read = read_slot or (lambda stacked, slot: stacked[slot])
+        read = read_slot or (lambda stacked, slot, index: stacked[slot][index])
         out: dict[str, torch.Tensor] = {}
         for module, layer in self._layers.items():
             if module in record.modules:
-                out[_peft_key(module, "A")] = read(layer.lora_A, s)[:r].detach().clone()
-                out[_peft_key(module, "B")] = read(layer.lora_B, s)[:, :r].detach().clone()
+                out[_peft_key(module, "A")] = read(layer.lora_A, s, _rank_index(layer.lora_A, r, "A")).detach().clone()
+                out[_peft_key(module, "B")] = read(layer.lora_B, s, _rank_index(layer.lora_B, r, "B")).detach().clone()
         stems = _expert_key_stems(record.modules, self._expert_shapes)
         for param, stem in stems.items():
             holder = self._experts[param]
             # PEFT's layout: A (E * r, in) expert-major, B (out, r * E) expert-fastest; (E, r, in) / (E, out, r) here
             # (a shared A is written once per expert: PEFT and every per-expert loader read it as it is)
-            lora_a = expert_a_per_expert(read(holder.lora_A, s)[:, :r].detach(), holder.num_experts)
-            lora_a, lora_b = _expert_to_peft(lora_a, read(holder.lora_B, s)[:, :, :r].detach())
+            a_slot = read(holder.lora_A, s, _rank_index(holder.lora_A, r, "A")).detach()
+            lora_a = expert_a_per_expert(a_slot, holder.num_experts)
+            lora_a, lora_b = _expert_to_peft(
+                lora_a, read(holder.lora_B, s, _rank_index(holder.lora_B, r, "B")).detach()
+            )
             out[f"{stem}.lora_A.weight"] = lora_a.clone()
             out[f"{stem}.lora_B.weight"] = lora_b.contiguous().clone()
         return out
@@ -671,6 +675,15 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow
             bad_value("target_modules", targets, "names of nn.Linear modules (" + "; ".join(problems) + ")")
         )
     return [n for n in linears if any(_matches_target(n, t) for t in targets)]
+
+
+def _rank_index(stacked: torch.Tensor, rank: int, factor: str) -> tuple[slice, ...]:
+    """Index into one slot of a stacked LoRA tensor keeping its first `rank` ranks: A (S, R, in) and expert A
+    (S, E, R, in) hold the rank on the slot's second-to-last dim, B (S, out, R) and expert B (S, E, out, R) on its
+    last."""
+    index = [slice(None)] * (stacked.dim() - 1)
+    index[-2 if factor == "A" else -1] = slice(0, rank)
+    return tuple(index)
 
 
 def _local_slot(stacked: torch.Tensor, slot: int) -> torch.Tensor | None:
