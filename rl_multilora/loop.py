@@ -51,15 +51,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: RunConfig, model, tokenizer, placement=None):
+def build_engine(cfg: RunConfig, backend, tokenizer, placement=None):
     """The rollout engine the config names; all three speak the same RolloutEngine interface (several engines:
-    a `MultiEngine` over them). `placement(i)`: Ray actor options that colocate engine i with a trainer rank."""
+    a `MultiEngine` over them). `backend.model` (the multi-LoRA model in this process) is touched only by the
+    engines that need it, so trainer ranks with engine actors or a server never load an unsharded copy here.
+    `placement(i)`: Ray actor options that colocate engine i with a trainer rank."""
     r = cfg.rollout
     if r.engine == "embedded":
         from rollout.engines.embedded import EmbeddedEngine
 
         if r.engine_actors:
             return _one_or_many(_ray_engines(cfg, placement)), None
+        model = backend.model
         engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
         return _one_or_many(engines), None
     from rollout.engines.sglang import SGLangEngine
@@ -70,6 +73,7 @@ def build_engine(cfg: RunConfig, model, tokenizer, placement=None):
         urls = r.urls if r.num_engines > 1 else [r.url]
         return _one_or_many([SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]), None
     # A model whose expert LoRA SGLang cannot serve exactly fails here, before a minutes-long server start.
+    model = backend.model
     expert_shapes = sglang_expert_shapes(model)
     launcher = None
     url = r.url
@@ -210,7 +214,7 @@ class Runtime:
         else:
             backend = LocalBackend.from_config(cfg, pad_token_id=pad)
         placement = backend.engine_placement if cfg.trainer.colocate_engines else None
-        engine, launcher = build_engine(cfg, backend.model, tokenizer, placement)
+        engine, launcher = build_engine(cfg, backend, tokenizer, placement)
         generator = GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), rollout_sampling(cfg, tokenizer))
         scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers, fail_steps=cfg.rewards.fail_steps)
         data = MultiLoRADataSource(tokenizer)

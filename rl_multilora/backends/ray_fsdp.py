@@ -33,6 +33,7 @@ from rl_multilora.backends.local import LocalBackend
 from rl_multilora.config import AdapterConfig, RunConfig
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the trainer ranks' placement group may wait for resources
+CLOSE_TIMEOUT_S = 30.0  # how long closing waits for the ranks to leave their process group before killing them
 
 
 def _free_port() -> int:
@@ -113,7 +114,8 @@ class _TrainerRank:
     def adapter_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], int]:
         from rl_multilora.backends.fsdp import gather_adapter_state_dict
 
-        return gather_adapter_state_dict(self.model, name, dst=0)
+        state, received = gather_adapter_state_dict(self.model, name, dst=0)
+        return _to_cpu(state), received  # a driver without this rank's GPU must be able to read them
 
     def peft_config(self, name: str) -> dict[str, Any]:
         return self.local.peft_config(name)
@@ -123,7 +125,7 @@ class _TrainerRank:
 
     def optimizer_state_dict(self, name: str) -> tuple[bool, dict[str, Any]]:
         """(whether this rank holds the tenant's slot, its optimizer + scheduler state)."""
-        return self.trainer.holds(name), self.trainer.optimizer_state_dict(name)
+        return self.trainer.holds(name), _to_cpu(self.trainer.optimizer_state_dict(name))
 
     def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
         self.local.load_optimizer_state_dict(name, state)
@@ -133,6 +135,17 @@ class _TrainerRank:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor in it (nested dicts, lists, tuples) on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, Mapping):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def _ranks_by_node(node_ids: Sequence[str]) -> list[list[int]]:
@@ -178,9 +191,13 @@ class RayFSDPBackend(TrainingBackend):
             ).remote(i, self._world, cfg.model_dump(mode="json"), pad_token_id)
             for i in range(self._world)
         ]  # fmt: skip
-        addr, port = ray.get(self._ranks[0].address.remote())
-        self.node_ranks = _ranks_by_node(self._all("node_id"))
-        info = self._all("setup", addr, port, self.node_ranks)
+        try:
+            addr, port = ray.get(self._ranks[0].address.remote())
+            self.node_ranks = _ranks_by_node(self._all("node_id"))
+            info = self._all("setup", addr, port, self.node_ranks)
+        except BaseException:
+            self._release()  # a rank that failed to start must not leave the others and the placement group behind
+            raise
         self._info = info[0]
         self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
         self._gathered = 0
@@ -210,15 +227,17 @@ class RayFSDPBackend(TrainingBackend):
 
     @property
     def model(self):
-        """An unsharded copy of the base with slots, for an in-process rollout engine (loaded on first use)."""
+        """An unsharded copy of the base with slots on `model.device`, for an in-process rollout engine (loaded on
+        first use)."""
         if self._model is None:
+            from rl_multilora.backends.local import resolve_device
             from rl_multilora.lora import MultiLoRAModel
 
             m = self.cfg.model
             self._model = MultiLoRAModel.from_pretrained(
                 m.path, max_loras=m.max_loras, max_rank=m.max_rank, target_modules=m.target_modules,
                 dtype=getattr(torch, m.dtype), target_parameters=m.target_parameters, expert_lora=m.expert_lora,
-            )  # fmt: skip
+            ).to(resolve_device(m.device))  # fmt: skip
         return self._model
 
     @property
@@ -288,11 +307,19 @@ class RayFSDPBackend(TrainingBackend):
 
     def close(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
-            self._all("close")
+            # A rank stuck in a collective (another rank failed mid-step) never answers: wait a while, then kill.
+            ray.get([r.close.remote() for r in self._ranks], timeout=CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - closing: the actors are killed whatever happened
+            pass
         finally:
-            for r in self._ranks:
-                ray.kill(r)
-            remove_placement_group(self._pg)
+            self._release()
+
+    def _release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for r in self._ranks:
+            ray.kill(r)
+        remove_placement_group(self._pg)
