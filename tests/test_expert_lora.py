@@ -443,6 +443,38 @@ def test_all_linear_never_wraps_a_router():
     assert explicit.lora_modules == ["model.layers.0.mlp.shared_expert_gate"]
 
 
+def test_a_router_linear_inside_a_router_module_is_never_wrapped_and_flattened_linears_route_per_row():
+    """Hunyuan-V1-MoE keeps its router Linear inside a gate module (`mlp.gate.wg`) and, like Qwen2-MoE, runs its
+    shared MLP on the tokens flattened to (B * L, H): all-linear leaves the router alone, and a mixed batch gives
+    each row what its adapter gives alone (base rows: the base)."""
+    from transformers import HunYuanMoEV1Config
+
+    config = HunYuanMoEV1Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, moe_topk=2, max_position_embeddings=32, head_dim=8,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(config).float().eval()
+    plain = base(input_ids=batch(3, length=5)).logits.detach()
+    m = MultiLoRAModel.from_model(base, max_loras=2, max_rank=4, target_parameters=EXPERTS)
+    assert not any(".gate." in n or n.endswith(".gate") for n in m.lora_modules), m.lora_modules
+    assert "model.layers.0.mlp.shared_mlp.down_proj" in m.lora_modules
+    for i, name in enumerate(("a", "b")):
+        m.add_adapter(name, rank=4, alpha=8, seed=i)
+        with torch.no_grad():
+            for t in m.adapter_parameters(name):
+                t.normal_(0, 0.2, generator=torch.Generator().manual_seed(i))
+    ids = batch(3, length=5)
+    with torch.no_grad():
+        mixed = m(ids, adapter_names=["a", None, "b"]).logits
+        alone = {n: m(ids, adapter_names=[n] * 3).logits for n in ("a", "b")}
+    torch.testing.assert_close(mixed[1], plain[1], **TOL)
+    torch.testing.assert_close(mixed[0], alone["a"][0], **TOL)
+    torch.testing.assert_close(mixed[2], alone["b"][2], **TOL)
+    assert not torch.allclose(alone["a"][0], plain[0], atol=1e-3)
+
+
 def test_base_keys_unchanged_and_target_errors(tmp_path):
     m = make_model()
     base_keys = set(tiny_moe().state_dict())
@@ -615,7 +647,7 @@ def test_shared_a_grads_match_autograd_through_the_reference_loop():
 
 
 def _family_config(family: str):
-    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig
 
     common = dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -623,6 +655,11 @@ def _family_config(family: str):
     )  # fmt: skip
     if family == "mixtral":
         return MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=8, **common)
+    if family == "qwen2_moe":  # its shared expert (plain Linears) runs on the tokens flattened to (B * L, H)
+        return Qwen2MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8, **common,
+        )  # fmt: skip
     if family == "deepseek_v3":
         return DeepseekV3Config(
             intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
@@ -635,7 +672,7 @@ def _family_config(family: str):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe"])
 def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
     def base():
         with torch.random.fork_rng(devices=[]):
@@ -643,7 +680,8 @@ def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
             return AutoModelForCausalLM.from_config(_family_config(family)).float().eval()
 
     folders = {}
-    for i, (name, modules) in enumerate((("p", []), ("q", ["o_proj"]))):
+    shared = ["down_proj"] if family == "qwen2_moe" else []  # LoRA on the shared expert's (flattened) Linear too
+    for i, (name, modules) in enumerate((("p", []), ("q", ["o_proj", *shared]))):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(5 + i)
             config = LoraConfig(
@@ -654,7 +692,8 @@ def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
         folders[name] = pm
     m = MultiLoRAModel.from_model(base(), 3, 8, "all-linear", target_parameters=EXPERTS)
     assert not any("router" in n or n.endswith("mlp.gate") for n in m.lora_modules)  # never a router
-    assert any("shared_experts" in n for n in m.lora_modules) == (family == "deepseek_v3")  # plain Linears
+    assert any("shared_expert" in n for n in m.lora_modules) == (family in ("deepseek_v3", "qwen2_moe"))  # Linears
+    assert not any(n.endswith("shared_expert_gate") for n in m.lora_modules)  # Qwen2-MoE's gate: never LoRA
     for name in folders:
         m.load_adapter(name, tmp_path / name)
     ids = batch(4, length=6)

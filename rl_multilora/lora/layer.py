@@ -75,8 +75,12 @@ class LoRALinear(nn.Module):
         return self.lora_A, self.lora_B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # y: (B, ..., out), the base output computed once for all rows
         routing = self.router.current
+        if routing is not None and routing.groups and x.dim() == 2 and x.shape[0] != routing.batch_size:
+            if x.shape[0] % routing.batch_size == 0:  # tokens flattened to (B * L, in), e.g. Qwen2-MoE's shared expert
+                y3 = self.forward(x.reshape(routing.batch_size, -1, x.shape[-1]))  # (B, L, out)
+                return y3.reshape(x.shape[0], self.out_features)
+        y = F.linear(x, self.weight, self.bias)  # y: (B, ..., out), the base output computed once for all rows
         if routing is None or not routing.groups:
             return y
         if x.shape[0] != routing.batch_size:

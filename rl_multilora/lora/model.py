@@ -618,7 +618,9 @@ _ROUTER_LEAVES = frozenset({"gate", "router", "shared_expert_gate", "router_gate
 
 
 def _is_router(name: str, module: nn.Module) -> bool:
-    return name.rsplit(".", 1)[-1] in _ROUTER_LEAVES or "Router" in type(module).__name__
+    """A router's Linear: named as one, of a router class, or inside a router module (Hunyuan-MoE's `mlp.gate.wg`,
+    Gemma 4's `router.proj`)."""
+    return any(part in _ROUTER_LEAVES for part in name.split(".")) or "Router" in type(module).__name__
 
 
 def _covered(
