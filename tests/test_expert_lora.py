@@ -694,6 +694,7 @@ def test_other_moe_families_match_peft_one_adapter_and_mixed(family, tmp_path):
     assert not any("router" in n or n.endswith("mlp.gate") for n in m.lora_modules)  # never a router
     assert any("shared_expert" in n for n in m.lora_modules) == (family in ("deepseek_v3", "qwen2_moe"))  # Linears
     assert not any(n.endswith("shared_expert_gate") for n in m.lora_modules)  # Qwen2-MoE's gate: never LoRA
+    assert {s.transposed for s in m.expert_shapes.values()} == {family == "gpt_oss"}  # the layout travels with it
     for name in folders:
         m.load_adapter(name, tmp_path / name)
     ids = batch(4, length=6)

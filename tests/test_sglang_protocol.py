@@ -684,6 +684,10 @@ def test_experts_sglang_cannot_serve_are_refused_when_the_engine_is_built(captur
         sglang_expert_shapes(model)
     experts.is_transposed = False
     assert sglang_expert_shapes(model) == {gate_up.name: gate_up}
+    # The shapes a model reports carry the layout, so an engine given them directly refuses too.
+    flipped = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", E, H, 2 * INTER, transposed=True)
+    with pytest.raises(ValueError, match=r"gate_up_proj: stored \(E, in, out\)"):
+        SGLangEngine(capture.url, expert_shapes={flipped.name: flipped})
     assert capture.calls == []
 
 

@@ -96,6 +96,7 @@ class ExpertLoRA(nn.Module):
         num_experts, d1, d2 = param.shape
         self.num_experts = num_experts
         self.shared_a = shared_a
+        self.is_transposed = transposed  # the Parameter is stored (E, in, out)
         self.in_features, self.out_features = (d1, d2) if transposed else (d2, d1)
         device = param.device
         a_experts = 1 if shared_a else num_experts

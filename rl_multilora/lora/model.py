@@ -145,7 +145,9 @@ class MultiLoRAModel(nn.Module):
             for (name, holder), param in zip(holders.items(), params, strict=True):
                 self._experts[name] = holder
                 shape = (holder.num_experts, holder.in_features, holder.out_features)
-                self._expert_shapes[name] = ExpertShape(module_name, param, *shape, shared_a=holder.shared_a)
+                self._expert_shapes[name] = ExpertShape(
+                    module_name, param, *shape, shared_a=holder.shared_a, transposed=holder.is_transposed
+                )
         self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
         self.target_parameters = list(target_parameters) if target_parameters else []
         self.expert_lora = expert_lora

@@ -168,6 +168,7 @@ class ExpertShape:
     in_features: int
     out_features: int
     shared_a: bool = False  # one A per slot for all experts (expert_lora="shared_a"): A comes back as (1, r, in)
+    transposed: bool = False  # stored (E, in, out), gate/up interleaved (gpt-oss): in/out above are the matmul's
 
     @property
     def name(self) -> str:
