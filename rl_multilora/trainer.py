@@ -335,7 +335,7 @@ class MultiLoRATrainer:
                 tenant = self._tenants[name]
                 if name in backwarded:  # the forward's grads are in the stacked tensors: view this slot's part
                     self.model.attach_slot_grads(name, tenant.params)
-                stepped, grad_norm = self._step_adapter(name, skip=name in nonfinite_loss)
+                stepped, grad_norm = self._step_adapter(name, skip=name in nonfinite_loss, grads=name in backwarded)
                 st = stats[name]
                 st.grad_norm = grad_norm
                 if stepped:
@@ -474,19 +474,20 @@ class MultiLoRATrainer:
                 sums.add(n, "gap_tokens", gap_n_a[i])
         return nonfinite, backwarded
 
-    def _step_adapter(self, name: str, skip: bool) -> tuple[bool, float | None]:
-        """Check, clip and apply `name`'s accumulated grads; returns (stepped, pre-clip grad norm)."""
+    def _step_adapter(self, name: str, skip: bool, grads: bool = True) -> tuple[bool, float | None]:
+        """Check, clip and apply `name`'s accumulated grads; returns (stepped, pre-clip grad norm: None without
+        grads). `grads`: whether any rank's backward reached the tenant (the same on every rank)."""
         tenant = self._tenants[name]
         params = [p for p in tenant.params if p.grad is not None]
         grad_norm: float | None = None
-        if self._ranks.world > 1:  # every rank, same tenant order: the norm of the tenant's shards on all ranks
+        if self._ranks.world > 1 and grads:  # every rank, same tenant order: the norm of its shards on all ranks
             grad_norm = self._ranks.norm([p.grad for p in params])
             max_norm = tenant.optim_cfg.max_grad_norm
             if max_norm is not None and not skip and math.isfinite(grad_norm):
                 coef = min(1.0, max_norm / (grad_norm + 1e-6))  # clip_grad_norm_'s rule
                 for p in params:
                     p.grad.mul_(coef)
-        elif params:
+        elif params and self._ranks.world == 1:
             max_norm = tenant.optim_cfg.max_grad_norm
             if max_norm is None or skip:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params])

@@ -297,6 +297,7 @@ def test_two_ranks_match_one_with_kl_a_tenant_leaving_mid_batch_and_a_diverged_t
     for got, want in zip(sharded["stats"], ref_stats, strict=True):
         assert got.keys() == want.keys()
         assert got["n"][2:4] == (0, True) and got["a"][2] == 1 and got["b"][2] == 3
+        assert got["n"][1] is want["n"][1] is None  # no backward reached it: no grad norm, as in one process
         for name in ("a", "b"):
             (loss, norm, *rest), (loss_r, norm_r, *rest_r) = got[name], want[name]
             assert rest == rest_r
