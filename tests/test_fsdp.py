@@ -9,6 +9,7 @@ unsharded export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,14 +31,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, folder: str, port: int, out_dir: str, moe: bool) -> None:
+@contextlib.contextmanager
+def _gloo(rank: int, world: int, port: int):
+    """This process as `rank` of a gloo group of `world` on this host, one intra-op thread, torn down after."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        _check(rank, Path(folder), Path(out_dir), moe)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _worker(rank: int, folder: str, port: int, out_dir: str, moe: bool) -> None:
+    with _gloo(rank, WORLD, port):
+        _check(rank, Path(folder), Path(out_dir), moe)
 
 
 def _check(rank: int, folder: Path, out_dir: Path, moe: bool) -> None:
@@ -123,10 +131,7 @@ def _node_worker(rank: int, world: int, nodes: list[list[int]], folder: str, por
     from rl_multilora.backends.fsdp import load_sharded, meta_tensors
     from rl_multilora.lora import MultiLoRAModel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
+    with _gloo(rank, world, port):
         opened = []
         real_open = modeling_utils.safe_open
         modeling_utils.safe_open = lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1]
@@ -140,8 +145,6 @@ def _node_worker(rank: int, world: int, nodes: list[list[int]], folder: str, por
         mismatched += [n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])]
         report = {"reads": reads, "meta": meta_tensors(model), "mismatched": mismatched}
         (Path(out_dir) / f"node_rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -164,10 +167,7 @@ def test_weights_are_read_once_per_node_and_every_shard_is_exact(tmp_path, world
 
 
 def _train_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
+    with _gloo(rank, WORLD, port):
         from torch.distributed.device_mesh import init_device_mesh
 
         from rl_multilora.backends.fsdp import gather_adapter_state_dict, load_sharded
@@ -177,8 +177,6 @@ def _train_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
         gathered = {name: gather_adapter_state_dict(model, name)[0] for name in TENANTS}
         if rank == 0:
             torch.save({"stats": stats, "state": gathered}, Path(out_dir) / "sharded.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 TENANTS = {"a": (4, 11), "b": (8, 22), "c": (16, 33)}  # name -> (rank, seed), as tests/test_trainer.py
@@ -256,10 +254,7 @@ def _train_hard(model, max_loras: int = 3):
 
 
 def _hard_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
+    with _gloo(rank, WORLD, port):
         from torch.distributed.device_mesh import init_device_mesh
 
         from rl_multilora.backends.fsdp import adapter_slot_bytes, gather_adapter_state_dict, load_sharded
@@ -277,8 +272,6 @@ def _hard_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
                 },
                 Path(out_dir) / "hard.pt",
             )
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
