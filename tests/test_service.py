@@ -529,20 +529,26 @@ def test_service_lifecycle(workspace, ray_client_cleanup):
 
 
 @pytest.mark.ray
-def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup):
+@pytest.mark.parametrize("colocated", [False, True], ids=["ranks", "ranks_and_colocated_engines"])
+def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup, colocated):
     """`serve` with trainer.world_size 2 on a 2-CPU cluster: the ranks get their placement group (the service actor
-    reserves nothing), a submitted tenant trains, status shows the ranks, and a stop checkpoints it."""
+    reserves nothing), a submitted tenant trains, status shows the ranks, and a stop checkpoints it. Colocated: two
+    engine actors share the ranks' bundles (half a CPU each) and fit the same 2-CPU cluster."""
     root = workspace
-    cfg = service_config(root, root / "run_ranks")
-    cfg["trainer"] = {"world_size": 2}
-    write_yaml(root / "service_ranks.yaml", cfg)
-    served = Served(root, config="service_ranks.yaml")
+    name = "run_colocated" if colocated else "run_ranks"
+    cfg = service_config(root, root / name)
+    cfg["trainer"] = {"world_size": 2, "colocate_engines": colocated}
+    if colocated:
+        cfg["rollout"].update(engine_actors=True, num_engines=2)
+    write_yaml(root / f"service_{name}.yaml", cfg)
+    served = Served(root, config=f"service_{name}.yaml")
     try:
         client = connect(served.address)
         assert client.submit(root / "a.yaml").state == "PENDING"
         st = wait_until(client, served, lambda s: s.get("a").adapter_step >= 2, "a training on 2 ranks")
-        assert st.trainer_ranks == 2 and "trainer ranks 2 | engines 1" in st.table()
+        engines = 2 if colocated else 1
+        assert st.trainer_ranks == 2 and f"trainer ranks 2 | engines {engines}" in st.table()
         assert served.stop() == 0, served.tail()
     finally:
         served.kill()
-    assert checkpoint_step(root / "run_ranks", "a") >= 2
+    assert checkpoint_step(root / name, "a") >= 2
