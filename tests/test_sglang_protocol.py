@@ -660,7 +660,6 @@ def test_expert_lora_without_expert_shapes_fails_before_anything_is_sent(capture
 
 
 def test_experts_sglang_cannot_serve_are_refused_when_the_engine_is_built(capture):
-    from torch import nn
 
     from rl_multilora.lora import ExpertShape
 
@@ -671,23 +670,18 @@ def test_experts_sglang_cannot_serve_are_refused_when_the_engine_is_built(captur
     with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.mlp\.moe' has not both"):
         SGLangEngine(capture.url, expert_shapes={odd.name: odd})
 
-    # A transposed (gpt-oss) experts module: its gate/up columns are interleaved; only the model can tell.
-    experts = nn.Module()
-    experts.is_transposed = True
-    layer = nn.ModuleDict({"mlp": nn.ModuleDict({"experts": experts})})
-    base = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([layer])})})
-    gate_up = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", E, H, 2 * INTER)
-    model = type("Model", (), {"expert_shapes": {gate_up.name: gate_up}, "base_model": base})()
+    # A transposed (gpt-oss) experts Parameter: its gate/up columns are interleaved; the model's shapes say so.
+    gate_up = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", E, H, 2 * INTER, transposed=True)
+    model = type("Model", (), {"expert_shapes": {gate_up.name: gate_up}})()
     with pytest.raises(
         ValueError, match=r"(?s)the model's expert LoRA .*gate_up_proj: stored \(E, in, out\).*gpt-oss"
     ):
         sglang_expert_shapes(model)
-    experts.is_transposed = False
-    assert sglang_expert_shapes(model) == {gate_up.name: gate_up}
-    # The shapes a model reports carry the layout, so an engine given them directly refuses too.
-    flipped = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", E, H, 2 * INTER, transposed=True)
-    with pytest.raises(ValueError, match=r"gate_up_proj: stored \(E, in, out\)"):
-        SGLangEngine(capture.url, expert_shapes={flipped.name: flipped})
+    with pytest.raises(ValueError, match=r"gate_up_proj: stored \(E, in, out\)"):  # an engine given them directly
+        SGLangEngine(capture.url, expert_shapes={gate_up.name: gate_up})
+    plain = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", E, H, 2 * INTER)
+    model.expert_shapes = {plain.name: plain}
+    assert sglang_expert_shapes(model) == {plain.name: plain}
     assert capture.calls == []
 
 

@@ -142,20 +142,18 @@ def _scatter_node_chunks(local, full_shape, full, node: list[int], group, world:
     ceil(rows / world); the last ones may be short or empty, so the chunks travel padded to one size."""
     rank = dist.get_rank()
     per_rank = -(-full_shape[0] // world)
+    if len(node) == 1:  # this rank read the weights itself
+        local.copy_(full[rank * per_rank : rank * per_rank + local.shape[0]])
+        return
     buf = local.new_empty((per_rank, *full_shape[1:]))
     chunks = None
     if rank == node[0]:
         whole = full.to(device=local.device, dtype=local.dtype)
-        chunks = []
-        for r in node:
+        chunks = [buf.new_zeros(buf.shape) for _ in node]
+        for chunk, r in zip(chunks, node, strict=True):
             piece = whole[r * per_rank : (r + 1) * per_rank]
-            padded = buf.new_zeros(buf.shape)
-            padded[: piece.shape[0]] = piece
-            chunks.append(padded)
-    if len(node) == 1:
-        buf = chunks[0]
-    else:
-        dist.scatter(buf, chunks, src=node[0], group=group)
+            chunk[: piece.shape[0]] = piece
+    dist.scatter(buf, chunks, src=node[0], group=group)
     local.copy_(buf[: local.shape[0]])
 
 

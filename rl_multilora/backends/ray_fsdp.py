@@ -8,9 +8,10 @@ Design choices:
   landed on, and the first rank of each node alone reads the weight files.
 - Every call of the `TrainingBackend` interface goes to all ranks at once and returns when all have answered:
   adding and removing tenants, loading adapters, and `train_step`, which hands every rank the whole batch through
-  one object in Ray's object store (put once, not once per rank; each rank derives the same advantages and
-  per-tenant counts from it and trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's normalization, clipping, NaN skip and
-  optimizer consistent across ranks). Rank 0's stats are the step's (they are summed over ranks).
+  one object in Ray's object store (put once, not once per rank). Each rank derives the same advantages and
+  per-tenant counts from it and trains its token-balanced share; `MultiLoRATrainer` keeps each tenant's
+  normalization, clipping, NaN skip and optimizer consistent across ranks. Rank 0's stats are the step's (they are
+  summed over ranks).
 - `adapter_state_dict` gathers only the adapter's slot rows to rank 0 (`fsdp.gather_adapter_state_dict`) and
   counts the bytes that moved (`gathered_bytes`); optimizer state comes from the rank holding the slot, in the same
   layout as one process, so checkpoints keep their format and resume with another world size.

@@ -146,12 +146,12 @@ SGLANG_EXPERT_MODULES = {"gate_up_proj": "gate_up_proj", "down_proj": "down_proj
 _LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 
 
-def sglang_expert_problems(expert_shapes: Mapping[str, ExpertShape], transposed: Sequence[str] = ()) -> list[str]:
+def sglang_expert_problems(expert_shapes: Mapping[str, ExpertShape]) -> list[str]:
     """Why SGLang's MoE LoRA cannot serve these expert LoRA targets exactly, one message per Parameter ([] if it can).
 
     It takes `gate_up_proj` (gate rows first, then up: out = 2 * I) and `down_proj` of a module named `experts` under
-    `layers.<i>`, stored `(E, out, in)`. Parameters stored `(E, in, out)` (`ExpertShape.transposed`, or named in
-    `transposed`; gpt-oss) have gate/up columns SGLang orders differently (it interleaves a [gate; up] LoRA B itself).
+    `layers.<i>`, stored `(E, out, in)`. Parameters stored `(E, in, out)` (`ExpertShape.transposed`: gpt-oss) have
+    gate/up columns SGLang orders differently (it interleaves a [gate; up] LoRA B itself).
 
     >>> ok = ExpertShape("model.layers.0.mlp.experts", "gate_up_proj", 4, 32, 32)
     >>> sglang_expert_problems({ok.name: ok})
@@ -167,7 +167,7 @@ def sglang_expert_problems(expert_shapes: Mapping[str, ExpertShape], transposed:
                 f"{name}: SGLang's FusedMoE LoRA takes {sorted(SGLANG_EXPERT_MODULES)} (gated experts); "
                 f"{shape.param!r} (non-gated experts) is not converted"
             )
-        elif shape.transposed or name in transposed:
+        elif shape.transposed:
             problems.append(
                 f"{name}: stored (E, in, out) with interleaved gate/up columns (gpt-oss layout); the client converts "
                 "only the (E, out, in) [gate; up] layout"
@@ -200,10 +200,7 @@ def sglang_expert_shapes(model: Any) -> dict[str, ExpertShape]:
     `SGLangEngine(expert_shapes=...)`.
     """
     shapes = dict(model.expert_shapes)
-    transposed = [
-        n for n, s in shapes.items() if getattr(model.base_model.get_submodule(s.module), "is_transposed", False)
-    ]
-    problems = sglang_expert_problems(shapes, transposed)
+    problems = sglang_expert_problems(shapes)
     if problems:
         raise ValueError(sglang_expert_refusal(problems, f"the model's expert LoRA ({', '.join(shapes)})"))
     return shapes
