@@ -85,7 +85,7 @@ def model_lora_targets(model: ModelConfig) -> tuple[tuple[list[str], list[str]] 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_multilora.lora.model import _select_parameters, _select_targets
+    from rl_multilora.lora.model import select_parameters, select_targets
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -94,12 +94,12 @@ def model_lora_targets(model: ModelConfig) -> tuple[tuple[list[str], list[str]] 
     except Exception as e:  # noqa: BLE001 - any failure to read the config is the user's model folder
         return None, [bad_value("model.path", model.path, f"an HF causal LM folder ({type(e).__name__}: {e})")]
     try:
-        experts = _select_parameters(skeleton, model.target_parameters)
+        experts = select_parameters(skeleton, model.target_parameters)
     except ValueError as e:
         return None, [f"model.{e}"]
     params = [f"{m}.{p}" if m else p for m, ps in experts.items() for p in ps]
     try:
-        linears = _select_targets(skeleton, model.target_modules, allow_empty=bool(params))
+        linears = select_targets(skeleton, model.target_modules, allow_empty=bool(params))
     except ValueError as e:
         return None, [f"model.{e}"]
     return (linears, params), []
@@ -107,13 +107,13 @@ def model_lora_targets(model: ModelConfig) -> tuple[tuple[list[str], list[str]] 
 
 def adapter_target_problems(a: AdapterConfig, lora_modules: Sequence[str], where: str) -> list[str]:
     """Each of the adapter's `target_modules` must match a module the model's LoRA covers (PEFT's suffix rule)."""
-    from rl_multilora.lora.peft_io import _matches_target
+    from rl_multilora.lora.peft_io import matches_target
 
     targets = a.target_modules
     if targets is None or targets == "all-linear":
         return []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    unmatched = [t for t in targets if not any(_matches_target(m, t) for m in lora_modules)]
+    unmatched = [t for t in targets if not any(matches_target(m, t) for m in lora_modules)]
     if not unmatched:
         return []
     leaves = sorted({m.rsplit(".", 1)[-1] for m in lora_modules})
@@ -154,9 +154,9 @@ def _filled(value: Any) -> bool:
 
 def adapter_parameter_problems(a: AdapterConfig, lora_parameters: Sequence[str], where: str) -> list[str]:
     """Each of the adapter's `target_parameters` must match an expert Parameter the model's LoRA covers."""
-    from rl_multilora.lora.peft_io import _matches_target
+    from rl_multilora.lora.peft_io import matches_target
 
-    unmatched = [t for t in a.target_parameters or [] if not any(_matches_target(p, t) for p in lora_parameters)]
+    unmatched = [t for t in a.target_parameters or [] if not any(matches_target(p, t) for p in lora_parameters)]
     if not unmatched:
         return []
     names = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in lora_parameters}) or ["none"]

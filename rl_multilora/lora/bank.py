@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rl_multilora.lora._errors import bad_value
-from rl_multilora.lora.peft_io import ExpertShape, _parse_peft_adapter
+from rl_multilora.lora.peft_io import ExpertShape, parse_peft_adapter
 
 
 class LoRABank:
@@ -72,7 +72,7 @@ class LoRABank:
     def set_adapter(self, slot: int, state_dict: Mapping[str, torch.Tensor], config: Any) -> None:
         """Write a PEFT-named adapter (true rank) into `slot`, zero-padded to max_rank; replaces what was there."""
         self._check_slot(slot)
-        parsed = _parse_peft_adapter(
+        parsed = parse_peft_adapter(
             state_dict, config, self.layer_shapes, self.max_rank, f"for bank slot {slot}", self.expert_shapes
         )
         self._write(slot, parsed.rank, parsed.alpha, {**parsed.tensors, **parsed.experts})

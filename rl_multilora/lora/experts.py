@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rl_multilora.lora.layer import _grouped_lora
-from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, _Routing
+from rl_multilora.lora.layer import grouped_lora
+from rl_multilora.lora.routing import BASE_SLOT, Routing, SlotRouter
 
 # The projection Parameters transformers' experts implementations read (`integrations/moe.py`).
 FIRST_PROJ = ("gate_up_proj", "up_proj")
@@ -111,7 +111,7 @@ class ExpertLoRA(nn.Module):
         shared = ", shared_a" if self.shared_a else ""
         return f"name={self.name}, experts={self.num_experts}, in={self.in_features}, out={self.out_features}{shared}"
 
-    def stacked(self, routing: _Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked(self, routing: Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) over every slot: the engine bank's copies when the routing has one, else this module's own."""
         if routing is not None and routing.bank is not None:
             return routing.bank.stacked(self.name)
@@ -140,7 +140,7 @@ class ExpertLoRA(nn.Module):
         y_pad = out.new_zeros(seg.count, seg.width, self.out_features)
         grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
         # y_pad[k] += scale[k] * x_pad[k] @ A[s_k, e_k].T @ B[s_k, e_k].T: one gather of A and B per segment
-        _grouped_lora(
+        grouped_lora(
             y_pad, x_pad.view(seg.count, seg.width, -1), flat_a, flat_b, seg.key, seg_scale, routing.max_rank, grad,
             seg.slot if self.shared_a else None,
         )  # fmt: skip
@@ -189,7 +189,7 @@ def expert_a_per_expert(lora_a: torch.Tensor, num_experts: int) -> torch.Tensor:
 class _PairRouting:
     """Which (token, k) pairs, sorted by expert, use an adapter: their positions, slots, experts, active rows."""
 
-    def __init__(self, routing: _Routing, pair_row: torch.Tensor, expert: torch.Tensor, num_experts: int):
+    def __init__(self, routing: Routing, pair_row: torch.Tensor, expert: torch.Tensor, num_experts: int):
         # pair_row, expert: (P,) the batch row and the expert of each sorted pair
         self.routing = routing
         if routing.active is None:  # every row uses an adapter
@@ -267,7 +267,7 @@ class LoRAExperts:
     def _activate(self, up: torch.Tensor) -> torch.Tensor:
         return self._apply_gate(up) if self.has_gate else self.act_fn(up)
 
-    def _lora_forward(self, hidden_states, top_k_index, top_k_weights, routing: _Routing) -> torch.Tensor:
+    def _lora_forward(self, hidden_states, top_k_index, top_k_weights, routing: Routing) -> torch.Tensor:
         num_tokens, hidden = hidden_states.shape
         top_k = top_k_index.shape[-1]
         seq = num_tokens // routing.batch_size
@@ -292,7 +292,7 @@ class LoRAExperts:
         unsorted = torch.empty_like(y).index_copy(0, perm, y)  # back to pair order t * top_k + k
         return unsorted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
-    def _reference_forward(self, hidden_states, top_k_index, top_k_weights, routing: _Routing) -> torch.Tensor:
+    def _reference_forward(self, hidden_states, top_k_index, top_k_weights, routing: Routing) -> torch.Tensor:
         """Plain float32 loop over (token, k) pairs with the full padded tensors: the oracle for `_lora_forward`."""
         meta = {g.slot: g for g in routing.groups}
         seq = hidden_states.shape[0] // routing.batch_size

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, _Routing
+from rl_multilora.lora.routing import BASE_SLOT, Routing, SlotRouter
 
 
 class LoRALinear(nn.Module):
@@ -69,7 +69,7 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return f"name={self.name}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def _stacked(self, routing: _Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacked(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         if routing.bank is not None:
             return routing.bank.stacked(self.name)
         return self.lora_A, self.lora_B
@@ -108,10 +108,10 @@ class LoRALinear(nn.Module):
         x3 = (xs if xs.dtype == lora_a.dtype else xs.to(lora_a.dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
-            _grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
+            grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
         else:
             delta = out.new_zeros(n, x3.shape[1], self.out_features)
-            _grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
+            grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
             delta = delta.view(*xs.shape[:-1], self.out_features)
             if routing.active is None:
                 out.add_(delta)
@@ -119,7 +119,7 @@ class LoRALinear(nn.Module):
                 out.index_add_(0, routing.active, delta)  # out[active[i]] += delta[i]
         return out if out.dtype == y.dtype else out.to(y.dtype)
 
-    def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: _Routing) -> torch.Tensor:
+    def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Plain float32 loop over rows with the full padded tensors: the oracle for the fast paths."""
         meta = {g.slot: g for g in routing.groups}
         lora_a, lora_b = self._stacked(routing)
@@ -133,7 +133,7 @@ class LoRALinear(nn.Module):
         return torch.stack(out).to(y.dtype)
 
 
-def _grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None) -> None:
+def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None) -> None:
     """`y3[i] += scale[i] * (x3[i] @ A[a_slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i
     (`a_slots` defaults to `slots`; expert LoRA with a shared A indexes A by slot and B by (slot, expert)).
 

@@ -51,20 +51,20 @@ from rl_multilora.lora.experts import (
 from rl_multilora.lora.layer import LoRALinear
 from rl_multilora.lora.peft_io import (
     ExpertShape,
-    _check_alpha,
-    _check_rank,
-    _expert_key_stems,
-    _expert_to_peft,
-    _matches_target,
-    _parse_peft_adapter,
-    _peft_key,
-    _target_modules_for,
-    _target_parameters_for,
+    check_alpha,
+    check_rank,
+    expert_key_stems,
+    expert_to_peft,
+    matches_target,
+    parse_peft_adapter,
+    peft_key,
     read_peft_folder,
+    target_modules_for,
+    target_parameters_for,
     validate_adapter_name,
     write_peft_folder,
 )
-from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, _build_routing
+from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, build_routing
 
 
 class UnknownAdapterError(KeyError):
@@ -126,8 +126,8 @@ class MultiLoRAModel(nn.Module):
         self.base_model = base_model
         for param in base_model.parameters():
             param.requires_grad_(False)
-        expert_targets = _select_parameters(base_model, target_parameters)
-        names = _select_targets(base_model, target_modules, allow_empty=bool(expert_targets))
+        expert_targets = select_parameters(base_model, target_parameters)
+        names = select_targets(base_model, target_modules, allow_empty=bool(expert_targets))
         self._layers: dict[str, LoRALinear] = {}
         for name in names:
             parent_name, _, child = name.rpartition(".")
@@ -345,8 +345,8 @@ class MultiLoRAModel(nn.Module):
         Parameters; None means all of them, [] none. The others stay exactly zero and are neither trained nor
         exported. Returns the slot.
         """
-        _check_rank(rank, self.max_rank)
-        _check_alpha(alpha)
+        check_rank(rank, self.max_rank)
+        check_alpha(alpha)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(bad_value("seed", seed, "an integer or None"))
         covered = _covered(self._layers, target_modules, "target_modules", all_name="all-linear")
@@ -405,16 +405,16 @@ class MultiLoRAModel(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for module, layer in self._layers.items():
             if module in record.modules:
-                out[_peft_key(module, "A")] = read(layer.lora_A, s, _rank_index(layer.lora_A, r, "A")).detach().clone()
-                out[_peft_key(module, "B")] = read(layer.lora_B, s, _rank_index(layer.lora_B, r, "B")).detach().clone()
-        stems = _expert_key_stems(record.modules, self._expert_shapes)
+                out[peft_key(module, "A")] = read(layer.lora_A, s, _rank_index(layer.lora_A, r, "A")).detach().clone()
+                out[peft_key(module, "B")] = read(layer.lora_B, s, _rank_index(layer.lora_B, r, "B")).detach().clone()
+        stems = expert_key_stems(record.modules, self._expert_shapes)
         for param, stem in stems.items():
             holder = self._experts[param]
             # PEFT's layout: A (E * r, in) expert-major, B (out, r * E) expert-fastest; (E, r, in) / (E, out, r) here
             # (a shared A is written once per expert: PEFT and every per-expert loader read it as it is)
             a_slot = read(holder.lora_A, s, _rank_index(holder.lora_A, r, "A")).detach()
             lora_a = expert_a_per_expert(a_slot, holder.num_experts)
-            lora_a, lora_b = _expert_to_peft(
+            lora_a, lora_b = expert_to_peft(
                 lora_a, read(holder.lora_B, s, _rank_index(holder.lora_B, r, "B")).detach()
             )
             out[f"{stem}.lora_A.weight"] = lora_a.clone()
@@ -431,11 +431,11 @@ class MultiLoRAModel(nn.Module):
         extra = {}
         if params:  # PEFT matches target_parameters against the base model's Parameter names
             base_params = [n for n, _ in self.base_model.named_parameters() if "lora_" not in n]
-            extra["target_parameters"] = _target_parameters_for(params, base_params)
+            extra["target_parameters"] = target_parameters_for(params, base_params)
         config = LoraConfig(
             r=record.info.rank,
             lora_alpha=record.info.alpha,
-            target_modules=_target_modules_for(modules, self.lora_modules) if modules else [],
+            target_modules=target_modules_for(modules, self.lora_modules) if modules else [],
             lora_dropout=0.0,
             bias="none",
             task_type="CAUSAL_LM",
@@ -465,7 +465,7 @@ class MultiLoRAModel(nn.Module):
         rank/alpha/weights; its stale grads are dropped.
         """
         validate_adapter_name(name)
-        parsed = _parse_peft_adapter(
+        parsed = parse_peft_adapter(
             state_dict, config, self.layer_shapes, self.max_rank, source or f"for {name!r}", self._expert_shapes
         )
         slot = self.slot_of(name) if name in self.adapters else self._claim_slot(name)
@@ -600,7 +600,7 @@ class MultiLoRAModel(nn.Module):
             }
         device = (input_ids if input_ids is not None else embeds).device
         dtype = lora_bank.dtype if lora_bank is not None else self.lora_dtype
-        routing = _build_routing(slots, meta, device, lora_bank, reference, dtype)
+        routing = build_routing(slots, meta, device, lora_bank, reference, dtype)
         grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
         with grad_context, self.router.route(routing):
             return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)
@@ -632,7 +632,7 @@ def _covered(
     if selection is None or (all_name is not None and selection == all_name):
         return frozenset(names)
     selection = [selection] if isinstance(selection, str) else list(selection)
-    covered = frozenset(n for n in names if any(_matches_target(n, t) for t in selection))
+    covered = frozenset(n for n in names if any(matches_target(n, t) for t in selection))
     if selection and not covered:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
         raise ValueError(
@@ -641,7 +641,7 @@ def _covered(
     return covered
 
 
-def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow_empty: bool = False) -> list[str]:
+def select_targets(model: nn.Module, target_modules: str | Sequence[str], allow_empty: bool = False) -> list[str]:
     """Names of the Linears to wrap: every Linear but the output embedding and routers, or those matching a list
     (PEFT rule). `allow_empty`: an empty list (or an "all-linear" matching nothing) is fine, e.g. when experts are
     targeted through `target_parameters`."""
@@ -670,7 +670,7 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow
     all_names = [name for name, _ in model.named_modules()]
     problems = []
     for t in targets:
-        matched = [n for n in all_names if _matches_target(n, t)]
+        matched = [n for n in all_names if matches_target(n, t)]
         if not matched:
             problems.append(f"{t!r} matches no module")
         problems += [f"{t!r} matches {n!r}, which is not an nn.Linear" for n in matched if n not in linears]
@@ -678,7 +678,7 @@ def _select_targets(model: nn.Module, target_modules: str | Sequence[str], allow
         raise ValueError(
             bad_value("target_modules", targets, "names of nn.Linear modules (" + "; ".join(problems) + ")")
         )
-    return [n for n in linears if any(_matches_target(n, t) for t in targets)]
+    return [n for n in linears if any(matches_target(n, t) for t in targets)]
 
 
 def _rank_index(stacked: torch.Tensor, rank: int, factor: str) -> tuple[slice, ...]:
@@ -702,7 +702,7 @@ def _local_slot(stacked: torch.Tensor, slot: int) -> torch.Tensor | None:
     return stacked.to_local()[slot % per_rank]
 
 
-def _select_parameters(model: nn.Module, target_parameters: Sequence[str] | None) -> dict[str, list[str]]:
+def select_parameters(model: nn.Module, target_parameters: Sequence[str] | None) -> dict[str, list[str]]:
     """Experts module name -> its Parameters to give LoRA (its Parameter order), for PEFT-style `target_parameters`
     (a full name or a suffix such as "mlp.experts.down_proj"); every problem in one error."""
     if target_parameters is None:
@@ -718,7 +718,7 @@ def _select_parameters(model: nn.Module, target_parameters: Sequence[str] | None
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
-            hits = [t for t in targets if _matches_target(full, t)]
+            hits = [t for t in targets if matches_target(full, t)]
             if not hits:
                 continue
             matched_any.update(hits)

@@ -92,14 +92,14 @@ def _valid_rank(rank: Any, max_rank: int | None) -> bool:
     )
 
 
-def _check_rank(rank: Any, max_rank: int | None, field: str = "rank") -> int:
+def check_rank(rank: Any, max_rank: int | None, field: str = "rank") -> int:
     if not _valid_rank(rank, max_rank):
         allowed = "an integer >= 1" if max_rank is None else f"an integer from 1 to max_rank={max_rank}"
         raise ValueError(bad_value(field, rank, allowed))
     return rank
 
 
-def _check_alpha(alpha: Any, field: str = "alpha") -> float:
+def check_alpha(alpha: Any, field: str = "alpha") -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(bad_value(field, alpha, "a finite number > 0"))
     return alpha
@@ -131,11 +131,11 @@ def peft_config_problems(
     if peft_type != "LORA":
         problems.append(bad_value(f"{field_prefix}peft_type", config.get("peft_type"), "'LORA'"))
     try:
-        _check_rank(config.get("r"), max_rank, f"{field_prefix}r")
+        check_rank(config.get("r"), max_rank, f"{field_prefix}r")
     except ValueError as err:
         problems.append(str(err))
     try:
-        _check_alpha(config.get("lora_alpha"), f"{field_prefix}lora_alpha")
+        check_alpha(config.get("lora_alpha"), f"{field_prefix}lora_alpha")
     except ValueError as err:
         problems.append(str(err))
     for key, (allowed, why) in _UNSUPPORTED_CONFIG.items():
@@ -185,7 +185,7 @@ class _ParsedAdapter:
     )  # param -> A (E, r, in) (shared A: (1, r, in)), B (E, out, r)
 
 
-def _expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, ExpertShape]) -> dict[str, str]:
+def expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, ExpertShape]) -> dict[str, str]:
     """Full Parameter name -> PEFT key stem (key without `.lora_A.weight`) for an adapter covering `covered`.
 
     PEFT wraps the targeted Parameters of one module in the module's Parameter order, each wrapper around the
@@ -203,7 +203,7 @@ def _expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, Expert
     return stems
 
 
-def _expert_to_peft(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_to_peft(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our (A (E, r, in), B (E, out, r)) -> PEFT's (A (E * r, in) expert-major, B (out, r * E) expert-fastest)."""
     num_experts, rank, in_features = lora_a.shape
     out_features = lora_b.shape[1]
@@ -212,31 +212,31 @@ def _expert_to_peft(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.T
     return peft_a, peft_b
 
 
-def _expert_from_peft(
+def expert_from_peft(
     peft_a: torch.Tensor, peft_b: torch.Tensor, num_experts: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's (A (E * r, in), B (out, r * E)) -> our (A (E, r, in), B (E, out, r)); the inverse of `_expert_to_peft`."""
+    """PEFT's (A (E * r, in), B (out, r * E)) -> our (A (E, r, in), B (E, out, r)); the inverse of `expert_to_peft`."""
     lora_a = peft_a.reshape(num_experts, rank, peft_a.shape[-1])
     lora_b = peft_b.reshape(peft_b.shape[0], rank, num_experts).permute(2, 0, 1)
     return lora_a, lora_b
 
 
-def _target_parameters_for(covered: Sequence[str], all_params: Sequence[str]) -> list[str]:
+def target_parameters_for(covered: Sequence[str], all_params: Sequence[str]) -> list[str]:
     """Shortest PEFT target_parameters selecting exactly `covered` among `all_params` (the base model's Parameter
     names): the last k name segments of each, for the smallest k that does (PEFT matches by equality or suffix)."""
     depth = max(n.count(".") + 1 for n in covered)
     for k in range(2, depth + 1):  # k >= 2: "<module leaf>.<param>", the form PEFT's docs use
         suffixes = {".".join(n.split(".")[-k:]) for n in covered}
-        if {n for n in all_params if any(_matches_target(n, t) for t in suffixes)} == set(covered):
+        if {n for n in all_params if any(matches_target(n, t) for t in suffixes)} == set(covered):
             return sorted(suffixes)
     return sorted(covered)
 
 
-def _peft_key(module: str, which: str) -> str:
+def peft_key(module: str, which: str) -> str:
     return f"{PEFT_PREFIX}{module}.lora_{which}.weight"
 
 
-def _matches_target(module: str, target: str) -> bool:
+def matches_target(module: str, target: str) -> bool:
     """PEFT's rule for a target_modules list entry: the module name equals it or ends with '.' + it."""
     return module == target or module.endswith("." + target)
 
@@ -249,7 +249,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
     raise TypeError(f"adapter config must be a dict (adapter_config.json content), got {type(config).__name__}")
 
 
-def _parse_peft_adapter(
+def parse_peft_adapter(
     state_dict: Mapping[str, torch.Tensor],
     config: Any,
     layer_shapes: Mapping[str, tuple[int, int]],
@@ -274,14 +274,14 @@ def _parse_peft_adapter(
     target_parameters = config.get("target_parameters") if expert_shapes else None
     if expert_shapes and target_parameters and not isinstance(target_parameters, str):
         wanted = _as_list(target_parameters)
-        covered = [n for n in expert_shapes if any(_matches_target(n, t) for t in wanted)]
+        covered = [n for n in expert_shapes if any(matches_target(n, t) for t in wanted)]
         problems += [
             f"target_parameters entry {t!r} matches none of this model's expert LoRA targets "
             f"{sorted({s.param for s in expert_shapes.values()})}"
             for t in wanted
-            if isinstance(t, str) and not any(_matches_target(n, t) for n in expert_shapes)
+            if isinstance(t, str) and not any(matches_target(n, t) for n in expert_shapes)
         ]
-        expert_stems = {stem: name for name, stem in _expert_key_stems(covered, expert_shapes).items()}
+        expert_stems = {stem: name for name, stem in expert_key_stems(covered, expert_shapes).items()}
 
     found: dict[str, dict[str, torch.Tensor]] = {}
     found_experts: dict[str, dict[str, torch.Tensor]] = {}
@@ -299,7 +299,7 @@ def _parse_peft_adapter(
         if module not in layer_shapes:
             problems.append(f"key {key!r}: module {module!r} is not a LoRA target of this model")
             continue
-        if target_list is not None and not any(_matches_target(module, t) for t in target_list):
+        if target_list is not None and not any(matches_target(module, t) for t in target_list):
             problems.append(f"key {key!r}: module {module!r} is not in the config's target_modules={targets!r}")
         found.setdefault(module, {})[which] = tensor
     if not found and not found_experts and not problems:
@@ -318,7 +318,7 @@ def _parse_peft_adapter(
             for which, want in (("A", (rank, in_features)), ("B", (out_features, rank))):
                 if tuple(pair[which].shape) != want:
                     problems.append(
-                        f"{_peft_key(module, which)} has shape {tuple(pair[which].shape)}; expected {want} "
+                        f"{peft_key(module, which)} has shape {tuple(pair[which].shape)}; expected {want} "
                         f"(r={rank}, in={in_features}, out={out_features})"
                     )
         tensors[module] = (pair["A"], pair["B"])
@@ -346,7 +346,7 @@ def _parse_peft_adapter(
                     for w, got, want in bad
                 ]
                 continue
-            lora_a, lora_b = _expert_from_peft(pair["A"], pair["B"], e, rank)
+            lora_a, lora_b = expert_from_peft(pair["A"], pair["B"], e, rank)
             if shape.shared_a:  # a shared-A model takes a file whose experts all have the same A (what it exports)
                 if not all(lora_a[0].equal(lora_a[k]) for k in range(1, e)):
                     problems.append(
@@ -362,7 +362,7 @@ def _parse_peft_adapter(
     return _ParsedAdapter(rank, alpha, tensors, experts)
 
 
-def _target_modules_for(covered: Sequence[str], all_modules: Sequence[str]) -> list[str]:
+def target_modules_for(covered: Sequence[str], all_modules: Sequence[str]) -> list[str]:
     """Shortest PEFT target_modules that selects exactly `covered`: leaf names if they do, else full names."""
     leaves = {m.rsplit(".", 1)[-1] for m in covered}
     if {m for m in all_modules if m.rsplit(".", 1)[-1] in leaves} == set(covered):
@@ -439,10 +439,10 @@ def write_peft_folder(
         if problems:
             raise ValueError(f"adapter {source} does not match this model:\n  - " + "\n  - ".join(problems))
         if linear:
-            _parse_peft_adapter(linear, {**config, "target_parameters": None}, _implied_shapes(linear), None, source)
+            parse_peft_adapter(linear, {**config, "target_parameters": None}, _implied_shapes(linear), None, source)
     else:
         shapes = _implied_shapes(tensors)
-        _parse_peft_adapter(tensors, config, shapes, None, source, expert_shapes=expert_shapes)
+        parse_peft_adapter(tensors, config, shapes, None, source, expert_shapes=expert_shapes)
     state_dict = {k: v.contiguous().cpu() for k, v in tensors.items()}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -463,7 +463,7 @@ def _split_implied_experts(
     for key, tensor in tensors.items():
         match = _PEFT_KEY.fullmatch(key)
         module = match.group(1) if match else None
-        if match is None or any(_matches_target(module, t) for t in target_list) or isinstance(targets, str):
+        if match is None or any(matches_target(module, t) for t in target_list) or isinstance(targets, str):
             linear[key] = tensor
         else:
             experts.setdefault(module, {})[match.group(2)] = tensor

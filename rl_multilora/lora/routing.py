@@ -45,7 +45,7 @@ class _SlotGroup:
 
 
 @dataclass(frozen=True)
-class _Routing:
+class Routing:
     batch_size: int
     slots: tuple[int, ...]  # per row; BASE_SLOT = base model
     groups: tuple[_SlotGroup, ...]  # one per used slot, by slot
@@ -93,11 +93,11 @@ class SlotRouter:
         self._local = threading.local()
 
     @property
-    def current(self) -> _Routing | None:
+    def current(self) -> Routing | None:
         return getattr(self._local, "routing", None)
 
     @contextlib.contextmanager
-    def route(self, routing: _Routing) -> Iterator[None]:
+    def route(self, routing: Routing) -> Iterator[None]:
         previous = self.current
         self._local.routing = routing
         try:
@@ -106,14 +106,14 @@ class SlotRouter:
             self._local.routing = previous
 
 
-def _build_routing(
+def build_routing(
     slots: Sequence[int],
     slot_meta: Mapping[int, tuple[int, float, frozenset[str]]],
     device: torch.device,
     bank: LoRABank | None,
     reference: bool,
     dtype: torch.dtype = torch.float32,
-) -> _Routing:
+) -> Routing:
     """The routing of one forward. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row."""
     by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
@@ -129,7 +129,7 @@ def _build_routing(
     row_slots = torch.tensor([slots[row] for row in active_rows], dtype=torch.long, device=device)
     max_rank = max((g.rank for g in groups), default=0)
     common = frozenset.intersection(*(g.modules for g in groups)) if groups else frozenset()
-    return _Routing(
+    return Routing(
         len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, frozenset(by_slot),
         common, {}, {},
     )  # fmt: skip

@@ -43,7 +43,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from rl_multilora.lora import ExpertShape, peft_config_problems
-from rl_multilora.lora.peft_io import PEFT_PREFIX, _expert_from_peft, _expert_key_stems, _matches_target
+from rl_multilora.lora.peft_io import PEFT_PREFIX, expert_from_peft, expert_key_stems, matches_target
 from rollout.types import GenerateRequest, SamplingParams
 
 TENSOR_FORMATS = ("sglang", "safetensors")
@@ -227,14 +227,14 @@ def experts_to_sglang(
     problems = [
         f"target_parameters entry {t!r} matches none of the model's expert LoRA targets {sorted(expert_shapes)}"
         for t in wanted
-        if not any(_matches_target(n, t) for n in expert_shapes)
+        if not any(matches_target(n, t) for n in expert_shapes)
     ]
-    covered = [n for n in expert_shapes if any(_matches_target(n, t) for t in wanted)]
+    covered = [n for n in expert_shapes if any(matches_target(n, t) for t in wanted)]
     problems += sglang_expert_problems({n: expert_shapes[n] for n in covered})
     if problems:
         raise ValueError(sglang_expert_refusal(problems, f"adapter {name!r} (target_parameters={wanted})"))
     out, converted = dict(tensors), {}
-    for param, stem in _expert_key_stems(covered, expert_shapes).items():
+    for param, stem in expert_key_stems(covered, expert_shapes).items():
         shape = expert_shapes[param]
         pair = {w: out.pop(f"{stem}.lora_{w}.weight", None) for w in ("A", "B")}
         missing = [f"{stem}.lora_{w}.weight" for w, t in pair.items() if t is None]
@@ -247,7 +247,7 @@ def experts_to_sglang(
         if bad:
             problems.append(f"{param} ({stem}): {'; '.join(bad)} (E={e}, r={rank}, in={i}, out={o})")
             continue
-        lora_a, lora_b = _expert_from_peft(pair["A"], pair["B"], e, rank)  # (E, r, in), (E, out, r)
+        lora_a, lora_b = expert_from_peft(pair["A"], pair["B"], e, rank)  # (E, r, in), (E, out, r)
         key = f"{PEFT_PREFIX}{shape.module}.{SGLANG_EXPERT_MODULES[shape.param]}"
         converted[f"{key}.lora_A.weight"] = lora_a.contiguous()
         converted[f"{key}.lora_B.weight"] = lora_b.contiguous()
