@@ -126,7 +126,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_engine_serve(args) -> int:
-    from rollout.engines.serve import main as serve_main
+    from rollout.server.serve import main as serve_main
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     return serve_main(rest) or 0

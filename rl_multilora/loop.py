@@ -65,9 +65,9 @@ def build_engine(cfg: RunConfig, backend, tokenizer, placement=None):
         model = backend.model
         engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
         return _one_or_many(engines), None
-    from rollout.engines.sglang import SGLangEngine
-    from rollout.engines.sglang_launcher import SGLangLauncher
-    from rollout.engines.sglang_protocol import sglang_expert_shapes
+    from rollout.sglang.client import SGLangEngine
+    from rollout.sglang.launcher import SGLangLauncher
+    from rollout.sglang.protocol import sglang_expert_shapes
 
     if r.engine == "http":
         urls = r.urls if r.num_engines > 1 else [r.url]

@@ -112,3 +112,119 @@ def test_adapter_name_rules_import_without_torch():
     code = "import sys, rl_multilora.lora.peft_io; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# ----------------------------------------------------------------------------------------------- the whole project
+
+SOURCE_PACKAGES = ("rl_multilora", "rollout", "rewards")
+
+
+def _project_modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for package in SOURCE_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module, is_package = _module_of(path)
+            out[module] = (path, is_package)
+    return out
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def project_imports(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of a project module in `source`, nested ones
+    included; imports under `if TYPE_CHECKING:` are left out (they never run)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, None, node.lineno) for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for a in node.names:
+                if f"{base}.{a.name}" in known:  # `from pkg import submodule`
+                    found.append((f"{base}.{a.name}", None, node.lineno))
+                elif base in known:
+                    found.append((base, a.name, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    modules = _project_modules()
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for module, (path, is_package) in modules.items():
+        for target, _, line in project_imports(path.read_text(), module, is_package, set(modules)):
+            if target != module:
+                graph[module].setdefault(target, line)
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_project_has_no_import_cycles():
+    # A package's __init__ re-exporting its submodules is not a cycle of design: leave the package-to-own-child
+    # edges out, keep everything else (nested imports too).
+    graph = {
+        m: {t: line for t, line in targets.items() if not t.startswith(m + ".")} for m, targets in _import_graph().items()
+    }
+    assert not find_cycles(graph)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_module_imports_another_modules_underscored_names():
+    modules = _project_modules()
+    problems = []
+    for module, (path, is_package) in modules.items():
+        for target, name, line in project_imports(path.read_text(), module, is_package, set(modules)):
+            if name is not None and name.startswith("_") and not name.startswith("__") and target != module:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: from {target} import {name}")
+    assert not problems, problems

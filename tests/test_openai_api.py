@@ -10,7 +10,7 @@ import torch
 
 from rl_multilora.lora import MultiLoRAModel
 from rollout.engines.embedded import EmbeddedEngine
-from rollout.engines.http_server import BackgroundServer
+from rollout.server.http_server import BackgroundServer
 from rollout.types import GenerateRequest, SamplingParams
 from tests.tiny_models import tiny_model, tiny_tokenizer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.engines.sglang_launcher import SGLangLauncher
+from rollout.sglang.launcher import SGLangLauncher
 from rollout.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.gpu

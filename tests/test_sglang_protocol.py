@@ -24,9 +24,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from rollout.engines.sglang import SGLangEngine, SGLangError
-from rollout.engines.sglang_launcher import SGLangLauncher
-from rollout.engines.sglang_protocol import (
+from rollout.sglang.client import SGLangEngine, SGLangError
+from rollout.sglang.launcher import SGLangLauncher
+from rollout.sglang.protocol import (
     ADAPTER_VERSION_HEADER,
     SGLANG_EXPERT_MODULES,
     check_lora_config,

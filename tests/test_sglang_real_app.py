@@ -30,7 +30,7 @@ from rl_multilora.loop import run
 from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.metrics import read_metrics
 from rl_multilora.weight_sync import WeightSync
-from rollout.engines.sglang import SGLangEngine, SGLangError
+from rollout.sglang.client import SGLangEngine, SGLangError
 from rollout.types import GenerateRequest, SamplingParams
 from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 

@@ -2,7 +2,7 @@
 
 Design choices:
 
-- The actor builds its engine itself from the model folder (`rollout.engines.serve.build_embedded_engine`, what
+- The actor builds its engine itself from the model folder (`rollout.server.serve.build_embedded_engine`, what
   `engine-serve` serves): its own copy of the frozen base and its own adapter bank, on the device Ray gives it
   (`num_gpus=1` puts it on a GPU of its own). Only LoRA tensors travel afterwards: `load_adapter` ships an adapter's
   PEFT-named tensors through Ray's object store, never the base.
@@ -36,7 +36,7 @@ class _EngineActor:
     """Runs inside the actor process: an embedded engine built from the model folder."""
 
     def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None):
-        from rollout.engines.serve import build_embedded_engine
+        from rollout.server.serve import build_embedded_engine
 
         self.engine, _ = build_embedded_engine(model_dir, **engine_kwargs, device=device)
 

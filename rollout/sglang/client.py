@@ -1,7 +1,7 @@
 """SGLang client engine (`SGLangEngine`): a `RolloutEngine` over SGLang's native HTTP API.
 
 It drives a real `sglang.launch_server --enable-lora` (started by `sglang_launcher.py` or attached to) as well
-as our own server around any `RolloutEngine` (`rollout/engines/http_server.py`). The payloads, response parsing
+as our own server around any `RolloutEngine` (`rollout/server/http_server.py`). The payloads, response parsing
 and tensor encodings are in `sglang_protocol.py`.
 
 Design choices:
@@ -46,7 +46,7 @@ import torch
 
 from rl_multilora.lora import CONFIG_NAME, ExpertShape, validate_adapter_name
 from rollout.engines.base import RolloutEngine
-from rollout.engines.sglang_protocol import (
+from rollout.sglang.protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,
     TENSOR_FORMATS,

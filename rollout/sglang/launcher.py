@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
-from rollout.engines.sglang_protocol import SGLANG_EXPERT_MODULES
+from rollout.sglang.protocol import SGLANG_EXPERT_MODULES
 
 if TYPE_CHECKING:
-    from rollout.engines.sglang import SGLangEngine
+    from rollout.sglang.client import SGLangEngine
 
 
 def tp_size_from_args(args: list[str]) -> int:
@@ -193,7 +193,7 @@ class SGLangLauncher:
     @staticmethod
     def attach(url: str, api_key: str | None = None, **engine_kwargs: Any) -> SGLangEngine:
         """A client for an already running server; fails unless `/health` answers 200."""
-        from rollout.engines.sglang import SGLangEngine  # here: sglang.py re-exports this module's launcher
+        from rollout.sglang.client import SGLangEngine  # here: sglang.py re-exports this module's launcher
 
         engine = SGLangEngine(url, api_key=api_key, **engine_kwargs)
         if not engine.health():

@@ -45,7 +45,6 @@ import logging
 import secrets
 import threading
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +53,9 @@ from safetensors.torch import load_file
 
 from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_name
 from rollout.engines.base import RolloutEngine
-from rollout.engines.openai_api import add_openai_routes
-from rollout.engines.sglang_protocol import (
+from rollout.server.openai_api import add_openai_routes
+from rollout.server.state import STATE_KEY, ServerState
+from rollout.sglang.protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,
     check_lora_config,
@@ -91,7 +91,6 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 # Paths SGLang serves without a key (k8s probes, Prometheus), matched by prefix as SGLang does.
 _AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
-_STATE_KEY = web.AppKey("rl_multilora_state", object)
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -103,20 +102,6 @@ _PAUSE_ABORT_MESSAGE = "Aborted by /pause_generation"
 
 class RequestError(ValueError):
     """A request that fails validation; answered with 400 and this message."""
-
-
-@dataclass
-class _ServerState:
-    engine: RolloutEngine
-    api_key: str | None
-    model_name: str
-    tokenizer: Any = None
-    # Set while generation may run; cleared by /pause_generation.
-    running: asyncio.Event = field(default_factory=asyncio.Event)
-    # One event per /generate call in flight; set by an abort-mode pause.
-    inflight: set[asyncio.Event] = field(default_factory=set)
-    # Engine calls abandoned by an abort, kept referenced until they finish.
-    orphans: set[asyncio.Task] = field(default_factory=set)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -132,7 +117,7 @@ def _error(message: str, status: int) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _lora_response(state: _ServerState, ok: bool, error: str | None = None) -> web.Response:
+def _lora_response(state: ServerState, ok: bool, error: str | None = None) -> web.Response:
     """SGLang's LoRAUpdateOutput, plus our per-adapter versions."""
     versions = state.engine.adapter_versions()
     body = {
@@ -311,7 +296,7 @@ def _finish_json(result: GenerateResult) -> dict[str, Any]:
 
 
 def _response_item(
-    state: _ServerState, req: GenerateRequest, result: GenerateResult, rid: str, with_logprob: bool
+    state: ServerState, req: GenerateRequest, result: GenerateResult, rid: str, with_logprob: bool
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
@@ -337,7 +322,7 @@ def _response_item(
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     if state.api_key and request.method != "OPTIONS" and not request.path.startswith(_AUTH_EXEMPT_PREFIXES):
         authz = request.headers.get("Authorization", "")
         scheme, _, token = authz.partition(" ")
@@ -351,7 +336,7 @@ async def _auth_middleware(request: web.Request, handler):
 
 
 async def _generate(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request)
     reqs, logprob_flags, single = parse_generate_body(body)
     rids = [r.rid or uuid.uuid4().hex for r in reqs]
@@ -392,7 +377,7 @@ async def _generate(request: web.Request) -> web.Response:
     return web.json_response(items[0] if single else items)
 
 
-def _forget_orphan(state: _ServerState):
+def _forget_orphan(state: ServerState):
     def _done(task: asyncio.Task) -> None:
         state.orphans.discard(task)
         if not task.cancelled() and task.exception() is not None:
@@ -417,7 +402,7 @@ def _version_header(request: web.Request) -> int | None:
 
 
 async def _load_tensors(
-    state: _ServerState, name: str, tensors: dict, config: dict, version: int | None
+    state: ServerState, name: str, tensors: dict, config: dict, version: int | None
 ) -> web.Response:
     try:
         check_lora_config(config, allow_target_parameters=True)  # expert LoRA: the engine's model checks it
@@ -428,7 +413,7 @@ async def _load_tensors(
 
 
 async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request, ("lora_name", "config_dict"))
     name = _adapter_name(body["lora_name"], "lora_name")
     config = _want(body, "config_dict", dict, "the PEFT adapter_config as a JSON object")
@@ -456,7 +441,7 @@ async def _load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
 
 
 async def _load_lora_adapter(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request, ("lora_name", "lora_path"))
     name = _adapter_name(body["lora_name"], "lora_name")
     folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
@@ -475,7 +460,7 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def _unload_lora_adapter(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request, ("lora_name",))
     name = _adapter_name(body["lora_name"], "lora_name")
     if name not in state.engine.adapter_versions():
@@ -488,7 +473,7 @@ async def _unload_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def _pause_generation(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request)
     mode = body.get("mode", "abort")
     if mode != "abort":
@@ -509,7 +494,7 @@ async def _pause_generation(request: web.Request) -> web.Response:
 
 
 async def _continue_generation(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     await _json_body(request)
     await asyncio.to_thread(state.engine.resume)
     state.running.set()
@@ -517,7 +502,7 @@ async def _continue_generation(request: web.Request) -> web.Response:
 
 
 async def _flush_cache(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     flush = getattr(state.engine, "flush_cache", None)
     ok = True
     if callable(flush):
@@ -526,14 +511,14 @@ async def _flush_cache(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     healthy = await asyncio.to_thread(state.engine.health)
     return web.Response(status=200 if healthy else 503)
 
 
 async def _health_generate(request: web.Request) -> web.Response:
     """SGLang's deep check: generate one token on the base model (skipped while paused, as no step can run)."""
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     if not state.running.is_set():
         return await _health(request)
     probe = GenerateRequest(input_ids=[0], sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
@@ -546,7 +531,7 @@ async def _health_generate(request: web.Request) -> web.Response:
 
 
 async def _get_model_info(request: web.Request) -> web.Response:
-    state: _ServerState = request.app[_STATE_KEY]
+    state: ServerState = request.app[STATE_KEY]
     return web.json_response(
         {
             "model_path": state.model_name,
@@ -574,9 +559,9 @@ def make_app(
 
     async def _on_startup(app: web.Application) -> None:
         # Events must be created on the serving loop.
-        state = _ServerState(engine=engine, api_key=api_key, model_name=model_name, tokenizer=tokenizer)
+        state = ServerState(engine=engine, api_key=api_key, model_name=model_name, tokenizer=tokenizer)
         state.running.set()
-        app[_STATE_KEY] = state
+        app[STATE_KEY] = state
 
     app.on_startup.append(_on_startup)
     app.router.add_route("POST", "/generate", _generate)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if _port_in_use(args.host, args.port):
         parser.error(f"--port={args.port!r} is not allowed; allowed: a free port ({args.host}:{args.port} is in use)")
     api_key = _resolve_api_key(parser, args)
-    from rollout.engines.http_server import serve
+    from rollout.server.http_server import serve
 
     engine, tokenizer = build_embedded_engine(
         args.model, args.max_loras, args.max_rank, args.target_modules, args.target_parameters, args.expert_lora

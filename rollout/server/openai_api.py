@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout.server.state import STATE_KEY
 from rollout.types import GenerateRequest, SamplingParams
 
 
@@ -84,9 +85,7 @@ def _sampling(body: dict[str, Any], tokenizer) -> SamplingParams:
 
 
 async def _complete(request: web.Request, chat: bool) -> web.Response:
-    from rollout.engines.http_server import _STATE_KEY
-
-    state = request.app[_STATE_KEY]
+    state = request.app[STATE_KEY]
     if state.tokenizer is None:
         return _error("this server has no tokenizer: the OpenAI routes need one (engine-serve loads it)", 400)
     try:
@@ -148,9 +147,7 @@ async def _completions(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
-    from rollout.engines.http_server import _STATE_KEY
-
-    state = request.app[_STATE_KEY]
+    state = request.app[STATE_KEY]
     now = int(time.time())
     base = {"id": state.model_name, "object": "model", "created": now, "owned_by": "rl-multilora"}
     cards = [{**base, "root": state.model_name, "parent": None}]
