@@ -24,7 +24,7 @@ Entry points:
 - `validate(spec)` / `resolve(spec)`: raise `RewardConfigError` (a ValueError) naming the field, the value and
   what is allowed; `resolve` returns the function.
 - `score(spec, prompt, response, label, metadata=None)`: one sample, in this process (tests, notebooks).
-- `RewardExecutor(num_workers=2, fail_steps=3)`: the training loop's scorer. `executor.score_samples(samples)` sets
+- `RewardExecutor(num_workers=2)`: the training loop's scorer. `executor.score_samples(samples)` sets
   `sample.reward` on every sample and returns a `RewardReport` with per-adapter error / timeout counts. Rewards run
   in persistent worker processes; a reward that raises or runs past `spec.timeout_s` scores `spec.failure_value`
   for that sample only, and a hung worker is killed and replaced. `executor.wait_ready()` blocks until the

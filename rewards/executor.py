@@ -25,11 +25,12 @@ Design choices:
   `RewardReport.errors` and in `RewardReport.crashes`. So a reward that crashes on some or all of its samples adds
   at most its own `timeout_s` (its tasks already running elsewhere) plus one worker start to a step, not a worker
   start per sample.
-- Failure limit: a call counts toward an adapter's `fail_steps` when every one of its samples failed (raised,
-  timed out, bad value) or when its reward crashed a worker, even if its other samples scored. After `fail_steps`
-  such calls in a row the adapter is in `RewardReport.failing`; any other call resets its count. A reward that
-  crashes its worker on only some inputs is thus failed like one that raises on every input: it would otherwise
-  cost a worker start every step for ever.
+- Failure report: a call lists an adapter in `RewardReport.all_failed` when every one of its samples failed
+  (raised, timed out, bad value) or when its reward crashed a worker, even if its other samples scored. The
+  executor keeps no count across calls: the limit (`faults.max_reward_fail_steps` calls in a row) is the tenant's
+  own counter (`rl_multilora.tenants`), so it starts clean when a name is submitted again. A reward that crashes
+  its worker on only some inputs is thus failed like one that raises on every input: it would otherwise cost a
+  worker start every step for ever.
 - The parent resolves each spec (cached) only to learn its shape (sync, async, batched); a spec that does not
   resolve fails its own samples with the config error, never the call.
 - Data goes to our own workers over a socket pair (pickle between our own processes only).
@@ -73,15 +74,15 @@ class RewardReport:
     """What one `score_samples` call did, per adapter name ("" for samples without an adapter).
 
     `errors` / `timeouts`: samples whose reward raised / ran past `timeout_s` (they scored `failure_value`);
-    `failing`: adapters whose rewards failed on every sample, or crashed a worker, in each of `fail_steps`
-    consecutive calls, with the reason; `samples`: samples scored per adapter; `last_error`: the last failure
+    `all_failed`: adapters whose rewards failed on every sample, or crashed a worker, in this call, with the
+    reason; `samples`: samples scored per adapter; `last_error`: the last failure
     message per adapter; `seconds`: wall time; `crashes`: the part of `errors` lost to a worker that died under the
     adapter's reward: the samples of the task it was running and those of the adapter's tasks not started after.
     """
 
     errors: dict[str, int] = field(default_factory=dict)
     timeouts: dict[str, int] = field(default_factory=dict)
-    failing: dict[str, str] = field(default_factory=dict)
+    all_failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     samples: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, str] = field(default_factory=dict)
@@ -140,26 +141,22 @@ def _stop_workers(workers: list[_Worker]) -> None:
 class RewardExecutor:
     """Scores samples with each one's `RewardSpec` in `num_workers` persistent, killable worker processes.
 
-    `fail_steps`: after this many consecutive `score_samples` calls in which every sample of an adapter failed or
-    its reward crashed a worker, the adapter is listed in `RewardReport.failing`. `async_concurrency`: samples of
+    `async_concurrency`: samples of
     an `async def` reward run concurrently in one worker. One call at a time (a lock enforces it). Use as a context manager or `close()`.
     """
 
-    def __init__(self, num_workers: int = 2, fail_steps: int = 3, *, async_concurrency: int = 32) -> None:
+    def __init__(self, num_workers: int = 2, *, async_concurrency: int = 32) -> None:
         for name, value in (
             ("num_workers", num_workers),
-            ("fail_steps", fail_steps),
             ("async_concurrency", async_concurrency),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RewardExecutor.{name}={value!r} is not allowed; allowed: an integer >= 1")
         self.num_workers = num_workers
-        self.fail_steps = fail_steps
         self.async_concurrency = async_concurrency
         self._lock = threading.Lock()
         self._task_ids = itertools.count()
         self._resolved: dict[RewardSpec, RewardFn | RewardConfigError] = {}
-        self._streak: dict[str, int] = defaultdict(int)
         self._crashed: set[str] = set()  # adapters whose reward crashed a worker in their previous call
         self._startup_failures = 0
         self._workers: list[_Worker] = []
@@ -399,12 +396,9 @@ class RewardExecutor:
                 self._crashed.add(adapter)
             else:
                 self._crashed.discard(adapter)
-            self._streak[adapter] = self._streak[adapter] + 1 if failed == n or crashed else 0
-            if self._streak[adapter] >= self.fail_steps:
-                report.failing[adapter] = (
-                    f"rewards failed on every sample or crashed a worker in each of {self._streak[adapter]} "
-                    f"consecutive steps ({failed}/{n} failed this step, {crashed} to a crash); "
-                    f"last: {report.last_error[adapter]}"
+            if failed == n or crashed:
+                report.all_failed[adapter] = (
+                    f"{failed}/{n} failed this step, {crashed} to a crash; last: {report.last_error[adapter]}"
                 )
 
 

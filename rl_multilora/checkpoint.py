@@ -233,6 +233,16 @@ class RestoredCheckpoint:
     discarded: list[Path]  # newer checkpoints from a step the run state does not record as finished
 
 
+@dataclass
+class AdapterWeights:
+    """An adapter's LoRA weights as a checkpoint holds them (what evaluation loads; no optimizer, no cursor)."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    peft_config: dict[str, Any]
+    adapter_step: int
+
+
 class CheckpointManager:
     """The files of a run directory: adapter checkpoints, the run state, the metrics rewrite. It never sees the
     runtime: tenants hand it `AdapterSnapshot`s and get them back (`rl_multilora.tenants` decides when)."""
@@ -254,6 +264,27 @@ class CheckpointManager:
             if step is None or s == step:
                 return d
         return None
+
+    def newest_step(self, name: str) -> int | None:
+        """Adapter step of `name`'s newest complete checkpoint, or None."""
+        cks = list_checkpoints(self.adapter_dir(name))
+        return cks[-1][0] if cks else None
+
+    def read_weights(
+        self, name: str, step: int | None = None, folder: Path | str | None = None
+    ) -> AdapterWeights | None:
+        """`name`'s LoRA weights from its newest complete checkpoint (at adapter step `step` when given, or the
+        checkpoint `folder`); None when there is no such checkpoint."""
+        ck = Path(folder) if folder is not None else self.find(name, step)
+        if ck is None:
+            return None
+        meta = json.loads((ck / CKPT_META).read_text())
+        return AdapterWeights(
+            path=ck,
+            tensors=load_file(str(ck / WEIGHTS_NAME)),
+            peft_config=json.loads((ck / CONFIG_NAME).read_text()),
+            adapter_step=int(meta["adapter_step"]),
+        )
 
     # -- adapters -------------------------------------------------------------------------------------------------
     def save_adapter(self, name: str, snap: AdapterSnapshot) -> Path:

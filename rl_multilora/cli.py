@@ -110,14 +110,13 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from rl_multilora.evaluate import evaluate_checkpoints, format_table
-    from rl_multilora.loop import rollout_sampling
 
     if args.n is not None and args.n < 1:
         from rl_multilora.config import ConfigError
         from rl_multilora.errors import bad_value
 
         raise ConfigError([bad_value("--n", args.n, "an integer >= 1")])
-    rows = evaluate_checkpoints(args.run_dir, rollout_sampling, args.adapter, args.step, args.split, args.n, args.peft)
+    rows = evaluate_checkpoints(args.run_dir, args.adapter, args.step, args.split, args.n, args.peft)
     out = Path(args.out) if args.out else Path(args.run_dir) / f"eval_{rows[0]['split'] if rows else 'none'}.json"
     out.write_text(json.dumps(rows, indent=1))
     print(format_table(rows))

@@ -216,6 +216,13 @@ class RolloutConfig(_Strict):
         description="Most rows (samples) one step generates; when the tenants ask for more, the step is split by "
         "weighted fair share (adapter `weight`), at least one prompt group per RUNNING tenant. null: no cap.",
     )
+
+    @property
+    def logit_temperature(self) -> float:
+        """What the trainer divides logits by, so its log-probs are those of the distribution the engine sampled
+        from: the sampling temperature, or 1 for greedy rollouts."""
+        return self.temperature if self.temperature > 0 else 1.0
+
     sglang_port: int = Field(30000, ge=1, le=65535, description="Port for a launched SGLang server.")
     sglang_lora_backend: str = Field("triton", description="SGLang --lora-backend.")
     sglang_args: list[str] = Field(default_factory=list, description="Extra sglang.launch_server arguments.")
@@ -244,7 +251,16 @@ class GRPOSettings(_Strict):
 
 class RewardsSettings(_Strict):
     num_workers: int = Field(2, ge=1, description="Reward worker processes (killable on timeout).")
-    fail_steps: int = Field(3, ge=1, description="Consecutive all-failing reward steps before a tenant is reported.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_setting_per_limit(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "fail_steps" in data:
+            raise ValueError(
+                "rewards.fail_steps is no longer a setting; the one limit on consecutive all-failing reward steps "
+                "is faults.max_reward_fail_steps"
+            )
+        return data
 
 
 class CheckpointSettings(_Strict):

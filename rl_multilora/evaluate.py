@@ -18,16 +18,17 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rl_multilora.config import AdapterConfig, EvalSettings, RunConfig
-from rollout.types import AdapterRef, GenerateRequest, Sample, SampleStatus, SamplingParams
+from rl_multilora.checkpoint import AdapterWeights
+from rl_multilora.config import AdapterConfig, EvalSettings
+from rollout.generate_state import GenerateState, GenerateStateHooks
+from rollout.types import AdapterRef, Sample, SampleStatus, SamplingParams
 
 EVAL_PREFIX = "eval:"
 
@@ -92,29 +93,33 @@ class EvalSet:
         self.prompts = [g[0] for g in source.next_groups([a.name])[a.name]]
         self.tokenizer = tokenizer
 
-    def samples(self, engine_adapter: str | None) -> list[tuple[Sample, SamplingParams]]:
-        """Fresh samples to generate, each with its sampling params; `engine_adapter` None = the base model."""
+    def samples(self, engine_adapter: str | None) -> list[Sample]:
+        """Fresh samples to generate; `engine_adapter` None = the base model. Each carries what its request asks for
+        (`EvalGeneration.request_params`): `eval_kind` greedy (temperature 0) or sample<j> with its own seed."""
         out = []
         ref = AdapterRef(EVAL_PREFIX + self.name, 0)
         for i, p in enumerate(self.prompts):
-            draws = []
-            if self.settings.greedy:
-                draws.append(("greedy", dataclasses.replace(self.sampling, temperature=0.0, seed=None)))
+            draws: list[tuple[str, int | None]] = [("greedy", None)] if self.settings.greedy else []
             for j in range(self.settings.k):
                 seed = int(np.random.SeedSequence([self.seed, 7919, i, j]).generate_state(1)[0] & 0x7FFFFFFF)
-                draws.append((f"sample{j}", dataclasses.replace(self.sampling, seed=seed)))
-            for kind, sampling in draws:
-                s = Sample(
-                    prompt=p.prompt,
-                    prompt_ids=list(p.prompt_ids),
-                    label=p.label,
-                    group_index=i,
-                    index=len(out),
-                    metadata={**p.metadata, "eval_kind": kind, "engine_adapter": engine_adapter},
-                    adapter=ref,
-                    reward_spec=self.reward,
+                draws.append((f"sample{j}", seed))
+            for kind, seed in draws:
+                meta = {**p.metadata, "eval_kind": kind, "engine_adapter": engine_adapter}
+                meta.pop("sampling_seed", None)
+                if seed is not None:
+                    meta["sampling_seed"] = seed
+                out.append(
+                    Sample(
+                        prompt=p.prompt,
+                        prompt_ids=list(p.prompt_ids),
+                        label=p.label,
+                        group_index=i,
+                        index=len(out),
+                        metadata=meta,
+                        adapter=ref,
+                        reward_spec=self.reward,
+                    )
                 )
-                out.append((s, sampling))
         return out
 
     def summarize(self, samples: Sequence[Sample], adapter_step: int, base: bool) -> EvalResult:
@@ -155,40 +160,55 @@ class EvalJob:
         return self.engine_adapter is None
 
 
-def run_evals(engine, scorer, jobs: Sequence[EvalJob]) -> list[EvalResult]:
-    """Every job's prompts in one engine batch, scored with each tenant's reward; one result per job."""
+class EvalGeneration(GenerateState):
+    """The rollout path (`GenerateState`: request building, aborts, finish reasons, decoding) for eval samples,
+    whose request names the engine adapter under evaluation (None: the base) and, for greedy answers,
+    temperature 0."""
+
+    def request_params(self, sample: Sample) -> tuple[str | None, SamplingParams]:
+        _, sampling = super().request_params(sample)
+        if sample.metadata["eval_kind"] == "greedy":
+            sampling = dataclasses.replace(sampling, temperature=0.0, seed=None)
+        return sample.metadata["engine_adapter"], sampling
+
+
+def run_evals(generator: GenerateState, scorer, jobs: Sequence[EvalJob]) -> list[EvalResult]:
+    """Every job's prompts in one engine batch, scored with each tenant's reward; one result per job.
+    `generator`: the run's rollout driver (its engine, tokenizer and sampling settings)."""
     if not jobs:
         return []
     per_job = [job.eval_set.samples(job.engine_adapter) for job in jobs]
-    flat = [pair for pairs in per_job for pair in pairs]
-    requests = [
-        GenerateRequest(
-            input_ids=list(s.prompt_ids), adapter=s.metadata["engine_adapter"], sampling=sampling, rid=f"eval/{i}"
-        )
-        for i, (s, sampling) in enumerate(flat)
-    ]
-    results = engine.generate(requests)
-    for (s, _), result in zip(flat, results, strict=True):
-        s.response_ids = list(result.output_ids)
-        s.finish_reason = result.finish_reason
-        s.weight_version = result.weight_version
-        s.response = jobs[0].eval_set.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        if result.finish_reason in ("abort", "error"):
-            s.status = SampleStatus.FAILED
-            s.metadata["error"] = result.error or result.finish_reason
-        else:
-            s.status = SampleStatus.TRUNCATED if result.finish_reason == "length" else SampleStatus.COMPLETED
-    samples = [s for s, _ in flat]
-    scorer.score_samples(samples)
+    flat = [s for samples in per_job for s in samples]
+    # One group: every request reaches the engine in one call, never mixed into a rollout's batches.
+    gen = EvalGeneration(generator.engine, generator.tokenizer, GenerateStateHooks(), generator.sampling)
+    gen.run_sync([flat])
+    scorer.score_samples(flat)
     return [
-        job.eval_set.summarize([s for s, _ in pairs], job.adapter_step, job.base)
-        for job, pairs in zip(jobs, per_job, strict=True)
+        job.eval_set.summarize(samples, job.adapter_step, job.base) for job, samples in zip(jobs, per_job, strict=True)
     ]
+
+
+def evaluate_adapters(
+    generator: GenerateState, scorer, jobs: Sequence[EvalJob], weights: dict[str, AdapterWeights], width: int
+) -> list[EvalResult]:
+    """Evaluate adapters that are not in the engine: load each job's `weights[job.engine_adapter]`, at most `width`
+    at a time (the engine's slots), run their jobs, unload them."""
+    results: list[EvalResult] = []
+    for start in range(0, len(jobs), width):
+        chunk = jobs[start : start + width]
+        for job in chunk:
+            w = weights[job.engine_adapter]
+            generator.engine.load_adapter(job.engine_adapter, w.tensors, w.peft_config, version=job.adapter_step)
+        try:
+            results += run_evals(generator, scorer, chunk)
+        finally:
+            for job in chunk:
+                generator.engine.unload_adapter(job.engine_adapter)
+    return results
 
 
 def evaluate_checkpoints(
     run_dir: str,
-    sampling_of: Callable[[RunConfig, Any], SamplingParams],
     adapters: Sequence[str] | None = None,
     step: int | None = None,
     split: str | None = None,
@@ -198,23 +218,18 @@ def evaluate_checkpoints(
     """`rl-multilora eval`: the base and saved checkpoints of a run dir (or a PEFT folder for one adapter) on each
     adapter's held-out prompts; one dict per adapter with base and adapter results.
 
-    The run's own config (RUN_DIR/config.yaml) says the model, datasets, rewards and eval settings; `split` and `n`
-    override the eval split and the number of prompts. Eval is on here whatever the run's `eval.enabled` was.
-    `sampling_of(cfg, tokenizer)` gives the run's rollout sampling settings (`rl_multilora.loop.rollout_sampling`).
+    The run's own config (RUN_DIR/config.yaml) says the model (built as the run built it: dtype, targets, expert
+    LoRA), datasets, rewards and eval settings; `split` and `n` override the eval split and the number of prompts.
+    Eval is on here whatever the run's `eval.enabled` was.
     """
     from pathlib import Path
 
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
-
-    import rewards
-    from rl_multilora.backends.local import resolve_device
+    from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import ConfigError, load_run_config
     from rl_multilora.errors import bad_value
-    from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, MultiLoRAModel, read_peft_folder
+    from rl_multilora.lora import CONFIG_NAME, read_peft_folder
     from rl_multilora.validate import adapter_problems
-    from rollout.engines.embedded import EmbeddedEngine
 
     root = Path(run_dir)
     if not (root / "config.yaml").is_file():
@@ -234,22 +249,20 @@ def evaluate_checkpoints(
     if problems:
         raise ConfigError(problems)
     ckpt = CheckpointManager(root)
-    checkpoints: dict[str, tuple[str, dict, dict, int | None]] = {}
+    weights: dict[str, AdapterWeights] = {}
     for name in names:
         if peft is not None:
             tensors, config = read_peft_folder(peft)
-            checkpoints[name] = (peft, tensors, config, None)
+            weights[name] = AdapterWeights(Path(peft), tensors, config, adapter_step=0)
             continue
-        ck = ckpt.find(name, step)
-        if ck is None:
+        found = ckpt.read_weights(name, step)
+        if found is None:
             which = f"at adapter step {step}" if step is not None else "at any step"
             problems.append(
                 bad_value("--adapter", name, f"an adapter with a complete checkpoint {which} in {run_dir}")
             )
             continue
-        meta = json.loads((ck / "checkpoint.json").read_text())
-        config = json.loads((ck / CONFIG_NAME).read_text())
-        checkpoints[name] = (str(ck), load_file(str(ck / WEIGHTS_NAME)), config, int(meta["adapter_step"]))
+        weights[name] = found
     settings = {}
     for name in names:
         update = {"enabled": True, **({"split": split} if split else {}), **({"n_prompts": n} if n else {})}
@@ -258,42 +271,25 @@ def evaluate_checkpoints(
     if problems:
         raise ConfigError(problems)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    model = MultiLoRAModel.from_pretrained(
-        cfg.model.path,
-        max_loras=cfg.model.max_loras,
-        max_rank=cfg.model.max_rank,
-        target_modules=cfg.model.target_modules,
-    ).to(resolve_device(cfg.model.device))
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
-    scorer = rewards.RewardExecutor(num_workers=cfg.rewards.num_workers)
-    sampling = sampling_of(cfg, tokenizer)
+    engine, tokenizer = components.build_embedded_engine(cfg.model, cfg.rollout.max_batch_size)
+    generator = GenerateState(engine, tokenizer, GenerateStateHooks(), components.build_sampling(cfg, tokenizer))
+    scorer = components.build_scorer(cfg)
     out = []
     try:
-        sets = {name: EvalSet(known[name], settings[name], tokenizer, sampling) for name in names}
-        base = {r.adapter: r for r in run_evals(engine, scorer, [EvalJob(sets[x], None, 0) for x in names])}
-        width = cfg.model.max_loras
-        for start in range(0, len(names), width):
-            chunk = names[start : start + width]
-            for name in chunk:
-                _, tensors, config, at = checkpoints[name]
-                engine.load_adapter(name, tensors, config, version=at or 0)
-            try:
-                jobs = [EvalJob(sets[x], x, checkpoints[x][3] or 0) for x in chunk]
-                for r in run_evals(engine, scorer, jobs):
-                    out.append(
-                        {
-                            "adapter": r.adapter,
-                            "checkpoint": checkpoints[r.adapter][0],
-                            "adapter_step": checkpoints[r.adapter][3],
-                            "split": settings[r.adapter].split,
-                            "base": dataclasses.asdict(base[r.adapter]),
-                            "adapter_result": dataclasses.asdict(r),
-                        }
-                    )
-            finally:
-                for name in chunk:
-                    engine.unload_adapter(name)
+        sets = {name: EvalSet(known[name], settings[name], tokenizer, generator.sampling) for name in names}
+        base = {r.adapter: r for r in run_evals(generator, scorer, [EvalJob(sets[x], None, 0) for x in names])}
+        jobs = [EvalJob(sets[x], x, weights[x].adapter_step) for x in names]
+        for r in evaluate_adapters(generator, scorer, jobs, weights, cfg.model.max_loras):
+            out.append(
+                {
+                    "adapter": r.adapter,
+                    "checkpoint": str(weights[r.adapter].path),
+                    "adapter_step": None if peft is not None else weights[r.adapter].adapter_step,
+                    "split": settings[r.adapter].split,
+                    "base": dataclasses.asdict(base[r.adapter]),
+                    "adapter_result": dataclasses.asdict(r),
+                }
+            )
     finally:
         scorer.close()
         engine.close()

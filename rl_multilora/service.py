@@ -18,7 +18,7 @@ that actor by name. The pieces:
 - Drained adapters are marked REMOVED once the step's weight sync has unloaded them, so a name can be submitted
   again; the Runtime's admission then resumes it from its newest checkpoint (`checkpoint.resume != "never"`).
 
-Why one file (about 650 lines): the core, the actor, the client and the CLI verbs share the values that cross the
+Why one file: the core, the actor, the client and the CLI verbs share the values that cross the
 actor boundary (`AdapterStatus`, `ServiceStatus`, `Reply`) and the Ray setup; split, each part would import the
 others. The Ray-free core is the first half and can be read alone.
 
@@ -57,7 +57,6 @@ from rl_multilora.config import (
     parse_adapter_config,
     parse_run_config,
 )
-from rl_multilora.errors import bad_value
 from rl_multilora.tenants import TenantError, TenantState
 
 log = logging.getLogger("rl_multilora.service")
@@ -67,7 +66,6 @@ ACTOR_NAME = "controller"
 NO_SERVICE = "no rl-multilora service is running (start one with rl-multilora serve CONFIG)"
 # Idle lines repeat at most this often: one per poll would flood the terminal of a service that idles for hours.
 IDLE_LOG_EVERY_S = 60.0
-_LIVE = (TenantState.PENDING, TenantState.RUNNING, TenantState.DRAINING)
 
 
 class ServiceError(RuntimeError):
@@ -176,7 +174,6 @@ class ServiceCore:
     def start(self) -> None:
         """Resume the run directory's state (and any adapters in the config), then start the training thread."""
         self.rt.start()
-        self._mark_unloaded_removed()
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="rl-multilora-service", daemon=True)
         self._thread.start()
@@ -193,31 +190,10 @@ class ServiceCore:
     # -- requests (any thread) ------------------------------------------------------------------------------------
     def submit(self, a: AdapterConfig) -> AdapterStatus:
         """Validate and register `a` as PENDING before the next step; raise ServiceError with the reason if not."""
-        from rl_multilora import validate
-
         self._check_open()
-        # The I/O checks (reward resolves, dataset has usable rows, targets exist in the running model) run here, in
-        # the caller's thread, so a bad submission is rejected at once instead of after the current step;
-        # rt.register repeats them, authoritative, between steps.
-        resume = self.rt.ckpt if self.rt.cfg.checkpoint.resume != "never" else None
-        problems = validate.adapter_problems(
-            a,
-            self.rt.backend.lora_modules,
-            self.rt.cfg.eval_for(a),
-            ckpt=resume,
-            lora_parameters=self.rt.backend.lora_parameters,
-        )
-        live = self.status().get(a.name)
-        if live is not None and live.state in {s.value for s in _LIVE}:
-            problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {live.state})"))
-        done = self._checkpointed_step(a.name)
-        if done is not None and a.max_steps is not None and done >= a.max_steps:
-            # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
-            problems.append(
-                bad_value(
-                    "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
-                )
-            )
+        # The admission checks run here too, in the caller's thread, so a bad submission is rejected at once instead
+        # of after the current step; rt.register repeats them, authoritative, between steps.
+        problems = self.rt.tenants.admission_problems(a)
         if problems:
             raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
         return self._enqueue(_Mutation("submit", adapter=a))
@@ -226,15 +202,6 @@ class ServiceCore:
         """Drain `name` (PENDING: removed at once; RUNNING: checkpointed and unloaded at the end of the next step)."""
         self._check_open()
         return self._enqueue(_Mutation("remove", name=name))
-
-    def _checkpointed_step(self, name: str) -> int | None:
-        """Adapter step of `name`'s newest checkpoint, when admission would resume from it."""
-        from rl_multilora.checkpoint import list_checkpoints
-
-        if self.rt.cfg.checkpoint.resume == "never":
-            return None
-        found = list_checkpoints(self.rt.ckpt.adapter_dir(name))
-        return found[-1][0] if found else None
 
     def status(self) -> ServiceStatus:
         with self._lock:
@@ -274,22 +241,10 @@ class ServiceCore:
         return bool(c.running()) or waiting or bool(c.in_state(TenantState.DRAINING))
 
     def _step(self) -> None:
-        rt = self.rt
-        if rt.tenants.running():
-            rt.step()
+        if self.rt.tenants.running():
+            self.rt.step()
         else:
-            # Nothing to train: only retire drained adapters and admit pending ones, without a wasted global step.
-            rt.tenants.retire_finished()
-            rt.tenants.admit_pending()
-            rt.sync_now()
-            rt.tenants.save_run_state()
-        self._mark_unloaded_removed()
-
-    def _mark_unloaded_removed(self) -> None:
-        """DRAINED adapters were unloaded by the sync that ended the step: REMOVED, so the name can be reused."""
-        c = self.rt.tenants
-        for t in c.in_state(TenantState.DRAINED):
-            c.mark_removed(t.name)
+            self.rt.idle_step()  # nothing to train: retire, admit and sync without a wasted global step
 
     def _apply_mutations(self, block_s: float) -> None:
         try:

@@ -13,10 +13,14 @@ States only move forward: PENDING -> RUNNING -> DRAINING -> DRAINED -> REMOVED, 
 - REMOVED: unloaded everywhere; the record stays for status and metrics.
 - FAILED: stopped for a reason (kept in `reason`); its last good weights are checkpointed and its slot freed.
 
-`TenantTable` is the state machine alone (no I/O, testable on its own). `TenantManager` adds the fan-out of each
-transition: start (backend slot + optimizer, data cursor, checkpoint restore, push at the next sync), release
-(backend, data, unload at the next sync), retire (budget -> final checkpoint -> release), fail; and the run-state
-persistence (`run_state.json`).
+`TenantTable` is the state machine alone (no I/O, testable on its own). `TenantManager` wraps one and is the only
+writer of tenant facts: admission (every check a new adapter must pass, for single runs and the service alike),
+the fan-out of each transition (start: backend slot + optimizer, data cursor, checkpoint restore, push at the next
+sync; release: backend, data, unload at the next sync; retire: budget -> final checkpoint -> release; fail), the
+fault policy (one setting per limit, `faults.*`, over counters the `Tenant` owns, so a name submitted again starts
+clean), and the results others return to it: a step's training stats and rewards (`apply_step`), a weight sync's
+pushes and unloads (`apply_sync`; DRAINED -> REMOVED once the engine no longer holds the adapter, in single runs
+and the service alike), evaluations (`apply_evals`). It also persists the run state (`run_state.json`).
 
 Step counters: `adapter_step` advances by the optimizer steps the backend reports for the tenant
 (`AdapterStepStats.n_steps`), so an adapter that got no usable samples does not skip data it never trained on
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl_multilora.checkpoint import AdapterSnapshot, check_compatible, prune_metrics
-from rl_multilora.config import AdapterConfig
+from rl_multilora.config import AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef
 
@@ -80,8 +84,10 @@ class Tenant:
     last_checkpoint: str | None = None
     registered_at: float = field(default_factory=time.time)
     admitted_at: float | None = None  # when it got its slot (its wait is admitted_at - registered_at)
+    # Fault counters (`faults.*` limits); a new registration of the name is a new Tenant, so they start at 0.
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
     idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
+    reward_fail_streak: int = 0  # consecutive steps whose rewards all failed (or crashed a worker); reset otherwise
     last_eval_step: int | None = None  # adapter step of its last held-out evaluation in this process
 
     @property
@@ -206,17 +212,45 @@ class TenantTable:
         }
 
 
-class TenantManager(TenantTable):
-    """The state machine plus the fan-out of every transition to backend, data source, checkpoints and sync."""
+class TenantManager:
+    """The one writer of tenant facts: a `TenantTable` plus admission, the fan-out of every transition to backend,
+    data source, checkpoints and sync, the fault policy, and the results of steps, syncs and evaluations."""
 
     def __init__(
         self, cfg: RunConfig, backend: TrainingBackend, data: MultiLoRADataSource, ckpt: CheckpointManager
     ) -> None:
-        super().__init__()
+        self.table = TenantTable()
         self.cfg = cfg
         self.backend = backend
         self.data = data
         self.ckpt = ckpt
+
+    # -- views (read-only for everyone else) -----------------------------------------------------------------------
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self.table.tenants
+
+    @property
+    def global_step(self) -> int:
+        return self.table.global_step
+
+    def get(self, name: str) -> Tenant:
+        return self.table.get(name)
+
+    def in_state(self, *states: TenantState) -> list[Tenant]:
+        return self.table.in_state(*states)
+
+    def running(self) -> list[Tenant]:
+        return self.table.running()
+
+    def pending_in_order(self) -> list[Tenant]:
+        return self.table.pending_in_order()
+
+    def all_done(self) -> bool:
+        return self.table.all_done()
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.table.status()
 
     @property
     def max_loras(self) -> int:
@@ -224,6 +258,56 @@ class TenantManager(TenantTable):
 
     def free_slots(self) -> list[int]:
         return self.backend.free_slots()
+
+    def finish_step(self) -> None:
+        """The global step is done (its metrics are written): count it and record the run state."""
+        self.table.global_step += 1
+        self.save_run_state()
+
+    # -- submission -------------------------------------------------------------------------------------------------
+    def admission_problems(self, a: AdapterConfig, restart: bool = False) -> list[str]:
+        """Everything that keeps `a` from being registered now, each naming the field, the value and what is
+        allowed: its reward resolves, its dataset has usable rows, its targets exist in the model, its checkpoint (when
+        it would resume from one) fits and is below its budget, and no live adapter has its name.
+
+        `restart`: `a` is an adapter of the run's own config being registered again at start; one whose checkpoint
+        is at its budget was killed before the run state recorded it done, and leaves at once instead of being
+        refused."""
+        from rl_multilora import validate
+
+        resume = self.cfg.checkpoint.resume != "never"
+        problems = validate.adapter_problems(
+            a,
+            self.backend.lora_modules,
+            self.cfg.eval_for(a),
+            ckpt=self.ckpt if resume else None,
+            lora_parameters=self.backend.lora_parameters,
+        )
+        old = self.tenants.get(a.name)
+        if old is not None and old.state in LIVE | {TenantState.DRAINED}:
+            problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {old.state.value})"))
+        done = self.ckpt.newest_step(a.name) if resume else None
+        if not restart and done is not None and a.max_steps is not None and done >= a.max_steps:
+            # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
+            problems.append(
+                bad_value(
+                    "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
+                )
+            )
+        return problems
+
+    def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False) -> Tenant:
+        """Register `a` as PENDING after `admission_problems` (skipped when `checked`: the caller just ran the same
+        checks, as `run` does through `validate.check_run`); raises `ConfigError` listing every problem."""
+        if not checked:
+            problems = self.admission_problems(a, restart)
+            if problems:
+                raise ConfigError(problems)
+        return self.table.register(a)
+
+    def drain(self, name: str, reason: str | None = None) -> None:
+        """No new prompts; checkpointed and released at the end of the step (PENDING: REMOVED at once)."""
+        self.table.drain(name, reason)
 
     # -- admission ------------------------------------------------------------------------------------------------
     def admit_pending(self) -> list[str]:
@@ -248,12 +332,12 @@ class TenantManager(TenantTable):
         if t.name in self.backend.adapters:
             self.backend.remove_adapter(t.name)
         t.dirty = False
-        self.mark_failed(t.name, f"could not start: {type(e).__name__}: {e}")
+        self.table.mark_failed(t.name, f"could not start: {type(e).__name__}: {e}")
 
     def _start(self, t: Tenant) -> None:
         """Slot + optimizer, data cursor, restore from its newest checkpoint, and a push at the next sync."""
         a = t.cfg
-        self.activate(a.name, self.backend.add_adapter(a))
+        self.table.activate(a.name, self.backend.add_adapter(a))
         t.admitted_at = time.time()
         n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
         self.data.add_adapter(
@@ -270,7 +354,7 @@ class TenantManager(TenantTable):
             # step past its budget. It leaves at once, never pushed; its checkpoint is already final.
             self.drain(t.name, "budget reached")
             self._release(t)
-            self.mark_drained(t.name)
+            self.table.mark_drained(t.name)
             return
         t.dirty = True
 
@@ -280,7 +364,7 @@ class TenantManager(TenantTable):
         Also rolls metrics.jsonl back to that checkpoint, including when there is none: the adapter then starts over
         and its earlier rows go (see rl_multilora.checkpoint).
         """
-        committed = self.global_step if self.ckpt.read_run_state() is not None else None
+        committed = self.table.global_step if self.ckpt.read_run_state() is not None else None
         found = self.ckpt.load_adapter(t.name, committed)
         if found is None:
             prune_metrics(self.ckpt.run_dir, {t.name: None})
@@ -323,20 +407,20 @@ class TenantManager(TenantTable):
         for t in self.in_state(TenantState.DRAINING):
             self.save_checkpoint(t)
             self._release(t)
-            self.mark_drained(t.name)
+            self.table.mark_drained(t.name)
 
     def fail(self, name: str, reason: str) -> None:
         """FAILED: keep its last good weights in a final checkpoint, free its slot; the others go on."""
         t = self.get(name)
         log.warning("adapter %s FAILED: %s", name, reason)
         had_slot = t.slot is not None
-        self.mark_failed(name, reason)  # first, so its final checkpoint records the state FAILED
+        self.table.mark_failed(name, reason)  # first, so its final checkpoint records the state FAILED
         if had_slot:
             # The trainer never applies a non-finite step, so the slot still holds the last good weights.
             self.save_checkpoint(t, note=f"FAILED: {reason}")
             self._release(t)
 
-    # -- training -------------------------------------------------------------------------------------------------
+    # -- results of a step ------------------------------------------------------------------------------------------
     def step_limits(self) -> dict[str, int]:
         """Optimizer steps each running tenant may still take (only tenants with a step budget)."""
         return {t.name: left for t in self.running() if (left := t.steps_left()) is not None}
@@ -355,14 +439,82 @@ class TenantManager(TenantTable):
             t.dirty = True
         t.nonfinite_streak = t.nonfinite_streak + 1 if st.skipped_nonfinite else 0
 
-    # -- sync -----------------------------------------------------------------------------------------------------
-    def to_push(self) -> list[Tenant]:
-        """Tenants whose slot changed since the engine last got it (trained, or just admitted)."""
-        return [t for t in self.tenants.values() if t.dirty and t.slot is not None]
+    def apply_step(
+        self,
+        names: list[str],
+        stats: dict[str, AdapterStepStats],
+        reward_means: dict[str, float | None],
+        rewards_all_failed: dict[str, str],
+    ) -> None:
+        """What one step did to each tenant that was RUNNING in it: optimizer steps, its last reward, its fault
+        counters. `enforce_faults` then applies the fault policy (after the step's metrics are taken)."""
+        for name in names:
+            t = self.get(name)
+            self.record_trained(name, stats.get(name))
+            t.last_reward = reward_means.get(name)
+            t.reward_fail_streak = t.reward_fail_streak + 1 if name in rewards_all_failed else 0
 
-    def to_unload(self) -> list[Tenant]:
-        """Tenants that left (no slot) while the engine still holds them."""
-        return [t for t in self.tenants.values() if t.in_engine and t.slot is None]
+    def enforce_faults(
+        self, names: list[str], stats: dict[str, AdapterStepStats], rewards_all_failed: dict[str, str]
+    ) -> None:
+        """The fault policy over the step's tenants: FAIL each one past a limit (the others go on)."""
+        for name in names:
+            t = self.get(name)
+            if t.state != TenantState.RUNNING:
+                continue
+            reason = self.fault(t, stats.get(name), rewards_all_failed.get(name))
+            if reason is not None:
+                self.fail(name, reason)
+
+    def fault(self, t: Tenant, st: AdapterStepStats | None, reward_failure: str | None) -> str | None:
+        """The fault policy, the one place that decides a tenant FAILS: why `t` must stop now, or None."""
+        f = self.cfg.faults
+        if t.reward_fail_streak >= f.max_reward_fail_steps:
+            return (
+                f"reward failing: rewards failed on every sample or crashed a worker in each of {t.reward_fail_streak} "
+                f"consecutive steps (faults.max_reward_fail_steps); this step: {reward_failure}"
+            )
+        if st is not None and st.error is not None:
+            return f"malformed sample: {st.error}"
+        if t.nonfinite_streak >= f.max_nonfinite_steps:
+            return f"non-finite loss/gradients for {t.nonfinite_streak} consecutive steps"
+        if t.idle_steps >= f.max_idle_steps:
+            return (
+                f"no optimizer step for {t.idle_steps} consecutive steps (faults.max_idle_steps): every group "
+                "had uniform rewards or every sample failed, so it had nothing to learn from"
+            )
+        return None
+
+    def apply_evals(self, results) -> None:
+        """Evaluations done (`rl_multilora.evaluate.EvalResult`s): each tenant's adapter step last evaluated."""
+        for r in results:
+            if r.adapter in self.tenants:
+                self.get(r.adapter).last_eval_step = r.adapter_step
+
+    # -- sync -------------------------------------------------------------------------------------------------------
+    def sync_plan(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """What the next weight sync does: push (name, next version) for every tenant whose slot changed since the
+        engine last got it (trained, or just admitted), and unload every tenant that left (no slot) while the
+        engine still holds it."""
+        push = [
+            (t.name, 0 if t.weight_version is None else t.weight_version + 1)
+            for t in self.tenants.values()
+            if t.dirty and t.slot is not None
+        ]
+        unload = [t.name for t in self.tenants.values() if t.in_engine and t.slot is None]
+        return push, unload
+
+    def apply_sync(self, pushed: dict[str, int], unloaded: list[str]) -> None:
+        """A weight sync's result: versions the engine now holds, adapters it dropped. A DRAINED tenant the engine
+        no longer holds is REMOVED (its name may be submitted again)."""
+        for name in unloaded:
+            self.get(name).in_engine = False
+        for name, version in pushed.items():
+            t = self.get(name)
+            t.weight_version, t.in_engine, t.dirty = version, True, False
+        for t in self.in_state(TenantState.DRAINED):
+            if not t.in_engine:
+                self.table.mark_removed(t.name)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def snapshot(self, t: Tenant, note: str | None = None, in_step: bool = True) -> AdapterSnapshot:
@@ -397,7 +549,7 @@ class TenantManager(TenantTable):
 
     # -- run state ------------------------------------------------------------------------------------------------
     def save_run_state(self) -> None:
-        self.ckpt.write_run_state(self.state_dict())
+        self.ckpt.write_run_state(self.table.state_dict())
 
     def restore_run_state(self) -> bool:
         """Bring back the global step and the adapters that already finished (so they are not retrained).
@@ -423,7 +575,7 @@ class TenantManager(TenantTable):
         prune_metrics(self.ckpt.run_dir, {})  # finish an interrupted rewrite, drop a torn last row
         if state is None:
             return False
-        self.global_step = int(state["global_step"])
+        self.table.global_step = int(state["global_step"])
         configured = {a.name: a for a in self.cfg.adapters}
         for name, s in state["adapters"].items():
             st = TenantState(s["state"])

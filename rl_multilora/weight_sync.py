@@ -3,7 +3,9 @@
 Only LoRA tensors travel, from memory, at their true rank (the backend's `adapter_state_dict`); the base is never
 re-sent (Miles' profiling: exporting adapters through files took 66-95 % of trainer time). Every pushed adapter gets
 the next weight version, which the engine stamps on every sample, so the trainer can tell stale samples from current
-ones. The version and the "engine holds it" flag are the tenant's (`rl_multilora.tenants.Tenant`); engines are told
+ones. The version and the "engine holds it" flag are the tenant's (`rl_multilora.tenants.Tenant`): the tenant
+manager says what to push (with each adapter's next version) and what to unload (`TenantManager.sync_plan`), and
+applies the returned `SyncStats` (`TenantManager.apply_sync`); this module writes no tenant fact. Engines are told
 the version, so the embedded engine and the SGLang client number versions the same way (0, 1, 2, ...).
 
 Ordering within the pause: unload first (SGLang cannot reload a name without unloading it, and unloading must not
@@ -21,7 +23,6 @@ from rollout.engines.base import RolloutEngine
 
 if TYPE_CHECKING:
     from rl_multilora.backends.base import TrainingBackend
-    from rl_multilora.tenants import Tenant
 
 
 @dataclass
@@ -29,9 +30,13 @@ class SyncStats:
     pause_s: float = 0.0
     bytes_pushed: int = 0
     bytes_gathered: int = 0  # moved between trainer ranks to gather the pushed adapters (backend.gathered_bytes)
-    adapters_pushed: list[str] = field(default_factory=list)
+    pushed: dict[str, int] = field(default_factory=dict)  # name -> the version the engine now holds
     adapters_unloaded: list[str] = field(default_factory=list)
     paused: bool = False
+
+    @property
+    def adapters_pushed(self) -> list[str]:
+        return list(self.pushed)
 
 
 class WeightSync:
@@ -40,28 +45,26 @@ class WeightSync:
         self.backend = backend
         self.pauses = 0  # total pauses, for the one-pause-per-step invariant test
 
-    def sync(self, push: Sequence[Tenant], unload: Sequence[Tenant]) -> SyncStats:
-        """Pause once, unload `unload`, push `push` from the backend's slots, resume. No-op when both are empty."""
+    def sync(self, push: Sequence[tuple[str, int]], unload: Sequence[str]) -> SyncStats:
+        """Pause once, unload the adapters named in `unload`, push each `(name, version)` of `push` from the
+        backend's slots, resume. No-op when both are empty."""
         stats = SyncStats()
         if not push and not unload:
             return stats
         t0 = time.perf_counter()
-        gathered = getattr(self.backend, "gathered_bytes", 0)
+        gathered = getattr(self.backend, "gathered_bytes", 0)  # a bare MultiLoRAModel serves as a backend too
         self.engine.pause()
         self.pauses += 1
         stats.paused = True
         try:
-            for t in unload:
-                self.engine.unload_adapter(t.name)
-                t.in_engine = False
-                stats.adapters_unloaded.append(t.name)
-            for t in push:
-                tensors = self.backend.adapter_state_dict(t.name)
-                version = 0 if t.weight_version is None else t.weight_version + 1
-                self.engine.load_adapter(t.name, tensors, self.backend.peft_config(t.name), version=version)
-                t.weight_version, t.in_engine, t.dirty = version, True, False
+            for name in unload:
+                self.engine.unload_adapter(name)
+                stats.adapters_unloaded.append(name)
+            for name, version in push:
+                tensors = self.backend.adapter_state_dict(name)
+                self.engine.load_adapter(name, tensors, self.backend.peft_config(name), version=version)
                 stats.bytes_pushed += sum(x.numel() * x.element_size() for x in tensors.values())
-                stats.adapters_pushed.append(t.name)
+                stats.pushed[name] = version
         finally:
             self.engine.resume()
         stats.pause_s = time.perf_counter() - t0

@@ -78,11 +78,10 @@ class MultiLoRAHooks(GenerateStateHooks):
     """Default hooks: every sample must carry an AdapterRef and a RewardSpec; in-flight groups per adapter.
 
     A sample missing its RewardSpec (or its AdapterRef, when `metadata["adapter_name"]` names the
-    tenant) is tagged from `registry`; a sample that cannot be tagged is rejected with a HooksError,
-    because an untagged request would silently run on the base model and be scored by no one.
-    `in_flight(name)` counts the adapter's submitted groups that are not done yet; the weight sync
-    uses `drained(name)` to know when an adapter can be unloaded. One rollout at a time per hooks
-    object: `on_rollout_start` clears counts left behind by a rollout that raised.
+    tenant) is tagged from `registry` (given at construction); a sample that cannot be tagged is rejected with a
+    HooksError, because an untagged request would silently run on the base model and be scored by no one.
+    `in_flight(name)` counts the adapter's submitted groups that are not done yet (`drained(name)`: none). One
+    rollout at a time per hooks object: `on_rollout_start` clears counts left behind by a rollout that raised.
     """
 
     def __init__(self, registry: Mapping[str, AdapterTags] | None = None) -> None:
@@ -90,12 +89,6 @@ class MultiLoRAHooks(GenerateStateHooks):
         self._in_flight: dict[str, int] = {}
         self._groups_done: dict[str, int] = {}
         self._status_counts: dict[str, dict[str, int]] = {}
-
-    def register(self, adapter: AdapterRef, reward_spec: RewardSpec) -> None:
-        self.registry[adapter.name] = AdapterTags(adapter, reward_spec)
-
-    def unregister(self, name: str) -> None:
-        self.registry.pop(name, None)
 
     def in_flight(self, name: str) -> int:
         """Groups of adapter `name` submitted and not yet done."""
@@ -148,7 +141,7 @@ class MultiLoRAHooks(GenerateStateHooks):
             raise HooksError(
                 f"sample (group_index={sample.group_index}, index={sample.index}) has no {missing} and adapter "
                 f"{name!r} is not in the hooks registry (known: {sorted(self.registry)}); tag samples in the data "
-                "source or register the adapter"
+                "source or give the hooks a registry"
             )
         if sample.adapter is None:
             sample.adapter = tags.adapter
@@ -209,7 +202,6 @@ class GenerateState:
         self.resubmit_backoff_s = resubmit_backoff_s
         self._pending = 0
         self._running = False
-        self.resubmits = 0  # over this object's lifetime, for metrics
 
     @property
     def pending(self) -> int:
@@ -271,7 +263,6 @@ class GenerateState:
                 self.hooks.on_sample_done(self, sample)
             if retry:
                 attempt += 1
-                self.resubmits += len(retry)
                 if self.resubmit_backoff_s:
                     await asyncio.sleep(self.resubmit_backoff_s * attempt)
             todo = retry
@@ -290,14 +281,17 @@ class GenerateState:
             return [GenerateResult(finish_reason="error", error=error) for _ in requests]
         return list(results)
 
-    def _request(self, sample: Sample, attempt: int) -> GenerateRequest:
+    def request_params(self, sample: Sample) -> tuple[str | None, SamplingParams]:
+        """The engine adapter and sampling settings of `sample`'s request: its tenant's adapter, and the rollout's
+        sampling with the sample's own seed. Override to ask for something else (evaluation does)."""
         name = sample.adapter.name if sample.adapter is not None else None
         # Same seed on every attempt: a resubmitted sample is the same draw, not a new one.
-        seed = sample.metadata.get("sampling_seed", self.sampling.seed)
+        return name, replace(self.sampling, seed=sample.metadata.get("sampling_seed", self.sampling.seed))
+
+    def _request(self, sample: Sample, attempt: int) -> GenerateRequest:
+        name, sampling = self.request_params(sample)
         rid = f"{name or 'base'}/g{sample.group_index}/s{sample.index}/a{attempt}"
-        return GenerateRequest(
-            input_ids=list(sample.prompt_ids), adapter=name, sampling=replace(self.sampling, seed=seed), rid=rid
-        )
+        return GenerateRequest(input_ids=list(sample.prompt_ids), adapter=name, sampling=sampling, rid=rid)
 
     def _fill(self, sample: Sample, result: GenerateResult, attempt: int) -> None:
         """Set every response field from this one result (overwriting, never appending)."""

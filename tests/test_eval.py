@@ -16,7 +16,7 @@ from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import run, summarize
 from rl_multilora.metrics import read_metrics
-from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+from tests.tiny_models import MOE_EXPERTS, save_tiny_model, sum_task_adapter, write_sum_task
 
 TIMINGS = {"rollout_s", "reward_s", "train_s", "checkpoint_s", "sync_s", "eval_s", "pause_s", "slot_wait_s"}
 # The engine's log-probs of the same tokens can differ in the last bits with how rows were batched (timing), so the
@@ -147,3 +147,62 @@ def test_eval_split_must_exist_when_eval_is_on(ws, tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert cli.main(["run", str(path), "--dry-run"]) == 2
     assert "adapters.a.eval:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # MoE: expert LoRA on packed expert Parameters (model.target_parameters) beside attention Linears.
+        {"family": "qwen3_moe", "model": {"target_modules": ["q_proj", "v_proj"], "target_parameters": MOE_EXPERTS}},
+        # A bfloat16 base (the LoRA slots stay float32).
+        {"family": "qwen2", "model": {"dtype": "bfloat16"}},
+    ],
+    ids=["tiny-moe", "bf16"],
+)
+def test_eval_cli_scores_exactly_what_the_runs_final_eval_logged(tmp_path, case):
+    """`rl-multilora eval` builds the run's model as the run built it (one builder: dtype, target_parameters,
+    expert layout), so on the final checkpoints it scores exactly what the run's own final eval logged: greedy
+    reward, pass@k and the sampled rewards (sampling at temperature 1 is what a float32 copy would change first)."""
+    root = tmp_path
+    save_tiny_model(root / "model", family=case["family"], hidden=32, layers=2)
+    adapters = []
+    for i, name in enumerate(["a", "b"]):
+        write_sum_task(root / "data" / f"{name}_train.jsonl", 30, 1 + 2 * i)
+        write_sum_task(root / "data" / f"{name}_test.jsonl", 10, 21 + 2 * i)
+        a = sum_task_adapter(root / "data", name, 3 + i, max_steps=3)
+        a["dataset"]["data_files"] = {
+            "train": str(root / "data" / f"{name}_train.jsonl"),
+            "test": str(root / "data" / f"{name}_test.jsonl"),
+        }
+        adapters.append(a)
+    run_dir = root / "run"
+    cfg = {
+        "run_dir": str(run_dir),
+        "model": {"path": str(root / "model"), "max_loras": 2, "max_rank": 8, **case["model"]},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "eval": {"enabled": True, "n_prompts": 8, "k": 4},
+        "adapters": adapters,
+    }
+    run(parse_run_config(cfg))
+    out = root / "eval.json"
+    assert cli.main(["eval", str(run_dir), "--out", str(out)]) == 0
+    by = {r["adapter"]: r for r in json.loads(out.read_text())}
+    rows = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]
+    for name in ("a", "b"):
+        final = [r for r in rows if r["adapter"] == name and not r["eval/base"]][-1]
+        base = [r for r in rows if r["adapter"] == name and r["eval/base"]][-1]
+        mine = by[name]
+        assert mine["adapter_step"] == final["adapter_step"] == 3
+        got, want = mine["adapter_result"], final
+        assert (got["reward_mean"], got["pass_at_k"], got["sample_reward_mean"]) == (
+            want["eval/reward_mean"],
+            want["eval/pass@4"],
+            want["eval/sample_reward_mean"],
+        ), name
+        assert (mine["base"]["reward_mean"], mine["base"]["sample_reward_mean"]) == (
+            base["eval/reward_mean"],
+            base["eval/sample_reward_mean"],
+        ), name

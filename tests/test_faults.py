@@ -1,7 +1,8 @@
 """Faults stay with their tenant: two healthy tenants end exactly as in a run without the faulty ones.
 
 One run holds two healthy tenants (h1, h2) beside one tenant per fault, plus a tenant (h3) that waits for a slot:
-- f_raise: its reward raises on every sample -> errors counted, FAILED after `rewards.fail_steps` all-failing steps;
+- f_raise: its reward raises on every sample -> errors counted, FAILED after `faults.max_reward_fail_steps`
+  all-failing steps;
 - f_hang: its reward never returns -> timeouts counted (the worker is killed), FAILED the same way;
 - f_nan: trains one good step, then its rewards overflow so its advantages (and loss) are NaN -> the trainer skips
   its steps, FAILED after `faults.max_nonfinite_steps`, final checkpoint = its weights after the good step;
@@ -78,8 +79,8 @@ def _config(root: Path, run_dir: Path, with_faults: bool) -> dict:
         "grpo": {"micro_batch_size": 16, "drop_uniform_groups": False},
         "checkpoint": {"save_every": 1, "keep_last": 3},
         "logging": {"plot": False, "progress": False},
-        "rewards": {"num_workers": 1, "fail_steps": 2},
-        "faults": {"max_nonfinite_steps": 2, "max_reward_fail_steps": 3},
+        "rewards": {"num_workers": 1},
+        "faults": {"max_nonfinite_steps": 2, "max_reward_fail_steps": 2},
         "adapters": adapters,
     }
 
@@ -117,7 +118,7 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
 def test_healthy_tenants_are_untouched_by_the_faulty_ones(runs):
     faulty, rt, _, clean = runs
     for name in HEALTHY:
-        assert rt.tenants.get(name).state.value == "DRAINED"
+        assert rt.tenants.get(name).state.value == "REMOVED"
         got, want = CheckpointManager(faulty).latest(name), CheckpointManager(clean).latest(name)
         for f in ("adapter_model.safetensors", "optimizer.safetensors"):
             a, b = load_file(str(got / f)), load_file(str(want / f))
@@ -192,7 +193,7 @@ def test_bad_rows_are_counted_and_an_exhausted_dataset_drains(runs):
     assert [r["n_samples"] for r in rows] == [8, 8, 4]  # 5 good rows: 2 + 2 + 1 prompts
     assert rows[-1]["bad_rows"] == 3
     rec = rt.tenants.get("f_data")
-    assert rec.state.value == "DRAINED" and rec.reason == "budget reached" and rec.adapter_step == 3
+    assert rec.state.value == "REMOVED" and rec.reason == "budget reached" and rec.adapter_step == 3
     data_state = json.loads((CheckpointManager(faulty).latest("f_data") / "data_state.json").read_text())
     assert len(data_state["bad_rows"]) == 3
 
@@ -200,7 +201,36 @@ def test_bad_rows_are_counted_and_an_exhausted_dataset_drains(runs):
 def test_a_failed_tenants_slot_goes_to_a_waiting_one(runs):
     faulty, rt, _, _ = runs
     rows = _rows(faulty, "h3")
-    assert rt.tenants.get("h3").state.value == "DRAINED" and [r["adapter_step"] for r in rows] == [1, 2]
+    assert rt.tenants.get("h3").state.value == "REMOVED" and [r["adapter_step"] for r in rows] == [1, 2]
     first_h3_step = rows[0]["step"]
     failed_at = min(_rows(faulty, "f_raise")[-1]["step"], _rows(faulty, "f_hang")[-1]["step"])
     assert first_h3_step == failed_at + 1  # admitted in the step its slot was freed, trained in the next
+
+
+def test_a_name_submitted_again_after_failing_starts_with_clean_failure_counters(workspace, tmp_path):
+    """The reward-failure streak is the tenant's own: a name that FAILED for it, submitted again, starts at 0 (it
+    used to be kept by the reward executor under the name, so the new tenant failed after its first bad step)."""
+    from rl_multilora.config import AdapterConfig
+    from rl_multilora.loop import Runtime
+
+    cfg = _config(workspace, tmp_path / "run", with_faults=False)
+    raising = _adapter(workspace, "f_raise", 21, {"path": "tests.reward_plugins:raising_reward"})
+    cfg["adapters"] = [{**cfg["adapters"][0], "max_steps": 10}, raising]
+    rt = Runtime.build(parse_run_config(cfg))
+    try:
+        rt.start()
+        for _ in range(2):  # faults.max_reward_fail_steps
+            rt.step()
+        first = rt.tenants.get("f_raise")
+        assert first.state.value == "FAILED" and first.reward_fail_streak == 2, first.reason
+        rt.register(AdapterConfig.model_validate(raising))  # the same name and the same failing reward
+        rt.tenants.admit_pending()
+        rt.sync_now()
+        rt.step()
+        again = rt.tenants.get("f_raise")
+        assert again is not first and again.state.value == "RUNNING" and again.reward_fail_streak == 1
+        rt.step()
+        assert again.state.value == "FAILED" and "2 consecutive" in again.reason
+        assert rt.tenants.get("h1").state.value == "RUNNING"  # the other tenant never noticed
+    finally:
+        rt.close()

@@ -63,7 +63,7 @@ def test_a_tenant_with_no_learning_signal_ends_and_the_run_ends(ws, tmp_path):
     rt = run(parse_run_config(cfg))
     p, h = rt.tenants.get("p"), rt.tenants.get("h")
     assert p.state.value == "FAILED" and "no optimizer step for 3 consecutive steps" in p.reason
-    assert p.adapter_step == 0 and h.state.value == "DRAINED" and h.adapter_step == 4
+    assert p.adapter_step == 0 and h.state.value == "REMOVED" and h.adapter_step == 4
     alone = run(parse_run_config(_cfg(ws, tmp_path / "alone", [_healthy(ws)])))
     assert alone.tenants.get("h").adapter_step == 4
     assert _series(tmp_path / "r", "h") == pytest.approx(_series(tmp_path / "alone", "h"))
@@ -91,7 +91,7 @@ def test_a_tenant_whose_start_fails_is_failed_alone(ws, tmp_path, monkeypatch):
         assert "p" not in rt.backend.model.adapters and "p" not in rt.data.adapters  # nothing of it stays
         while not rt.finished():
             rt.step()
-        assert rt.tenants.get("h").state.value == "DRAINED" and rt.tenants.get("h").adapter_step == 4
+        assert rt.tenants.get("h").state.value == "REMOVED" and rt.tenants.get("h").adapter_step == 4
     finally:
         rt.close()
 

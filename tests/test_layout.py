@@ -210,7 +210,8 @@ def test_the_project_has_no_import_cycles():
     # A package's __init__ re-exporting its submodules is not a cycle of design: leave the package-to-own-child
     # edges out, keep everything else (nested imports too).
     graph = {
-        m: {t: line for t, line in targets.items() if not t.startswith(m + ".")} for m, targets in _import_graph().items()
+        m: {t: line for t, line in targets.items() if not t.startswith(m + ".")}
+        for m, targets in _import_graph().items()
     }
     assert not find_cycles(graph)
 

@@ -65,7 +65,7 @@ def test_three_tenants_run_to_completion(workspace, tmp_path):
             "weight_version",
         ]:
             assert key in r, key
-    assert all(rec.state.value == "DRAINED" for rec in rt.tenants.tenants.values())
+    assert all(rec.state.value == "REMOVED" for rec in rt.tenants.tenants.values())
     assert (run_dir / "config.yaml").is_file() and (run_dir / "reward_curves.png").is_file()
     for name in ["t1", "t2", "t3"]:
         steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "adapters" / name).glob("step_*"))
@@ -127,7 +127,7 @@ def test_ppo_epochs_step_counter_budget_and_schedule_count_optimizer_steps(works
     finally:
         rt.close()
     stepped = [r for r in rows if r["stepped"]]
-    assert stepped and tenant.adapter_step == 5 and tenant.state.value == "DRAINED"  # budget 5 optimizer steps
+    assert stepped and tenant.adapter_step == 5 and tenant.state.value == "REMOVED"  # budget 5 optimizer steps
     assert [r["adapter_step"] for r in stepped][-1] == 5 and all(r["adapter_step"] <= 5 for r in rows)
     counts = [0] + [r["adapter_step"] for r in stepped]
     assert all(b - a in (1, 2) for a, b in zip(counts, counts[1:], strict=False))  # 2 per step, 1 at the cap

@@ -187,10 +187,13 @@ def local_ray():
 def test_engines_as_ray_actors_match_in_process_engines(workspace, tmp_path, local_ray, model):
     """Two engines in their own actor processes, each loading the base from the folder: the same outputs and
     versions as an in-process engine, every sync reaching both; then a whole run with them matches one engine."""
+    from rl_multilora.components import build_embedded_engine
+    from rl_multilora.config import ModelConfig
     from rollout.engines.ray_engine import RayEngine
 
     folder = workspace / "model"  # save_tiny_model(seed 0): the same weights as tiny_model()
-    actors = MultiEngine([RayEngine(folder, {"max_loras": 3, "max_rank": 8}) for _ in range(2)])
+    build = (build_embedded_engine, ModelConfig(path=str(folder), max_loras=3, max_rank=8))
+    actors = MultiEngine([RayEngine(build) for _ in range(2)])
     local = EmbeddedEngine(model, tiny_tokenizer())
     try:
         _load(actors, model, 5)

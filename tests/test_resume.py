@@ -84,7 +84,7 @@ def _series(run_dir: Path, name: str) -> list[tuple]:
 
 def assert_same_as_reference(run_dir: Path, reference: Path) -> None:
     state = json.loads((run_dir / "run_state.json").read_text())
-    assert {n: s["state"] for n, s in state["adapters"].items()} == {n: "DRAINED" for n in NAMES}
+    assert {n: s["state"] for n, s in state["adapters"].items()} == {n: "REMOVED" for n in NAMES}
     for name in NAMES:
         got, want = CheckpointManager(run_dir).latest(name), CheckpointManager(reference).latest(name)
         meta_got, meta_want = (json.loads((d / CKPT_META).read_text()) for d in (got, want))
@@ -186,8 +186,8 @@ def test_finished_run_is_not_retrained_nor_an_adapter_resumed_at_its_budget(work
     before = {n: sorted(p.name for p in (run_dir / "adapters" / n).iterdir()) for n in NAMES}
     rows = len(read_metrics(run_dir))
     rt = run(parse_run_config(_config(workspace, run_dir)))
-    # t2 resumed at its budget and left at once; t1 and t3 stayed DRAINED; nothing trained, nothing was saved.
-    assert {n: r.state.value for n, r in rt.tenants.tenants.items()} == {n: "DRAINED" for n in NAMES}
+    # t2 resumed at its budget and left at once; t1 and t3 stayed finished; nothing trained, nothing was saved.
+    assert {n: r.state.value for n, r in rt.tenants.tenants.items()} == {n: "REMOVED" for n in NAMES}
     assert rt.tenants.global_step == state["global_step"]
     assert {n: sorted(p.name for p in (run_dir / "adapters" / n).iterdir()) for n in NAMES} == before
     assert len(read_metrics(run_dir)) == rows
@@ -327,9 +327,9 @@ def test_raising_a_finished_adapters_budget_trains_it_further(workspace, referen
     cfg["adapters"][1]["max_steps"] = 5  # t2 finished at 4
     rt = run(parse_run_config(cfg))
     assert {n: (r.state.value, r.adapter_step) for n, r in rt.tenants.tenants.items()} == {
-        "t1": ("DRAINED", 6),
-        "t2": ("DRAINED", 5),
-        "t3": ("DRAINED", 5),
+        "t1": ("REMOVED", 6),
+        "t2": ("REMOVED", 5),
+        "t3": ("REMOVED", 5),
     }
     assert [r[0] for r in _series(run_dir, "t2")] == [1, 2, 3, 4, 5]
     assert _series(run_dir, "t1") == _series(reference, "t1")  # the others did not train again

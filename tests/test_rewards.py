@@ -261,7 +261,7 @@ def make_samples(adapter: str | None, spec: RewardSpec, responses: list[str], la
 
 @pytest.fixture(scope="module")
 def executor():
-    with RewardExecutor(num_workers=2, fail_steps=3) as ex:
+    with RewardExecutor(num_workers=2) as ex:
         yield ex
 
 
@@ -274,7 +274,7 @@ def test_executor_matches_in_process_scores(executor):
     report = executor.score_samples(samples)
     assert [s.reward for s in samples] == [score(s.reward_spec, s.prompt, s.response, s.label) for s in samples]
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.5, 0.5, 0.0, 1.0, 0.0]
-    assert report.errors == {} and report.timeouts == {} and report.failing == {}
+    assert report.errors == {} and report.timeouts == {} and report.all_failed == {}
     assert report.samples == {"g": 3, "m": 3, "": 2}
 
 
@@ -370,7 +370,7 @@ def test_executor_worker_death_is_an_error_and_worker_is_replaced(executor):
 
 def test_executor_worker_crash_fails_rest_of_tenant_within_one_timeout():
     # A fresh executor, to measure what one worker start costs on this machine (2 cores: sympy import, ~1 s).
-    with RewardExecutor(num_workers=2, fail_steps=3) as ex:
+    with RewardExecutor(num_workers=2) as ex:
         start = time.monotonic()
         ex.wait_ready()
         startup = time.monotonic() - start
@@ -390,7 +390,7 @@ def test_executor_worker_crash_fails_rest_of_tenant_within_one_timeout():
         assert rewards_ in ([-1.0] * 16, [-1.0, 1.0] + [-1.0] * 14), rewards_
         failed = rewards_.count(-1.0)
         assert report.errors == {"crashy": failed} and report.crashes == {"crashy": failed}
-        assert report.timeouts == {} and report.failing == {}
+        assert report.timeouts == {} and set(report.all_failed) == {"crashy"}  # one failing call: the tenant counts it
         assert "exit code -9" in report.last_error["crashy"] and "not started" in report.last_error["crashy"]
 
         # A step that kills exactly one worker (one task), then the next step at once, that worker still starting:
@@ -425,19 +425,16 @@ def test_executor_partial_crashes_count_toward_fail_steps(executor):
         assert report.errors.get("partcrash", 0) < len(samples)
         return report
 
-    assert step(True).failing == {}
-    assert step(False).failing == {}  # a step without a crash (and not all failing) resets the streak
-    assert step(True).failing == {}
-    assert step(True).failing == {}
-    third = step(True)
-    assert set(third.failing) == {"partcrash"}
-    assert "3 consecutive" in third.failing["partcrash"] and "crash" in third.failing["partcrash"]
-    assert "partcrash" not in step(False).failing
+    # Each call says whether the tenant's rewards all failed or crashed a worker; the tenant counts the streak.
+    crashed = step(True)
+    assert set(crashed.all_failed) == {"partcrash"} and "to a crash" in crashed.all_failed["partcrash"]
+    assert step(False).all_failed == {}  # a step without a crash (and not all failing) is not a failing step
+    assert set(step(True).all_failed) == {"partcrash"}
 
 
 def test_executor_healthy_tenant_unaffected_by_crashing_neighbour(executor):
     crash = plugin("crash_on_marker_reward", timeout_s=1.0, failure_value=-2.0)
-    for call in range(1, executor.fail_steps + 2):
+    for _ in range(3):
         executor.wait_ready()
         crashy = make_samples("allcrash", crash, ["CRASH"] * 16)
         healthy = make_samples("healthy", RewardSpec(name="gsm8k"), ["#### 72", "#### 71", "72"] * 5, label=NATALIA)
@@ -449,9 +446,9 @@ def test_executor_healthy_tenant_unaffected_by_crashing_neighbour(executor):
         assert [s.reward for s in healthy] == [1.0, 0.0, 0.0] * 5 + [2.0, 0.0]
         assert [s.reward for s in crashy] == [-2.0] * 16
         assert "healthy" not in report.errors and "healthy" not in report.timeouts
-        assert "healthy" not in report.crashes and "healthy" not in report.failing
+        assert "healthy" not in report.crashes and "healthy" not in report.all_failed
         assert report.crashes == {"allcrash": 16}
-        assert ("allcrash" in report.failing) == (call >= executor.fail_steps)
+        assert "allcrash" in report.all_failed
 
 
 def test_executor_survives_idle_worker_death_and_unpicklable_labels(executor):
@@ -467,21 +464,17 @@ def test_executor_survives_idle_worker_death_and_unpicklable_labels(executor):
     assert victim not in executor.worker_pids
 
 
-def test_executor_reports_failing_after_consecutive_all_fail_calls(executor):
+def test_executor_reports_each_calls_all_failing_adapters(executor):
     def step(ok_response: str):
         samples = make_samples("boom2", plugin("raising_reward"), ["a", "b"])
         samples += make_samples("mixed", plugin("sync_reward"), [ok_response, "ERR"])
         return executor.score_samples(samples)
 
-    assert step("4").failing == {}
-    assert step("4").failing == {}
-    third = step("ERR")
-    assert set(third.failing) == {"boom2"}  # "mixed" failed on every sample only once
-    assert "3 consecutive" in third.failing["boom2"] and "ZeroDivisionError" in third.failing["boom2"]
-    fourth = step("ERR")
-    assert set(fourth.failing) == {"boom2"}  # "mixed" has 2 all-fail calls in a row, not 3
-    assert set(step("ERR").failing) == {"boom2", "mixed"}
-    assert "boom2" not in executor.score_samples(make_samples("boom2", plugin("sync_reward"), ["4"])).failing
+    first = step("4")
+    assert set(first.all_failed) == {"boom2"}  # "mixed" scored one of its two samples
+    assert "2/2 failed" in first.all_failed["boom2"] and "ZeroDivisionError" in first.all_failed["boom2"]
+    assert set(step("ERR").all_failed) == {"boom2", "mixed"}
+    assert "boom2" not in executor.score_samples(make_samples("boom2", plugin("sync_reward"), ["4"])).all_failed
 
 
 def test_executor_rejects_samples_without_spec_and_bad_args(executor):

@@ -139,6 +139,10 @@ class _OneSlotTenants(TenantTable):
     def retire_finished(self) -> None:
         for t in self.in_state(TenantState.DRAINING):
             self.mark_drained(t.name)
+            self.mark_removed(t.name)  # no engine here: what the sync's apply_sync does once it is unloaded
+
+    def admission_problems(self, a) -> list[str]:
+        return []
 
     def admit_pending(self) -> None:
         for t in self.pending_in_order():
@@ -203,6 +207,11 @@ class _GatedRuntime:
 
     def sync_now(self) -> None:
         self.events.append("sync")
+
+    def idle_step(self) -> None:
+        self.tenants.retire_finished()
+        self.tenants.admit_pending()
+        self.sync_now()
 
     def checkpoint_all(self) -> None:
         self.events.append("checkpoint_all")

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import requests
@@ -121,9 +120,9 @@ def _model(oracle: Oracle) -> MultiLoRAModel:
     return model
 
 
-def _tenant(name: str) -> SimpleNamespace:
-    """What WeightSync reads and writes of a tenant (rl_multilora.tenants.Tenant), without a run around it."""
-    return SimpleNamespace(name=name, slot=0, weight_version=None, in_engine=False, dirty=True)
+def _tenant(name: str, version: int = 0) -> tuple[str, int]:
+    """What WeightSync is told to push for a tenant: its name and the version to give it."""
+    return (name, version)
 
 
 def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
@@ -152,8 +151,7 @@ def test_weight_sync_reaches_sglangs_lora_loader_bit_exact(oracle):
     # One pause for the whole sync, prefix cache flushed before generation continues.
     order = [e["event"] for e in oracle.events(since=mark) if e["event"] in ("pause", "flush_cache", "continue")]
     assert order == ["pause", "flush_cache", "continue"]
-    t_full.slot = t_attn.slot = None
-    sync.sync(push=[], unload=[t_full, t_attn])
+    sync.sync(push=[], unload=[t_full[0], t_attn[0]])
 
 
 def test_generate_requests_pass_sglangs_contract_and_sampling_checks(oracle):
@@ -197,7 +195,7 @@ def test_sync_aborts_requests_in_flight_and_reloads_after_unload(oracle):
     while not any(e["input_ids"][0] == SLOW_TOKEN for e in oracle.events("generate", mark)):
         assert time.time() < deadline, "the slow request never reached the server"
         time.sleep(0.05)
-    sync.sync(push=[attn], unload=[])  # new weights under the same name while the request is in flight
+    sync.sync(push=[_tenant("attn", 1)], unload=[])  # new weights under the same name while a request is in flight
     worker.join(timeout=30)
     assert not worker.is_alive()
     # The in-flight request came back aborted (to be resubmitted), not completed on a mix of versions.
@@ -271,7 +269,7 @@ def test_grpo_loop_drives_sglangs_app(oracle, tmp_path):
     mark = oracle.mark()
     rt = run(parse_run_config(cfg))
     assert rt.engine.tp_size == 1 and rt.engine.module_shapes == rt.backend.model.layer_shapes
-    assert all(rec.state.value == "DRAINED" for rec in rt.tenants.tenants.values())
+    assert all(rec.state.value == "REMOVED" for rec in rt.tenants.tenants.values())
     rows = read_metrics(run_dir)
     assert sorted((r["adapter"], r["adapter_step"]) for r in rows) == [("t1", 1), ("t1", 2), ("t2", 1), ("t2", 2)]
     assert all(r["failed_samples"] == 0 and r["n_samples"] == 4 for r in rows)

@@ -64,10 +64,9 @@ def test_manager_counts_the_optimizer_steps_the_backend_took():
     """record_trained adds the backend's n_steps (ppo_epochs > 1 takes several per step), and only when it stepped."""
     from rl_multilora.tenants import TenantManager
 
-    m = TenantManager.__new__(TenantManager)  # the counting needs no backend, data source or checkpoints
-    TenantTable.__init__(m)
-    t = m.register(_cfg("a", max_steps=5))
-    m.activate("a", 0)
+    m = TenantManager(cfg=None, backend=None, data=None, ckpt=None)  # counting needs none of them
+    t = m.table.register(_cfg("a", max_steps=5))
+    m.table.activate("a", 0)
     m.record_trained("a", AdapterStepStats(stepped=True, n_steps=2))
     assert t.adapter_step == 2 and t.dirty and m.step_limits() == {"a": 3}
     t.dirty = False
@@ -75,3 +74,33 @@ def test_manager_counts_the_optimizer_steps_the_backend_took():
     assert t.adapter_step == 2 and not t.dirty and t.nonfinite_streak == 1
     m.record_trained("a", None)  # no samples this step: nothing changes
     assert t.adapter_step == 2 and t.nonfinite_streak == 1
+
+
+def test_fault_policy_counts_all_failing_reward_steps_per_tenant():
+    """faults.max_reward_fail_steps all-failing steps in a row FAIL a tenant; any other step resets its count;
+    another tenant's failures never count toward it."""
+    from rl_multilora.config import RunConfig
+    from rl_multilora.tenants import TenantManager
+
+    cfg = RunConfig(model={"path": "m"}, faults={"max_reward_fail_steps": 3})
+    m = TenantManager(cfg=cfg, backend=None, data=None, ckpt=None)
+    failed = []
+    m.fail = lambda name, reason: failed.append((name, reason))  # the policy's decision, without the fan-out
+    for n in ("boom2", "mixed"):
+        m.table.register(_cfg(n, max_steps=100))
+        m.table.activate(n, 0)
+    ok = AdapterStepStats(stepped=True, n_steps=1)
+
+    def step(all_failed: dict[str, str]) -> None:
+        m.apply_step(["boom2", "mixed"], {"boom2": ok, "mixed": ok}, {}, all_failed)
+        m.enforce_faults(["boom2", "mixed"], {"boom2": ok, "mixed": ok}, all_failed)
+
+    step({"boom2": "2/2 failed"})
+    step({"boom2": "2/2 failed"})
+    assert failed == []
+    step({"boom2": "2/2 failed", "mixed": "2/2 failed"})
+    assert [n for n, _ in failed] == ["boom2"] and "3 consecutive" in failed[0][1]  # "mixed": once so far
+    step({"mixed": "2/2 failed"})  # a step where boom2 scored resets its count; mixed is at 2
+    assert m.get("boom2").reward_fail_streak == 0 and m.get("mixed").reward_fail_streak == 2
+    step({"boom2": "x"})
+    assert len(failed) == 1 and (m.get("boom2").reward_fail_streak, m.get("mixed").reward_fail_streak) == (1, 0)

@@ -2,8 +2,6 @@
 
 import torch
 
-from rl_multilora.config import AdapterConfig
-from rl_multilora.tenants import Tenant
 from rl_multilora.weight_sync import WeightSync
 
 
@@ -36,22 +34,15 @@ class FakeBackend:
         return {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
 
 
-def _tenant(name, slot):
-    cfg = AdapterConfig(name=name, dataset={"path": "json"}, reward={"name": "gsm8k"}, max_steps=2, rank=2)
-    return Tenant(cfg=cfg, slot=slot, dirty=True)
-
-
 def test_one_pause_only_changed_pushed_versions_bump():
     eng = RecordingEngine()
     ws = WeightSync(eng, FakeBackend())
-    a, b = _tenant("a", 0), _tenant("b", 1)
-    st = ws.sync(push=[a, b], unload=[])
+    st = ws.sync(push=[("a", 0), ("b", 0)], unload=[])
     assert st.adapters_pushed == ["a", "b"] and st.bytes_pushed == 2 * (16 + 16) * 4  # two adapters, fp32
-    assert (a.weight_version, b.weight_version, a.in_engine, a.dirty) == (0, 0, True, False)
-    b.slot = None  # b left
-    st = ws.sync(push=[a], unload=[b])
+    assert st.pushed == {"a": 0, "b": 0}  # what the tenant manager applies (versions, in_engine)
+    st = ws.sync(push=[("a", 1)], unload=["b"])  # b left
     assert eng.calls[4:] == [("pause",), ("unload", "b"), ("load", "a", 1), ("resume",)]
-    assert a.weight_version == 1 and not b.in_engine and ws.pauses == 2
+    assert st.pushed == {"a": 1} and ws.pauses == 2
     assert st.adapters_unloaded == ["b"]
     # Nothing changed: no pause at all.
     assert not ws.sync(push=[], unload=[]).paused and ws.pauses == 2

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from rl_multilora.config import AdapterConfig
+    from rl_multilora.lora import MultiLoRAModel
     from rollout.types import Sample
 
 
@@ -71,6 +72,17 @@ class TrainingBackend(abc.ABC):
     def world_size(self) -> int:
         """Training processes (ranks) behind this backend."""
         return 1
+
+    @property
+    def shared_model(self) -> MultiLoRAModel | None:
+        """The multi-LoRA model in this process, whose frozen base an in-process rollout engine may share; None when
+        the weights live in other processes (trainer ranks), so an in-process engine loads its own copy."""
+        return None
+
+    def engine_placement(self, i: int) -> dict[str, Any]:
+        """Ray actor options that colocate rollout engine `i` with this backend's trainer rank i
+        (`trainer.colocate_engines`); only backends with trainer ranks have any."""
+        raise ValueError(f"engine {i} cannot be colocated: {type(self).__name__} has no trainer ranks to share")
 
     @property
     def lora_parameters(self) -> list[str]:

@@ -12,16 +12,10 @@ from typing import Any
 import torch
 
 from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
-from rl_multilora.config import AdapterConfig, RunConfig
+from rl_multilora.config import AdapterConfig
 from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.trainer import MultiLoRATrainer
 from rollout.types import Sample
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class LocalBackend(TrainingBackend):
@@ -31,21 +25,9 @@ class LocalBackend(TrainingBackend):
         self.model = model
         self.trainer = trainer
 
-    @classmethod
-    def from_config(cls, cfg: RunConfig, pad_token_id: int) -> LocalBackend:
-        """Load the base from `cfg.model` with its slots and build the trainer from `cfg.grpo` as it is."""
-        model = MultiLoRAModel.from_pretrained(
-            cfg.model.path,
-            max_loras=cfg.model.max_loras,
-            max_rank=cfg.model.max_rank,
-            target_modules=cfg.model.target_modules,
-            dtype=getattr(torch, cfg.model.dtype),
-            target_parameters=cfg.model.target_parameters,
-            expert_lora=cfg.model.expert_lora,
-        ).to(resolve_device(cfg.model.device))
-        # The trainer scales logits like the sampler did, so its log-probs match the rollout's (greedy: none).
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        return cls(model, MultiLoRATrainer(model, cfg.grpo, pad_token_id=pad_token_id, temperature=temperature))
+    @property
+    def shared_model(self) -> MultiLoRAModel:
+        return self.model
 
     @property
     def max_loras(self) -> int:

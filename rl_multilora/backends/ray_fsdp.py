@@ -17,8 +17,8 @@ Design choices:
   layout as one process, so checkpoints keep their format and resume with another world size.
 - `trainer.colocate_engines` puts rollout engine actor i in rank i's bundle (same node, half of its GPU), as
   verl's colocated layout does; otherwise engines take resources of their own.
-- The driver keeps an unsharded copy of the base for an in-process embedded engine (`model`), loaded lazily: with
-  `rollout.engine_actors` or a server engine it is never loaded.
+- The driver holds no model (`shared_model` is None): an in-process embedded engine loads its own unsharded copy
+  (`rl_multilora.components.build_engine`); with `rollout.engine_actors` or a server engine none is loaded here.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class _TrainerRank:
             m.path, mesh, m.max_loras, m.max_rank, m.target_modules, m.target_parameters, m.expert_lora,
             getattr(torch, m.dtype), node_ranks=node_ranks,
         )  # fmt: skip
-        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        temperature = self.cfg.rollout.logit_temperature
         self.trainer = MultiLoRATrainer(self.model, self.cfg.grpo, self.pad_token_id, temperature=temperature)
         self.local = LocalBackend(self.model, self.trainer)  # this rank's shard behind the one-process interface
         shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
@@ -202,7 +202,6 @@ class RayFSDPBackend(TrainingBackend):
         self._info = info[0]
         self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
         self._gathered = 0
-        self._model = None
 
     def _all(self, method: str, *args) -> list[Any]:
         import ray
@@ -225,21 +224,6 @@ class RayFSDPBackend(TrainingBackend):
     def rank_placement(self) -> list[dict[str, Any]]:
         """Where Ray put each trainer rank (node, placement group, assigned resources)."""
         return self._all("placement")
-
-    @property
-    def model(self):
-        """An unsharded copy of the base with slots on `model.device`, for an in-process rollout engine (loaded on
-        first use)."""
-        if self._model is None:
-            from rl_multilora.backends.local import resolve_device
-            from rl_multilora.lora import MultiLoRAModel
-
-            m = self.cfg.model
-            self._model = MultiLoRAModel.from_pretrained(
-                m.path, max_loras=m.max_loras, max_rank=m.max_rank, target_modules=m.target_modules,
-                dtype=getattr(torch, m.dtype), target_parameters=m.target_parameters, expert_lora=m.expert_lora,
-            ).to(resolve_device(m.device))  # fmt: skip
-        return self._model
 
     @property
     def world_size(self) -> int:

@@ -2,8 +2,9 @@
 
 Design choices:
 
-- The actor builds its engine itself from the model folder (`rollout.server.serve.build_embedded_engine`, what
-  `engine-serve` serves): its own copy of the frozen base and its own adapter bank, on the device Ray gives it
+- The actor builds its engine itself with the builder it is given (the run's is
+  `rl_multilora.components.build_embedded_engine` over the run's `model` section, what `engine-serve` serves): its
+  own copy of the frozen base and its own adapter bank, on the device Ray gives it
   (`num_gpus=1` puts it on a GPU of its own). Only LoRA tensors travel afterwards: `load_adapter` ships an adapter's
   PEFT-named tensors through Ray's object store, never the base.
 - The actor is threaded (`max_concurrency`): concurrent `generate` calls (one per prompt group) reach the engine
@@ -35,10 +36,9 @@ def actor_placement() -> dict[str, Any]:
 class _EngineActor:
     """Runs inside the actor process: an embedded engine built from the model folder."""
 
-    def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None):
-        from rollout.server.serve import build_embedded_engine
-
-        self.engine, _ = build_embedded_engine(model_dir, **engine_kwargs, device=device)
+    def __init__(self, build: tuple, device: str | None):
+        fn, *args = build
+        self.engine, _ = fn(*args, device=device)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         return self.engine.generate(requests)
@@ -69,12 +69,14 @@ class _EngineActor:
 
 
 class RayEngine(RolloutEngine):
-    """A proxy to one `_EngineActor`; every call waits for the actor's answer (errors re-raise here)."""
+    """A proxy to one `_EngineActor`; every call waits for the actor's answer (errors re-raise here).
+
+    `build`: `(fn, *args)`; the actor runs `fn(*args, device=...)`, which returns `(engine, tokenizer)`. Ray ships
+    `fn` by reference, so it must be importable in the actor's process."""
 
     def __init__(
         self,
-        model_dir: str,
-        engine_kwargs: dict[str, Any] | None = None,
+        build: tuple,
         num_gpus: float = 0,
         num_cpus: float = 1,
         max_concurrency: int = 256,
@@ -86,7 +88,7 @@ class RayEngine(RolloutEngine):
             num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency,
             scheduling_strategy=scheduling_strategy,
         )  # fmt: skip
-        self._actor = actor_cls.remote(str(model_dir), dict(engine_kwargs or {}), "cuda" if num_gpus else None)
+        self._actor = actor_cls.remote(build, "cuda" if num_gpus else None)
         ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
 
     def _get(self, ref):

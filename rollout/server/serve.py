@@ -44,13 +44,10 @@ def build_embedded_engine(
     max_batch_size: int = 256,
     dtype: str = "float32",
 ) -> tuple[RolloutEngine, Any]:
-    """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves)."""
-    # Heavy imports stay here: serving itself only needs aiohttp.
-    import torch
-    from transformers import AutoTokenizer
-
-    from rl_multilora.lora import MultiLoRAModel
-    from rollout.engines.embedded import EmbeddedEngine
+    """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves), from its flags: the
+    model is built by `rl_multilora.components.build_embedded_engine`, as a run builds it."""
+    from rl_multilora.components import build_embedded_engine as build
+    from rl_multilora.config import ModelConfig
 
     targets: str | list[str] = target_modules
     if isinstance(targets, str) and targets != "all-linear":
@@ -58,18 +55,17 @@ def build_embedded_engine(
     params = target_parameters
     if isinstance(params, str):
         params = [t.strip() for t in params.split(",") if t.strip()]
-    model = MultiLoRAModel.from_pretrained(
-        model_dir,
+    m = ModelConfig(
+        path=str(model_dir),
         max_loras=max_loras,
         max_rank=max_rank,
         target_modules=targets,
-        target_parameters=params,
+        target_parameters=params or None,
         expert_lora=expert_lora,
-        device=device,
-        dtype=getattr(torch, dtype),
+        dtype=dtype,
+        device=device or "auto",
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size), tokenizer
+    return build(m, max_batch_size=max_batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:

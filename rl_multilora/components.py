@@ -1,0 +1,205 @@
+"""Every component of a run, built from its `RunConfig` in one place: model, training backend, engines, sampling,
+scorer and rollout generator.
+
+`run`, `serve`, `eval`, `engine-serve` and the Ray engine actors all build through this module, so what a run
+trained (dtype, target modules and expert Parameters, expert layout, slots, device) is what its evaluation and its
+served engines load. Nothing else in the project calls `MultiLoRAModel.from_pretrained` on a config.
+
+Design choices:
+- Functions, not a factory class: each takes the config section it needs and returns one component, so a caller
+  that needs one piece (eval needs a model and an engine, not a trainer) builds only that.
+- An in-process embedded engine shares the training backend's frozen base when the backend has one in this process
+  (`TrainingBackend.shared_model`); otherwise (trainer ranks on Ray) it loads its own copy here.
+- Heavy imports stay inside the functions: importing this module costs nothing until something is built.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from rl_multilora.config import ModelConfig, RunConfig
+from rollout.types import SamplingParams
+
+if TYPE_CHECKING:
+    import rewards
+    from rl_multilora.backends.base import TrainingBackend
+    from rl_multilora.lora import MultiLoRAModel
+    from rollout.engines.base import RolloutEngine
+    from rollout.generate_state import GenerateState
+    from rollout.sglang.launcher import SGLangLauncher
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`model.device`: "auto" is cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ------------------------------------------------------------------------------------------------ model and data
+
+
+def build_model(m: ModelConfig, device: str | torch.device | None = None) -> MultiLoRAModel:
+    """The frozen base of `m.path` with its LoRA slots, as the run trains it (dtype, targets, expert layout), on
+    `device` (default: `m.device` resolved)."""
+    from rl_multilora.lora import MultiLoRAModel
+
+    model = MultiLoRAModel.from_pretrained(
+        m.path,
+        max_loras=m.max_loras,
+        max_rank=m.max_rank,
+        target_modules=m.target_modules,
+        dtype=getattr(torch, m.dtype),
+        target_parameters=m.target_parameters or [],
+        expert_lora=m.expert_lora,
+    )
+    return model.to(resolve_device(m.device) if device is None else torch.device(device))
+
+
+def build_tokenizer(m: ModelConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(m.path)
+
+
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def build_sampling(cfg: RunConfig, tokenizer) -> SamplingParams:
+    """The rollouts' sampling settings (the eval's too, with temperature 0 for its greedy answers)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=list(r.stop),
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+    )
+
+
+def build_scorer(cfg: RunConfig) -> rewards.RewardExecutor:
+    """The reward executor: killable worker processes that score every tenant's samples with its own reward."""
+    import rewards
+
+    return rewards.RewardExecutor(num_workers=cfg.rewards.num_workers)
+
+
+# ------------------------------------------------------------------------------------------------ training side
+
+
+def build_backend(cfg: RunConfig, pad: int) -> TrainingBackend:
+    """One process (`LocalBackend`) or `trainer.world_size` Ray trainer ranks over an FSDP2-sharded model."""
+    if cfg.trainer.world_size > 1:
+        from rl_multilora.backends.ray_fsdp import RayFSDPBackend
+
+        return RayFSDPBackend(cfg, pad_token_id=pad)
+    from rl_multilora.backends.local import LocalBackend
+    from rl_multilora.trainer import MultiLoRATrainer
+
+    model = build_model(cfg.model)
+    return LocalBackend(model, MultiLoRATrainer(model, cfg.grpo, pad, temperature=cfg.rollout.logit_temperature))
+
+
+# ------------------------------------------------------------------------------------------------ rollout side
+
+
+def build_embedded_engine(m: ModelConfig, max_batch_size: int = 256, device: str | None = None):
+    """An embedded engine over its own copy of the base (what `engine-serve` serves and each Ray engine actor
+    runs), and its tokenizer."""
+    from rollout.engines.embedded import EmbeddedEngine
+
+    tokenizer = build_tokenizer(m)
+    return EmbeddedEngine(build_model(m, device), tokenizer, max_batch_size=max_batch_size), tokenizer
+
+
+def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[RolloutEngine, SGLangLauncher | None]:
+    """The rollout engine the config names (several: a `MultiEngine` over them) and the SGLang server it launched,
+    if any. All speak the `RolloutEngine` interface."""
+    r = cfg.rollout
+    if r.engine == "embedded":
+        from rollout.engines.embedded import EmbeddedEngine
+
+        if r.engine_actors:
+            return _one_or_many(_ray_engines(cfg, backend)), None
+        model = backend.shared_model or build_model(cfg.model)
+        engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
+        return _one_or_many(engines), None
+    from rollout.sglang.client import SGLangEngine
+    from rollout.sglang.launcher import SGLangLauncher
+    from rollout.sglang.protocol import sglang_expert_shapes
+
+    if r.engine == "http":
+        urls = r.urls if r.num_engines > 1 else [r.url]
+        return _one_or_many([SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]), None
+    # A model whose expert LoRA SGLang cannot serve exactly fails here, before a minutes-long server start.
+    model = backend.shared_model or build_model(cfg.model)
+    expert_shapes = sglang_expert_shapes(model)
+    launcher = None
+    url = r.url
+    if url is None:  # launch a colocated SGLang server on this host
+        launcher = SGLangLauncher(
+            model_path=cfg.model.path,
+            port=r.sglang_port,
+            # SGLang counts base-model rows as one of the batch's adapters.
+            max_loras_per_batch=cfg.model.max_loras + 1,
+            max_lora_rank=cfg.model.max_rank,
+            lora_target_modules=cfg.model.target_modules,
+            lora_backend=r.sglang_lora_backend,
+            extra_args=r.sglang_args,
+            api_key=r.api_key,
+            expert_lora=bool(expert_shapes),
+        )
+        url = launcher.start()
+    # SGLang wants one serialized copy of the tensors per tensor-parallel rank: take the size from the launch
+    # arguments, or ask an attached server.
+    tp_size = launcher.tp_size if launcher is not None else None
+    engine = SGLangEngine(
+        url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes, expert_shapes=expert_shapes
+    )
+    engine.tp_size = tp_size or engine.server_tp_size() or 1
+    return engine, launcher
+
+
+def _ray_engines(cfg: RunConfig, backend: TrainingBackend) -> list:
+    """`rollout.num_engines` embedded engines as Ray actors, each building its own copy of the base with
+    `build_embedded_engine` (a GPU each when CUDA is available, or half of trainer rank i's with
+    `trainer.colocate_engines`). Joins the Ray cluster this process is in, or starts a local one."""
+    import ray
+
+    from rollout.engines.ray_engine import RayEngine
+
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
+    build = (build_embedded_engine, cfg.model, cfg.rollout.max_batch_size)
+    n = cfg.rollout.num_engines
+    if cfg.trainer.colocate_engines:
+        return [RayEngine(build, **backend.engine_placement(i)) for i in range(n)]
+    gpus = 1 if torch.cuda.is_available() and cfg.model.device != "cpu" else 0
+    return [RayEngine(build, num_gpus=gpus) for _ in range(n)]
+
+
+def _one_or_many(engines: list) -> RolloutEngine:
+    if len(engines) == 1:
+        return engines[0]
+    from rollout.engines.multi import MultiEngine
+
+    return MultiEngine(engines)
+
+
+def build_generator(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> GenerateState:
+    """The rollout driver: every tenant's groups to one engine, with the config's hooks and sampling."""
+    from rollout.generate_state import GenerateState, load_hooks
+
+    return GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), build_sampling(cfg, tokenizer))
