@@ -50,7 +50,7 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   requests of the call run normally. A forward that raises (e.g. out of memory) fails the rows of
   that batch with "error"; the worker keeps serving later requests.
 
-One file of ~700 lines: `EmbeddedEngine` is one worker thread and the state it shares with the callers
+One file: `EmbeddedEngine` is one worker thread and the state it shares with the callers
 (queue, pause flags, adapter table, bank) under two locks; the batch helpers below (`_Row`, `_Batch`)
 only exist for that worker. Split up, the locking rules above would be spread over modules that no one
 else imports. Sampling, which needs none of that state, is in `sampling.py`.

@@ -31,7 +31,7 @@ Design choices (each follows SGLang unless said otherwise):
   `adapter_versions`. The adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's
   structs have no field for it.
 
-One file of ~650 lines: the request validation (`parse_generate_body`, `_sampling_from_dict`, `_want`), the
+One file: the request validation (`parse_generate_body`, `_sampling_from_dict`, `_want`), the
 handlers and the app wiring are one contract, SGLang's API as this server implements it, and each handler reads
 best next to the rules it enforces. What the server shares with the client (payload formats, tensor encodings,
 config checks) is in `sglang_protocol.py`; the `engine-serve` entry point is in `serve.py`.
