@@ -265,11 +265,6 @@ class CheckpointManager:
                 return d
         return None
 
-    def newest_step(self, name: str) -> int | None:
-        """Adapter step of `name`'s newest complete checkpoint, or None."""
-        cks = list_checkpoints(self.adapter_dir(name))
-        return cks[-1][0] if cks else None
-
     def read_weights(
         self, name: str, step: int | None = None, folder: Path | str | None = None
     ) -> AdapterWeights | None:

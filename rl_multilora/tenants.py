@@ -275,25 +275,17 @@ class TenantManager:
         refused."""
         from rl_multilora import validate
 
-        resume = self.cfg.checkpoint.resume != "never"
         problems = validate.adapter_problems(
             a,
             self.backend.lora_modules,
             self.cfg.eval_for(a),
-            ckpt=self.ckpt if resume else None,
+            ckpt=self.ckpt if self.cfg.checkpoint.resume != "never" else None,
             lora_parameters=self.backend.lora_parameters,
+            submitted=not restart,
         )
         old = self.tenants.get(a.name)
         if old is not None and old.state in LIVE | {TenantState.DRAINED}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {old.state.value})"))
-        done = self.ckpt.newest_step(a.name) if resume else None
-        if not restart and done is not None and a.max_steps is not None and done >= a.max_steps:
-            # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
-            problems.append(
-                bad_value(
-                    "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
-                )
-            )
         return problems
 
     def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False) -> Tenant:

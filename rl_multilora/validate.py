@@ -176,9 +176,11 @@ def adapter_problems(
     where: str | None = None,
     ckpt: CheckpointManager | None = None,
     lora_parameters: Sequence[str] | None = None,
+    submitted: bool = False,
 ) -> list[str]:
     """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, its eval split
-    when its eval is on, and (with `ckpt`, when the run resumes) that its newest checkpoint can resume it."""
+    when its eval is on, and (with `ckpt`, when the run resumes) that its newest checkpoint can resume it (and, for a
+    `submitted` adapter, is below its budget)."""
     import rewards
 
     where = f"adapters.{a.name}." if where is None else where
@@ -195,12 +197,13 @@ def adapter_problems(
     if eval_settings is not None and eval_settings.enabled:
         problems += _eval_problems(a, eval_settings, where)
     if ckpt is not None:
-        problems += resume_problems(a, ckpt)
+        problems += resume_problems(a, ckpt, submitted)
     return problems
 
 
-def resume_problems(a: AdapterConfig, ckpt: CheckpointManager) -> list[str]:
-    """Rank, alpha, targets and seed must equal those of the checkpoint the adapter would resume from."""
+def resume_problems(a: AdapterConfig, ckpt: CheckpointManager, submitted: bool = False) -> list[str]:
+    """Rank, alpha, targets and seed must equal those of the checkpoint the adapter would resume from; a `submitted`
+    adapter (not one of the run's own, registered again at start) must have budget left past that checkpoint."""
     import json
 
     from rl_multilora.checkpoint import CKPT_META, check_compatible
@@ -208,11 +211,17 @@ def resume_problems(a: AdapterConfig, ckpt: CheckpointManager) -> list[str]:
     latest = ckpt.latest(a.name)
     if latest is None:
         return []
-    then = json.loads((latest / CKPT_META).read_text()).get("config", {})
+    meta = json.loads((latest / CKPT_META).read_text())
     try:
-        check_compatible(a.name, a.model_dump(mode="json"), then, latest)
+        check_compatible(a.name, a.model_dump(mode="json"), meta.get("config", {}), latest)
     except ConfigError as e:
         return e.problems
+    done = int(meta["adapter_step"])
+    if submitted and a.max_steps is not None and done >= a.max_steps:
+        # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
+        return [
+            bad_value("max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}")
+        ]
     return []
 
 
