@@ -159,7 +159,7 @@ def test_eval_split_must_exist_when_eval_is_on(ws, tmp_path, capsys):
     ],
     ids=["tiny-moe", "bf16"],
 )
-def test_eval_cli_scores_exactly_what_the_runs_final_eval_logged(tmp_path, case):
+def test_eval_cli_scores_exactly_what_the_runs_final_eval_logged(tmp_path, case, monkeypatch):
     """`rl-multilora eval` builds the run's model as the run built it (one builder: dtype, target_parameters,
     expert layout), so on the final checkpoints it scores exactly what the run's own final eval logged: greedy
     reward, pass@k and the sampled rewards (sampling at temperature 1 is what a float32 copy would change first)."""
@@ -187,8 +187,21 @@ def test_eval_cli_scores_exactly_what_the_runs_final_eval_logged(tmp_path, case)
         "adapters": adapters,
     }
     run(parse_run_config(cfg))
+    from rollout.engines.embedded import EmbeddedEngine
+
+    built = []  # the base dtype and expert-LoRA targets of the model eval's engine holds
+    init = EmbeddedEngine.__init__
+
+    def spy(self, model, *args, **kwargs):
+        base = [p.dtype for n, p in model.named_parameters() if "lora" not in n]
+        built.append((base[0], sorted(model.lora_parameters)))
+        init(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(EmbeddedEngine, "__init__", spy)
     out = root / "eval.json"
     assert cli.main(["eval", str(run_dir), "--out", str(out)]) == 0
+    want_dtype = getattr(torch, case["model"].get("dtype", "float32"))
+    assert [(d, bool(p)) for d, p in built] == [(want_dtype, "target_parameters" in case["model"])]
     by = {r["adapter"]: r for r in json.loads(out.read_text())}
     rows = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]
     for name in ("a", "b"):
