@@ -265,6 +265,28 @@ class CheckpointManager:
                 return d
         return None
 
+    def latest_meta(self, name: str) -> tuple[Path, dict[str, Any]] | None:
+        """`name`'s newest complete checkpoint and its `checkpoint.json`, or None."""
+        found = _complete(self.adapter_dir(name))
+        return (found[-1][1], found[-1][2]) if found else None
+
+    def export(self, name: str, out: Path, step: int | None = None) -> Path:
+        """Copy `name`'s checkpoint (newest, or at adapter step `step`) into `out` as a PEFT folder; returns the
+        checkpoint folder. Raises FileNotFoundError naming the steps there are."""
+        ck = self.find(name, step)
+        if ck is None:
+            which = f"step {step}" if step is not None else "any step"
+            steps = sorted({s for s, _ in list_checkpoints(self.adapter_dir(name))})
+            have = f"; its checkpointed steps: {', '.join(map(str, steps))}" if steps else ""
+            raise FileNotFoundError(f"no complete checkpoint of adapter {name!r} ({which}) in {self.run_dir}{have}")
+        if out.exists() and not out.is_dir():
+            raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
+        out.mkdir(parents=True, exist_ok=True)
+        # Weights first, config last: a folder with adapter_config.json is a complete PEFT folder.
+        for f in (WEIGHTS_NAME, CONFIG_NAME):
+            shutil.copy2(ck / f, out / f)
+        return ck
+
     def read_weights(
         self, name: str, step: int | None = None, folder: Path | str | None = None
     ) -> AdapterWeights | None:

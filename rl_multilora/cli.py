@@ -76,10 +76,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import shutil
     from pathlib import Path
 
-    from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+    from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import ConfigError
     from rl_multilora.lora.peft_io import validate_adapter_name
 
@@ -87,20 +86,8 @@ def cmd_export(args) -> int:
         validate_adapter_name(args.name)  # NAME becomes a path under RUN_DIR: no '..', no separators
     except ValueError as e:
         raise ConfigError([f"NAME: {e}"]) from None
-    manager = CheckpointManager(Path(args.run_dir))
-    ck = manager.find(args.name, args.step)
-    if ck is None:
-        which = f"step {args.step}" if args.step is not None else "any step"
-        steps = sorted({s for s, _ in list_checkpoints(manager.adapter_dir(args.name))})
-        have = f"; its checkpointed steps: {', '.join(map(str, steps))}" if steps else ""
-        raise FileNotFoundError(f"no complete checkpoint of adapter {args.name!r} ({which}) in {args.run_dir}{have}")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
-    # Weights first, config last: a folder with adapter_config.json is a complete PEFT folder.
-    for f in ("adapter_model.safetensors", "adapter_config.json"):
-        shutil.copy2(ck / f, out / f)
+    ck = CheckpointManager(Path(args.run_dir)).export(args.name, out, args.step)
     print(f"exported {ck} -> {out}")
     return 0
 

@@ -204,14 +204,12 @@ def adapter_problems(
 def resume_problems(a: AdapterConfig, ckpt: CheckpointManager, submitted: bool = False) -> list[str]:
     """Rank, alpha, targets and seed must equal those of the checkpoint the adapter would resume from; a `submitted`
     adapter (not one of the run's own, registered again at start) must have budget left past that checkpoint."""
-    import json
+    from rl_multilora.checkpoint import check_compatible
 
-    from rl_multilora.checkpoint import CKPT_META, check_compatible
-
-    latest = ckpt.latest(a.name)
-    if latest is None:
+    found = ckpt.latest_meta(a.name)
+    if found is None:
         return []
-    meta = json.loads((latest / CKPT_META).read_text())
+    latest, meta = found
     try:
         check_compatible(a.name, a.model_dump(mode="json"), meta.get("config", {}), latest)
     except ConfigError as e:
