@@ -224,13 +224,12 @@ class AdapterSnapshot:
         return int(self.meta["adapter_step"])
 
 
-@dataclass
-class RestoredCheckpoint:
-    """What `CheckpointManager.load_adapter` found: the newest usable checkpoint and what it discarded."""
+class DamagedCheckpoint(ValueError):
+    """A checkpoint folder that cannot be read back (truncated or garbage files); says which folder and why."""
 
-    path: Path
-    snapshot: AdapterSnapshot
-    discarded: list[Path]  # newer checkpoints from a step the run state does not record as finished
+
+class RunStateError(ValueError):
+    """A run_state.json that cannot be read; names the file (the CLI exits 2 with this message)."""
 
 
 @dataclass
@@ -318,7 +317,11 @@ class CheckpointManager:
             last = existing[-1][1]
             # Same adapter step (no optimizer step since) and same data cursor: the newest checkpoint already holds
             # exactly this state, e.g. a drain or a service stop right after a periodic save. Reuse it.
-            if json.loads((last / "data_state.json").read_text()) == json.loads(json.dumps(snap.data_state)):
+            try:
+                same = json.loads((last / "data_state.json").read_text()) == json.loads(json.dumps(snap.data_state))
+            except (OSError, ValueError):  # a damaged newest checkpoint is never reused: write a new one
+                same = False
+            if same:
                 return last
         seq = max((key[1] for key, _, _ in existing), default=0) + 1
         final = adir / f"step_{step}"
@@ -346,28 +349,40 @@ class CheckpointManager:
         for _, d in cks[: max(0, len(cks) - self.keep_last)]:
             self._discard(d)
 
-    def load_adapter(self, name: str, committed_step: int | None) -> RestoredCheckpoint | None:
-        """The newest complete checkpoint of `name` that counts, read back; None when there is none.
+    def restore_candidates(self, name: str, committed_step: int | None) -> list[tuple[Path, dict[str, Any]]]:
+        """`name`'s complete checkpoints that count, newest first, each with its `checkpoint.json`.
 
         `committed_step` is the run state's finished global step count (None without a run state): checkpoints
         written in a later, unfinished step are discarded (see the module docstring). Stale temp folders go too.
+        A caller tries them in order and falls back to an older one when `read_snapshot` finds one damaged.
         """
         self.remove_stale_temps(name)
         found = _complete(self.adapter_dir(name))
-        discarded = []
         while found and committed_step is not None and _steps_done(found[-1][2]) > committed_step:
-            discarded.append(self._discard(found.pop()[1]))
-        if not found:
-            return None
-        _, ck, meta = found[-1]
-        snap = AdapterSnapshot(
-            tensors=load_file(str(ck / WEIGHTS_NAME)),
-            peft_config=json.loads((ck / CONFIG_NAME).read_text()),
-            optimizer=load_tree(ck, "optimizer"),
-            data_state=json.loads((ck / "data_state.json").read_text()),
-            meta=meta,
-        )
-        return RestoredCheckpoint(ck, snap, discarded)
+            self._discard(found.pop()[1])
+        return [(ck, meta) for _, ck, meta in reversed(found)]
+
+    def read_snapshot(self, ck: Path, meta: dict[str, Any]) -> AdapterSnapshot:
+        """Read one checkpoint folder back; raises `DamagedCheckpoint` naming the file that is truncated, garbage or
+        missing. Shapes against the model and the cursor against the dataset are checked where they are loaded."""
+        parts: dict[str, Any] = {}
+        readers = {
+            "tensors": (WEIGHTS_NAME, lambda: load_file(str(ck / WEIGHTS_NAME))),
+            "peft_config": (CONFIG_NAME, lambda: json.loads((ck / CONFIG_NAME).read_text())),
+            "optimizer": ("optimizer.safetensors/.json", lambda: load_tree(ck, "optimizer")),
+            "data_state": ("data_state.json", lambda: json.loads((ck / "data_state.json").read_text())),
+        }
+        for key, (what, read) in readers.items():
+            try:
+                parts[key] = read()
+            except Exception as e:  # noqa: BLE001 - any read failure means this folder is damaged
+                raise DamagedCheckpoint(f"{ck}: {what} cannot be read ({type(e).__name__}: {e})") from e
+        if not isinstance(parts["data_state"], dict) or not isinstance(parts["peft_config"], dict):
+            raise DamagedCheckpoint(f"{ck}: data_state.json or {CONFIG_NAME} is not a JSON object")
+        bad = [k for k, t in parts["tensors"].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise DamagedCheckpoint(f"{ck}: {WEIGHTS_NAME} holds non-finite values in {bad[0]}")
+        return AdapterSnapshot(meta=meta, **parts)
 
     def _discard(self, ck: Path) -> Path:
         """Remove a checkpoint folder; renamed first, so a kill during rmtree leaves nothing that looks complete."""
@@ -406,8 +421,21 @@ class CheckpointManager:
         atomic_write_text(self.run_state_path, json.dumps(state, indent=1))
 
     def read_run_state(self) -> dict[str, Any] | None:
+        """The run state, or None without one; raises `RunStateError` naming the file when it is damaged."""
         path = self.run_state_path
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            state = json.loads(path.read_text())
+            int(state["global_step"])
+            if not isinstance(state["adapters"], dict):
+                raise TypeError("'adapters' is not an object")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise RunStateError(
+                f"{path} is damaged ({type(e).__name__}: {e}); restore it from a backup, or start over with --fresh "
+                "(which archives this run dir, nothing is deleted)"
+            ) from None
+        return state
 
     def has_checkpoints(self) -> bool:
         adapters = self.run_dir / "adapters"

@@ -17,10 +17,11 @@ _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, er
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from rl_multilora.checkpoint import RunStateError
     from rl_multilora.config import ConfigError
     from rl_multilora.tenants import TenantError
 
-    errors: list[type[BaseException]] = [ConfigError, TenantError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ConfigError, TenantError, FileNotFoundError, RunStateError]
     for mod, name in [
         ("rewards", "RewardConfigError"),
         ("rollout.data_source", "DatasetError"),

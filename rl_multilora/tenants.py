@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl_multilora.checkpoint import AdapterSnapshot, check_compatible, prune_metrics
+from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
 from rl_multilora.config import AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef
@@ -318,7 +318,10 @@ class TenantManager:
 
     def _start_failed(self, t: Tenant, e: Exception) -> None:
         """Undo what `_start` had done for `t` and mark it FAILED; nothing of it stays in the backend or data source."""
-        log.exception("adapter %s could not start", t.name)
+        if isinstance(e, (DamagedCheckpoint, ConfigError)):  # said in one line: the reason is the whole story
+            log.warning("adapter %s could not start: %s", t.name, e)
+        else:
+            log.exception("adapter %s could not start", t.name)
         if t.name in self.data.adapters:
             self.data.remove_adapter(t.name)
         if t.name in self.backend.adapters:
@@ -357,29 +360,43 @@ class TenantManager:
         and its earlier rows go (see rl_multilora.checkpoint).
         """
         committed = self.table.global_step if self.ckpt.read_run_state() is not None else None
-        found = self.ckpt.load_adapter(t.name, committed)
-        if found is None:
-            prune_metrics(self.ckpt.run_dir, {t.name: None})
-            return False
-        snap = found.snapshot
-        check_compatible(t.name, t.cfg.model_dump(mode="json"), snap.meta.get("config", {}), found.path)
-        self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(found.path))
-        self.backend.load_optimizer_state_dict(t.name, snap.optimizer)
-        self.data.load_state_dict(t.name, snap.data_state)
-        t.adapter_step = snap.adapter_step
-        t.last_checkpoint = str(found.path)
-        t.last_reward = snap.meta.get("last_reward")
-        # Versions continue from the checkpoint (the next push makes it +1), as in an uninterrupted run.
-        t.weight_version = snap.meta.get("weight_version")
-        dropped = prune_metrics(self.ckpt.run_dir, {t.name: int(snap.meta["global_step"])})
-        log.info(
-            "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
-            t.name,
-            found.path,
-            t.adapter_step,
-            dropped,
-        )
-        return True
+        for path, meta in self.ckpt.restore_candidates(t.name, committed):
+            try:
+                snap = self.ckpt.read_snapshot(path, meta)
+                check_compatible(t.name, t.cfg.model_dump(mode="json"), snap.meta.get("config", {}), path)
+            except DamagedCheckpoint as e:
+                log.warning("adapter %s: skipped damaged checkpoint %s", t.name, e)
+                continue
+            try:
+                self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(path))
+                self.backend.load_optimizer_state_dict(t.name, snap.optimizer)
+                self.data.load_state_dict(t.name, snap.data_state)
+                adapter_step = snap.adapter_step
+            except Exception as e:  # noqa: BLE001 - tensors of another model, a garbage cursor: try an older one
+                log.warning(
+                    "adapter %s: skipped checkpoint %s: it does not load (%s: %s)", t.name, path, type(e).__name__, e
+                )
+                continue
+            t.adapter_step = adapter_step
+            t.last_checkpoint = str(path)
+            t.last_reward = snap.meta.get("last_reward")
+            # Versions continue from the checkpoint (the next push makes it +1), as in an uninterrupted run.
+            t.weight_version = snap.meta.get("weight_version")
+            dropped = prune_metrics(self.ckpt.run_dir, {t.name: int(snap.meta["global_step"])})
+            log.info(
+                "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
+                t.name,
+                path,
+                t.adapter_step,
+                dropped,
+            )
+            return True
+        if any(True for _ in self.ckpt.restore_candidates(t.name, committed)):
+            raise DamagedCheckpoint(
+                f"adapter {t.name!r}: every checkpoint in {self.ckpt.adapter_dir(t.name)} is damaged"
+            )
+        prune_metrics(self.ckpt.run_dir, {t.name: None})
+        return False
 
     # -- leaving --------------------------------------------------------------------------------------------------
     def _release(self, t: Tenant) -> None:

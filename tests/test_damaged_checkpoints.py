@@ -1,0 +1,81 @@
+"""A damaged newest checkpoint costs its tenant the steps since the previous one, never the tenant; a damaged run
+state names its file and exits 2.
+
+Each case stops a run after 5 global steps (t1 has checkpoints at adapter steps 2 and 4), damages t1's newest
+checkpoint one way, and resumes: t1 must fall back to step 2 with one log line naming the folder it skipped and why
+(no traceback), train steps 3-6 again, and end exactly where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from rl_multilora.checkpoint import list_checkpoints
+from rl_multilora.cli import main as cli_main
+from rl_multilora.config import parse_run_config
+from rl_multilora.loop import run
+from tests.test_resume import _config, assert_same_as_reference, reference, workspace  # noqa: F401 - fixtures
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _other_model(path) -> None:
+    """Same keys, shapes of another model (one more input feature everywhere)."""
+    tensors = load_file(str(path))
+    save_file({k: torch.zeros(*t.shape[:-1], t.shape[-1] + 1) for k, t in tensors.items()}, str(path))
+
+
+DAMAGE = {
+    "truncated weights": lambda ck: _truncate(ck / "adapter_model.safetensors"),
+    "garbage weights": lambda ck: (ck / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 100),
+    "truncated optimizer": lambda ck: _truncate(ck / "optimizer.safetensors"),
+    "corrupt cursor": lambda ck: (ck / "data_state.json").write_text('{"version": 1, "cursor": "x'),
+    "tensors from another model": lambda ck: _other_model(ck / "adapter_model.safetensors"),
+    "nan weights": lambda ck: save_file(
+        {k: torch.full_like(t, float("nan")) for k, t in load_file(str(ck / "adapter_model.safetensors")).items()},
+        str(ck / "adapter_model.safetensors"),
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_resume_falls_back_to_the_newest_intact_checkpoint(workspace, reference, tmp_path, caplog, damage):  # noqa: F811
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir, checkpoint={"save_every": 2, "keep_last": 3})
+    run(parse_run_config(dict(cfg, max_global_steps=5)))
+    cks = list_checkpoints(run_dir / "adapters" / "t1")
+    assert [s for s, _ in cks] == [2, 4]
+    newest = cks[-1][1]
+    DAMAGE[damage](newest)
+    with caplog.at_level(logging.INFO, logger="rl_multilora"):
+        rt = run(parse_run_config(cfg))
+    assert rt.tenants.get("t1").state.value == "REMOVED" and rt.tenants.get("t1").adapter_step == 6
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage() and str(newest) in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].exc_info is None, [r.getMessage() for r in caplog.records]
+    assert not any(r.exc_info for r in caplog.records)  # no traceback in the log
+    resumed = [r.getMessage() for r in caplog.records if "adapter t1 resumed from" in r.getMessage()]
+    assert resumed and "step_2" in resumed[0] and "adapter step 2" in resumed[0]
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_a_damaged_run_state_names_the_file_and_exits_2(workspace, tmp_path, capsys):  # noqa: F811
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    run(parse_run_config(dict(cfg, max_global_steps=2)))
+    state = run_dir / "run_state.json"
+    _truncate(state)
+    damaged = state.read_bytes()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli_main(["run", str(path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{state} is damaged" in err and "Traceback" not in err and "--fresh" in err
+    assert state.read_bytes() == damaged  # left as it was, for the user to restore
