@@ -72,6 +72,22 @@ def build_tokenizer(m: ModelConfig):
     return AutoTokenizer.from_pretrained(m.path)
 
 
+def context_length(m: ModelConfig) -> int | None:
+    """The base's context length (`max_position_embeddings` of its text config), or None when it declares none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(m.path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def build_data_source(cfg: RunConfig, tokenizer):
+    """Every tenant's prompts; rows too long for the model's context are bad rows of their tenant."""
+    from rollout.data_source import MultiLoRADataSource
+
+    return MultiLoRADataSource(tokenizer, context_len=context_length(cfg.model))
+
+
 def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

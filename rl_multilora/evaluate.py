@@ -69,7 +69,14 @@ class EvalResult:
 class EvalSet:
     """One tenant's held-out prompts and how to evaluate on them."""
 
-    def __init__(self, a: AdapterConfig, settings: EvalSettings, tokenizer, rollout_sampling: SamplingParams):
+    def __init__(
+        self,
+        a: AdapterConfig,
+        settings: EvalSettings,
+        tokenizer,
+        rollout_sampling: SamplingParams,
+        context_len: int | None = None,
+    ):
         from rollout.data_source import MultiLoRADataSource
 
         self.name = a.name
@@ -80,7 +87,7 @@ class EvalSet:
         spec = dataclasses.replace(
             a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files
         )
-        source = MultiLoRADataSource(tokenizer)
+        source = MultiLoRADataSource(tokenizer, context_len)
         source.add_adapter(
             AdapterRef(a.name, 0),
             spec,
@@ -276,7 +283,8 @@ def evaluate_checkpoints(
     scorer = components.build_scorer(cfg)
     out = []
     try:
-        sets = {name: EvalSet(known[name], settings[name], tokenizer, generator.sampling) for name in names}
+        context = components.context_length(cfg.model)
+        sets = {name: EvalSet(known[name], settings[name], tokenizer, generator.sampling, context) for name in names}
         base = {r.adapter: r for r in run_evals(generator, scorer, [EvalJob(sets[x], None, 0) for x in names])}
         jobs = [EvalJob(sets[x], x, weights[x].adapter_step) for x in names]
         for r in evaluate_adapters(generator, scorer, jobs, weights, cfg.model.max_loras):

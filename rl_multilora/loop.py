@@ -92,8 +92,6 @@ class Runtime:
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: RunConfig) -> Runtime:
-        from rollout.data_source import MultiLoRADataSource
-
         components.seed_everything(cfg.seed)
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +100,7 @@ class Runtime:
         backend = components.build_backend(cfg, components.pad_token_id(tokenizer))
         engine, launcher = components.build_engine(cfg, backend, tokenizer)
         generator = components.build_generator(cfg, engine, tokenizer)
-        data = MultiLoRADataSource(tokenizer)
+        data = components.build_data_source(cfg, tokenizer)
         return cls(cfg, backend, tokenizer, engine, launcher, data, generator, components.build_scorer(cfg))
 
     # -- tenants --------------------------------------------------------------------------------------------------
@@ -175,7 +173,10 @@ class Runtime:
             return None
         cached = self._eval_sets.get(a.name)
         if cached is None or cached[0] != a:  # a name submitted again may come with another dataset
-            self._eval_sets[a.name] = (a, EvalSet(a, settings, self.tokenizer, self.generator.sampling))
+            self._eval_sets[a.name] = (
+                a,
+                EvalSet(a, settings, self.tokenizer, self.generator.sampling, self.data.context_len),
+            )
         return self._eval_sets[a.name][1]
 
     def _due_evals(self) -> list[EvalJob]:

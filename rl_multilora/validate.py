@@ -128,15 +128,16 @@ def adapter_target_problems(a: AdapterConfig, lora_modules: Sequence[str], where
 
 def dataset_problems(a: AdapterConfig, where: str) -> list[str]:
     """The dataset loads and has at least one row with a non-empty prompt and label."""
-    from rollout.data_source import load_dataset_rows
+    from rollout.data_source import load_dataset_rows, read_row
 
     try:
         rows = load_dataset_rows(a.dataset)
     except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
         return [f"{where}dataset: {e}"]
     spec = a.dataset
-    for row in rows:
-        if _filled(row.get(spec.prompt_key)) and _filled(row.get(spec.label_key)):
+    for i in range(len(rows)):
+        row = read_row(rows, i)  # an undecodable row is a bad row, counted when drawn; it never stops the check
+        if not isinstance(row, str) and _filled(row.get(spec.prompt_key)) and _filled(row.get(spec.label_key)):
             return []
     what = (
         "has no rows" if len(rows) == 0 else f"has no row with a non-empty {spec.prompt_key!r} and {spec.label_key!r}"

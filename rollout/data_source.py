@@ -185,6 +185,15 @@ def load_dataset_rows(spec: DatasetSpec):
     return rows
 
 
+def read_row(rows, index: int) -> Mapping[str, Any] | str:
+    """Row `index` of a loaded dataset, or the reason it cannot be read (a bad row): a JSONL line that is not valid
+    UTF-8 loads with its file and fails only when the row is decoded."""
+    try:
+        return rows[index]
+    except UnicodeDecodeError:
+        return "undecodable_row"
+
+
 def _check_columns(spec: DatasetSpec, columns: list[str]) -> None:
     for key_field in ("prompt_key", "label_key", "metadata_key"):
         column = getattr(spec, key_field)
@@ -273,12 +282,15 @@ class MultiLoRADataSource:
         groups = source.next_groups(["a"])["a"]   # 4 groups of 8 samples each
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, context_len: int | None = None) -> None:
+        """`context_len`: the model's context length; a row whose prompt leaves no room in it for one response token
+        is a bad row of its tenant (the engine would refuse the request and fail the whole group)."""
         if tokenizer is None:
             raise DatasetError(
                 "tokenizer=None is not allowed; allowed: a tokenizer (MultiLoRADataSource builds prompt_ids with it)"
             )
         self.tokenizer = tokenizer
+        self.context_len = context_len
         self._streams: dict[str, _AdapterStream] = {}
 
     @property
@@ -491,7 +503,9 @@ class MultiLoRADataSource:
     def _prepare_row(self, stream: _AdapterStream, row_index: int) -> _PreparedRow | str:
         """The row as a prompt, or the reason it is a bad row."""
         spec = stream.spec
-        row = stream.rows[row_index]
+        row = read_row(stream.rows, row_index)
+        if isinstance(row, str):
+            return row
         if not isinstance(row, Mapping):
             return "row_not_a_dict"
         prompt = row.get(spec.prompt_key)
@@ -529,6 +543,8 @@ class MultiLoRADataSource:
             prompt_ids = self.tokenizer(text)["input_ids"]
         if spec.max_prompt_tokens is not None and len(prompt_ids) > spec.max_prompt_tokens:
             return "prompt_too_long"
+        if self.context_len is not None and len(prompt_ids) >= self.context_len:
+            return "prompt_exceeds_context"
         raw_metadata = row.get(spec.metadata_key) if spec.metadata_key else None
         if raw_metadata is None:
             metadata: dict[str, Any] = {}
