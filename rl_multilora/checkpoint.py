@@ -58,7 +58,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rl_multilora.errors import bad_value
-from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, write_peft_folder
+from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, AdapterFolderError, read_peft_folder, write_peft_folder
 
 CKPT_META = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
@@ -295,12 +295,8 @@ class CheckpointManager:
         if ck is None:
             return None
         meta = json.loads((ck / CKPT_META).read_text())
-        return AdapterWeights(
-            path=ck,
-            tensors=load_file(str(ck / WEIGHTS_NAME)),
-            peft_config=json.loads((ck / CONFIG_NAME).read_text()),
-            adapter_step=int(meta["adapter_step"]),
-        )
+        tensors, config = read_peft_folder(ck)
+        return AdapterWeights(path=ck, tensors=tensors, peft_config=config, adapter_step=int(meta["adapter_step"]))
 
     # -- adapters -------------------------------------------------------------------------------------------------
     def save_adapter(self, name: str, snap: AdapterSnapshot) -> Path:
@@ -366,9 +362,11 @@ class CheckpointManager:
         """Read one checkpoint folder back; raises `DamagedCheckpoint` naming the file that is truncated, garbage or
         missing. Shapes against the model and the cursor against the dataset are checked where they are loaded."""
         parts: dict[str, Any] = {}
+        try:  # the one adapter-folder loader: safetensors, finite, a LoRA config
+            parts["tensors"], parts["peft_config"] = read_peft_folder(ck)
+        except (AdapterFolderError, FileNotFoundError) as e:
+            raise DamagedCheckpoint(str(e)) from None
         readers = {
-            "tensors": (WEIGHTS_NAME, lambda: load_file(str(ck / WEIGHTS_NAME))),
-            "peft_config": (CONFIG_NAME, lambda: json.loads((ck / CONFIG_NAME).read_text())),
             "optimizer": ("optimizer.safetensors/.json", lambda: load_tree(ck, "optimizer")),
             "data_state": ("data_state.json", lambda: json.loads((ck / "data_state.json").read_text())),
         }
@@ -377,11 +375,8 @@ class CheckpointManager:
                 parts[key] = read()
             except Exception as e:  # noqa: BLE001 - any read failure means this folder is damaged
                 raise DamagedCheckpoint(f"{ck}: {what} cannot be read ({type(e).__name__}: {e})") from e
-        if not isinstance(parts["data_state"], dict) or not isinstance(parts["peft_config"], dict):
-            raise DamagedCheckpoint(f"{ck}: data_state.json or {CONFIG_NAME} is not a JSON object")
-        bad = [k for k, t in parts["tensors"].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        if bad:
-            raise DamagedCheckpoint(f"{ck}: {WEIGHTS_NAME} holds non-finite values in {bad[0]}")
+        if not isinstance(parts["data_state"], dict):
+            raise DamagedCheckpoint(f"{ck}: data_state.json is not a JSON object")
         return AdapterSnapshot(meta=meta, **parts)
 
     def _discard(self, ck: Path) -> Path:

@@ -16,7 +16,8 @@ Design choices:
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,6 +65,33 @@ def build_model(m: ModelConfig, device: str | torch.device | None = None) -> Mul
         expert_lora=m.expert_lora,
     )
     return model.to(resolve_device(m.device) if device is None else torch.device(device))
+
+
+def read_adapter_folder(m: ModelConfig, folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A PEFT folder to serve or evaluate on the model `m` describes: read by the one loader
+    (`rl_multilora.lora.read_peft_folder`: safetensors only, no links out, finite, rank <= `m.max_rank`), then its
+    keys, shapes and targets checked against the model's LoRA modules on a meta-device skeleton, so a bad folder is
+    refused before any weight is loaded. Raises `AdapterFolderError` naming the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_multilora.lora import AdapterFolderError, MultiLoRAModel, read_peft_folder
+    from rl_multilora.lora.peft_io import parse_peft_adapter
+
+    tensors, config = read_peft_folder(folder, max_rank=m.max_rank)
+    with torch.device("meta"):
+        skeleton = MultiLoRAModel(
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(m.path)),
+            max_loras=1,
+            max_rank=m.max_rank,
+            target_modules=m.target_modules,
+            target_parameters=m.target_parameters or [],
+            expert_lora=m.expert_lora,
+        )
+    try:
+        parse_peft_adapter(tensors, config, skeleton.layer_shapes, m.max_rank, str(folder), skeleton.expert_shapes)
+    except ValueError as e:
+        raise AdapterFolderError(f"adapter folder {folder}: does not fit the model {m.path}: {e}") from None
+    return tensors, config
 
 
 def build_tokenizer(m: ModelConfig):

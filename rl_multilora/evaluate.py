@@ -235,7 +235,7 @@ def evaluate_checkpoints(
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import ConfigError, load_run_config
     from rl_multilora.errors import bad_value
-    from rl_multilora.lora import CONFIG_NAME, read_peft_folder
+    from rl_multilora.lora import CONFIG_NAME, AdapterFolderError
     from rl_multilora.validate import adapter_problems
 
     root = Path(run_dir)
@@ -255,14 +255,23 @@ def evaluate_checkpoints(
         problems.append(bad_value("--peft", peft, f"a PEFT folder (it holds {CONFIG_NAME})"))
     if problems:
         raise ConfigError(problems)
+    peft_weights = None
+    if peft is not None:  # checked against the run's model before the model is loaded
+        try:
+            peft_weights = components.read_adapter_folder(cfg.model, peft)
+        except (AdapterFolderError, FileNotFoundError) as e:
+            raise ConfigError([f"--peft: {e}"]) from None
     ckpt = CheckpointManager(root)
     weights: dict[str, AdapterWeights] = {}
     for name in names:
-        if peft is not None:
-            tensors, config = read_peft_folder(peft)
-            weights[name] = AdapterWeights(Path(peft), tensors, config, adapter_step=0)
+        if peft_weights is not None:
+            weights[name] = AdapterWeights(Path(peft), *peft_weights, adapter_step=0)
             continue
-        found = ckpt.read_weights(name, step)
+        try:
+            found = ckpt.read_weights(name, step)
+        except (AdapterFolderError, FileNotFoundError) as e:
+            problems.append(f"--adapter {name}: its checkpoint is damaged: {e}")
+            continue
         if found is None:
             which = f"at adapter step {step}" if step is not None else "at any step"
             problems.append(

@@ -219,3 +219,70 @@ def test_eval_cli_scores_exactly_what_the_runs_final_eval_logged(tmp_path, case,
             base["eval/reward_mean"],
             base["eval/sample_reward_mean"],
         ), name
+
+
+def _bad_folders(good: Path, root: Path) -> dict[str, Path]:
+    """PEFT folders that must be refused, each made from the good export `good`."""
+    import shutil
+
+    out = {}
+
+    def copy(name: str) -> Path:
+        d = root / name
+        shutil.copytree(good, d)
+        out[name] = d
+        return d
+
+    d = copy("wrong shapes")
+    t = load_file(str(d / "adapter_model.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({k: torch.zeros(v.shape[0], v.shape[1] + 3) for k, v in t.items()}, str(d / "adapter_model.safetensors"))
+    d = copy("rank above max")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "r": 64}))
+    d = copy("missing targets")
+    save_file({k.replace("q_proj", "nope_proj"): v for k, v in t.items()}, str(d / "adapter_model.safetensors"))
+    d = copy("symlink out")
+    secret = root / "outside.safetensors"
+    shutil.copy(d / "adapter_model.safetensors", secret)
+    (d / "adapter_model.safetensors").unlink()
+    (d / "adapter_model.safetensors").symlink_to(secret)
+    d = copy("pickle only")
+    (d / "adapter_model.safetensors").unlink()
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle, and never opened")
+    d = copy("all nan")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in t.items()}, str(d / "adapter_model.safetensors"))
+    return out
+
+
+def test_eval_refuses_a_bad_peft_folder_before_loading_the_model(runs, ws, capsys, monkeypatch, tmp_path):
+    """Every bad folder exits 2 with one message naming it, before the model loads; a pickle is never opened."""
+    from rl_multilora import components
+
+    on, _ = runs
+    good = tmp_path / "good"
+    assert cli.main(["export", str(on), "a", str(good)]) == 0
+    capsys.readouterr()
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded for a bad adapter folder")
+
+    def no_unpickling(*a, **k):
+        raise AssertionError("torch.load was called on an adapter folder")
+
+    monkeypatch.setattr(components, "build_embedded_engine", no_model)
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    expected = {
+        "wrong shapes": "does not fit the model",
+        "rank above max": "r=64 is not allowed",
+        "missing targets": "nope_proj",
+        "symlink out": "link to a file outside the folder",
+        "pickle only": "adapter_model.bin (pickle)",
+        "all nan": "NaN or inf",
+    }
+    for name, folder in _bad_folders(good, tmp_path).items():
+        code = cli.main(["eval", str(on), "--adapter", "a", "--peft", str(folder)])
+        err = capsys.readouterr().err
+        assert code == 2, (name, err)
+        assert str(folder) in err and expected[name] in err and "Traceback" not in err, (name, err)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         CONFIG_NAME,
         PEFT_PREFIX,
         WEIGHTS_NAME,
+        AdapterFolderError,
         ExpertShape,
         peft_config_problems,
         read_peft_folder,
@@ -56,6 +57,7 @@ _EXPORTS = {
     "PEFT_PREFIX": "peft_io",
     "peft_config_problems": "peft_io",
     "read_peft_folder": "peft_io",
+    "AdapterFolderError": "peft_io",
     "validate_adapter_name": "peft_io",
     "write_peft_folder": "peft_io",
 }
@@ -76,6 +78,7 @@ __all__ = [
     "UnknownAdapterError",
     "WEIGHTS_NAME",
     "peft_config_problems",
+    "AdapterFolderError",
     "read_peft_folder",
     "validate_adapter_name",
     "write_peft_folder",

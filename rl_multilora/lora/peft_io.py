@@ -386,25 +386,61 @@ def _implied_shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[i
     return shapes
 
 
-def read_peft_folder(peft_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a PEFT adapter folder: (state dict, adapter_config.json content)."""
+class AdapterFolderError(ValueError):
+    """A PEFT adapter folder that is not loaded: every problem found, the folder named in the message."""
+
+
+def read_peft_folder(
+    peft_dir: str | Path, max_rank: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a PEFT adapter folder: (state dict, adapter_config.json content). The one loader of adapter folders.
+
+    Checked before anything is used, every problem in one `AdapterFolderError` naming the folder (a missing file is
+    a FileNotFoundError): the files are
+    inside the folder (no symlink out of it), the weights are `adapter_model.safetensors` (a pickle-only
+    `adapter_model.bin` is refused without being opened: unpickling runs code), the config is a LoRA config with
+    `r` <= `max_rank`, and every tensor is finite. Shapes and targets against a model are checked where the
+    adapter meets one (`parse_peft_adapter`).
+    """
     from safetensors.torch import load_file
 
     folder = Path(peft_dir)
-    config_path = folder / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {CONFIG_NAME} is missing")
-    weights_path = folder / WEIGHTS_NAME
-    if weights_path.is_file():
-        state_dict = load_file(str(weights_path))
-    elif (folder / "adapter_model.bin").is_file():
-        import torch
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
 
-        state_dict = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{folder} is not a PEFT adapter folder: {WEIGHTS_NAME} is missing")
-    with open(config_path) as f:
-        config = json.load(f)
+    def fail(problems: list[str]) -> AdapterFolderError:
+        return AdapterFolderError(f"adapter folder {folder}: " + "; ".join(problems))
+
+    if not folder.is_dir() or not config_path.is_file():  # FileNotFoundError, as open() would say
+        raise FileNotFoundError(f"adapter folder {folder}: {CONFIG_NAME} is missing: not a PEFT adapter folder")
+    if not weights_path.is_file():
+        if (folder / "adapter_model.bin").exists():
+            raise fail(
+                [
+                    "only adapter_model.bin (pickle) is there, which is never opened here (unpickling can run code); "
+                    f"save it as {WEIGHTS_NAME} (PEFT: save_pretrained(..., safe_serialization=True))"
+                ]
+            )
+        raise FileNotFoundError(f"adapter folder {folder}: {WEIGHTS_NAME} is missing")
+    root = folder.resolve()
+    escaped = [p.name for p in (config_path, weights_path) if not p.resolve().is_relative_to(root)]
+    if escaped:
+        raise fail([f"{', '.join(escaped)} is a link to a file outside the folder"])
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise fail([f"{CONFIG_NAME} is not valid JSON ({e})"]) from None
+    if not isinstance(config, dict):
+        raise fail([f"{CONFIG_NAME} is not a JSON object"])
+    try:
+        state_dict = load_file(str(weights_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for truncated or garbage files
+        raise fail([f"{WEIGHTS_NAME} cannot be read ({type(e).__name__}: {e})"]) from None
+    problems = peft_config_problems(config, max_rank, allow_target_parameters=True)
+    nonfinite = [k for k, t in state_dict.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if nonfinite:
+        problems.append(f"{len(nonfinite)} tensor(s) hold NaN or inf values (first: {nonfinite[0]})")
+    if problems:
+        raise fail(problems)
     return state_dict, config
 
 
