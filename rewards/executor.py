@@ -210,7 +210,20 @@ class RewardExecutor:
     # -- scoring -----------------------------------------------------------------------------------------------
 
     def score_samples(self, samples: list[Sample]) -> RewardReport:
-        """Set `sample.reward` on every sample (its reward, or `failure_value` on error / timeout); report counts."""
+        """Set `sample.reward` on every sample (its reward, or `failure_value` on error / timeout); report counts.
+
+        A multi-turn episode (`sample.environment` set) already holds the reward its environment gave: without a
+        RewardSpec it keeps it; with one, its reward function's score is added to it (a failed episode, whose
+        reward is None, keeps None)."""
+        episodes = {id(s): s.reward for s in samples if s.environment is not None}
+        samples = [s for s in samples if s.environment is None or s.reward_spec is not None]
+        report = self._score(samples)
+        for s in samples:
+            if id(s) in episodes:
+                s.reward = None if episodes[id(s)] is None else episodes[id(s)] + s.reward
+        return report
+
+    def _score(self, samples: list[Sample]) -> RewardReport:
         for i, sample in enumerate(samples):
             if not isinstance(sample.reward_spec, RewardSpec):
                 raise ValueError(

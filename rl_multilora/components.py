@@ -15,6 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rl_multilora.config import ModelConfig, RunConfig
+from rl_multilora.config import AdapterConfig, ModelConfig, RunConfig
 from rollout.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -131,6 +132,14 @@ def build_sampling(cfg: RunConfig, tokenizer) -> SamplingParams:
         stop=list(r.stop),
         stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
     )
+
+
+def tenant_sampling(cfg: RunConfig, a: AdapterConfig, tokenizer) -> SamplingParams | None:
+    """Adapter `a`'s own sampling settings: the run's with the fields of `a.sampling` it sets (None without any)."""
+    if a.sampling is None:
+        return None
+    changes = {k: v for k, v in a.sampling.model_dump().items() if v is not None}
+    return dataclasses.replace(build_sampling(cfg, tokenizer), **changes) if changes else None
 
 
 def build_scorer(cfg: RunConfig) -> rewards.RewardExecutor:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from rl_multilora.errors import bad_value
 from rl_multilora.lora.peft_io import validate_adapter_name
 from rollout.data_source import DatasetSpec
-from rollout.types import RewardSpec
+from rollout.types import EnvironmentSpec, RewardSpec
 
 
 class ConfigError(ValueError):
@@ -134,6 +134,17 @@ class EvalOverride(_Strict):
         return base.model_copy(update=self.model_dump(exclude_none=True))
 
 
+class SamplingOverride(_Strict):
+    """A tenant's own sampling settings; each field left out is the run's (`rollout.*`)."""
+
+    temperature: float | None = Field(None, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int | None = Field(None, description="Top-k sampling (-1 = off).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Drop tokens below min_p times the top probability.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Response length limit (per model turn).")
+    stop: list[str] | None = Field(None, description="Stop strings (e.g. '</tool_call>' for tool-calling tenants).")
+
+
 class AdapterConfig(_Strict):
     name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+; used as a folder name.")
     rank: int = Field(8, ge=1, description="LoRA rank r (<= model.max_rank).")
@@ -146,7 +157,15 @@ class AdapterConfig(_Strict):
         description="Expert Parameters this adapter trains: a subset of model.target_parameters. None = the model's.",
     )
     dataset: DatasetSpec = Field(description="The adapter's own dataset (fields: rollout.data_source.DatasetSpec).")
-    reward: RewardSpec = Field(description="The adapter's own reward function (fields: rollout.types.RewardSpec).")
+    reward: RewardSpec | None = Field(
+        None, description="The adapter's own reward function (fields: rollout.types.RewardSpec); or an environment."
+    )
+    environment: EnvironmentSpec | None = Field(
+        None,
+        description="Multi-turn episodes (tools, observations) instead of or with a reward "
+        "(fields: rollout.types.EnvironmentSpec).",
+    )
+    sampling: SamplingOverride | None = Field(None, description="The adapter's own sampling settings.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")
@@ -162,12 +181,18 @@ class AdapterConfig(_Strict):
 
     @field_validator("reward")
     @classmethod
-    def _one_reward(cls, reward: RewardSpec) -> RewardSpec:
-        if (reward.name is None) == (reward.path is None):
+    def _one_reward(cls, reward: RewardSpec | None) -> RewardSpec | None:
+        if reward is not None and (reward.name is None) == (reward.path is None):
             raise ValueError(
                 bad_value("name/path", (reward.name, reward.path), "exactly one of name (a built-in) or path")
             )
         return reward
+
+    @model_validator(mode="after")
+    def _reward_or_environment(self) -> AdapterConfig:
+        if self.reward is None and self.environment is None:
+            raise ValueError(bad_value("reward", None, "a reward, an environment, or both"))
+        return self
 
     @model_validator(mode="after")
     def _budget(self) -> AdapterConfig:

@@ -125,6 +125,8 @@ class EvalSet:
                         metadata=meta,
                         adapter=ref,
                         reward_spec=self.reward,
+                        sampling=p.sampling,
+                        environment=p.environment,
                     )
                 )
         return out

@@ -186,10 +186,13 @@ def adapter_problems(
 
     where = f"adapters.{a.name}." if where is None else where
     problems = []
-    try:
-        rewards.validate(a.reward)
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"{where}reward: {e}")
+    if a.reward is not None:
+        try:
+            rewards.validate(a.reward)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{where}reward: {e}")
+    if a.environment is not None:
+        problems += environment_problems(a, where)
     problems += dataset_problems(a, where)
     if lora_modules is not None:
         problems += adapter_target_problems(a, lora_modules, where)
@@ -200,6 +203,21 @@ def adapter_problems(
     if ckpt is not None:
         problems += resume_problems(a, ckpt, submitted)
     return problems
+
+
+def environment_problems(a: AdapterConfig, where: str) -> list[str]:
+    """The environment class imports, subclasses `Environment` and takes its kwargs (one instance is built)."""
+    from rollout.environments import load_environment
+
+    try:
+        env = load_environment(a.environment.path, a.environment.kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever building it raises is the user's environment problem
+        return [f"{where}environment: {e}"]
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001, S110 - closing an unused instance: nothing to report
+        pass
+    return []
 
 
 def resume_problems(a: AdapterConfig, ckpt: CheckpointManager, submitted: bool = False) -> list[str]:

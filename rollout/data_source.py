@@ -37,7 +37,7 @@ import numpy as np
 from pydantic import ConfigDict
 
 from rl_multilora.errors import bad_value
-from rollout.types import AdapterRef, RewardSpec, Sample
+from rollout.types import AdapterRef, EnvironmentSpec, RewardSpec, Sample, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +215,15 @@ class _AdapterStream:
 
     ref: AdapterRef
     spec: DatasetSpec
-    reward_spec: RewardSpec
+    reward_spec: RewardSpec | None
     rows: Any  # datasets.Dataset or a sequence of dicts: anything with len() and [int] -> dict
     seed: int
     prompts_per_step: int
     n_samples_per_prompt: int
     max_epochs: float | None
     max_rows: int | None
+    sampling: SamplingParams | None = None
+    environment: EnvironmentSpec | None = None
     epoch: int = 0
     cursor: int = 0  # position in the current epoch's permutation
     rows_served: int = 0
@@ -301,7 +303,7 @@ class MultiLoRADataSource:
         self,
         ref: AdapterRef,
         spec: DatasetSpec,
-        reward_spec: RewardSpec,
+        reward_spec: RewardSpec | None,
         *,
         seed: int,
         prompts_per_step: int,
@@ -309,14 +311,20 @@ class MultiLoRADataSource:
         max_epochs: float | None = None,
         max_rows: int | None = None,
         dataset=None,
+        sampling: SamplingParams | None = None,
+        environment: EnvironmentSpec | None = None,
     ) -> None:
         """Register adapter `ref.name` with its dataset (loaded from `spec` unless `dataset` is given).
 
         `dataset` may be a `datasets.Dataset` or a list of row dicts (rows missing a key become bad rows).
+        `sampling` (the tenant's own settings) and `environment` (multi-turn episodes) are stamped on its samples;
+        `reward_spec` may be None only with an environment.
         """
         name = ref.name
         if name in self._streams:
             raise DatasetError(f"adapter {name!r} is already in the data source; remove it first")
+        if reward_spec is None and environment is None:
+            raise DatasetError(f"adapter {name!r}: reward_spec=None is not allowed without an environment")
         if not isinstance(seed, int) or seed < 0:
             raise DatasetError(f"adapter {name!r}: seed={seed!r} is not allowed; allowed: a non-negative integer")
         if prompts_per_step < 1:
@@ -346,6 +354,8 @@ class MultiLoRADataSource:
             ref=ref,
             spec=spec,
             reward_spec=reward_spec,
+            sampling=sampling,
+            environment=environment,
             rows=rows,
             seed=seed,
             prompts_per_step=prompts_per_step,
@@ -496,6 +506,8 @@ class MultiLoRADataSource:
                     metadata=metadata,
                     adapter=stream.ref,
                     reward_spec=stream.reward_spec,
+                    sampling=stream.sampling,
+                    environment=stream.environment,
                 )
             )
         return group

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -132,8 +133,8 @@ class MultiLoRAHooks(GenerateStateHooks):
         self._groups_done[name] = self._groups_done.get(name, 0) + 1
 
     def _tag(self, sample: Sample) -> None:
-        if sample.adapter is not None and sample.reward_spec is not None:
-            return
+        if sample.adapter is not None and (sample.reward_spec is not None or sample.environment is not None):
+            return  # an episode's environment gives its reward
         name = sample.adapter.name if sample.adapter is not None else sample.metadata.get("adapter_name")
         tags = self.registry.get(name) if name is not None else None
         if tags is None:
@@ -249,6 +250,13 @@ class GenerateState:
             return pool.submit(asyncio.run, self.run(groups)).result()
 
     async def _run_group(self, group: list[Sample]) -> None:
+        if group[0].environment is not None:  # multi-turn episodes: each sample is one, all run concurrently
+            await asyncio.gather(*(self._run_episode(sample) for sample in group))
+            for sample in group:
+                self._pending -= 1
+                self.hooks.on_sample_done(self, sample)
+            self.hooks.on_group_done(self, group)
+            return
         todo = list(group)
         attempt = 0
         while todo:
@@ -282,11 +290,46 @@ class GenerateState:
         return list(results)
 
     def request_params(self, sample: Sample) -> tuple[str | None, SamplingParams]:
-        """The engine adapter and sampling settings of `sample`'s request: its tenant's adapter, and the rollout's
-        sampling with the sample's own seed. Override to ask for something else (evaluation does)."""
+        """The engine adapter and sampling settings of `sample`'s request: its tenant's adapter, and its tenant's
+        sampling (or the rollout's) with the sample's own seed. Override to ask for something else (evaluation
+        does)."""
         name = sample.adapter.name if sample.adapter is not None else None
+        base = sample.sampling or self.sampling
         # Same seed on every attempt: a resubmitted sample is the same draw, not a new one.
-        return name, replace(self.sampling, seed=sample.metadata.get("sampling_seed", self.sampling.seed))
+        return name, replace(base, seed=sample.metadata.get("sampling_seed", base.seed))
+
+    # -- multi-turn episodes -----------------------------------------------------------------------------------------
+    async def _run_episode(self, sample: Sample) -> None:
+        """One episode of `sample.environment` (see rollout.environments): model turns on the engine with the
+        sample's adapter, environment turns appended as loss-masked tokens; the sample ends filled in, FAILED with
+        the reason when the environment misbehaved."""
+        spec = sample.environment
+        episode = _Episode(self, sample)
+        try:
+            await asyncio.wait_for(episode.run(), timeout=spec.episode_timeout_s)
+        except asyncio.TimeoutError:
+            episode.fail(f"episode ran past environment.episode_timeout_s={spec.episode_timeout_s}")
+        except _EpisodeError as e:
+            episode.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - whatever an environment does costs its own episode only
+            episode.fail(f"environment raised {type(e).__name__}: {e}")
+        finally:
+            await episode.close()
+        episode.fill()
+
+    async def generate_turn(self, request: GenerateRequest) -> GenerateResult:
+        """One request, resubmitted with the same seed after an abort (a weight sync), as rollout samples are."""
+        for attempt in range(self.max_resubmits + 1):
+            try:
+                results = await self.engine.agenerate([replace(request, rid=f"{request.rid}/a{attempt}")])
+            except Exception as exc:  # noqa: BLE001 - the engine's failure costs this episode only
+                return GenerateResult(finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+            result = results[0] if len(results) == 1 else GenerateResult(finish_reason="error", error="no result")
+            if result.finish_reason != "abort":
+                return result
+            if self.resubmit_backoff_s:
+                await asyncio.sleep(self.resubmit_backoff_s * (attempt + 1))
+        return result
 
     def _request(self, sample: Sample, attempt: int) -> GenerateRequest:
         name, sampling = self.request_params(sample)
@@ -325,3 +368,162 @@ class GenerateState:
             )
         else:
             sample.status = _STATUS_BY_FINISH_REASON[result.finish_reason]
+
+
+class _EpisodeError(RuntimeError):
+    """A misbehaving environment or engine: the episode fails with this message."""
+
+
+async def _call(fn, *args, timeout: float):
+    """`fn(*args)`, awaited when it is a coroutine function, else in a daemon thread of its own; at most `timeout`
+    seconds. Not the loop's default executor: `asyncio.run` joins its threads on exit, so one environment call that
+    never returns would hold up the whole rollout; a daemon thread is abandoned instead."""
+    if asyncio.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args), timeout=timeout)
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the rollout's loop is gone: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=work, name="rl-multilora-env", daemon=True).start()
+    return await asyncio.wait_for(future, timeout=timeout)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # timed out and abandoned
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class _Episode:
+    """The state of one multi-turn episode while it runs (token lists, rewards, the environment instance)."""
+
+    def __init__(self, state: GenerateState, sample: Sample) -> None:
+        self.state = state
+        self.sample = sample
+        self.spec = sample.environment
+        self.env = None
+        self.ids: list[int] = []  # response: model and environment turns
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turn_rewards: list[float] = []
+        self.versions: set[int | None] = set()
+        self.status = SampleStatus.TRUNCATED
+        self.finish_reason = "length"
+        self.error: str | None = None
+        self.turns = 0
+
+    async def _env(self, method: str, *args):
+        try:
+            return await _call(getattr(self.env, method), *args, timeout=self.spec.turn_timeout_s)
+        except asyncio.TimeoutError:
+            raise _EpisodeError(
+                f"environment {method} ran past environment.turn_timeout_s={self.spec.turn_timeout_s}"
+            ) from None
+
+    async def run(self) -> None:
+        from rollout.environments import Task, check_step, load_environment
+
+        state, sample, spec = self.state, self.sample, self.spec
+        self.env = load_environment(spec.path, spec.kwargs)
+        await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
+        adapter, sampling = state.request_params(sample)
+        for turn in range(spec.max_turns):
+            budget = spec.max_tokens - len(self.ids)
+            if budget <= 0:
+                return  # TRUNCATED: out of tokens
+            seed = None if sampling.seed is None else (sampling.seed + 7919 * turn) & 0x7FFFFFFF
+            request = GenerateRequest(
+                input_ids=list(sample.prompt_ids) + self.ids,
+                adapter=adapter,
+                sampling=replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget), seed=seed),
+                rid=f"{adapter or 'base'}/g{sample.group_index}/s{sample.index}/t{turn}",
+            )
+            result = await state.generate_turn(request)
+            if result.finish_reason in ("error", "abort"):
+                raise _EpisodeError(f"model turn {turn}: {result.finish_reason}: {result.error or 'no message'}")
+            if result.output_logprobs and len(result.output_logprobs) != len(result.output_ids):
+                raise _EpisodeError(f"model turn {turn}: engine returned misaligned logprobs")
+            out = list(result.output_ids)
+            self.ids += out
+            self.mask += [1] * len(out)
+            self.logprobs += list(result.output_logprobs) or [0.0] * len(out)
+            self.versions.add(result.weight_version)
+            self.turns = turn + 1
+            text = state.tokenizer.decode(out, skip_special_tokens=True)
+            try:
+                step = check_step(await self._env("step", text))
+            except ValueError as e:
+                raise _EpisodeError(f"environment step: {e}") from None
+            self.turn_rewards.append(float(step.reward))
+            if step.done:
+                self.status, self.finish_reason = SampleStatus.COMPLETED, "stop"
+                return
+            obs = observation_ids(state.tokenizer, step.observation, ended_turn=bool(out) and out[-1] in _eos_ids(state))
+            if len(self.ids) + len(obs) >= spec.max_tokens:
+                return  # TRUNCATED: the environment's answer does not fit
+            self.ids += obs
+            self.mask += [0] * len(obs)
+            self.logprobs += [0.0] * len(obs)
+        # TRUNCATED: max_turns model turns without done
+
+    def fail(self, reason: str) -> None:
+        self.status, self.finish_reason, self.error = SampleStatus.FAILED, "error", reason
+
+    async def close(self) -> None:
+        if self.env is not None:
+            try:
+                await _call(self.env.close, timeout=self.spec.turn_timeout_s)
+            except Exception:  # noqa: BLE001 - a failing close changes nothing about the episode
+                logger.warning("environment %s: close failed", self.spec.path, exc_info=True)
+
+    def fill(self) -> None:
+        s = self.sample
+        if self.status != SampleStatus.FAILED and len(self.versions) > 1:
+            self.fail(f"turns were generated by different adapter versions {sorted(self.versions, key=str)}")
+        s.response_ids, s.loss_mask, s.rollout_logprobs = self.ids, self.mask, self.logprobs
+        s.status, s.finish_reason = self.status, self.finish_reason
+        s.weight_version = next(iter(self.versions)) if len(self.versions) == 1 else None
+        s.response = self.state.tokenizer.decode(
+            [t for t, m in zip(self.ids, self.mask, strict=True) if m], skip_special_tokens=True
+        )
+        s.metadata["turns"] = self.turns
+        s.metadata["turn_rewards"] = list(self.turn_rewards)
+        s.metadata.pop("error", None)
+        if self.error is not None:
+            s.metadata["error"] = self.error
+        else:
+            s.reward = float(sum(self.turn_rewards))
+
+
+def _eos_ids(state: GenerateState) -> set[int]:
+    eos = state.tokenizer.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or [])
+
+
+def observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[int]:
+    """The token ids of an environment turn after a model turn: what the chat template writes after an assistant
+    message's content (its end-of-turn marker, unless the model already produced it as EOS), the observation
+    messages, and the next generation prompt. Computed as text differences of the template, so the model's own
+    tokens are never re-tokenized."""
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00MARK\x00"}]
+    before = tokenizer.apply_chat_template(probe, tokenize=False)
+    after = tokenizer.apply_chat_template([*probe, *messages], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise _EpisodeError("the chat template renders a conversation differently once messages are appended")
+    tail = before[before.rindex("\x00MARK\x00") + len("\x00MARK\x00") :]
+    eos_text = tokenizer.eos_token or ""
+    if ended_turn and eos_text and tail.startswith(eos_text):
+        tail = tail[len(eos_text) :]
+    return list(tokenizer(tail + after[len(before) :], add_special_tokens=False)["input_ids"])

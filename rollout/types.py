@@ -52,6 +52,35 @@ class RewardSpec:
     """Added when the response has the reward's answer format."""
 
 
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """A tenant's environment: multi-turn episodes instead of (or with) a single-turn reward.
+
+    `path` names a `rollout.environments.Environment` subclass (`module:Class`), built with `kwargs` once per
+    episode. An episode alternates model turns (on the shared engine, with the tenant's adapter) and environment
+    turns until the environment says done, `max_turns` model turns, or `max_tokens` response tokens (model and
+    environment tokens together). A `step` past `turn_timeout_s`, or an episode past `episode_timeout_s`, costs the
+    tenant that episode (FAILED), never another tenant anything.
+
+    This is also the `environment:` section of an adapter's config, validated by pydantic as it is.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    path: str
+    """`module:Class` of a rollout.environments.Environment subclass."""
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    """Keyword arguments of the class (one instance per episode)."""
+    max_turns: Annotated[int, Field(ge=1)] = 4
+    """Most model turns in one episode."""
+    max_tokens: Annotated[int, Field(ge=1)] = 256
+    """Most response tokens in one episode (model and environment turns together)."""
+    turn_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Longest one reset/step of the environment may take."""
+    episode_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """Longest one whole episode may take."""
+
+
 class SampleStatus(str, enum.Enum):
     PENDING = "pending"
     COMPLETED = "completed"
@@ -87,6 +116,8 @@ class Sample:
     reward_spec: RewardSpec | None = None
     weight_version: int | None = None
     advantage: float = 0.0
+    sampling: SamplingParams | None = None  # the tenant's own sampling settings (None: the rollout's)
+    environment: EnvironmentSpec | None = None  # set: the sample is a multi-turn episode of this environment
 
 
 @dataclass
@@ -103,6 +134,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's (0 = off)
 
 
 @dataclass

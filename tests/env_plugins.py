@@ -1,0 +1,73 @@
+"""Environments for tests/test_environments.py, loaded by import path as users' environments are."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rollout.environments import Environment, EnvStep, ToolEnv
+
+
+class Echo(Environment):
+    """Answers every turn with a fixed user message; done after `turns` model turns, reward 0.25 per turn plus 1
+    when the model's last turn held a digit."""
+
+    def __init__(self, turns: int = 3, reply: str = "again"):
+        self.turns, self.reply, self.seen = turns, reply, 0
+
+    def reset(self, task):
+        self.seen = 0
+
+    def step(self, action: str) -> EnvStep:
+        self.seen += 1
+        if self.seen >= self.turns:
+            return EnvStep(reward=0.25 + float(any(c.isdigit() for c in action)), done=True)
+        return EnvStep(observation=[{"role": "user", "content": self.reply}], reward=0.25)
+
+
+class AsyncEcho(Echo):
+    async def step(self, action: str) -> EnvStep:
+        await asyncio.sleep(0)
+        return Echo.step(self, action)
+
+
+class Raising(Environment):
+    def step(self, action: str) -> EnvStep:
+        raise RuntimeError("environment bug")
+
+
+class Hanging(Environment):
+    def step(self, action: str) -> EnvStep:
+        time.sleep(3600)  # never returns in a test's time: abandoned in its thread
+        return EnvStep(done=True)
+
+
+class AsyncHanging(Environment):
+    async def step(self, action: str) -> EnvStep:
+        await asyncio.sleep(3600)
+        return EnvStep(done=True)
+
+
+class NeverDone(Environment):
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(observation=[{"role": "user", "content": "more"}], reward=0.1)
+
+
+class Garbage(Environment):
+    def step(self, action: str):
+        return {"reward": 1.0}
+
+
+class NaNReward(Environment):
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=float("nan"), done=True)
+
+
+class Calculator(ToolEnv):
+    """Tools: add(a, b); the final answer (a turn without a call) scores 1 when it equals the label."""
+
+    def tools(self):
+        return {"add": lambda a, b: a + b}
+
+    def answer(self, text: str) -> float:
+        return float(text.strip() == str(self.task.label))

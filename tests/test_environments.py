@@ -1,0 +1,156 @@
+"""Multi-turn episodes on the shared engine: token bookkeeping, exactness against a re-run of the same turns, and
+faults that cost only their own episode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.environments import EnvStep, ToolCall, parse_tool_calls
+from rollout.generate_state import GenerateState, MultiLoRAHooks, observation_ids
+from rollout.types import (
+    AdapterRef,
+    EnvironmentSpec,
+    GenerateRequest,
+    RewardSpec,
+    Sample,
+    SampleStatus,
+    SamplingParams,
+)
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=[1])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from rl_multilora.lora import MultiLoRAModel
+
+    model = MultiLoRAModel(tiny_model(), max_loras=2, max_rank=4)
+    model.add_adapter("env", rank=4, alpha=8, seed=1)
+    model.add_adapter("plain", rank=4, alpha=8, seed=2)
+    tok = tiny_tokenizer()
+    engine = EmbeddedEngine(model, tok)
+    for name in ("env", "plain"):
+        engine.load_adapter(name, model.adapter_state_dict(name), model.peft_config(name), version=3)
+    yield engine, tok
+    engine.close()
+
+
+def _samples(tok, name: str, env: EnvironmentSpec | None, n: int = 2, group: int = 0) -> list[Sample]:
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    return [
+        Sample(
+            prompt=prompt,
+            prompt_ids=list(ids),
+            label="3",
+            group_index=group,
+            index=i,
+            adapter=AdapterRef(name, 0),
+            reward_spec=None if env else RewardSpec(name="gsm8k"),
+            environment=env,
+            metadata={"sampling_seed": 100 + i},
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def _run(engine, tok, groups):
+    return GenerateState(engine, tok, MultiLoRAHooks(), SAMPLING).run_sync(groups)
+
+
+def _spec(cls: str, **kw) -> EnvironmentSpec:
+    return EnvironmentSpec(path=f"tests.env_plugins:{cls}", **kw)
+
+
+def test_episode_tokens_masks_and_exactness_against_a_rerun_of_each_turn(setup):
+    engine, tok = setup
+    spec = _spec("Echo", kwargs={"turns": 3}, max_tokens=200)
+    (s, _) = _run(engine, tok, [_samples(tok, "env", spec)])
+    assert s.status == SampleStatus.COMPLETED and s.metadata["turns"] == 3
+    assert s.metadata["turn_rewards"][:2] == [0.25, 0.25] and s.reward == pytest.approx(
+        sum(s.metadata["turn_rewards"])
+    )
+    assert len(s.response_ids) == len(s.loss_mask) == len(s.rollout_logprobs) and s.weight_version == 3
+    # Re-run every model turn on the engine from the same context and seed: the same ids and log-probs; the
+    # environment's ids in between are exactly the chat template's rendering of its message, masked out.
+    context, pos = list(s.prompt_ids), 0
+    for turn in range(3):
+        seed = (100 + 7919 * turn) & 0x7FFFFFFF
+        budget = 200 - pos
+        req = GenerateRequest(
+            list(context), "env", dataclasses.replace(SAMPLING, seed=seed, max_new_tokens=min(5, budget))
+        )
+        (again,) = engine.generate([req])
+        n = len(again.output_ids)
+        assert s.response_ids[pos : pos + n] == again.output_ids and s.loss_mask[pos : pos + n] == [1] * n
+        # (log-probs within float rounding: the episode's turns were batched with the other episode's)
+        assert s.rollout_logprobs[pos : pos + n] == pytest.approx(again.output_logprobs, abs=1e-5)
+        context += again.output_ids
+        pos += n
+        if turn < 2:
+            ended = bool(again.output_ids) and again.output_ids[-1] == tok.eos_token_id
+            obs = observation_ids(tok, [{"role": "user", "content": "again"}], ended)
+            assert s.response_ids[pos : pos + len(obs)] == obs and s.loss_mask[pos : pos + len(obs)] == [0] * len(obs)
+            assert set(s.rollout_logprobs[pos : pos + len(obs)]) == {0.0}
+            assert tok.decode(obs).endswith("<user>again\n<assistant>")
+            context += obs
+            pos += len(obs)
+    assert pos == len(s.response_ids)
+
+
+def test_async_environments_and_turn_limits(setup):
+    engine, tok = setup
+    (a, _) = _run(engine, tok, [_samples(tok, "env", _spec("AsyncEcho", kwargs={"turns": 2}))])
+    assert a.status == SampleStatus.COMPLETED and a.metadata["turns"] == 2
+    (b, _) = _run(engine, tok, [_samples(tok, "env", _spec("NeverDone", max_turns=3))])
+    assert b.status == SampleStatus.TRUNCATED and b.metadata["turns"] == 3 and b.reward == pytest.approx(0.3)
+    (c, _) = _run(engine, tok, [_samples(tok, "env", _spec("NeverDone", max_turns=50, max_tokens=30))])
+    assert c.status == SampleStatus.TRUNCATED and len(c.response_ids) <= 30
+
+
+@pytest.mark.parametrize(
+    ("cls", "reason"),
+    [
+        ("Raising", "environment raised RuntimeError: environment bug"),
+        ("Hanging", "environment step ran past environment.turn_timeout_s=0.5"),
+        ("AsyncHanging", "environment step ran past environment.turn_timeout_s=0.5"),
+        ("Garbage", "step returned dict, not an EnvStep"),
+        ("NaNReward", "reward=nan"),
+    ],
+)
+def test_a_misbehaving_environment_costs_only_its_own_episodes(setup, cls, reason):
+    engine, tok = setup
+    plain_alone = _run(engine, tok, [_samples(tok, "plain", None, group=1)])
+    bad = _samples(tok, "env", _spec(cls, turn_timeout_s=0.5))
+    plain = _samples(tok, "plain", None, group=1)
+    _run(engine, tok, [bad, plain])
+    for s in bad:
+        assert s.status == SampleStatus.FAILED and reason in s.metadata["error"] and s.reward is None
+    for s, alone in zip(plain, plain_alone, strict=True):  # the other tenant's rollout is untouched
+        assert s.status == alone.status and s.response_ids == alone.response_ids
+        assert s.rollout_logprobs == pytest.approx(alone.rollout_logprobs, abs=1e-6)
+
+
+def test_an_episode_past_its_timeout_fails_alone(setup):
+    engine, tok = setup
+    (s, _) = _run(engine, tok, [_samples(tok, "env", _spec("Hanging", turn_timeout_s=10, episode_timeout_s=0.5))])
+    assert s.status == SampleStatus.FAILED and "episode_timeout_s=0.5" in s.metadata["error"]
+
+
+def test_tool_calls_are_parsed_and_dispatched():
+    from tests.env_plugins import Calculator
+
+    env = Calculator()
+    from rollout.environments import Task
+
+    env.reset(Task("what is 1+2?", label="3"))
+    step = env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert step.observation == [{"role": "tool", "content": "3"}] and not step.done
+    step = env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>')
+    assert "unknown tool 'mul'" in step.observation[0]["content"]
+    assert env.step("3") == EnvStep(reward=1.0, done=True)
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}') == [ToolCall("add", {"a": 1})]
