@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.environments import EnvStep, ToolCall, parse_tool_calls
@@ -154,3 +155,47 @@ def test_tool_calls_are_parsed_and_dispatched():
     assert "unknown tool 'mul'" in step.observation[0]["content"]
     assert env.step("3") == EnvStep(reward=1.0, done=True)
     assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}') == [ToolCall("add", {"a": 1})]
+
+
+def test_an_environment_tenant_trains_next_to_others_as_it_trains_alone(tmp_path):
+    """Isolation with episodes: a multi-turn tenant (its own sampling too) trained beside a single-turn one ends
+    where it ends alone, and so does the single-turn one; its environment tokens never reach its metrics as
+    response tokens of a single turn."""
+    from safetensors.torch import load_file
+
+    from rl_multilora.checkpoint import CheckpointManager
+    from rl_multilora.config import parse_run_config
+    from rl_multilora.loop import run
+    from rl_multilora.metrics import read_metrics
+    from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+    save_tiny_model(tmp_path / "model", hidden=32, layers=2)
+    write_sum_task(tmp_path / "data" / "env.jsonl", 30, 1)
+    write_sum_task(tmp_path / "data" / "plain.jsonl", 30, 3)
+    env = sum_task_adapter(tmp_path / "data", "env", 5, max_steps=3, reward=None)
+    env["environment"] = {"path": "tests.env_plugins:Echo", "kwargs": {"turns": 2}, "max_tokens": 40}
+    env["sampling"] = {"temperature": 0.8, "max_new_tokens": 5}
+    plain = sum_task_adapter(tmp_path / "data", "plain", 6, max_steps=3)
+
+    def cfg(name: str, adapters: list[dict]) -> dict:
+        return {
+            "run_dir": str(tmp_path / name),
+            "model": {"path": str(tmp_path / "model"), "max_loras": 2, "max_rank": 8},
+            "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+            "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+            "logging": {"plot": False, "progress": False},
+            "rewards": {"num_workers": 1},
+            "adapters": adapters,
+        }
+
+    both = run(parse_run_config(cfg("both", [env, plain])))
+    assert both.tenants.get("env").adapter_step == 3 and both.tenants.get("env").state.value == "REMOVED"
+    run(parse_run_config(cfg("env_alone", [env])))
+    run(parse_run_config(cfg("plain_alone", [plain])))
+    for name, alone in (("env", "env_alone"), ("plain", "plain_alone")):
+        got = load_file(str(CheckpointManager(tmp_path / "both").latest(name) / "adapter_model.safetensors"))
+        want = load_file(str(CheckpointManager(tmp_path / alone).latest(name) / "adapter_model.safetensors"))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{name}/{k}")
+    rows = [r for r in read_metrics(tmp_path / "both") if r["adapter"] == "env"]
+    assert all(r["failed_samples"] == 0 and r["reward_mean"] is not None for r in rows)
