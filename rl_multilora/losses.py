@@ -1,0 +1,85 @@
+"""Per-tenant policy losses and the truncated importance-sampling (TIS) correction, free of any model.
+
+Every function works on the flattened loss tokens of a mixed batch: `logp`, `old_logp`, `adv`, `rows` are (N,),
+`rows[t]` the batch row of token t (so sequence-level quantities are segment reductions over `rows`). Aggregation
+(how token losses become a tenant's loss) is the trainer's per-token weights; `LOSS_DEFAULTS` says which one and
+which advantage normalization each loss is defined with.
+
+| loss     | surrogate per token                                                   | advantages | aggregation |
+|----------|-----------------------------------------------------------------------|------------|-------------|
+| grpo     | -min(r A, clip(r, 1-el, 1+eh) A), r = exp(logp - old)                  | group std  | seq-mean-token-mean |
+| dapo     | the same, clip-higher (eh > el)                                         | group std  | token-mean |
+| dr_grpo  | the same                                                              | no std     | seq-mean-token-sum-norm |
+| gspo     | -min(s A, clip(s, 1-el, 1+eh) A), s = exp(mean over the row of (logp - old)), per token as sg(s) * exp(logp - sg(logp)) (GSPO-token) | group std | seq-mean-token-mean |
+| cispo    | -sg(clip(r, 1-el, 1+eh)) A logp (the IS weight is clipped, the gradient flows through logp only) | group std | token-mean |
+
+TIS (`tis_weights`): the trainer's old log-probs and the engine's rollout log-probs of the same tokens differ
+(kernels, precision, batching). Each token's loss is multiplied by sg(w), w = min(exp(old - rollout), cap) per
+token, or per sequence w = min(exp(sum over the row of (old - rollout)), cap): the truncated importance weight of
+Yao et al. (2025, "Your efficient RL framework secretly brings you off-policy RL training").
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+TIS_MODES = ("token", "sequence")
+
+# (normalize advantages by the group std, loss aggregation) each loss is defined with.
+LOSS_DEFAULTS: dict[str, tuple[bool, str]] = {
+    "grpo": (True, "seq-mean-token-mean"),
+    "dapo": (True, "token-mean"),
+    "dr_grpo": (False, "seq-mean-token-sum-norm"),
+    "gspo": (True, "seq-mean-token-mean"),
+    "cispo": (True, "token-mean"),
+}
+
+
+def segment_sum(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """out[i] = sum of values[t] over tokens t with rows[t] == i; (N,) -> (n_rows,)."""
+    return torch.zeros(n_rows, dtype=values.dtype, device=values.device).index_add(0, rows, values)
+
+
+def token_losses(
+    kind: str,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    rows: torch.Tensor,
+    n_rows: int,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, clipped) per token for loss `kind` (see the module table); both (N,). `clipped` marks tokens where
+    clipping changed the value (for `clip_frac`)."""
+    if kind in ("grpo", "dapo", "dr_grpo"):
+        ratio = torch.exp(logp - old_logp)  # (N,)
+        unclipped = -ratio * adv
+        clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+        return torch.maximum(unclipped, clipped), clipped > unclipped
+    if kind == "gspo":
+        count = segment_sum(torch.ones_like(logp), rows, n_rows).clamp_min(1.0)  # (R,)
+        log_s = segment_sum(logp - old_logp, rows, n_rows) / count  # (R,) log of the sequence ratio
+        # GSPO-token: the value is the sequence ratio s_i, the gradient s_i * d logp_t (sg = detach).
+        s = torch.exp(log_s.detach()[rows] + logp - logp.detach())  # (N,)
+        unclipped = -s * adv
+        clipped = -torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high) * adv
+        return torch.maximum(unclipped, clipped), clipped > unclipped
+    if kind == "cispo":
+        ratio = torch.exp(logp - old_logp).detach()  # (N,)
+        weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+        return -weight * adv * logp, weight != ratio
+    raise ValueError(f"loss={kind!r} is not allowed; allowed: one of {', '.join(LOSSES)}")
+
+
+def tis_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, rows: torch.Tensor, n_rows: int, mode: str, cap: float
+) -> torch.Tensor:
+    """Detached truncated importance weights (N,) of trainer-old vs engine log-probs (see the module docstring)."""
+    log_w = (old_logp - rollout_logp).detach()  # (N,)
+    if mode == "token":
+        return torch.exp(log_w).clamp(max=cap)
+    if mode == "sequence":
+        return torch.exp(segment_sum(log_w, rows, n_rows)).clamp(max=cap)[rows]
+    raise ValueError(f"tis.mode={mode!r} is not allowed; allowed: one of {', '.join(TIS_MODES)}")
