@@ -74,10 +74,12 @@ def test_tis_weights_match_their_formula():
     rows, old, _, _, rollout = _batch()
     cap = 1.5
     token = tis_weights(old, rollout, rows, 3, "token", cap)
-    assert token.tolist() == pytest.approx([min(math.exp(o - r), cap) for o, r in zip(old, rollout)], rel=1e-12)
+    assert token.tolist() == pytest.approx(
+        [min(math.exp(o - r), cap) for o, r in zip(old.tolist(), rollout.tolist(), strict=True)], rel=1e-12
+    )
     seq = tis_weights(old, rollout, rows, 3, "sequence", cap)
     per_row = {}
-    for o, r, i in zip(old.tolist(), rollout.tolist(), rows.tolist()):
+    for o, r, i in zip(old.tolist(), rollout.tolist(), rows.tolist(), strict=True):
         per_row[i] = per_row.get(i, 0.0) + (o - r)
     assert seq.tolist() == pytest.approx([min(math.exp(per_row[i]), cap) for i in rows.tolist()], rel=1e-12)
     assert not token.requires_grad and max(token.tolist() + seq.tolist()) <= cap
