@@ -119,14 +119,20 @@ def test_resume_with_another_world_size_ends_like_an_uninterrupted_run(
     _assert_same_adapters(run_dir, one_rank)
 
 
-def test_colocated_engines_share_the_ranks_bundles_and_train_like_one_rank(workspace, one_rank, local_ray, tmp_path):
+def test_colocated_engines_share_the_ranks_bundles_and_train_like_one_rank(
+    workspace, one_rank, local_ray, tmp_path, monkeypatch
+):
     """`trainer.colocate_engines`: the engine actors land in the trainer ranks' placement group, each bundle taken
     by one rank and one engine (half of it each, so both bundles are exactly full), and the run still gives the
     one-rank run's rewards and adapters."""
+    from rl_multilora import components
     from rl_multilora.loop import Runtime
 
     cfg = _config(workspace, tmp_path / "colocated", 2, trainer={"world_size": 2, "colocate_engines": True})
     cfg["rollout"].update(engine_actors=True, num_engines=2)
+    built = []  # models the driver builds (the engine actors build theirs in their own processes)
+    real_build_model = components.build_model
+    monkeypatch.setattr(components, "build_model", lambda *a, **k: built.append(a) or real_build_model(*a, **k))
     rt = Runtime.build(parse_run_config(cfg))
     try:
         ranks = rt.backend.rank_placement()
@@ -140,7 +146,7 @@ def test_colocated_engines_share_the_ranks_bundles_and_train_like_one_rank(works
         rt.start()
         while not rt.finished():
             rt.step()
-        assert rt.backend._model is None  # engines in actors: the driver never loaded an unsharded copy
+        assert built == [] and rt.backend.shared_model is None  # the driver never loaded an unsharded copy
     finally:
         rt.close()
     assert _series(tmp_path / "colocated") == _series(one_rank)
