@@ -19,8 +19,7 @@ Design choices:
 
 - Sample-reachable levers, as in the tiny preset's format choice: the transcripts call the tool at rate
   `tool_rate` (else they answer directly with a near-miss number, so a direct answer is almost never right), and a
-  guess after feedback follows it (a uniform draw from the numbers still possible) at rate `follow_rate`, else it
-  repeats the previous guess. The base then succeeds sometimes when sampled and greedy decoding takes the commoner,
+  guess after feedback follows it (one step the way it says) at rate `follow_rate`, else it repeats the previous guess. The base then succeeds sometimes when sampled and greedy decoding takes the commoner,
   losing branch; GRPO has to find the tool and the feedback.
 - Tokens: `<|tool|>` is a new special token and role of the chat template (the tiny template allows no `tool`
   role); `<tool_call>` and `</tool_call>` are added (non-special) tokens, as in Qwen's tokenizer, so they survive
@@ -29,6 +28,10 @@ Design choices:
 - Transcript ids are built as the rollout builds an episode: the chat prompt's ids, then each assistant turn's ids
   + EOS, then each environment turn's ids exactly as `rollout.generate_state.observation_ids` renders them. The loss
   is on the assistant turns and their EOS only.
+- The game's transcripts step by one toward the secret, not to the middle of what is left: a bisection needs the
+  interval's midpoint, two-digit arithmetic from the whole history, which ~2 CPU-minutes do not teach this base;
+  "one more / one less than my last guess" is one copy and one carry. Four guesses then win when the first is
+  within 3 of the secret, and fewer guesses pay more, so both the first guess and following the feedback count.
 - Continued pretraining mixes the three tiny tasks back in (right format at the tiny preset's rate, test questions
   excluded), so their levers stay; the temperature fold of the tiny base is undone before training and redone
   after (`tiny.fold_temperature`).
@@ -191,11 +194,10 @@ def calc_transcript(ex: AgentExample, use_tool: bool, rng: random.Random) -> lis
 
 
 def guess_transcript(ex: AgentExample, follow_rate: float, rng: random.Random) -> list[dict[str, str]]:
-    """A game: a uniform first guess, then each guess after feedback either a uniform draw from the numbers still
-    possible (at `follow_rate`) or the previous guess again; ends at the right guess or after GUESSES."""
+    """A game: a uniform first guess, then each guess after feedback either one step the way it says (at
+    `follow_rate`) or the previous guess again; ends at the right guess or after GUESSES."""
     lo = int(re.search(r"between (\d+)", ex.question).group(1))
-    low, high, secret = lo, lo + GUESS_WIDTH - 1, int(ex.label)
-    guess = rng.randint(low, high)
+    guess, secret = rng.randint(lo, lo + GUESS_WIDTH - 1), int(ex.label)
     messages = []
     for _ in range(GUESSES):
         messages.append({"role": "assistant", "content": str(guess)})
@@ -203,12 +205,8 @@ def guess_transcript(ex: AgentExample, follow_rate: float, rng: random.Random) -
         if feedback is None:
             break
         messages.append({"role": "user", "content": feedback})
-        if feedback == HIGHER:
-            low = max(low, guess + 1)
-        else:
-            high = min(high, guess - 1)
         if rng.random() < follow_rate:
-            guess = rng.randint(low, high)
+            guess += 1 if feedback == HIGHER else -1
     return messages[:-1] if messages[-1]["role"] == "user" else messages
 
 
@@ -226,8 +224,8 @@ class AgentsPresetConfig:
     tool_rate: float = 0.5  # share of calc transcripts that call the tool (else a direct, wrong answer)
     follow_rate: float = 0.35  # share of guesses after feedback that follow it (else the previous guess again)
     right_format_rate: float = 0.45  # the tiny tasks' format rate, as in the tiny preset
-    mix: tuple[float, float, float] = (0.4, 0.3, 0.3)  # tiny tasks / calc / guess share of a batch
-    pretrain_steps: int = 800  # AdamW steps
+    mix: tuple[float, float, float] = (0.35, 0.4, 0.25)  # tiny tasks / calc / guess share of a batch
+    pretrain_steps: int = 1000  # AdamW steps
     batch_size: int = 16
     lr: float = 1.5e-3  # peak; warmup then cosine to 2 %
     warmup_steps: int = 20
@@ -429,8 +427,17 @@ class AgentBaseStats:
     examples: tuple[str, ...]
 
 
-def sample_episodes(model, tokenizer, examples: list[AgentExample], max_turns: int, max_new_tokens: int, seed: int):
-    """Run one sampled episode (T=1) per example, all episodes batched turn by turn; returns their _Episode."""
+def sample_episodes(
+    model,
+    tokenizer,
+    examples: list[AgentExample],
+    max_turns: int,
+    max_new_tokens: int,
+    seed: int,
+    greedy: bool = False,
+):
+    """Run one episode per example, sampled at T=1 (or greedy), all episodes batched turn by turn; returns their
+    `_Episode`s, each episode's model turns as text, and (guess) whether every guess after feedback followed it."""
     import torch
 
     from rl_multilora.presets.tiny import chat_prompt
@@ -456,10 +463,11 @@ def sample_episodes(model, tokenizer, examples: list[AgentExample], max_turns: i
             out = model.generate(
                 input_ids=ids,
                 attention_mask=attn,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
+                **(
+                    {"do_sample": False}
+                    if greedy
+                    else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+                ),
                 max_new_tokens=max_new_tokens,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
@@ -645,6 +653,55 @@ def _old_task_stats(model, tokenizer, tiny: Path, cfg: AgentsPresetConfig, seed:
     }
 
 
+def evaluate_run(run_dir: str | Path, n_prompts: int = 100, split: str = "test") -> dict[str, dict]:
+    """Held-out greedy episodes of a run's calc and guess tenants: the base and each one's newest checkpoint, on the
+    first `n_prompts` rows of `split`; written to RUN_DIR/eval_agents_<split>.json.
+
+    Stands in for `rl-multilora eval` on these tenants until rl_multilora/evaluate.py passes a tenant's environment
+    to its held-out prompts. The episodes follow the environments' rules (`_Episode`) with each turn capped at the
+    tenant's `sampling.max_new_tokens` and its `environment.max_turns`; greedy decoding in transformers, not on
+    the rollout engine.
+    """
+    import torch
+    import yaml
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = Path(run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    kinds = {"examples.multi_lora.agents:Calculator": "calc", "examples.multi_lora.agents:GuessingGame": "guess"}
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["path"], dtype=torch.float32).eval()
+    results = {}
+    for a in cfg["adapters"]:
+        kind = kinds.get((a.get("environment") or {}).get("path"))
+        steps = sorted((run_dir / "adapters" / a["name"]).glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        if kind is None or not steps:
+            continue
+        rows = [json.loads(line) for line in Path(a["dataset"]["data_files"][split]).read_text().splitlines()]
+        examples = [AgentExample(kind, r[a["dataset"]["prompt_key"]], str(r[a["dataset"]["label_key"]])) for r in rows]
+        examples = examples[:n_prompts]
+        max_new = (a.get("sampling") or {}).get("max_new_tokens") or cfg["rollout"]["max_new_tokens"]
+        turns = a["environment"]["max_turns"]
+        model = PeftModel.from_pretrained(base, steps[-1], adapter_name=a["name"]).eval()
+        with model.disable_adapter():
+            before, _, _ = sample_episodes(model, tokenizer, examples, turns, max_new, seed=0, greedy=True)
+        after, texts, _ = sample_episodes(model, tokenizer, examples, turns, max_new, seed=0, greedy=True)
+        base = model.unload()
+        results[a["name"]] = {
+            "task": kind,
+            "n_prompts": len(examples),
+            "step": int(steps[-1].name.split("_")[1]),
+            "base": sum(e.reward for e in before) / len(examples),
+            "trained": sum(e.reward for e in after) / len(examples),
+            "examples": [" | ".join(t) for t in texts[:3]],
+        }
+        log.info("%s held-out (greedy, %d prompts): base %.2f -> step %d %.2f", a["name"], len(examples),
+                 results[a["name"]]["base"], results[a["name"]]["step"], results[a["name"]]["trained"])  # fmt: skip
+    (run_dir / f"eval_agents_{split}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/tiny-agents", help="output directory")
@@ -654,8 +711,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT already holds this recipe")
     parser.add_argument("--pretrain-steps", type=int, default=None, help="override the step count (tests)")
+    parser.add_argument("--eval", metavar="RUN_DIR", help="instead: held-out greedy episodes of a run's agent tenants")
+    parser.add_argument("--n", type=int, default=100, help="with --eval: held-out prompts per tenant")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.eval:
+        for name, r in evaluate_run(args.eval, n_prompts=args.n).items():
+            print(
+                f"{name}: held-out base {r['base']:.2f} -> step {r['step']} {r['trained']:.2f} ({r['n_prompts']} prompts)"
+            )
+        return 0
     cfg = AgentsPresetConfig()
     if args.pretrain_steps is not None:
         cfg = replace(cfg, pretrain_steps=args.pretrain_steps)
