@@ -1,0 +1,478 @@
+"""The Tinker-API HTTP server (aiohttp): sessions, models, futures, training, sampling, checkpoints.
+
+Run: `python -m rl_multilora.tinker.server --model artifacts/tiny/model --state-dir runs/tinker [--port 8000]`, then
+`tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key=<the token>)`.
+
+Design choices (and the pitfalls of other Tinker servers they avoid):
+
+- Binds 127.0.0.1 by default. Every endpoint but `healthz` needs the token (`X-API-Key`, as the SDK sends it, or
+  `Authorization: Bearer`); the token must start with "tml-", which the SDK insists on.
+- Every training request is acknowledged with a future whose id is deterministic (`<model_id>.<seq_id>`,
+  `<session>.create.<model_seq_id>`, `<sampling_session>.<seq_id>`): a retried POST gets the same future and is not
+  run twice. The request is committed to the journal (`journal.py`) before the acknowledgement.
+- Requests of one model run in seq_id order: a request waits until every lower seq_id of its model has run,
+  whatever order the HTTP calls arrived in.
+- One worker thread runs the model. It takes every request that is ready (the next seq_id of each model); all
+  ready forward_backward requests, of any number of clients, run as one mixed batch (`ops.ClientOps`).
+- `retrieve_future` long-polls (up to `poll_s`) instead of answering "try_again" at once: the SDK re-polls a
+  try_again immediately, so an instant answer would be a busy loop.
+- Errors: HTTP errors are `{"detail": ...}` with the status the SDK maps to its exception classes; a request that
+  fails while running resolves its future to `{"error": ..., "category": "user" | "server"}` (RequestFailedError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from rl_multilora.tinker import wire
+from rl_multilora.tinker.journal import Journal
+from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, UserError
+
+log = logging.getLogger(__name__)
+API = "/api/v1"
+
+
+@dataclass
+class Result:
+    """A future's outcome: a JSON dict, or proto bytes for ForwardBackwardOutput / SampleResponse."""
+
+    event: asyncio.Event
+    value: dict[str, Any] | bytes | None = None
+
+
+@dataclass
+class Op:
+    """One training-side request waiting for its turn."""
+
+    request_id: str
+    kind: str
+    model_id: str
+    seq_id: int
+    body: Any
+
+
+@dataclass
+class ServerState:
+    """Sessions, sampling sessions, futures and the per-model queues (all touched under `lock`)."""
+
+    sessions: set[str] = field(default_factory=set)
+    sampling: dict[str, str | None] = field(default_factory=dict)  # sampling_session_id -> sampler path (None: base)
+    results: dict[str, Result] = field(default_factory=dict)
+    queues: dict[str, dict[int, Op]] = field(default_factory=dict)  # model_id -> seq_id -> op
+    next_seq: dict[str, int] = field(default_factory=dict)
+    creates: list[Op] = field(default_factory=list)
+
+
+class TinkerServer:
+    def __init__(self, ops: ClientOps, journal: Journal, token: str, base_model: str, poll_s: float = 20.0) -> None:
+        self.ops = ops
+        self.journal = journal
+        self.token = token
+        self.base_model = base_model
+        self.poll_s = poll_s
+        self.state = ServerState()
+        self.lock = threading.Condition()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop = False
+        self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
+
+    # -- app -------------------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=256 * 1024 * 1024)
+        get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities}
+        post = {
+            "client/config": self.client_config,
+            "client/dynamic_config": lambda r: self._json({}),
+            "telemetry": lambda r: self._json({"status": "accepted"}),
+            "create_session": self.create_session,
+            "session_heartbeat": lambda r: self._json({"type": "session_heartbeat"}),
+            "create_model": self.create_model,
+            "get_info": self.get_info,
+            "forward_backward": self.forward_backward,
+            "optim_step": self.optim_step,
+            "save_weights": self.save_weights,
+            "save_weights_for_sampler": self.save_weights_for_sampler,
+            "load_weights": self.load_weights,
+            "create_sampling_session": self.create_sampling_session,
+            "asample": self.asample,
+            "retrieve_future": self.retrieve_future,
+        }
+        for name, handler in get.items():
+            app.router.add_get(f"{API}/{name}", handler)
+        for name, handler in post.items():
+            app.router.add_post(f"{API}/{name}", handler)
+        app.router.add_get(API + "/samplers/{sid}", self.get_sampler)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app) -> None:
+        self.loop = asyncio.get_running_loop()
+        for key, kind, body in self.journal.replay():
+            self._dispatch(key, kind, json.loads(body) if kind != "forward_backward" else body, replay=True)
+        self._worker.start()
+
+    async def _on_cleanup(self, _app) -> None:
+        with self.lock:
+            self._stop = True
+            self.lock.notify_all()
+        await asyncio.to_thread(self._worker.join, 10)
+        self.journal.close()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path != f"{API}/healthz":
+            given = request.headers.get("X-API-Key") or request.headers.get("Authorization", "").removeprefix(
+                "Bearer "
+            )
+            if not secrets.compare_digest(given.encode(), self.token.encode()):
+                return web.json_response({"detail": "missing or wrong API key"}, status=401)
+        try:
+            return await handler(request)
+        except UserError as e:
+            return web.json_response({"detail": str(e)}, status=400)
+        except (KeyError, ValueError, json.JSONDecodeError) as e:
+            return web.json_response({"detail": f"bad request: {e}"}, status=400)
+
+    @staticmethod
+    def _json(d: dict[str, Any]) -> web.Response:
+        return web.json_response(d)
+
+    # -- plain endpoints -------------------------------------------------------------------------------------------
+    async def healthz(self, _r) -> web.Response:
+        return self._json({"status": "ok"})
+
+    async def capabilities(self, _r) -> web.Response:
+        model = {"model_name": self.base_model, "trainable": True, "sampleable": True}
+        return self._json({"supported_models": [model]})
+
+    async def client_config(self, _r) -> web.Response:
+        # API keys only (no JWT exchange), plain httpx transport, per-request future polling.
+        return self._json({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False})
+
+    async def create_session(self, _r) -> web.Response:
+        sid = "s" + uuid.uuid4().hex[:16]
+        self.journal.append(f"session.{sid}", "create_session", json.dumps({"session_id": sid}).encode())
+        self._dispatch(f"session.{sid}", "create_session", {"session_id": sid})
+        return self._json({"type": "create_session", "session_id": sid})
+
+    async def get_info(self, r: web.Request) -> web.Response:
+        model_id = (await r.json())["model_id"]
+        t = self.ops.tenant(model_id)
+        data = {"arch": "llama", "model_name": self.base_model, "tokenizer_id": self.base_model}
+        return self._json({"type": "get_info", "model_id": model_id, "model_data": data, "is_lora": True,
+                           "lora_rank": t.rank, "model_name": self.base_model})  # fmt: skip
+
+    async def get_sampler(self, r: web.Request) -> web.Response:
+        sid = r.match_info["sid"]
+        if sid not in self.state.sampling:
+            return web.json_response({"detail": f"unknown sampler {sid!r}"}, status=404)
+        return self._json({"sampler_id": sid, "base_model": self.base_model, "model_path": self.state.sampling[sid]})
+
+    # -- acknowledged requests -------------------------------------------------------------------------------------
+    async def _ack(self, key: str, kind: str, body: dict[str, Any] | bytes, extra: dict[str, Any] | None = None):
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        if key not in self.state.results:
+            self.journal.append(key, kind, raw)
+            self._dispatch(key, kind, body)
+        return self._json({"request_id": key, **(extra or {})})
+
+    async def create_model(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        self._check_base(body.get("base_model"))
+        key = f"{body['session_id']}.create.{body['model_seq_id']}"
+        return await self._ack(key, "create_model", body, {"model_id": _model_id(body)})
+
+    async def forward_backward(self, r: web.Request) -> web.Response:
+        raw = await r.read()
+        fb = wire.decode_forward_backward(raw)
+        return await self._ack(f"{fb.model_id}.{fb.seq_id}", "forward_backward", raw, {"model_id": fb.model_id})
+
+    async def optim_step(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "optim_step", body)
+
+    async def save_weights(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "save_weights", body)
+
+    async def save_weights_for_sampler(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "save_weights_for_sampler", body)
+
+    async def load_weights(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        if body.get("model_id") is None:  # create-via-load: the load is the new model's request 0
+            self._check_base(body.get("base_model"))
+            body["model_id"], body["seq_id"] = _model_id(body), 0
+        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "load_weights", body,
+                               {"model_id": body["model_id"]})  # fmt: skip
+
+    async def create_sampling_session(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        sid = f"{body['session_id']}.sampler.{body['sampling_session_seq_id']}"
+        path = body.get("model_path")
+        if path is None:
+            self._check_base(body.get("base_model"))
+        else:
+            self.ops.sampler(path)
+        key = f"sampling.{sid}"
+        if key not in self.state.results:
+            self.journal.append(key, "create_sampling_session", json.dumps({"sid": sid, "path": path}).encode())
+            self._dispatch(key, "create_sampling_session", {"sid": sid, "path": path})
+        return self._json({"type": "create_sampling_session", "sampling_session_id": sid})
+
+    async def asample(self, r: web.Request) -> web.Response:
+        body = await r.json()
+        sid = body.get("sampling_session_id")
+        if sid is None:  # stateless form: model_path or base_model on the request itself
+            sid = body.get("model_path") or "base"
+        elif sid not in self.state.sampling:
+            raise UserError(f"unknown sampling_session_id {sid!r}")
+        key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
+        n = int(body.get("num_samples", 1))
+        return await self._ack(key, "sample", body, {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]})
+
+    async def retrieve_future(self, r: web.Request) -> web.Response:
+        key = (await r.json())["request_id"]
+        res = self.state.results.get(key)
+        if res is None:
+            return web.json_response({"detail": f"unknown request_id {key!r}"}, status=404)
+        try:
+            await asyncio.wait_for(res.event.wait(), self.poll_s)
+        except TimeoutError:
+            return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
+        if isinstance(res.value, bytes):
+            return web.Response(body=res.value, content_type=wire.PROTO_CONTENT_TYPE)
+        return self._json(res.value)
+
+    def _check_base(self, name: str | None) -> None:
+        if name is not None and name != self.base_model:
+            raise UserError(f"base_model={name!r} is not served here; allowed: {self.base_model!r}")
+
+    # -- scheduling --------------------------------------------------------------------------------------------------
+    def _dispatch(self, key: str, kind: str, body: Any, replay: bool = False) -> None:
+        """Register the future of an acknowledged (or replayed) request and queue its work."""
+        res = Result(asyncio.Event())
+        self.state.results[key] = res
+        if kind == "create_session":
+            self.state.sessions.add(body["session_id"])
+            self._resolve(res, {})
+        elif kind == "create_sampling_session":
+            self.state.sampling[body["sid"]] = body["path"]
+            self._resolve(res, {})
+        elif kind == "sample":
+            assert self.loop is not None
+            self.loop.create_task(self._sample(key, body, res))
+        else:
+            if kind == "forward_backward":
+                fb = wire.decode_forward_backward(body)
+                op = Op(key, kind, fb.model_id, fb.seq_id, fb)
+            else:
+                op = Op(key, kind, body.get("model_id") or _model_id(body), int(body.get("seq_id") or 0), body)
+            with self.lock:
+                if kind == "create_model":
+                    self.state.creates.append(op)
+                else:
+                    if kind == "load_weights" and op.seq_id == 0:
+                        self.state.next_seq.setdefault(op.model_id, 0)
+                    self.state.queues.setdefault(op.model_id, {})[op.seq_id] = op
+                self.lock.notify_all()
+
+    def _resolve(self, res: Result, value: dict[str, Any] | bytes) -> None:
+        def done() -> None:
+            res.value = value
+            res.event.set()
+
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or self.loop is None:
+            done()
+        else:
+            self.loop.call_soon_threadsafe(done)
+
+    def _ready(self) -> list[Op]:
+        """Creates first, then the next seq_id of every model (under `lock`)."""
+        ready = list(self.state.creates)
+        self.state.creates.clear()
+        for model_id, queue in self.state.queues.items():
+            nxt = self.state.next_seq.get(model_id)
+            if nxt is not None and nxt in queue:
+                ready.append(queue.pop(nxt))
+        return ready
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                ready = self._ready()
+                while not ready and not self._stop:
+                    self.lock.wait()
+                    ready = self._ready()
+                if self._stop:
+                    return
+            fwd = [op for op in ready if op.kind == "forward_backward"]
+            rest = [op for op in ready if op.kind != "forward_backward"]
+            for op in rest:
+                self._run_one(op)
+            if fwd:
+                self._run_batch(fwd)
+            with self.lock:
+                for op in ready:
+                    if op.kind != "create_model":
+                        self.state.next_seq[op.model_id] = op.seq_id + 1
+
+    def _run_batch(self, ops: list[Op]) -> None:
+        items = [FwdBwdItem(op.model_id, op.body.loss_fn, op.body.loss_fn_config, op.body.data, op.body.forward_only)
+                 for op in ops]  # fmt: skip
+        try:
+            outs = self.ops.forward_backward(items)
+        except Exception:  # noqa: BLE001 - one bad request must not fail the others of the batch: run them alone
+            if len(ops) > 1:
+                for op in ops:
+                    self._run_batch([op])
+                return
+            outs = None
+            self._fail(ops[0])
+        for op, out in zip(ops, outs or [], strict=True):
+            self._resolve(self.state.results[op.request_id], wire.encode_forward_backward_output(*out))
+
+    def _fail(self, op: Op) -> None:
+        import sys
+
+        e = sys.exc_info()[1]
+        category = "user" if isinstance(e, UserError) else "server"
+        if category == "server":
+            log.exception("%s %s failed", op.kind, op.request_id)
+        self._resolve(self.state.results[op.request_id], {"error": f"{type(e).__name__}: {e}", "category": category})
+
+    def _run_one(self, op: Op) -> None:
+        b = op.body
+        try:
+            if op.kind == "create_model":
+                lc = b.get("lora_config") or {}
+                self.ops.create(op.model_id, int(lc.get("rank", 32)), lc.get("seed"), lc)
+                with self.lock:
+                    self.state.next_seq.setdefault(op.model_id, 1)
+                value: dict[str, Any] = {"type": "create_model", "model_id": op.model_id}
+            elif op.kind == "optim_step":
+                params = b.get("adam_params") or b.get("optim_params") or {}
+                if "type" in params and params["type"] != "adamw":
+                    raise UserError(f"optimizer {params['type']!r} is not supported; allowed: Adam")
+                value = {"metrics": self.ops.optim_step(op.model_id, params)}
+            elif op.kind == "save_weights":
+                name = b.get("path") or f"step{self.ops.tenant(op.model_id).steps}"
+                value = {"type": "save_weights", "path": self.ops.save(op.model_id, name)}
+            elif op.kind == "save_weights_for_sampler":
+                path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
+                value = {"type": "save_weights_for_sampler", "path": path}
+                if b.get("path") is None:
+                    sid = f"{op.model_id}.sampler.{b.get('sampling_session_seq_id')}"
+                    with self.lock:
+                        self.state.sampling[sid] = path
+                    value["sampling_session_id"] = sid
+            elif op.kind == "load_weights":
+                self.ops.load(op.model_id, b["path"], bool(b.get("optimizer")))
+                value = {"type": "load_weights", "path": b["path"], "model_id": op.model_id}
+            else:
+                raise UserError(f"unknown request kind {op.kind!r}")
+        except Exception:  # noqa: BLE001 - the failure is the request's result
+            self._fail(op)
+            return
+        self._resolve(self.state.results[op.request_id], value)
+
+    async def _sample(self, key: str, body: dict[str, Any], res: Result) -> None:
+        try:
+            sid = body.get("sampling_session_id")
+            path = self.state.sampling.get(sid) if sid is not None else body.get("model_path")
+            prompt = [t for chunk in body["prompt"]["chunks"] for t in chunk.get("tokens", [])]
+            seed = int.from_bytes(key.encode()[-8:], "little") % (2**31)  # replay samples the same tokens
+            seqs = await self.ops.sample(
+                self.ops.sampler(path), prompt, int(body.get("num_samples", 1)), body["sampling_params"], seed
+            )
+            self._resolve(res, wire.encode_sample_response(seqs))
+        except Exception as e:  # noqa: BLE001
+            category = "user" if isinstance(e, UserError) else "server"
+            if category == "server":
+                log.exception("sample %s failed", key)
+            self._resolve(res, {"error": f"{type(e).__name__}: {e}", "category": category})
+
+
+def _model_id(body: dict[str, Any]) -> str:
+    return f"{body['session_id']}.m{body['model_seq_id']}"
+
+
+def build_server(
+    model_path: str,
+    state_dir: Path,
+    token: str,
+    base_model: str | None = None,
+    max_loras: int = 8,
+    max_rank: int = 32,
+    poll_s: float = 20.0,
+    seed: int = 0,
+) -> TinkerServer:
+    from transformers import AutoTokenizer
+
+    from rl_multilora.lora import MultiLoRAModel
+    from rollout.engines.embedded import EmbeddedEngine
+
+    if not token.startswith("tml-"):
+        raise ValueError("token must start with 'tml-' (the tinker SDK refuses other API keys)")
+    torch.manual_seed(seed)
+    model = MultiLoRAModel.from_pretrained(model_path, max_loras=max_loras, max_rank=max_rank)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine = EmbeddedEngine(model, tokenizer, seed=seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ops = ClientOps(model, engine, pad, state_dir / "checkpoints")
+    return TinkerServer(ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s)
+
+
+def resolve_token(state_dir: Path) -> str:
+    """$RL_MULTILORA_TINKER_TOKEN, else the token in state_dir/token (created 0600 on first start)."""
+    if token := os.environ.get("RL_MULTILORA_TINKER_TOKEN"):
+        return token
+    path = state_dir / "token"
+    if not path.exists():
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("tml-" + secrets.token_hex(24))
+    return path.read_text().strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rl_multilora.tinker.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="base model folder (e.g. artifacts/tiny/model)")
+    p.add_argument("--state-dir", required=True, type=Path, help="request journal, checkpoints and token live here")
+    p.add_argument("--base-model-name", default=None, help="name clients pass as base_model (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-rank", type=int, default=32)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    token = resolve_token(args.state_dir)
+    server = build_server(args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank)
+    print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
+          f"{args.state_dir / 'token'})", flush=True)  # fmt: skip
+    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
