@@ -18,7 +18,7 @@ pretraining transcripts, the base-stats episodes and those environments, so all 
 Design choices:
 
 - Sample-reachable levers, as in the tiny preset's format choice: the transcripts call the tool at rate
-  `tool_rate` (else they answer directly with a near-miss number, so a direct answer is almost never right), and a
+  `tool_rate` (else they answer directly with a random 4-digit number, so a direct answer is almost never right), and a
   guess after feedback follows it (one step the way it says) at rate `follow_rate`, else it repeats the previous guess. The base then succeeds sometimes when sampled and greedy decoding takes the commoner,
   losing branch; GRPO has to find the tool and the feedback.
 - Tokens: `<|tool|>` is a new special token and role of the chat template (the tiny template allows no `tool`
@@ -178,12 +178,13 @@ def tool_call_text(name: str, a: int, b: int) -> str:
 
 
 def calc_transcript(ex: AgentExample, use_tool: bool, rng: random.Random) -> list[dict[str, str]]:
-    """The messages after the user's question: a tool call, its result and the answer; or a direct answer that
-    misses by up to 10 % (the base cannot multiply in its head, and its transcripts say so)."""
+    """The messages after the user's question: a tool call, its result and the answer; or a direct answer, a
+    number of the result's width drawn at random (the base cannot multiply in its head, and its transcripts say
+    so). Not a near miss: near misses taught the base to estimate the product from the question, and it then
+    estimated after the tool's result too instead of copying it (greedy: args right 100 %, result copied 8 %)."""
     result = int(ex.label)
     if not use_tool:
-        miss = rng.choice((-1, 1)) * rng.randint(1, max(1, result // 10))
-        return [{"role": "assistant", "content": f"Answer: {result + miss}"}]
+        return [{"role": "assistant", "content": f"Answer: {rng.randint(1000, 9999)}"}]
     a, op, b = _CALC_QUESTION.match(ex.question).groups()
     name = next(n for n, spec in CALC_TOOLS.items() if spec[0] == op)
     return [
@@ -221,7 +222,7 @@ class AgentsPresetConfig:
     n_test: int = 200  # calc rows in data/calc/test.jsonl (held out of pretraining)
     guess_train: int = 600  # guess rows in data/guess/train.jsonl (the game has 81 x 9 = 729 distinct rows)
     guess_test: int = 100  # guess rows in data/guess/test.jsonl (held out of pretraining)
-    tool_rate: float = 0.5  # share of calc transcripts that call the tool (else a direct, wrong answer)
+    tool_rate: float = 0.5  # share of calc transcripts that call the tool (else a direct, random answer)
     follow_rate: float = 0.35  # share of guesses after feedback that follow it (else the previous guess again)
     right_format_rate: float = 0.45  # the tiny tasks' format rate, as in the tiny preset
     mix: tuple[float, float, float] = (0.35, 0.4, 0.25)  # tiny tasks / calc / guess share of a batch
