@@ -95,6 +95,7 @@ class ClientOps:
         self._loaded: OrderedDict[str, None] = OrderedDict()  # engine names in the bank, least recently used first
         self._engine_lock = threading.Lock()
         self.device = next(model.parameters()).device
+        self.batch_sizes: list[int] = []  # requests per mixed forward_backward batch, in order (tests, bench)
 
     # -- tenants ---------------------------------------------------------------------------------------------------
     def create(self, model_id: str, rank: int, seed: int | None, layers: dict[str, bool]) -> ClientTenant:
@@ -123,6 +124,7 @@ class ClientOps:
     # -- training --------------------------------------------------------------------------------------------------
     def forward_backward(self, items: list[FwdBwdItem]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
         """One mixed forward over every datum of `items`, one backward over the rows of non-forward-only items."""
+        self.batch_sizes.append(len(items))
         rows: list[tuple[int, Datum]] = [(i, d) for i, item in enumerate(items) for d in item.data]
         for item in items:
             self.tenant(item.model_id)

@@ -12,8 +12,9 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   run twice. The request is committed to the journal (`journal.py`) before the acknowledgement.
 - Requests of one model run in seq_id order: a request waits until every lower seq_id of its model has run,
   whatever order the HTTP calls arrived in.
-- One worker thread runs the model. It takes every request that is ready (the next seq_id of each model); all
-  ready forward_backward requests, of any number of clients, run as one mixed batch (`ops.ClientOps`).
+- One worker thread runs the model. It takes every request that is ready (the next seq_id of each model), waits
+  `batch_wait_s` (20 ms) for other clients' forward_backward calls, and runs all ready forward_backward requests, of
+  any number of clients, as one mixed batch (`ops.ClientOps`).
 - `retrieve_future` long-polls (up to `poll_s`) instead of answering "try_again" at once: the SDK re-polls a
   try_again immediately, so an instant answer would be a busy loop.
 - Errors: HTTP errors are `{"detail": ...}` with the status the SDK maps to its exception classes; a request that
@@ -29,6 +30,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +79,17 @@ class ServerState:
 
 
 class TinkerServer:
-    def __init__(self, ops: ClientOps, journal: Journal, token: str, base_model: str, poll_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        ops: ClientOps,
+        journal: Journal,
+        token: str,
+        base_model: str,
+        poll_s: float = 20.0,
+        batch_wait_s: float = 0.02,
+    ) -> None:
         self.ops = ops
+        self.batch_wait_s = batch_wait_s
         self.journal = journal
         self.token = token
         self.base_model = base_model
@@ -95,10 +106,10 @@ class TinkerServer:
         get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities}
         post = {
             "client/config": self.client_config,
-            "client/dynamic_config": lambda r: self._json({}),
-            "telemetry": lambda r: self._json({"status": "accepted"}),
+            "client/dynamic_config": self.dynamic_config,
+            "telemetry": self.telemetry,
             "create_session": self.create_session,
-            "session_heartbeat": lambda r: self._json({"type": "session_heartbeat"}),
+            "session_heartbeat": self.heartbeat,
             "create_model": self.create_model,
             "get_info": self.get_info,
             "forward_backward": self.forward_backward,
@@ -162,6 +173,15 @@ class TinkerServer:
     async def client_config(self, _r) -> web.Response:
         # API keys only (no JWT exchange), plain httpx transport, per-request future polling.
         return self._json({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False})
+
+    async def dynamic_config(self, _r) -> web.Response:
+        return self._json({})
+
+    async def telemetry(self, _r) -> web.Response:
+        return self._json({"status": "accepted"})
+
+    async def heartbeat(self, _r) -> web.Response:
+        return self._json({"type": "session_heartbeat"})
 
     async def create_session(self, _r) -> web.Response:
         sid = "s" + uuid.uuid4().hex[:16]
@@ -325,6 +345,11 @@ class TinkerServer:
                     ready = self._ready()
                 if self._stop:
                     return
+                # Coalesce: forward_backward calls of other clients that arrive within batch_wait_s join this batch.
+                deadline = time.monotonic() + self.batch_wait_s
+                while any(op.kind == "forward_backward" for op in ready) and time.monotonic() < deadline:
+                    self.lock.wait(deadline - time.monotonic())
+                    ready += self._ready()
             fwd = [op for op in ready if op.kind == "forward_backward"]
             rest = [op for op in ready if op.kind != "forward_backward"]
             for op in rest:
@@ -425,6 +450,7 @@ def build_server(
     max_rank: int = 32,
     poll_s: float = 20.0,
     seed: int = 0,
+    batch_wait_s: float = 0.02,
 ) -> TinkerServer:
     from transformers import AutoTokenizer
 
@@ -439,7 +465,9 @@ def build_server(
     engine = EmbeddedEngine(model, tokenizer, seed=seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ops = ClientOps(model, engine, pad, state_dir / "checkpoints")
-    return TinkerServer(ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s)
+    return TinkerServer(
+        ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
+    )
 
 
 def resolve_token(state_dir: Path) -> str:

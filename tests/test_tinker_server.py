@@ -1,0 +1,229 @@
+"""The Tinker-API server driven by the real `tinker` SDK on the provisioned tiny preset (artifacts/tiny/model).
+
+Each test starts a server on a free local port; the SDK talks to it over HTTP exactly as to Tinker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from aiohttp import web  # noqa: E402
+from tinker import types  # noqa: E402
+
+from rl_multilora.tinker.server import build_server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "artifacts" / "tiny" / "model"
+TOKEN = "tml-test-token"
+BASE = "tiny"
+pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="needs the tiny preset: examples/multi_lora/provision.sh")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Running:
+    """A TinkerServer on its own event loop thread."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.server = build_server(str(MODEL), state_dir, TOKEN, base_model=BASE, poll_s=5)
+        self.port = _free_port()
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(self.server.app())
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = _Running(tmp_path / "state")
+    yield s
+    s.close()
+
+
+def _datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.ones(len(tokens) - 1, dtype=np.float32),
+        },
+    )
+
+
+def _sft(tc, steps: int, tokens: list[int], lr: float = 1e-2) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward([_datum(tokens)], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def test_supervised_loop_learns_and_samples(server):
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    assert tc.get_info().lora_rank == 8
+    tokens = list(range(5, 25))
+    losses = _sft(tc, 8, tokens)
+    assert losses[-1] < 0.5 * losses[0], losses
+    # forward (no backward) sees the trained weights and changes nothing
+    out = tc.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"]
+    again = tc.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"]
+    assert out == again < 0.5 * losses[0]
+    sampler = tc.save_weights_and_get_sampling_client()
+    res = sampler.sample(
+        types.ModelInput.from_ints(tokens[:4]), 3, types.SamplingParams(max_tokens=6, seed=1)
+    ).result()
+    assert len(res.sequences) == 3
+    assert all(len(s.tokens) == len(s.logprobs) > 0 for s in res.sequences)
+    # the sampler serves exactly the trained weights: its log-probs are the trainer's on the same tokens
+    for seq in res.sequences:
+        full = tokens[:4] + seq.tokens
+        lp = tc.forward([_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        np.testing.assert_allclose(lp[3:], seq.logprobs, atol=1e-4)
+    base = sc.create_sampling_client(base_model=BASE)
+    seq = base.sample(types.ModelInput.from_ints(tokens[:4]), 1, types.SamplingParams(max_tokens=6, seed=1))
+    seq = seq.result().sequences[0]
+    lp = tc.forward([_datum(tokens[:4] + seq.tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    assert not np.allclose(lp.tolist()[3:], seq.logprobs, atol=1e-3)  # the base is not the trained adapter
+
+
+def test_token_is_required(server):
+    import httpx
+
+    assert httpx.get(server.url + "/api/v1/healthz").status_code == 200
+    for headers in ({}, {"X-API-Key": "tml-wrong"}, {"Authorization": "Bearer tml-wrong"}):
+        r = httpx.post(server.url + "/api/v1/create_session", json={}, headers=headers)
+        assert r.status_code == 401 and "detail" in r.json()
+    assert httpx.post(server.url + "/api/v1/create_session", json={}, headers={"X-API-Key": TOKEN}).status_code == 200
+    sc = tinker.ServiceClient(base_url=server.url, api_key="tml-wrong")
+    with pytest.raises(tinker.AuthenticationError):
+        sc.create_lora_training_client(base_model=BASE, rank=4).result()
+
+
+def test_rl_loop_importance_sampling_learns(server):
+    """sample -> reward (share of tokens with id < 40) -> importance_sampling forward_backward -> optim_step ->
+    new sampler; the mean reward goes up."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    prompts = [[1, 30 + i, 40 + i] for i in range(4)]
+    rewards = []
+    sampler = tc.save_weights_and_get_sampling_client()
+    for it in range(8):
+        futs = [
+            sampler.sample(types.ModelInput.from_ints(p), 8, types.SamplingParams(max_tokens=6, seed=it))
+            for p in prompts
+        ]
+        data, rs = [], []
+        for p, f in zip(prompts, futs, strict=True):
+            seqs = f.result().sequences
+            r = np.array([np.mean([t < 40 for t in s.tokens]) for s in seqs])
+            rs.append(r.mean())
+            for s, a in zip(seqs, r - r.mean(), strict=True):
+                full = p + s.tokens
+                n_prompt = len(p) - 1
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": np.array(full[1:], dtype=np.int64),
+                            "logprobs": np.array([0.0] * n_prompt + list(s.logprobs), dtype=np.float32),
+                            "advantages": np.array([0.0] * n_prompt + [a] * len(s.tokens), dtype=np.float32),
+                        },
+                    )
+                )
+        rewards.append(float(np.mean(rs)))
+        tc.forward_backward(data, "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = tc.save_weights_and_get_sampling_client()
+    assert np.mean(rewards[-2:]) > rewards[0] + 0.2, rewards
+
+
+def test_two_clients_batched_equal_alone(tmp_path):
+    tokens_of = {0: list(range(5, 25)), 1: list(range(60, 72))}
+
+    def train(url: str, k: int, out: dict) -> None:
+        sc = tinker.ServiceClient(base_url=url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4 + 4 * k, seed=10 + k).result()
+        out[k] = _sft(tc, 4, tokens_of[k])
+
+    alone: dict[int, list[float]] = {}
+    s = _Running(tmp_path / "alone")
+    for k in (0, 1):
+        train(s.url, k, alone)
+    s.close()
+    together: dict[int, list[float]] = {}
+    s = _Running(tmp_path / "together")
+    threads = [threading.Thread(target=train, args=(s.url, k, together)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    sizes = list(s.server.ops.batch_sizes)
+    s.close()
+    for k in (0, 1):
+        np.testing.assert_allclose(together[k], alone[k], rtol=1e-4)
+    assert max(sizes) == 2, sizes  # at least one forward_backward ran both clients in one batch
+
+
+def test_resume_after_kill_9(tmp_path):
+    """A server killed with SIGKILL and restarted on the same state dir replays its journal: the same
+    TrainingClient goes on, and its losses equal those of an uninterrupted run."""
+    tokens = list(range(5, 25))
+    reference = _Running(tmp_path / "ref")
+    sc = tinker.ServiceClient(base_url=reference.url, api_key=TOKEN)
+    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=8, seed=3).result(), 5, tokens)
+    reference.close()
+
+    port = _free_port()
+    env = {**os.environ, "RL_MULTILORA_TINKER_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "rl_multilora.tinker.server", "--model", str(MODEL), "--state-dir",
+           str(tmp_path / "state"), "--base-model-name", BASE, "--port", str(port)]  # fmt: skip
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                return proc
+            except OSError:
+                time.sleep(0.1)
+        proc.kill()
+        raise AssertionError("server did not start")
+
+    proc = start()
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+        first = _sft(tc, 3, tokens)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = start()
+        rest = _sft(tc, 2, tokens)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    np.testing.assert_allclose(first + rest, expected, rtol=1e-4)
