@@ -227,3 +227,4 @@ def test_resume_after_kill_9(tmp_path):
         proc.kill()
         proc.wait(10)
     np.testing.assert_allclose(first + rest, expected, rtol=1e-4)
+
