@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Provision the tiny-agents preset: the tiny base (provisioned into artifacts/tiny first if missing) pretrained a
 # little further on calculator tool calls and a higher/lower guessing game, plus five datasets (the tiny preset's
-# three and calc / guess). About 1.5-2 minutes on an idle 2-core machine after the tiny preset; a second run on a
+# three and calc / guess). About 3 minutes on a 2-core machine after the tiny preset; a second run on a
 # provisioned DIR returns at once.
 # Usage: examples/multi_lora/provision_agents.sh [DIR] [extra args, e.g. --seed 1 --force]   (DIR: artifacts/tiny-agents)
 set -euo pipefail

@@ -8,10 +8,10 @@ base's sampled success per task. The tiny preset itself is untouched: the main j
 The two new tasks (their environments are `examples/multi_lora/agents.py`; the rules below are shared by the
 pretraining transcripts, the base-stats episodes and those environments, so all three agree to the character):
 
-- `calc`: "Compute 37 * 46 with the calculator. End with 'Answer: N'." Products of two-digit numbers (32-99) and
-  sums of four-digit ones (1000-4999), both 4-digit results: far beyond the base's head arithmetic. A turn holding
-  `<tool_call>{"name": "mul", "arguments": {"a": 37, "b": 46}}</tool_call>` gets a `tool` message with the result;
-  a turn without a call is the final answer, 1 when its last line is `Answer: <result>`.
+- `calc`: "Compute 37 * 46 with the calculator. End with 'Answer: N'." Products of two-digit numbers (32-99), all
+  4-digit: far beyond the base's head arithmetic. A turn holding
+  `<tool_call>{"name": "mul", "arguments": {"a": 37, "b": 46}}</tool_call>` (tools `mul` and `add`) gets a `tool`
+  message with the result; a turn without a call is the final answer, 1 when its last line is `Answer: <result>`.
 - `guess`: "Guess my number between 40 and 48. Reply with one number." A wrong guess gets a user turn "Higher." or
   "Lower.", at most `GUESSES` guesses; a right one at guess k scores `DISCOUNT ** (k - 1)`.
 
