@@ -1,4 +1,4 @@
-"""`rl-multilora` command line: provision, run, export, engine-serve, and the service verbs.
+"""`rl-multilora` command line: provision, run, export, engine-serve, tinker-serve, and the service verbs.
 
 A user mistake (bad config, missing file, unknown adapter) prints one clear message and exits 2 without a
 traceback; a bug still shows its traceback. Heavy imports (torch, transformers) happen inside the commands so
@@ -119,6 +119,13 @@ def cmd_engine_serve(args) -> int:
     return serve_main(rest) or 0
 
 
+def cmd_tinker_serve(args) -> int:
+    from rl_multilora.tinker.server import main as tinker_main
+
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    return tinker_main(rest) or 0
+
+
 def cmd_service(args) -> int:
     from rl_multilora import service
 
@@ -172,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_engine_serve)
 
+    s = sub.add_parser(
+        "tinker-serve", help="serve a Tinker-API-compatible training server (see README)", add_help=False
+    )
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_tinker_serve)
+
     s = sub.add_parser("serve", help="run the trainer as a long-running service on Ray")
     s.add_argument("config")
     s.add_argument("--address", default=None, help="join an existing Ray cluster")
@@ -197,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["engine-serve"]:  # its own parser: flags pass through untouched
-        argv = ["engine-serve", "--", *argv[1:]] if argv[1:2] != ["--"] else argv
+    if argv[:1] in (["engine-serve"], ["tinker-serve"]):  # their own parsers: flags pass through untouched
+        argv = [argv[0], "--", *argv[1:]] if argv[1:2] != ["--"] else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"

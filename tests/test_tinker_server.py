@@ -1,4 +1,6 @@
-"""The Tinker-API server driven by the real `tinker` SDK on the provisioned tiny preset (artifacts/tiny/model).
+"""The Tinker-API server driven by the real `tinker` SDK: protocol, batching, auth and resume on a tiny random
+model built offline (tests.tiny_models); the two learning loops on the provisioned tiny preset (slow: a random base
+this small barely learns a sequence through LoRA).
 
 Each test starts a server on a free local port; the SDK talks to it over HTTP exactly as to Tinker.
 """
@@ -11,24 +13,31 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tinker
+from aiohttp import web
+from tinker import types
 
-tinker = pytest.importorskip("tinker")
-from aiohttp import web  # noqa: E402
-from tinker import types  # noqa: E402
-
-from rl_multilora.tinker.server import build_server  # noqa: E402
+from rl_multilora.tinker.server import build_server
+from tests.tiny_models import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "artifacts" / "tiny" / "model"
+MODEL = Path(tempfile.mkdtemp(prefix="tinker-model-")) / "model"
 TOKEN = "tml-test-token"
 BASE = "tiny"
-pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="needs the tiny preset: examples/multi_lora/provision.sh")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_model_folder():
+    """The base every test serves: a tiny Qwen2 with the character tokenizer, written once for the module."""
+    save_tiny_model(MODEL, hidden=32, layers=2)
+    yield MODEL
 
 
 def _free_port() -> int:
@@ -40,8 +49,8 @@ def _free_port() -> int:
 class _Running:
     """A TinkerServer on its own event loop thread."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.server = build_server(str(MODEL), state_dir, TOKEN, base_model=BASE, poll_s=5)
+    def __init__(self, state_dir: Path, model: Path = MODEL) -> None:
+        self.server = build_server(str(model), state_dir, TOKEN, base_model=BASE, poll_s=5)
         self.port = _free_port()
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(self.server.app())
@@ -58,6 +67,16 @@ class _Running:
 @pytest.fixture
 def server(tmp_path):
     s = _Running(tmp_path / "state")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def preset_server(tmp_path):
+    """A server on the provisioned tiny preset (provisioned here when missing, as tests/test_tiny_run.py does)."""
+    preset = ROOT / "artifacts" / "tiny"
+    subprocess.run(["bash", str(ROOT / "examples/multi_lora/provision.sh"), str(preset)], check=True, cwd=ROOT)
+    s = _Running(tmp_path / "state", preset / "model")
     yield s
     s.close()
 
@@ -82,7 +101,9 @@ def _sft(tc, steps: int, tokens: list[int], lr: float = 1e-2) -> list[float]:
     return losses
 
 
-def test_supervised_loop_learns_and_samples(server):
+@pytest.mark.slow
+def test_supervised_loop_learns_and_samples(preset_server):
+    server = preset_server
     sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     assert tc.get_info().lora_rank == 8
@@ -124,7 +145,9 @@ def test_token_is_required(server):
         sc.create_lora_training_client(base_model=BASE, rank=4).result()
 
 
-def test_rl_loop_importance_sampling_learns(server):
+@pytest.mark.slow
+def test_rl_loop_importance_sampling_learns(preset_server):
+    server = preset_server
     """sample -> reward (share of tokens with id < 40) -> importance_sampling forward_backward -> optim_step ->
     new sampler; the mean reward goes up."""
     sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
@@ -227,4 +250,3 @@ def test_resume_after_kill_9(tmp_path):
         proc.kill()
         proc.wait(10)
     np.testing.assert_allclose(first + rest, expected, rtol=1e-4)
-
