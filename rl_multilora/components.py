@@ -134,12 +134,11 @@ def build_sampling(cfg: RunConfig, tokenizer) -> SamplingParams:
     )
 
 
-def tenant_sampling(cfg: RunConfig, a: AdapterConfig, tokenizer) -> SamplingParams | None:
-    """Adapter `a`'s own sampling settings: the run's with the fields of `a.sampling` it sets (None without any)."""
-    if a.sampling is None:
-        return None
-    changes = {k: v for k, v in a.sampling.model_dump().items() if v is not None}
-    return dataclasses.replace(build_sampling(cfg, tokenizer), **changes) if changes else None
+def tenant_sampling(base: SamplingParams, a: AdapterConfig) -> SamplingParams | None:
+    """Adapter `a`'s own sampling settings: `base` (the run's) with the fields of `a.sampling` it sets (None without
+    any: its samples use the rollout's)."""
+    changes = {k: v for k, v in a.sampling.model_dump().items() if v is not None} if a.sampling else {}
+    return dataclasses.replace(base, **changes) if changes else None
 
 
 def build_scorer(cfg: RunConfig) -> rewards.RewardExecutor:
@@ -162,7 +161,9 @@ def build_backend(cfg: RunConfig, pad: int) -> TrainingBackend:
     from rl_multilora.trainer import MultiLoRATrainer
 
     model = build_model(cfg.model)
-    return LocalBackend(model, MultiLoRATrainer(model, cfg.grpo, pad, temperature=cfg.rollout.logit_temperature))
+    r = cfg.rollout
+    trainer = MultiLoRATrainer(model, cfg.grpo, pad, temperature=r.logit_temperature, norm_len=r.max_new_tokens)
+    return LocalBackend(model, trainer)
 
 
 # ------------------------------------------------------------------------------------------------ rollout side

@@ -145,6 +145,13 @@ class SamplingOverride(_Strict):
     stop: list[str] | None = Field(None, description="Stop strings (e.g. '</tool_call>' for tool-calling tenants).")
 
 
+class TISSettings(_Strict):
+    """Truncated importance sampling: weight each token's loss by min(pi_trainer_old / pi_engine, cap)."""
+
+    mode: Literal["token", "sequence"] = Field("token", description="Per-token weights, or one per sequence.")
+    cap: float = Field(2.0, gt=0, description="Upper bound of the importance weight (C in Yao et al. 2025).")
+
+
 class AdapterConfig(_Strict):
     name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+; used as a folder name.")
     rank: int = Field(8, ge=1, description="LoRA rank r (<= model.max_rank).")
@@ -166,6 +173,15 @@ class AdapterConfig(_Strict):
         "(fields: rollout.types.EnvironmentSpec).",
     )
     sampling: SamplingOverride | None = Field(None, description="The adapter's own sampling settings.")
+    loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] | None = Field(
+        None,
+        description="The adapter's own policy loss, with the advantage normalization and aggregation it is defined "
+        "with (README, 'Per-tenant losses'); None = the run's grpo section as it is.",
+    )
+    kl_coef: float | None = Field(None, ge=0, description="The adapter's own KL coefficient (None = grpo.kl_coef).")
+    eps_clip: float | None = Field(None, ge=0, lt=1, description="Its own low clip (None = grpo.eps_clip).")
+    eps_clip_high: float | None = Field(None, ge=0, description="Its own high clip (None = grpo.eps_clip_high).")
+    tis: TISSettings | None = Field(None, description="Correct the engine-vs-trainer mismatch (off when None).")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")

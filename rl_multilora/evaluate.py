@@ -87,6 +87,8 @@ class EvalSet:
         spec = dataclasses.replace(
             a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files
         )
+        from rl_multilora.components import tenant_sampling
+
         source = MultiLoRADataSource(tokenizer, context_len)
         source.add_adapter(
             AdapterRef(a.name, 0),
@@ -96,6 +98,8 @@ class EvalSet:
             prompts_per_step=settings.n_prompts,
             n_samples_per_prompt=1,
             max_epochs=1.0,
+            sampling=tenant_sampling(rollout_sampling, a),  # the tenant's own (its episodes' stop strings, lengths)
+            environment=a.environment,
         )
         self.prompts = [g[0] for g in source.next_groups([a.name])[a.name]]
         self.tokenizer = tokenizer

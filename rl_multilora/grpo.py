@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +92,10 @@ def adapter_name_of(sample: Sample) -> str:
 
 
 def compute_advantages(
-    samples: Sequence[Sample], normalize_std: bool = True, drop_uniform_groups: bool = True
+    samples: Sequence[Sample],
+    normalize_std: bool = True,
+    drop_uniform_groups: bool = True,
+    normalize_std_of: Mapping[str, bool] | None = None,
 ) -> AdvantageStats:
     """GRPO advantages, written to `sample.advantage`, per (adapter name, group_index) group.
 
@@ -100,7 +103,7 @@ def compute_advantages(
     a one-sample group has std 0). Groups of different adapters never mix even when their group_index is equal.
     A group whose rewards are all equal has A = 0 everywhere; with `drop_uniform_groups` it is marked not kept and
     counted. Non-finite rewards are not dropped here: they give non-finite advantages, which the trainer turns into a
-    skipped step for that adapter.
+    skipped step for that adapter. `normalize_std_of` overrides `normalize_std` per adapter name (per-tenant losses).
     """
     groups: dict[tuple[str, int], list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
@@ -119,7 +122,7 @@ def compute_advantages(
         rewards = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # (G,)
         centered = rewards - rewards.mean()  # (G,)
         uniform = bool(torch.all(rewards == rewards[0]))
-        if normalize_std and len(idx) > 1:
+        if (normalize_std_of or {}).get(name, normalize_std) and len(idx) > 1:
             centered = centered / (rewards.std() + 1e-6)
         for i, a in zip(idx, centered.tolist(), strict=True):
             samples[i].advantage = 0.0 if uniform else a

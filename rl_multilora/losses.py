@@ -21,7 +21,13 @@ Yao et al. (2025, "Your efficient RL framework secretly brings you off-policy RL
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from rl_multilora.config import AdapterConfig, GRPOSettings
 
 LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 TIS_MODES = ("token", "sequence")
@@ -83,3 +89,46 @@ def tis_weights(
     if mode == "sequence":
         return torch.exp(segment_sum(log_w, rows, n_rows)).clamp(max=cap)[rows]
     raise ValueError(f"tis.mode={mode!r} is not allowed; allowed: one of {', '.join(TIS_MODES)}")
+
+
+@dataclass(frozen=True)
+class TenantAlgo:
+    """One tenant's own algorithm settings, resolved against the run's `grpo` section (see `tenant_algo`)."""
+
+    loss: str
+    normalize_std: bool
+    loss_agg: str
+    kl_coef: float
+    eps_low: float
+    eps_high: float
+    temperature: float  # the tenant's sampling temperature (1 for greedy): the trainer's logits are divided by it
+    norm_len: int  # dr_grpo's constant divisor: the tenant's response budget
+    tis_mode: str | None = None
+    tis_cap: float = 2.0
+
+
+def tenant_algo(grpo: GRPOSettings, a: AdapterConfig, temperature: float, max_new_tokens: int) -> TenantAlgo | None:
+    """Adapter `a`'s algorithm: None when it sets nothing of its own (the run's grpo section applies as it is);
+    otherwise its loss (with that loss's advantage normalization and aggregation, `LOSS_DEFAULTS`; without a `loss`,
+    the run's), KL, clip range, TIS and sampling temperature. `temperature` / `max_new_tokens`: the run's."""
+    own_temp = a.sampling.temperature if a.sampling is not None else None
+    own = (a.loss, a.kl_coef, a.eps_clip, a.eps_clip_high, a.tis, own_temp)
+    if all(x is None for x in own):
+        return None
+    normalize_std, agg = LOSS_DEFAULTS[a.loss] if a.loss is not None else (grpo.normalize_std, grpo.loss_agg)
+    temp = own_temp if own_temp is not None else temperature
+    budget = a.environment.max_tokens if a.environment is not None else None
+    if budget is None and a.sampling is not None and a.sampling.max_new_tokens is not None:
+        budget = a.sampling.max_new_tokens
+    return TenantAlgo(
+        loss=a.loss or "grpo",
+        normalize_std=normalize_std,
+        loss_agg=agg,
+        kl_coef=grpo.kl_coef if a.kl_coef is None else a.kl_coef,
+        eps_low=grpo.eps_clip if a.eps_clip is None else a.eps_clip,
+        eps_high=grpo.eps_clip_high if a.eps_clip_high is None else a.eps_clip_high,
+        temperature=temp if temp > 0 else 1.0,
+        norm_len=budget or max_new_tokens,
+        tis_mode=a.tis.mode if a.tis is not None else None,
+        tis_cap=a.tis.cap if a.tis is not None else 2.0,
+    )

@@ -335,7 +335,7 @@ class TenantManager:
         self.table.activate(a.name, self.backend.add_adapter(a))
         t.admitted_at = time.time()
         n = a.n_samples_per_prompt or self.cfg.rollout.n_samples_per_prompt
-        from rl_multilora.components import tenant_sampling
+        from rl_multilora.components import build_sampling, tenant_sampling
 
         self.data.add_adapter(
             AdapterRef(a.name, t.slot),
@@ -345,7 +345,7 @@ class TenantManager:
             prompts_per_step=a.prompts_per_step,
             n_samples_per_prompt=n,
             max_epochs=a.epochs,
-            sampling=tenant_sampling(self.cfg, a, self.data.tokenizer),
+            sampling=tenant_sampling(build_sampling(self.cfg, self.data.tokenizer), a),
             environment=a.environment,
         )
         if self.cfg.checkpoint.resume != "never" and self._restore(t) and self.budget_done(t):

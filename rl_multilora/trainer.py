@@ -55,6 +55,7 @@ from rl_multilora.backends.base import AdapterStepStats
 from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
 from rl_multilora.grpo import adapter_name_of, compute_advantages, kl_penalty, lr_multiplier, policy_loss
+from rl_multilora.losses import TenantAlgo, tis_weights, token_losses
 from rollout.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class _Tenant:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    algo: TenantAlgo | None = None  # its own loss, KL, clip, TIS, temperature; None: the run's GRPOSettings
 
 
 class _Sums:
@@ -99,9 +101,18 @@ class _Sums:
 class MultiLoRATrainer:
     """GRPO over a `MultiLoRAModel`: one mixed batch, one AdamW + LR schedule + step counter per adapter."""
 
-    def __init__(self, model: MultiLoRAModel, cfg: GRPOSettings, pad_token_id: int, temperature: float = 1.0):
+    def __init__(
+        self,
+        model: MultiLoRAModel,
+        cfg: GRPOSettings,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        norm_len: int | None = None,
+    ):
         """`temperature`: the rollouts' sampling temperature; logits are divided by it before the softmax, so the
-        trainer's log-probs are those of the distribution the engine sampled from (pass 1.0 for greedy rollouts)."""
+        trainer's log-probs are those of the distribution the engine sampled from (pass 1.0 for greedy rollouts).
+        A tenant with its own algorithm (`add_adapter(..., algo=)`) has its own temperature, loss, KL, clip and TIS.
+        `norm_len`: unused by the run's own losses; kept for tenants' dr_grpo (their `TenantAlgo.norm_len`)."""
         if not isinstance(cfg, GRPOSettings):
             raise TypeError(bad_value("cfg", type(cfg).__name__, "a rl_multilora.config.GRPOSettings"))
         if not isinstance(pad_token_id, int) or pad_token_id < 0:
@@ -114,10 +125,13 @@ class MultiLoRATrainer:
         self.temperature = temperature
         self._tenants: dict[str, _Tenant] = {}
         self._ranks = _Ranks.of(model)
+        self.norm_len = norm_len
 
     # ----- tenants -----
 
-    def add_adapter(self, name: str, optim: OptimSettings, lr: float, max_steps: int | None = None) -> None:
+    def add_adapter(
+        self, name: str, optim: OptimSettings, lr: float, max_steps: int | None = None, algo: TenantAlgo | None = None
+    ) -> None:
         """Create `name`'s AdamW (over its own slot's parameters only) and LR schedule; the model must hold it.
 
         `lr` is the peak learning rate and `max_steps` the adapter's budget in optimizer steps (what a cosine
@@ -148,7 +162,7 @@ class MultiLoRATrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(optim, max_steps))
         slot = self.model.adapters[name].slot
         self._tenants[name] = _Tenant(
-            slot=slot, optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler
+            slot=slot, optim_cfg=optim, params=params, optimizer=optimizer, scheduler=scheduler, algo=algo
         )
 
     def remove_adapter(self, name: str) -> None:
@@ -257,7 +271,8 @@ class MultiLoRATrainer:
                     st.error = str(e)
         live = [s for s in live if stats[adapter_name_of(s)].error is None]
 
-        adv = compute_advantages(live, self.cfg.normalize_std, self.cfg.drop_uniform_groups)
+        own = {n: t.algo.normalize_std for n, t in self._tenants.items() if t.algo is not None}
+        adv = compute_advantages(live, self.cfg.normalize_std, self.cfg.drop_uniform_groups, normalize_std_of=own)
         for name, n in adv.dropped_groups.items():
             stats[name].dropped_groups = n
 
@@ -357,24 +372,37 @@ class MultiLoRATrainer:
             st.clip_frac = sums.get(name, "clipped") / max(1.0, sums.get(name, "tokens"))
             n_gap = sums.get(name, "gap_tokens")  # (summed over ranks below when sharded)
             st.logprob_gap = sums.get(name, "gap") / n_gap if n_gap > 0 else None
+            n_tis = sums.get(name, "tis_n")
+            if n_tis > 0:
+                st.tis_weight_mean = sums.get(name, "tis_w") / n_tis
+                st.tis_capped_frac = sums.get(name, "tis_capped") / n_tis
 
     def _token_weights(self, rows_by_adapter: dict[str, list[_Row]]) -> dict[int, float]:
         """Per-row weight of each of its tokens, so that sum(weight * token_loss) is that adapter's own aggregate."""
         weights: dict[int, float] = {}
-        for rows in rows_by_adapter.values():
+        for name, rows in rows_by_adapter.items():
+            algo = self._tenants[name].algo
+            agg = self.cfg.loss_agg if algo is None else algo.loss_agg
             n_rows = len(rows)
             n_tokens = sum(len(r.targets) for r in rows)
             for r in rows:
-                if self.cfg.loss_agg == "token-mean":
+                if agg == "token-mean":
                     weights[id(r)] = 1.0 / n_tokens
-                elif self.cfg.loss_agg == "seq-mean-token-mean":
+                elif agg == "seq-mean-token-mean":
                     weights[id(r)] = 1.0 / (n_rows * len(r.targets))
+                elif agg == "seq-mean-token-sum-norm":  # Dr. GRPO: token sums over a constant (the budget)
+                    weights[id(r)] = 1.0 / (n_rows * algo.norm_len)
                 else:  # seq-mean-token-sum
                     weights[id(r)] = 1.0 / n_rows
         return weights
 
     def _forward_logp(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: list[str | None], tok: _TokenIndex
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        adapter_names: list[str | None],
+        tok: _TokenIndex,
+        temperature: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32."""
         width = input_ids.shape[1]
@@ -387,7 +415,9 @@ class MultiLoRATrainer:
         # gathering before the softmax keeps it at (N, V), not (B, K, V)
         picked = logits[tok.row, tok.pos - 1 - offset]  # (N, V)
         # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
-        picked = (picked.float() if picked.element_size() < 4 else picked) / self.temperature  # (N, V)
+        picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
+        # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).
+        picked = picked / (self.temperature if temperature is None else temperature.to(picked.dtype)[:, None])
         logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
         logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
@@ -412,11 +442,20 @@ class MultiLoRATrainer:
         tok = _TokenIndex.build(micro, slot_of, weights, device)
         adapter_names: list[str | None] = [r.adapter for r in micro]
 
-        need_ref = self.cfg.kl_coef > 0.0
+        algos = [self._tenants[n].algo for n in names]
+        custom = any(a is not None for a in algos)  # some tenant has its own loss / KL / clip / TIS / temperature
+        temp_tok = kl_coef_tok = None
+        if custom:
+            per_name = [(a.temperature, a.kl_coef) if a else (self.temperature, self.cfg.kl_coef) for a in algos]
+            temp_tok = torch.tensor([t for t, _ in per_name], dtype=torch.float32, device=device)[tok.adapter]  # (N,)
+            kl_coef_tok = torch.tensor([k for _, k in per_name], dtype=torch.float32, device=device)[tok.adapter]
+            need_ref = any(k > 0.0 for _, k in per_name)
+        else:
+            need_ref = self.cfg.kl_coef > 0.0
         if first_epoch and need_ref:
             with torch.no_grad():
-                ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(micro), tok)  # (N,)
-        logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok)  # (N,), (N,)
+                ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(micro), tok, temp_tok)  # (N,)
+        logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok, temp_tok)  # (N,), (N,)
         if filler:
             old_logp = logp.detach()
             if need_ref and not first_epoch:
@@ -433,10 +472,15 @@ class MultiLoRATrainer:
             if need_ref:
                 ref_logp = torch.cat([cache[id(r)][1] for r in micro])  # (N,)
 
-        pg_tok, clipped = policy_loss(logp, old_logp, tok.advantage, self.cfg.eps_clip, self.cfg.eps_clip_high)
         kl_tok = kl_penalty(logp, ref_logp, self.cfg.kl_type) if need_ref else torch.zeros_like(logp)  # (N,)
         ent_term = entropy if self.cfg.entropy_coef > 0.0 else entropy.detach()  # (N,)
-        tok_loss = pg_tok + self.cfg.kl_coef * kl_tok - self.cfg.entropy_coef * ent_term  # (N,)
+        tis_w = None
+        if custom:
+            pg_tok, clipped, tis_w = self._tenant_policy_loss(names, algos, tok, logp, old_logp, len(micro))
+            tok_loss = pg_tok + kl_coef_tok * kl_tok - self.cfg.entropy_coef * ent_term  # (N,)
+        else:
+            pg_tok, clipped = policy_loss(logp, old_logp, tok.advantage, self.cfg.eps_clip, self.cfg.eps_clip_high)
+            tok_loss = pg_tok + self.cfg.kl_coef * kl_tok - self.cfg.entropy_coef * ent_term  # (N,)
 
         def per_adapter(values: torch.Tensor) -> torch.Tensor:
             # out[a] = sum_{i: adapter(i) = a} values[i]; values: (N,) -> (n_adapters,)
@@ -462,6 +506,13 @@ class MultiLoRATrainer:
             gap_a = per_adapter(gap).tolist()
             gap_n_a = per_adapter(tok.has_rollout.float()).tolist()
             loss_vals = loss_a.detach().tolist()
+            if tis_w is not None:  # (weights, applied, capped), each (N,)
+                weight, applied, capped = tis_w
+                tis_sums = {
+                    "tis_w": per_adapter(torch.where(applied, weight, torch.zeros_like(weight))).tolist(),
+                    "tis_n": per_adapter(applied.float()).tolist(),
+                    "tis_capped": per_adapter(capped.float()).tolist(),
+                }
         for n, i in slot_of.items():
             sums.add(n, "loss", loss_vals[i])
             sums.add(n, "pg_loss", pg_a[i])
@@ -472,7 +523,51 @@ class MultiLoRATrainer:
             if first_epoch:
                 sums.add(n, "gap", gap_a[i])
                 sums.add(n, "gap_tokens", gap_n_a[i])
+                if tis_w is not None:
+                    for key, values in tis_sums.items():
+                        sums.add(n, key, values[i])
         return nonfinite, backwarded
+
+    def _tenant_policy_loss(
+        self,
+        names: list[str],
+        algos: list[TenantAlgo | None],
+        tok: _TokenIndex,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        n_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Per-token policy loss of a micro-batch where some tenants have their own algorithm: each tenant's tokens
+        get its own surrogate and clip range (rl_multilora.losses), times its TIS weight when it asks for one.
+        Returns (loss, clipped, TIS (weight, applied, capped) or None), all (N,)."""
+        device = logp.device
+        groups: dict[tuple[str, float, float], list[int]] = {}
+        for i, a in enumerate(algos):
+            key = (a.loss, a.eps_low, a.eps_high) if a else ("grpo", self.cfg.eps_clip, self.cfg.eps_clip_high)
+            groups.setdefault(key, []).append(i)
+        loss = torch.zeros_like(logp)
+        clipped = torch.zeros_like(logp, dtype=torch.bool)
+        for (kind, eps_low, eps_high), members in groups.items():
+            sel = torch.isin(tok.adapter, torch.tensor(members, device=device)).nonzero().squeeze(1)  # (M,)
+            part, part_clipped = token_losses(
+                kind, logp[sel], old_logp[sel], tok.advantage[sel], tok.row[sel], n_rows, eps_low, eps_high
+            )
+            loss = loss.index_put((sel,), part)  # out of place: the graph keeps every tenant's part
+            clipped[sel] = part_clipped
+        with_tis = [i for i, a in enumerate(algos) if a is not None and a.tis_mode is not None]
+        if not with_tis:
+            return loss, clipped, None
+        weight = torch.ones_like(logp)
+        applied = torch.zeros_like(logp, dtype=torch.bool)
+        capped = torch.zeros_like(logp, dtype=torch.bool)
+        for i in with_tis:
+            a = algos[i]
+            sel = ((tok.adapter == i) & tok.has_rollout).nonzero().squeeze(1)  # rows without engine log-probs: 1
+            w = tis_weights(old_logp[sel], tok.rollout_logp[sel], tok.row[sel], n_rows, a.tis_mode, a.tis_cap)
+            weight[sel] = w.to(weight.dtype)
+            applied[sel] = True
+            capped[sel] = w >= a.tis_cap
+        return loss * weight, clipped, (weight, applied, capped)
 
     def _step_adapter(self, name: str, skip: bool, grads: bool = True) -> tuple[bool, float | None]:
         """Check, clip and apply `name`'s accumulated grads; returns (stepped, pre-clip grad norm: None without
@@ -502,7 +597,19 @@ class MultiLoRATrainer:
         return ok, grad_norm
 
 
-_RANK_SUMMED = ("loss", "pg_loss", "kl", "entropy", "clipped", "tokens", "gap", "gap_tokens")
+_RANK_SUMMED = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clipped",
+    "tokens",
+    "gap",
+    "gap_tokens",
+    "tis_w",
+    "tis_n",
+    "tis_capped",
+)
 
 
 class _Ranks:

@@ -116,14 +116,22 @@ def check_step(result: Any) -> EnvStep:
     """`result` as an EnvStep, or ValueError saying what is wrong with it (garbage from an environment)."""
     if not isinstance(result, EnvStep):
         raise ValueError(f"step returned {type(result).__name__}, not an EnvStep")
-    if isinstance(result.reward, bool) or not isinstance(result.reward, int | float) or not math.isfinite(result.reward):
+    if (
+        isinstance(result.reward, bool)
+        or not isinstance(result.reward, int | float)
+        or not math.isfinite(result.reward)
+    ):
         raise ValueError(f"step returned reward={result.reward!r}; allowed: a finite number")
     if not result.done:
         obs = result.observation
         if not isinstance(obs, list) or not obs:
             raise ValueError("step returned done=False without observation messages")
         for m in obs:
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, Mapping)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise ValueError(f"observation message {m!r} is not {{'role': str, 'content': str}}")
     return result
 
@@ -159,7 +167,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | str]:
             out.append(f"tool call has no name: {body[:80]}")
             continue
         args = call.get("arguments", {})
-        out.append(ToolCall(call["name"], args) if isinstance(args, dict) else f"arguments of {call['name']} not an object")
+        out.append(
+            ToolCall(call["name"], args) if isinstance(args, dict) else f"arguments of {call['name']} not an object"
+        )
     return out
 
 

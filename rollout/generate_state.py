@@ -470,7 +470,9 @@ class _Episode:
             if step.done:
                 self.status, self.finish_reason = SampleStatus.COMPLETED, "stop"
                 return
-            obs = observation_ids(state.tokenizer, step.observation, ended_turn=bool(out) and out[-1] in _eos_ids(state))
+            obs = observation_ids(
+                state.tokenizer, step.observation, ended_turn=bool(out) and out[-1] in _eos_ids(state)
+            )
             if len(self.ids) + len(obs) >= spec.max_tokens:
                 return  # TRUNCATED: the environment's answer does not fit
             self.ids += obs

@@ -199,3 +199,44 @@ def test_an_environment_tenant_trains_next_to_others_as_it_trains_alone(tmp_path
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{name}/{k}")
     rows = [r for r in read_metrics(tmp_path / "both") if r["adapter"] == "env"]
     assert all(r["failed_samples"] == 0 and r["reward_mean"] is not None for r in rows)
+
+
+def test_held_out_eval_plays_an_environment_tenants_episodes(tmp_path):
+    """Eval runs a tenant's episodes (its environment and own sampling), in the run and in `rl-multilora eval`, which
+    scores exactly what the run's final eval logged."""
+    import json
+
+    from rl_multilora import cli
+    from rl_multilora.config import parse_run_config
+    from rl_multilora.loop import run
+    from rl_multilora.metrics import read_metrics
+    from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+    save_tiny_model(tmp_path / "model", hidden=32, layers=2)
+    write_sum_task(tmp_path / "data" / "env_train.jsonl", 30, 1)
+    write_sum_task(tmp_path / "data" / "env_test.jsonl", 10, 21)
+    env = sum_task_adapter(tmp_path / "data", "env", 5, max_steps=2, reward=None)
+    env["dataset"]["data_files"] = {
+        "train": str(tmp_path / "data" / "env_train.jsonl"),
+        "test": str(tmp_path / "data" / "env_test.jsonl"),
+    }
+    env["environment"] = {"path": "tests.env_plugins:Echo", "kwargs": {"turns": 2}, "max_tokens": 40}
+    env["sampling"] = {"max_new_tokens": 5}
+    cfg = {
+        "run_dir": str(tmp_path / "run"),
+        "model": {"path": str(tmp_path / "model"), "max_loras": 1, "max_rank": 8},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "eval": {"enabled": True, "n_prompts": 6},
+        "adapters": [env],
+    }
+    run(parse_run_config(cfg))
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("kind") == "eval"]
+    final = [r for r in rows if not r["eval/base"]][-1]
+    assert final["adapter_step"] == 2 and final["eval/n_prompts"] == 6 and final["eval/errors"] == 0
+    assert 0.25 <= final["eval/reward_mean"] <= 1.25  # Echo pays 0.25 per turn plus 1 for a digit
+    assert cli.main(["eval", str(tmp_path / "run"), "--out", str(tmp_path / "e.json")]) == 0
+    got = json.loads((tmp_path / "e.json").read_text())[0]["adapter_result"]["reward_mean"]
+    assert got == final["eval/reward_mean"]

@@ -41,6 +41,8 @@ class AdapterStepStats:
     n_rows: int = 0
     n_tokens: int = 0
     logprob_gap: float | None = None  # mean |rollout logprob - trainer old logprob|; None without rollout logprobs
+    tis_weight_mean: float | None = None  # mean truncated importance weight (tenants with `tis`), first epoch
+    tis_capped_frac: float | None = None  # share of those tokens whose weight hit `tis.cap`
     skipped_nonfinite: bool = False
     dropped_groups: int = 0
     stepped: bool = False

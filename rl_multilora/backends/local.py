@@ -14,6 +14,7 @@ import torch
 from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
 from rl_multilora.config import AdapterConfig
 from rl_multilora.lora import MultiLoRAModel
+from rl_multilora.losses import tenant_algo
 from rl_multilora.trainer import MultiLoRATrainer
 from rollout.types import Sample
 
@@ -58,7 +59,9 @@ class LocalBackend(TrainingBackend):
             target_parameters=cfg.target_parameters,
         )
         try:
-            self.trainer.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps)
+            t = self.trainer
+            algo = tenant_algo(t.cfg, cfg, t.temperature, t.norm_len or 1)
+            t.add_adapter(cfg.name, cfg.optim, lr=cfg.lr, max_steps=cfg.max_steps, algo=algo)
         except BaseException:
             self.model.remove_adapter(cfg.name)
             raise

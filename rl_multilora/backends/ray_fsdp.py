@@ -86,8 +86,10 @@ class _TrainerRank:
             m.path, mesh, m.max_loras, m.max_rank, m.target_modules, m.target_parameters, m.expert_lora,
             getattr(torch, m.dtype), node_ranks=node_ranks,
         )  # fmt: skip
-        temperature = self.cfg.rollout.logit_temperature
-        self.trainer = MultiLoRATrainer(self.model, self.cfg.grpo, self.pad_token_id, temperature=temperature)
+        r = self.cfg.rollout
+        self.trainer = MultiLoRATrainer(
+            self.model, self.cfg.grpo, self.pad_token_id, temperature=r.logit_temperature, norm_len=r.max_new_tokens
+        )
         self.local = LocalBackend(self.model, self.trainer)  # this rank's shard behind the one-process interface
         shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
         return {

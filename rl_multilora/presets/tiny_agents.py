@@ -654,55 +654,6 @@ def _old_task_stats(model, tokenizer, tiny: Path, cfg: AgentsPresetConfig, seed:
     }
 
 
-def evaluate_run(run_dir: str | Path, n_prompts: int = 100, split: str = "test") -> dict[str, dict]:
-    """Held-out greedy episodes of a run's calc and guess tenants: the base and each one's newest checkpoint, on the
-    first `n_prompts` rows of `split`; written to RUN_DIR/eval_agents_<split>.json.
-
-    Stands in for `rl-multilora eval` on these tenants until rl_multilora/evaluate.py passes a tenant's environment
-    to its held-out prompts. The episodes follow the environments' rules (`_Episode`) with each turn capped at the
-    tenant's `sampling.max_new_tokens` and its `environment.max_turns`; greedy decoding in transformers, not on
-    the rollout engine.
-    """
-    import torch
-    import yaml
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    run_dir = Path(run_dir)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    kinds = {"examples.multi_lora.agents:Calculator": "calc", "examples.multi_lora.agents:GuessingGame": "guess"}
-    tokenizer = AutoTokenizer.from_pretrained(cfg["model"]["path"])
-    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["path"], dtype=torch.float32).eval()
-    results = {}
-    for a in cfg["adapters"]:
-        kind = kinds.get((a.get("environment") or {}).get("path"))
-        steps = sorted((run_dir / "adapters" / a["name"]).glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        if kind is None or not steps:
-            continue
-        rows = [json.loads(line) for line in Path(a["dataset"]["data_files"][split]).read_text().splitlines()]
-        examples = [AgentExample(kind, r[a["dataset"]["prompt_key"]], str(r[a["dataset"]["label_key"]])) for r in rows]
-        examples = examples[:n_prompts]
-        max_new = (a.get("sampling") or {}).get("max_new_tokens") or cfg["rollout"]["max_new_tokens"]
-        turns = a["environment"]["max_turns"]
-        model = PeftModel.from_pretrained(base, steps[-1], adapter_name=a["name"]).eval()
-        with model.disable_adapter():
-            before, _, _ = sample_episodes(model, tokenizer, examples, turns, max_new, seed=0, greedy=True)
-        after, texts, _ = sample_episodes(model, tokenizer, examples, turns, max_new, seed=0, greedy=True)
-        base = model.unload()
-        results[a["name"]] = {
-            "task": kind,
-            "n_prompts": len(examples),
-            "step": int(steps[-1].name.split("_")[1]),
-            "base": sum(e.reward for e in before) / len(examples),
-            "trained": sum(e.reward for e in after) / len(examples),
-            "examples": [" | ".join(t) for t in texts[:3]],
-        }
-        log.info("%s held-out (greedy, %d prompts): base %.2f -> step %d %.2f", a["name"], len(examples),
-                 results[a["name"]]["base"], results[a["name"]]["step"], results[a["name"]]["trained"])  # fmt: skip
-    (run_dir / f"eval_agents_{split}.json").write_text(json.dumps(results, indent=2) + "\n")
-    return results
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/tiny-agents", help="output directory")
@@ -712,16 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT already holds this recipe")
     parser.add_argument("--pretrain-steps", type=int, default=None, help="override the step count (tests)")
-    parser.add_argument("--eval", metavar="RUN_DIR", help="instead: held-out greedy episodes of a run's agent tenants")
-    parser.add_argument("--n", type=int, default=100, help="with --eval: held-out prompts per tenant")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.eval:
-        for name, r in evaluate_run(args.eval, n_prompts=args.n).items():
-            print(
-                f"{name}: held-out base {r['base']:.2f} -> step {r['step']} {r['trained']:.2f} ({r['n_prompts']} prompts)"
-            )
-        return 0
     cfg = AgentsPresetConfig()
     if args.pretrain_steps is not None:
         cfg = replace(cfg, pretrain_steps=args.pretrain_steps)

@@ -35,7 +35,7 @@ from rollout.types import SamplingParams
 def sample_next_tokens(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """One next token per row: greedy at temperature 0, else temperature + top-k + top-p sampling.
+    """One next token per row: greedy at temperature 0, else temperature + top-k + top-p + min-p sampling.
 
     logits: (B, V) float32; `generators[i]` (CPU) drives row i and is only read for sampled rows.
     A row's token depends only on its own logits, settings and generator: rows with top-k/top-p
@@ -46,7 +46,7 @@ def sample_next_tokens(
     plain, filtered = [], []
     for i, p in enumerate(params):
         if p.temperature > 0:
-            (filtered if p.top_k > 0 or p.top_p < 1 else plain).append(i)
+            (filtered if p.top_k > 0 or p.top_p < 1 or p.min_p > 0 else plain).append(i)
     for group, use_filters in ((plain, False), (filtered, True)):
         if group:
             index = torch.tensor(group, device=logits.device)
@@ -71,12 +71,14 @@ def _inverse_cdf_sample(
     if use_filters:
         top_p = torch.tensor([p.top_p for p in params], device=device)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
         rank = torch.arange(vocab, device=device)[None, :]  # (1, V)
-        # Keep the top-k, and the smallest prefix whose mass reaches top_p (SGLang's rule); the
-        # first token always survives both filters.
+        # Keep the top-k, the smallest prefix whose mass reaches top_p (SGLang's rule), and the tokens at least min_p
+        # times as likely as the top one (min-p sampling); the first token always survives every filter.
         keep = (rank < top_k[:, None]) & ((probs.cumsum(-1) - probs) <= top_p[:, None])  # (S, V)
+        keep &= probs >= min_p[:, None] * probs[:, :1]
         probs = probs * keep
     else:
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
