@@ -49,9 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from safetensors.torch import load_file
 
-from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, validate_adapter_name
+from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, read_peft_folder, validate_adapter_name
 from rollout.engines.base import RolloutEngine
 from rollout.server.openai_api import add_openai_routes
 from rollout.server.state import STATE_KEY, ServerState
@@ -404,6 +403,9 @@ def _version_header(request: web.Request) -> int | None:
 async def _load_tensors(
     state: ServerState, name: str, tensors: dict, config: dict, version: int | None
 ) -> web.Response:
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:  # sampling from it would raise inside a shared batch: refused here, before the engine sees it
+        return _lora_response(state, False, f"Failed to load LoRA adapter {name}: {bad[0]} holds NaN or inf values")
     try:
         check_lora_config(config, allow_target_parameters=True)  # expert LoRA: the engine's model checks it
         await asyncio.to_thread(state.engine.load_adapter, name, tensors, config, version)
@@ -445,17 +447,15 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
     body = await _json_body(request, ("lora_name", "lora_path"))
     name = _adapter_name(body["lora_name"], "lora_name")
     folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
-    config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    if not config_file.is_file() or not weights_file.is_file():
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
         raise RequestError(
             f"lora_path={str(folder)!r} is not allowed; allowed: a PEFT folder on this host (with {CONFIG_NAME} "
             f"and {WEIGHTS_NAME})"
         )
-    try:
-        config = json.loads(config_file.read_text())
-        tensors = await asyncio.to_thread(load_file, str(weights_file))
+    try:  # the one adapter-folder loader: safetensors only, no links out, a LoRA config, finite tensors
+        tensors, config = await asyncio.to_thread(read_peft_folder, folder)
     except (OSError, ValueError) as exc:
-        raise RequestError(f"lora_path={str(folder)!r} could not be read: {exc}") from exc
+        raise RequestError(f"lora_path={str(folder)!r} could not be loaded: {exc}") from exc
     return await _load_tensors(state, name, tensors, config, _version_header(request))
 
 
