@@ -192,9 +192,12 @@ def run_evals(generator: GenerateState, scorer, jobs: Sequence[EvalJob]) -> list
         return []
     per_job = [job.eval_set.samples(job.engine_adapter) for job in jobs]
     flat = [s for samples in per_job for s in samples]
-    # One group: every request reaches the engine in one call, never mixed into a rollout's batches.
+    # Single-turn samples in one group: every request reaches the engine in one call, never mixed into a rollout's
+    # batches; episodes (tenants with an environment) in a group of their own, all run concurrently.
+    plain = [s for s in flat if s.environment is None]
+    episodes = [s for s in flat if s.environment is not None]
     gen = EvalGeneration(generator.engine, generator.tokenizer, GenerateStateHooks(), generator.sampling)
-    gen.run_sync([flat])
+    gen.run_sync([g for g in (plain, episodes) if g])
     scorer.score_samples(flat)
     return [
         job.eval_set.summarize(samples, job.adapter_step, job.base) for job, samples in zip(jobs, per_job, strict=True)

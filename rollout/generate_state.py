@@ -250,6 +250,8 @@ class GenerateState:
             return pool.submit(asyncio.run, self.run(groups)).result()
 
     async def _run_group(self, group: list[Sample]) -> None:
+        if len({s.environment is None for s in group}) > 1:
+            raise ValueError("a group mixes episodes (samples with an environment) and single-turn samples")
         if group[0].environment is not None:  # multi-turn episodes: each sample is one, all run concurrently
             await asyncio.gather(*(self._run_episode(sample) for sample in group))
             for sample in group:

@@ -202,8 +202,8 @@ def test_an_environment_tenant_trains_next_to_others_as_it_trains_alone(tmp_path
 
 
 def test_held_out_eval_plays_an_environment_tenants_episodes(tmp_path):
-    """Eval runs a tenant's episodes (its environment and own sampling), in the run and in `rl-multilora eval`, which
-    scores exactly what the run's final eval logged."""
+    """Eval runs a tenant's episodes (its environment and own sampling), beside a single-turn tenant's greedy answers,
+    in the run and in `rl-multilora eval`, which scores exactly what the run's final eval logged."""
     import json
 
     from rl_multilora import cli
@@ -222,21 +222,23 @@ def test_held_out_eval_plays_an_environment_tenants_episodes(tmp_path):
     }
     env["environment"] = {"path": "tests.env_plugins:Echo", "kwargs": {"turns": 2}, "max_tokens": 40}
     env["sampling"] = {"max_new_tokens": 5}
+    plain = {**sum_task_adapter(tmp_path / "data", "plain", 6, max_steps=2), "dataset": dict(env["dataset"])}
     cfg = {
         "run_dir": str(tmp_path / "run"),
-        "model": {"path": str(tmp_path / "model"), "max_loras": 1, "max_rank": 8},
+        "model": {"path": str(tmp_path / "model"), "max_loras": 2, "max_rank": 8},
         "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
         "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
         "logging": {"plot": False, "progress": False},
         "rewards": {"num_workers": 1},
         "eval": {"enabled": True, "n_prompts": 6},
-        "adapters": [env],
+        "adapters": [plain, env],  # the single-turn tenant's samples come first in the eval batch
     }
     run(parse_run_config(cfg))
-    rows = [r for r in read_metrics(tmp_path / "run") if r.get("kind") == "eval"]
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("kind") == "eval" and r["adapter"] == "env"]
     final = [r for r in rows if not r["eval/base"]][-1]
     assert final["adapter_step"] == 2 and final["eval/n_prompts"] == 6 and final["eval/errors"] == 0
     assert 0.25 <= final["eval/reward_mean"] <= 1.25  # Echo pays 0.25 per turn plus 1 for a digit
     assert cli.main(["eval", str(tmp_path / "run"), "--out", str(tmp_path / "e.json")]) == 0
-    got = json.loads((tmp_path / "e.json").read_text())[0]["adapter_result"]["reward_mean"]
-    assert got == final["eval/reward_mean"]
+    got = {r["adapter"]: r for r in json.loads((tmp_path / "e.json").read_text())}
+    assert got["env"]["adapter_result"]["reward_mean"] == final["eval/reward_mean"]
+    assert got["plain"]["adapter_result"]["reward_mean"] is not None
