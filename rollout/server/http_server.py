@@ -40,7 +40,6 @@ config checks) is in `sglang_protocol.py`; the `engine-serve` entry point is in 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import threading
@@ -53,7 +52,7 @@ from aiohttp import web
 from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, read_peft_folder, validate_adapter_name
 from rollout.engines.base import RolloutEngine
 from rollout.server.openai_api import add_openai_routes
-from rollout.server.state import STATE_KEY, ServerState
+from rollout.server.state import STATE_KEY, ServerState, strict_json_loads
 from rollout.sglang.protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,
@@ -135,8 +134,8 @@ async def _json_body(request: web.Request, required: tuple[str, ...] = ()) -> di
         body: Any = {}
     else:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = await request.json(loads=strict_json_loads)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
             raise RequestError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
@@ -548,14 +547,19 @@ async def _get_model_info(request: web.Request) -> web.Response:
 
 
 def make_app(
-    engine: RolloutEngine, api_key: str | None = None, model_name: str = "rl-multilora", tokenizer: Any = None
+    engine: RolloutEngine,
+    api_key: str | None = None,
+    model_name: str = "rl-multilora",
+    tokenizer: Any = None,
+    max_body_bytes: int = 1024**3,
 ) -> web.Application:
-    """The aiohttp app. `tokenizer` (optional, with `.decode`) fills the `text` field of responses."""
+    """The aiohttp app. `tokenizer` (optional, with `.decode`) fills the `text` field of responses.
+    `max_body_bytes`: a larger body is refused with 413 before it is read (adapter tensor pushes are the big ones)."""
     if not isinstance(engine, RolloutEngine):
         raise TypeError(f"engine must be a RolloutEngine, got {type(engine).__name__}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    app = web.Application(middlewares=[_auth_middleware], client_max_size=1024**3)
+    app = web.Application(middlewares=[_auth_middleware], client_max_size=max_body_bytes)
 
     async def _on_startup(app: web.Application) -> None:
         # Events must be created on the serving loop.
@@ -588,11 +592,13 @@ def serve(
     api_key: str | None = None,
     model_name: str = "rl-multilora",
     tokenizer: Any = None,
+    max_body_bytes: int = 1024**3,
 ) -> None:
     """Serve `engine` until interrupted. Binds 127.0.0.1 unless told otherwise."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an api_key: anyone who can reach it can load adapters", host)
-    web.run_app(make_app(engine, api_key, model_name, tokenizer), host=host, port=port, print=None)
+    app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes)
+    web.run_app(app, host=host, port=port, print=None)
 
 
 class BackgroundServer:
@@ -609,8 +615,9 @@ class BackgroundServer:
         api_key: str | None = None,
         model_name: str = "rl-multilora",
         tokenizer: Any = None,
+        max_body_bytes: int = 1024**3,
     ) -> None:
-        self.app = make_app(engine, api_key, model_name, tokenizer)
+        self.app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None

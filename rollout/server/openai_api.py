@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
 
 from aiohttp import web
 
-from rollout.server.state import STATE_KEY
+from rollout.server.state import STATE_KEY, strict_json_loads
 from rollout.types import GenerateRequest, SamplingParams
 
 
@@ -89,9 +90,9 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
     if state.tokenizer is None:
         return _error("this server has no tokenizer: the OpenAI routes need one (engine-serve loads it)", 400)
     try:
-        body = await request.json()
-    except ValueError:
-        return _error("the body is not valid JSON", 400)
+        body = await request.json(loads=strict_json_loads)
+    except ValueError as e:
+        return _error(f"the body is not valid JSON: {e}", 400)
     if not isinstance(body, dict):
         return _error("the body must be a JSON object", 400)
     tok = state.tokenizer
@@ -102,14 +103,17 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise OpenAIRequestError("messages is not allowed; allowed: a non-empty list of {role, content}")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            # Templating and tokenizing a long prompt take seconds: in a thread, never on the event loop.
+            text = await asyncio.to_thread(
+                tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=False
+            )
+            ids = (await asyncio.to_thread(tok, text, add_special_tokens=False))["input_ids"]
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if isinstance(prompt, str) and prompt:
-                ids = tok(prompt)["input_ids"]
+                ids = (await asyncio.to_thread(tok, prompt))["input_ids"]
             elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 ids = list(prompt)
             else:
@@ -121,6 +125,10 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
     await state.running.wait()  # as /generate: wait out a weight sync's pause
     req = GenerateRequest(input_ids=list(ids), adapter=adapter, sampling=sampling, rid=uuid.uuid4().hex)
     (result,) = await state.engine.agenerate([req])
+    if result.finish_reason == "error" and " is not allowed; allowed: " in (result.error or ""):
+        # The engine's request checks (e.g. a prompt longer than the context) answer in this grammar: the request's
+        # fault, a 400 the openai client does not retry (a 503 made it retry three times).
+        return _error(result.error, 400)
     if result.finish_reason in ("error", "abort"):
         return _error(f"generation did not finish: {result.error or result.finish_reason}", 503)
     text = tok.decode(result.output_ids, skip_special_tokens=True)

@@ -101,8 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--expert-lora", choices=("per_expert", "shared_a"), default="per_expert", help="expert LoRA layout"
     )
+    parser.add_argument(
+        "--max-body-mb",
+        type=int,
+        default=1024,
+        help="largest request body in MiB (default 1024: adapter tensor pushes); larger ones get a 413 unread",
+    )
     args = parser.parse_args(argv)
-    for key in ("port", "max_loras", "max_rank"):
+    for key in ("port", "max_loras", "max_rank", "max_body_mb"):
         if getattr(args, key) < 1:
             flag = f"--{key.replace('_', '-')}"
             parser.error(f"{flag}={getattr(args, key)!r} is not allowed; allowed: a positive integer")
@@ -117,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.max_loras, args.max_rank, args.target_modules, args.target_parameters, args.expert_lora
     )
     try:
-        serve(engine, host=args.host, port=args.port, api_key=api_key, model_name=args.model, tokenizer=tokenizer)
+        serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            model_name=args.model,
+            tokenizer=tokenizer,
+            max_body_bytes=args.max_body_mb * 1024**2,
+        )
     finally:
         engine.close()
     return 0

@@ -7,6 +7,7 @@ without importing each other.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,3 +31,13 @@ class ServerState:
 
 
 STATE_KEY = web.AppKey("rl_multilora_state", ServerState)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a number JSON allows: send finite numbers")
+
+
+def strict_json_loads(text: str):
+    """`json.loads` without Python's NaN / Infinity extension (RFC 8259): a `temperature: NaN` is a request error,
+    not a float that silently means greedy."""
+    return json.loads(text, parse_constant=_no_constants)

@@ -1,0 +1,80 @@
+"""Request mistakes are the client's, answered 4xx in SGLang's / OpenAI's shapes: NaN or Infinity in a body, a prompt
+longer than the model's context (which the openai client retried as a 503), an oversized body (413, unread); and
+tokenizing a huge chat prompt does not stall the event loop for everyone else (/health)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from rl_multilora.lora import MultiLoRAModel
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.server.http_server import BackgroundServer
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+openai = pytest.importorskip("openai")  # a dev dependency (pyproject [dev])
+KEY = {"Authorization": "Bearer k3y"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = tiny_tokenizer()
+    model = MultiLoRAModel.from_model(tiny_model(seed=0), max_loras=1, max_rank=8)
+    engine = EmbeddedEngine(model, tok)
+    with BackgroundServer(engine, api_key="k3y", model_name="tiny", tokenizer=tok, max_body_bytes=2 * 1024**2) as s:
+        yield s, openai.OpenAI(base_url=f"{s.url}/v1", api_key="k3y", max_retries=0)
+    engine.close()
+
+
+def test_nan_and_infinity_are_refused_not_read_as_greedy(served):
+    server, _ = served
+    body = '{"input_ids": [5, 6], "sampling_params": {"temperature": NaN, "max_new_tokens": 2}}'
+    r = requests.post(f"{server.url}/generate", data=body, headers={**KEY, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "NaN is not a number JSON allows" in r.text
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}'
+    r = requests.post(
+        f"{server.url}/v1/chat/completions", data=body, headers={**KEY, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and "Infinity" in r.json()["error"]["message"]
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_the_client_does_not_retry(served):
+    _, client = served
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="tiny", prompt="1" * 300, max_tokens=2)  # the tiny model's context: 256
+
+
+def test_an_oversized_body_is_refused_with_413(served):
+    server, _ = served
+    big = '{"input_ids": [' + ",".join(["5"] * 1_200_000) + "]}"  # about 2.4 MB of JSON, over the 2 MiB limit
+    r = requests.post(f"{server.url}/generate", data=big, headers={**KEY, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "Maximum request body size" in r.text
+
+
+def test_health_answers_while_a_huge_chat_prompt_is_tokenized(served):
+    server, client = served
+    prompt = "a" * 1_900_000  # just under the body limit; its template + tokenization take seconds here
+    done = threading.Event()
+
+    def send():
+        try:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=1)
+        except openai.BadRequestError:
+            pass  # longer than the context: refused, after tokenizing
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    time.sleep(0.2)
+    latencies = []
+    while not done.is_set():
+        t0 = time.perf_counter()
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    worker.join(30)
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies  # several probes while it was busy
