@@ -9,6 +9,7 @@ import time
 
 import pytest
 import requests
+import torch
 
 from rl_multilora.lora import MultiLoRAModel
 from rollout.engines.embedded import EmbeddedEngine
@@ -78,3 +79,29 @@ def test_health_answers_while_a_huge_chat_prompt_is_tokenized(served):
         time.sleep(0.05)
     worker.join(30)
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies  # several probes while it was busy
+
+
+def test_a_nan_adapter_fails_only_its_own_requests_in_a_shared_batch():
+    """The engine's own guard (the server refuses NaN adapters before; a diverged in-process adapter can still get
+    there): the NaN adapter's rows finish with an error, the base's and the healthy adapter's rows in the same batch
+    come out as they do without it."""
+    from rollout.types import GenerateRequest, SamplingParams
+
+    tok = tiny_tokenizer()
+    model = MultiLoRAModel.from_model(tiny_model(seed=0), max_loras=2, max_rank=8)
+    model.add_adapter("good", rank=4, alpha=8, seed=1)
+    model.add_adapter("bad", rank=4, alpha=8, seed=2)
+    engine = EmbeddedEngine(model, tok)
+    try:
+        engine.load_adapter("good", model.adapter_state_dict("good"), model.peft_config("good"))
+        nan = {k: torch.full_like(v, float("nan")) for k, v in model.adapter_state_dict("bad").items()}
+        engine.load_adapter("bad", nan, model.peft_config("bad"))
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+        healthy = [GenerateRequest([5, 6, 7], None, sampling), GenerateRequest([5, 6, 8], "good", sampling)]
+        alone = engine.generate(healthy)
+        mixed = engine.generate([GenerateRequest([5, 6, 9], "bad", sampling), *healthy])
+        assert mixed[0].finish_reason == "error" and "NaN or inf logits" in mixed[0].error
+        for got, want in zip(mixed[1:], alone, strict=True):
+            assert got.finish_reason == want.finish_reason and got.output_ids == want.output_ids
+    finally:
+        engine.close()

@@ -78,6 +78,8 @@ from rollout.engines.base import RolloutEngine
 from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
+_NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
+
 PAUSE_MODES = ("abort", "wait")
 logger = logging.getLogger(__name__)
 
@@ -526,6 +528,17 @@ class EmbeddedEngine(RolloutEngine):
                     return
                 batch = self._start(rows)
             while batch is not None:
+                # A row whose logits are not finite (e.g. its adapter's weights are NaN) finishes alone with an error;
+                # sampling it would raise for the whole batch, every other request included.
+                finite = torch.isfinite(batch.logits).all(dim=-1)  # (B,)
+                if not bool(finite.all()):
+                    for i in (~finite).nonzero().squeeze(1).tolist():
+                        self._finish(batch.rows[i], "error", error=_NONFINITE_ERROR)
+                    good = finite.nonzero().squeeze(1).tolist()
+                    if not good:
+                        return
+                    with self._weights_lock:
+                        batch.select(good)
                 tokens, logprobs = self._sample(batch.logits, batch.rows)  # (B,), (B,)
                 keep = [
                     i for i, row in enumerate(batch.rows) if not self._append_and_check(row, tokens[i], logprobs[i])
