@@ -105,3 +105,10 @@ def test_a_nan_adapter_fails_only_its_own_requests_in_a_shared_batch():
             assert got.finish_reason == want.finish_reason and got.output_ids == want.output_ids
     finally:
         engine.close()
+
+
+def test_generate_answers_a_prompt_longer_than_the_context_with_400(served):
+    server, _ = served
+    body = {"input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 2}}  # the tiny model's context: 256
+    r = requests.post(f"{server.url}/generate", json=body, headers=KEY)
+    assert r.status_code == 400 and "context length" in r.text

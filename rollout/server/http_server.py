@@ -368,6 +368,13 @@ async def _generate(request: web.Request) -> web.Response:
             return _error(f"{type(exc).__name__}: {exc}", 500)
         if len(results) != len(reqs):
             return _error(f"engine returned {len(results)} results for {len(reqs)} requests", 500)
+        # The engine's request checks (a prompt longer than the context, a bad token id) answer in the
+        # "X is not allowed; allowed: Y" grammar: the request's fault, which SGLang answers with a 400.
+        invalid = [
+            r.error for r in results if r.finish_reason == "error" and " is not allowed; allowed: " in (r.error or "")
+        ]
+        if invalid:
+            return _bad_request(invalid[0])
     items = [
         _response_item(state, q, r, rid, flag)
         for q, r, rid, flag in zip(reqs, results, rids, logprob_flags, strict=True)
