@@ -242,3 +242,40 @@ def test_held_out_eval_plays_an_environment_tenants_episodes(tmp_path):
     got = {r["adapter"]: r for r in json.loads((tmp_path / "e.json").read_text())}
     assert got["env"]["adapter_result"]["reward_mean"] == final["eval/reward_mean"]
     assert got["plain"]["adapter_result"]["reward_mean"] is not None
+
+
+def test_environment_tokens_get_no_gradient():
+    """An episode's environment tokens (loss_mask 0) carry no loss: the trainer's gradient equals the autograd gradient
+    of the surrogate over the model's own tokens only (first PPO epoch: -A * grad log-prob, token mean), and differs
+    from the one that would include the environment's tokens."""
+    from rl_multilora.config import GRPOSettings
+    from tests.test_trainer import build, sample
+
+    response = [8, 9, 10, 11, 12, 13, 14]
+    mask = [1, 1, 0, 0, 0, 1, 1]  # model turn, environment turn, model turn
+    rows = [
+        sample("a", 0, 1.0, prompt=(5, 6, 7), response=response, loss_mask=mask),
+        sample("a", 0, 0.0, prompt=(5, 6, 7), response=response[::-1], loss_mask=mask),
+    ]
+
+    def reference_norm(keep_all: bool) -> float:
+        model, _ = build(["a"], GRPOSettings(micro_batch_size=4, normalize_std=False, drop_uniform_groups=False))
+        loss, n = 0.0, 0
+        for s, adv in zip(rows, (0.5, -0.5), strict=True):  # rewards 1, 0: advantages +-0.5 without std
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(ids, attention_mask=torch.ones_like(ids), adapter_names=["a"]).logits[0]
+            logp = torch.log_softmax(logits.float(), -1)[2:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            keep = torch.ones(len(mask), dtype=torch.bool) if keep_all else torch.tensor(mask, dtype=torch.bool)
+            loss = loss - (adv * logp[keep]).sum()
+            n += int(keep.sum())
+        (loss / n).backward()
+        slot = model.slot_of("a")  # the stacked slot tensors hold the grads; the adapter's rows are slot `slot`
+        norms = [p.grad[slot].norm() for k, p in model.named_parameters() if k.endswith(("lora_A", "lora_B"))]
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+    # build: the same seeds every time, so each call starts from the same adapter (lora_B = 0 at init: its A gets no
+    # gradient; B's gradient is what differs)
+    _, trainer = build(["a"], GRPOSettings(micro_batch_size=4, normalize_std=False, drop_uniform_groups=False))
+    got = trainer.train_step(rows)["a"].grad_norm
+    assert got == pytest.approx(reference_norm(keep_all=False), rel=1e-5)
+    assert got != pytest.approx(reference_norm(keep_all=True), rel=1e-3)
