@@ -414,6 +414,9 @@ def _allowed_part(e: Exception) -> str:
 def adapter_problems(a: AdapterConfig, model: ModelConfig, where: str = "") -> list[str]:
     """Cross-field checks of one adapter against the model (no I/O)."""
     p = _name_problem(a.name, where)
+    own_temp = a.sampling.temperature if a.sampling is not None else None
+    if a.tis is not None and own_temp not in (None, 0.0, 1.0):
+        p.append(_tis_temperature_problem(f"{where}tis", own_temp))
     if a.rank > model.max_rank:
         p.append(bad_value(f"{where}rank", a.rank, f"an integer <= model.max_rank ({model.max_rank})"))
     if a.target_modules is not None and a.target_modules != model.target_modules:
@@ -440,12 +443,26 @@ def adapter_problems(a: AdapterConfig, model: ModelConfig, where: str = "") -> l
     return p
 
 
+def _tis_temperature_problem(where: str, temperature: float) -> str:
+    # Engines report log-probs at temperature 1 (before any filter) while the trainer's are at the tenant's sampling
+    # temperature: their ratio would be the temperature's, not the engine-vs-trainer mismatch TIS corrects.
+    return bad_value(
+        where,
+        "set",
+        f"null with a sampling temperature of {temperature} (TIS needs temperature 1, or 0 for greedy, until engines "
+        "report log-probs at the sampling temperature)",
+    )
+
+
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
         where = f"adapters.{i}."
         problems += adapter_problems(a, cfg.model, where)
+        own_temp = a.sampling.temperature if a.sampling is not None else None
+        if a.tis is not None and own_temp is None and cfg.rollout.temperature not in (0.0, 1.0):
+            problems.append(_tis_temperature_problem(f"{where}tis", cfg.rollout.temperature))
         if a.name in seen:
             problems.append(bad_value(f"{where}name", a.name, "a name no other adapter of this config has"))
         seen.add(a.name)

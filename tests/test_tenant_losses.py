@@ -90,3 +90,16 @@ def test_tis_weights_are_reported_and_capped():
     assert 0.0 < a.tis_capped_frac < 1.0 and a.logprob_gap is not None and a.logprob_gap > 0.3
     assert b.tis_weight_mean is None  # only the tenant that asked for it
     assert math.isfinite(a.loss)
+
+
+def test_tis_is_refused_at_a_sampling_temperature_its_log_probs_cannot_correct():
+    from rl_multilora.config import ConfigError, parse_run_config
+
+    tenant = {"name": "a", "dataset": {"path": "json"}, "reward": {"name": "gsm8k"}, "max_steps": 2, "tis": {}}
+    for cfg in (
+        {"adapters": [{**tenant, "sampling": {"temperature": 0.7}}]},
+        {"rollout": {"temperature": 0.9}, "adapters": [tenant]},
+    ):
+        with pytest.raises(ConfigError, match=r"adapters\.0\.tis=.*TIS needs temperature 1"):
+            parse_run_config({"model": {"path": "m"}, **cfg})
+    assert parse_run_config({"model": {"path": "m"}, "adapters": [tenant]}).adapters[0].tis.cap == 2.0
