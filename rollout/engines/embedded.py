@@ -47,8 +47,11 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   started are kept and run after `resume()` on the then-current weights.
 - Bad requests (unknown adapter, bad sampling values, empty prompt) fail that request only, with
   finish_reason "error" and a message naming the field, the value and what is allowed; the other
-  requests of the call run normally. A forward that raises (e.g. out of memory) fails the rows of
-  that batch with "error"; the worker keeps serving later requests.
+  requests of the call run normally. Sampling numbers must be finite (a NaN temperature is an error,
+  not greedy) and a seed must fit the generator, so no request's settings can raise inside a shared
+  batch. A row whose logits come out NaN or inf (e.g. its adapter's weights are) finishes alone with
+  "error" before sampling; the rest of its batch goes on. A forward that raises (e.g. out of memory)
+  fails the rows of that batch with "error"; the worker keeps serving later requests.
 
 One file: `EmbeddedEngine` is one worker thread and the state it shares with the callers
 (queue, pause flags, adapter table, bank) under two locks; the batch helpers below (`_Row`, `_Batch`)
@@ -61,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import threading
 import time
@@ -79,6 +83,7 @@ from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 _NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
+_SEED_RANGE = 2**64  # a torch.Generator seed is an unsigned 64-bit integer
 
 PAUSE_MODES = ("abort", "wait")
 logger = logging.getLogger(__name__)
@@ -175,6 +180,11 @@ class _Batch:
         self.slots = torch.cat([self.slots, other.slots])
         self.logits = torch.cat([self.logits, other.logits])
         self.rows = self.rows + other.rows
+
+
+def _finite(value: Any) -> bool:
+    """A real, finite number (bools are not sampling numbers)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -300,6 +310,11 @@ class EmbeddedEngine(RolloutEngine):
         with self._weights_lock:
             return {name: entry.version for name, entry in self._adapters.items()}
 
+    @property
+    def context_length(self) -> int | None:
+        """The model's max positions (prompt + output), or None when its config has none; servers check it."""
+        return self._context_len
+
     # ------------------------------------------------------------------ generation API
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
@@ -339,9 +354,9 @@ class EmbeddedEngine(RolloutEngine):
             on_done([])
             return job
         rows: list[_Row] = []
+        errors = [self._check_request(request) for request in requests]  # outside the lock: the worker is not held up
         with self._cond:
-            for i, request in enumerate(requests):
-                error = self._check_request(request)
+            for i, (request, error) in enumerate(zip(requests, errors, strict=True)):
                 if error is None and self._closed:
                     error = "the engine is closed"
                 if error is not None:
@@ -363,22 +378,28 @@ class EmbeddedEngine(RolloutEngine):
         ids = request.input_ids
         if not ids:
             return "input_ids=[] is not allowed; allowed: a list of at least one prompt token id"
-        bad = [i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self._vocab_size]
-        if bad:
-            allowed = f"a token id (int) in [0, {self._vocab_size})"
-            return f"input_ids[{bad[0]}]={ids[bad[0]]!r} is not allowed; allowed: {allowed}"
-        if self._context_len is not None and len(ids) >= self._context_len:
+        if self._context_len is not None and len(ids) >= self._context_len:  # first: O(1) for a huge prompt
             return (
                 f"len(input_ids)={len(ids)} is not allowed; allowed: a prompt shorter than the model's context length "
                 f"{self._context_len}"
             )
+        bad = [i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self._vocab_size]
+        if bad:
+            allowed = f"a token id (int) in [0, {self._vocab_size})"
+            return f"input_ids[{bad[0]}]={ids[bad[0]]!r} is not allowed; allowed: {allowed}"
         if request.adapter is not None and request.adapter not in self._adapters:
             return self._unknown_adapter(request.adapter)
         p = request.sampling
-        if not isinstance(p.temperature, (int, float)) or p.temperature < 0:
-            return f"sampling.temperature={p.temperature!r} is not allowed; allowed: a number >= 0 (0 = greedy)"
-        if not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+        if not _finite(p.temperature) or p.temperature < 0:
+            return f"sampling.temperature={p.temperature!r} is not allowed; allowed: a finite number >= 0 (0 = greedy)"
+        if not _finite(p.top_p) or not 0 < p.top_p <= 1:
             return f"sampling.top_p={p.top_p!r} is not allowed; allowed: a number in (0, 1]"
+        if not _finite(p.min_p) or not 0 <= p.min_p <= 1:
+            return f"sampling.min_p={p.min_p!r} is not allowed; allowed: a number in [0, 1] (0 = off)"
+        if p.seed is not None and (
+            not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < _SEED_RANGE
+        ):
+            return f"sampling.seed={p.seed!r} is not allowed; allowed: None or an integer in [0, 2**64)"
         if not isinstance(p.top_k, int) or (p.top_k != -1 and p.top_k < 1):
             return f"sampling.top_k={p.top_k!r} is not allowed; allowed: -1 (off) or an int >= 1"
         if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 0:

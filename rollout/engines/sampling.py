@@ -66,11 +66,14 @@ def _inverse_cdf_sample(
     """Inverse-CDF sampling of one token per row; logits: (S, V) float32 -> (S,) token ids."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperature[:, None]  # (S, V)
+    # Shift each row's maximum to 0 before dividing: finite logits over a vanishing temperature then give 0 and -inf
+    # (the argmax, as the limit T -> 0 is), never inf - inf = NaN, which drew an out-of-vocabulary index.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]  # (S, V), max 0 per row
     order = None
     if use_filters:
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        # A top-k at or above the vocabulary keeps everything (and a huge one would not fit in an int64 tensor).
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
         min_p = torch.tensor([p.min_p for p in params], device=device)
         scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V) most likely first
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
