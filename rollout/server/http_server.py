@@ -25,7 +25,17 @@ Design choices (each follows SGLang unless said otherwise):
   deadlocks SGLang. A row the engine aborts on its own (e.g. its adapter changed mid-request) carries the
   engine's reason as its message, never the pause's.
 - The engine's blocking calls (generate, load, unload, pause, resume) run in worker threads
-  (`engine.agenerate`, `asyncio.to_thread`), never on the event loop.
+  (`engine.agenerate`, `asyncio.to_thread`), never on the event loop; so do parsing a JSON body and checking a
+  `/generate` body, which take a second or more for a body of tens of MB (`/health` stays responsive).
+- Request bodies are limited (`max_body_bytes`, `engine-serve --max-body-mb`, 32 MiB by default; adapter tensor
+  pushes to `/load_lora_adapter_from_tensors` have their own `max_adapter_body_bytes`, 1 GiB): a larger body
+  answers 413 without being buffered. The key is checked first, so without it nothing is read at all.
+  Deviation: SGLang (uvicorn) sets no limit.
+- Non-finite numbers (NaN, Infinity, or a literal like 1e999 that overflows to inf) anywhere in a body answer 400
+  naming the field; Python's JSON reader would otherwise take them and `temperature: NaN` meant greedy.
+- A prompt longer than the context, or a prompt plus an explicit `max_new_tokens` reaching it, answers 400 with
+  SGLang's messages and the shape SGLang gives its request ValueErrors (`{"error": {"message"}}`); without
+  `max_new_tokens` the context caps the output, as in SGLang.
 - Deviation: `meta_info.weight_version` is the request's adapter version (SGLang's is one server-wide string;
   base rows report "default"), and `/model_info` (alias `/get_model_info`) and the LoRA endpoints add
   `adapter_versions`. The adapter version to assign comes in the `X-Adapter-Version` header, since SGLang's
@@ -52,7 +62,15 @@ from aiohttp import web
 from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, read_peft_folder, validate_adapter_name
 from rollout.engines.base import RolloutEngine
 from rollout.server.openai_api import add_openai_routes
-from rollout.server.state import STATE_KEY, ServerState, strict_json_loads
+from rollout.server.state import (
+    DEFAULT_MAX_ADAPTER_BODY_BYTES,
+    DEFAULT_MAX_BODY_BYTES,
+    STATE_KEY,
+    NonFiniteNumberError,
+    ServerState,
+    context_error,
+    read_json,
+)
 from rollout.sglang.protocol import (
     ADAPTER_VERSION_HEADER,
     SAFETENSORS_LOAD_FORMAT,
@@ -102,6 +120,11 @@ class RequestError(ValueError):
     """A request that fails validation; answered with 400 and this message."""
 
 
+class SGLangValueError(RequestError):
+    """A request SGLang's own checks refuse with a ValueError (e.g. too long for the context): 400 in the shape
+    SGLang gives those, `{"error": {"message"}}`."""
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 
@@ -134,8 +157,10 @@ async def _json_body(request: web.Request, required: tuple[str, ...] = ()) -> di
         body: Any = {}
     else:
         try:
-            body = await request.json(loads=strict_json_loads)
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
+            body = await read_json(request)  # parsed in a thread
+        except NonFiniteNumberError as exc:  # NaN / Infinity / 1e999, naming the field
+            raise RequestError(str(exc)) from exc
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             raise RequestError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
@@ -215,7 +240,9 @@ def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
             raise RequestError(f"{where}.stop_token_ids={ids!r} is not allowed; allowed: a list of token ids")
         sp.stop_token_ids = list(ids)
     if raw.get("sampling_seed") is not None:
-        sp.seed = _want(raw, "sampling_seed", int, "an integer")
+        sp.seed = _want(raw, "sampling_seed", int, "an integer in [0, 2**64)")
+        if not 0 <= sp.seed < 2**64:  # a torch.Generator seed; a larger one raised inside the engine's batch
+            raise RequestError(f"{where}.sampling_seed={sp.seed!r} is not allowed; allowed: an integer in [0, 2**64)")
     return sp
 
 
@@ -274,6 +301,17 @@ def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], li
     return requests, [bool(f) for f in logprob_flags], single
 
 
+def _parse_and_check(body: dict[str, Any], context_len: int | None) -> tuple[list[GenerateRequest], list[bool], bool]:
+    """`parse_generate_body` plus SGLang's length checks (run in a thread: a body may hold millions of ids)."""
+    reqs, logprob_flags, single = parse_generate_body(body)
+    raw = _per_item(body.get("sampling_params"), len(reqs), "sampling_params", single)
+    for req, sampling in zip(reqs, raw, strict=True):
+        explicit = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+        if (message := context_error(len(req.input_ids), explicit, context_len)) is not None:
+            raise SGLangValueError(message)
+    return reqs, logprob_flags, single
+
+
 def _finish_json(result: GenerateResult) -> dict[str, Any]:
     """Our finish reason -> SGLang's `BaseFinishReason.to_json()` shape."""
     if result.finish_reason == "stop":
@@ -329,14 +367,41 @@ async def _auth_middleware(request: web.Request, handler):
             return web.json_response({"error": "Unauthorized"}, status=401)
     try:
         return await handler(request)
+    except SGLangValueError as exc:
+        return _error(str(exc), 400)
     except RequestError as exc:
         return _bad_request(str(exc))
+
+
+@web.middleware
+async def _body_limit_middleware(request: web.Request, handler):
+    """413 for a body over the route's limit: at once from Content-Length (the body is discarded, never buffered),
+    or when a chunked body crosses it while being read."""
+    state: ServerState = request.app[STATE_KEY]
+    adapter_push = request.path == "/load_lora_adapter_from_tensors"
+    limit = state.max_adapter_body_bytes if adapter_push else state.max_body_bytes
+    flag = "--max-adapter-body-mb" if adapter_push else "--max-body-mb"
+    size = request.content_length
+    if size is None or size <= limit:
+        try:
+            return await handler(request.clone(client_max_size=limit))
+        except web.HTTPRequestEntityTooLarge:
+            size = None
+    actual = f", actual body size {size}" if size is not None else ""
+    message = (
+        f"Maximum request body size {limit} exceeded{actual} (the server's limit: engine-serve {flag}, "
+        f"{limit / 1024**2:g} MiB)"
+    )
+    if request.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        return web.json_response(body, status=413)
+    return _error(message, 413)
 
 
 async def _generate(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     body = await _json_body(request)
-    reqs, logprob_flags, single = parse_generate_body(body)
+    reqs, logprob_flags, single = await asyncio.to_thread(_parse_and_check, body, state.context_length)
     rids = [r.rid or uuid.uuid4().hex for r in reqs]
     await state.running.wait()  # requests that arrive during a pause wait for /continue_generation
     aborted = asyncio.Event()
@@ -460,8 +525,8 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
         )
     try:  # the one adapter-folder loader: safetensors only, no links out, a LoRA config, finite tensors
         tensors, config = await asyncio.to_thread(read_peft_folder, folder)
-    except (OSError, ValueError) as exc:
-        raise RequestError(f"lora_path={str(folder)!r} could not be loaded: {exc}") from exc
+    except (OSError, ValueError) as exc:  # as a failed load in SGLang: LoRAUpdateOutput, naming the adapter
+        return _lora_response(state, False, f"Failed to load LoRA adapter {name}: lora_path={str(folder)!r}: {exc}")
     return await _load_tensors(state, name, tensors, config, _version_header(request))
 
 
@@ -558,19 +623,32 @@ def make_app(
     api_key: str | None = None,
     model_name: str = "rl-multilora",
     tokenizer: Any = None,
-    max_body_bytes: int = 1024**3,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
 ) -> web.Application:
     """The aiohttp app. `tokenizer` (optional, with `.decode`) fills the `text` field of responses.
-    `max_body_bytes`: a larger body is refused with 413 before it is read (adapter tensor pushes are the big ones)."""
+    `max_body_bytes`: a larger body is refused with 413, unread; `max_adapter_body_bytes` is that limit for
+    `/load_lora_adapter_from_tensors` (adapter tensor pushes are the big bodies)."""
     if not isinstance(engine, RolloutEngine):
         raise TypeError(f"engine must be a RolloutEngine, got {type(engine).__name__}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    app = web.Application(middlewares=[_auth_middleware], client_max_size=max_body_bytes)
+    for key, value in (("max_body_bytes", max_body_bytes), ("max_adapter_body_bytes", max_adapter_body_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} is not allowed; allowed: a positive number of bytes")
+    # Auth first: a request without the key is answered before its body is read. The body limit is per route.
+    app = web.Application(middlewares=[_auth_middleware, _body_limit_middleware])
 
     async def _on_startup(app: web.Application) -> None:
         # Events must be created on the serving loop.
-        state = ServerState(engine=engine, api_key=api_key, model_name=model_name, tokenizer=tokenizer)
+        state = ServerState(
+            engine=engine,
+            api_key=api_key,
+            model_name=model_name,
+            tokenizer=tokenizer,
+            max_body_bytes=max_body_bytes,
+            max_adapter_body_bytes=max_adapter_body_bytes,
+        )
         state.running.set()
         app[STATE_KEY] = state
 
@@ -599,12 +677,13 @@ def serve(
     api_key: str | None = None,
     model_name: str = "rl-multilora",
     tokenizer: Any = None,
-    max_body_bytes: int = 1024**3,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
 ) -> None:
     """Serve `engine` until interrupted. Binds 127.0.0.1 unless told otherwise."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an api_key: anyone who can reach it can load adapters", host)
-    app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes)
+    app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes)
     web.run_app(app, host=host, port=port, print=None)
 
 
@@ -622,9 +701,10 @@ class BackgroundServer:
         api_key: str | None = None,
         model_name: str = "rl-multilora",
         tokenizer: Any = None,
-        max_body_bytes: int = 1024**3,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
     ) -> None:
-        self.app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes)
+        self.app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None

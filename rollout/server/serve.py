@@ -104,11 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-body-mb",
         type=int,
+        default=32,
+        help="largest request body in MiB (default 32); a larger one gets a 413 and is not buffered",
+    )
+    parser.add_argument(
+        "--max-adapter-body-mb",
+        type=int,
         default=1024,
-        help="largest request body in MiB (default 1024: adapter tensor pushes); larger ones get a 413 unread",
+        help="largest /load_lora_adapter_from_tensors body in MiB (default 1024: a weight sync's base64 safetensors)",
     )
     args = parser.parse_args(argv)
-    for key in ("port", "max_loras", "max_rank", "max_body_mb"):
+    for key in ("port", "max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb"):
         if getattr(args, key) < 1:
             flag = f"--{key.replace('_', '-')}"
             parser.error(f"{flag}={getattr(args, key)!r} is not allowed; allowed: a positive integer")
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.model,
             tokenizer=tokenizer,
             max_body_bytes=args.max_body_mb * 1024**2,
+            max_adapter_body_bytes=args.max_adapter_body_mb * 1024**2,
         )
     finally:
         engine.close()
