@@ -1,8 +1,19 @@
-"""GRPO's math, free of any model: group advantages, the clipped policy loss, the KL estimators, the LR schedule.
+"""GRPO's math, free of any model: group advantages, the clipped policy loss, the KL estimators, the per-token loss
+of a mixed micro-batch and its per-adapter sums, the LR schedule.
 
 Each function states its shapes; the trainer (`rl_multilora.trainer`) applies them per adapter over a mixed batch.
 Deviations from the textbook: warmup is (step + 1) / warmup_steps so the first step already learns; group std is the
 unbiased one (as TRL and verl) and a uniform group's advantages are exactly 0.
+
+Design choices of the mixed-batch loss (`token_loss`):
+
+- Each token's loss is its own tenant's: a tenant with its own algorithm (`rl_multilora.losses.TenantAlgo`) has its
+  own surrogate, clip range, KL coefficient, sampling temperature and TIS weight; the others use the run's
+  `GRPOSettings`. Aggregation is not here: the batch builder's per-token weights (`rl_multilora.batch`) turn token
+  losses into each adapter's own normalized loss (`per_adapter_sum` of weight * loss).
+- The KL reference is the base model: the same rows with every adapter switched off, so no second model is kept. The
+  old log-probs are the trainer's own first-epoch forward (the rollout engine's are only compared against them).
+- Entropy enters the loss only with `entropy_coef > 0`; otherwise it is reported, detached.
 """
 
 from __future__ import annotations
@@ -11,12 +22,17 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from rl_multilora.config import OptimSettings
+from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
+from rl_multilora.losses import TenantAlgo, tis_weights, token_losses
 from rollout.types import Sample
+
+if TYPE_CHECKING:
+    from rl_multilora.batch import TokenIndex
 
 KL_TYPES = ("k1", "k3", "low_var_kl")
 
@@ -131,3 +147,115 @@ def compute_advantages(
             for i in idx:
                 kept[i] = False
     return AdvantageStats(kept=kept, groups=dict(n_groups), dropped_groups=dict(n_dropped))
+
+
+# ----------------------------------------------------------------------------- the loss of a mixed micro-batch
+
+
+@dataclass
+class TokenSettings:
+    """The loss settings of each token of a micro-batch: its own tenant's where some tenant has its own algorithm."""
+
+    algos: list[TenantAlgo | None]  # per adapter of the micro-batch (`TokenIndex.adapter`); None: the run's settings
+    temperature: torch.Tensor | None  # (N,) each token's sampling temperature; None: the run's, for every token
+    kl_coef: torch.Tensor | None  # (N,) each token's KL coefficient; None: the run's, for every token
+    need_ref: bool  # whether some token has a KL term (so the reference forward must run)
+
+    @property
+    def custom(self) -> bool:
+        """Whether some tenant of the micro-batch has its own algorithm."""
+        return any(a is not None for a in self.algos)
+
+    @staticmethod
+    def of(
+        algos: list[TenantAlgo | None], cfg: GRPOSettings, temperature: float, adapter: torch.Tensor
+    ) -> TokenSettings:
+        """`algos` per adapter of the micro-batch, `temperature` the run's, `adapter` (N,) each token's adapter."""
+        if not any(a is not None for a in algos):
+            return TokenSettings(algos, None, None, cfg.kl_coef > 0.0)
+        per_name = [(a.temperature, a.kl_coef) if a else (temperature, cfg.kl_coef) for a in algos]
+        device = adapter.device
+        temp_tok = torch.tensor([t for t, _ in per_name], dtype=torch.float32, device=device)[adapter]  # (N,)
+        kl_coef_tok = torch.tensor([k for _, k in per_name], dtype=torch.float32, device=device)[adapter]  # (N,)
+        return TokenSettings(algos, temp_tok, kl_coef_tok, any(k > 0.0 for _, k in per_name))
+
+
+@dataclass
+class TokenLoss:
+    """The per-token loss terms of one micro-batch, all (N,)."""
+
+    total: torch.Tensor  # pg + kl_coef * kl - entropy_coef * entropy: the token's loss before its aggregation weight
+    pg: torch.Tensor  # policy-gradient surrogate (times the TIS weight where a tenant uses TIS)
+    kl: torch.Tensor  # KL(policy || base) estimate; zeros without a KL term
+    clipped: torch.Tensor  # bool: the clip changed the token's surrogate
+    tis: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (weight, applied, capped) when some tenant uses TIS
+
+
+def token_loss(
+    cfg: GRPOSettings,
+    settings: TokenSettings,
+    tok: TokenIndex,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor,
+    n_rows: int,
+) -> TokenLoss:
+    """Each token's loss under its own tenant's settings. `logp`, `old_logp`, `entropy`: (N,); `ref_logp`: (N,) the
+    base model's log-probs, None when no token has a KL term; `n_rows`: the micro-batch's rows (`tok.row` < n_rows)."""
+    kl_tok = kl_penalty(logp, ref_logp, cfg.kl_type) if ref_logp is not None else torch.zeros_like(logp)  # (N,)
+    ent_term = entropy if cfg.entropy_coef > 0.0 else entropy.detach()  # (N,)
+    if settings.custom:
+        pg_tok, clipped, tis = tenant_policy_loss(cfg, settings.algos, tok, logp, old_logp, n_rows)
+        total = pg_tok + settings.kl_coef * kl_tok - cfg.entropy_coef * ent_term  # (N,)
+    else:
+        pg_tok, clipped = policy_loss(logp, old_logp, tok.advantage, cfg.eps_clip, cfg.eps_clip_high)
+        tis = None
+        total = pg_tok + cfg.kl_coef * kl_tok - cfg.entropy_coef * ent_term  # (N,)
+    return TokenLoss(total=total, pg=pg_tok, kl=kl_tok, clipped=clipped, tis=tis)
+
+
+def tenant_policy_loss(
+    cfg: GRPOSettings,
+    algos: list[TenantAlgo | None],
+    tok: TokenIndex,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    n_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Per-token policy loss of a micro-batch where some tenants have their own algorithm: each tenant's tokens
+    get its own surrogate and clip range (rl_multilora.losses), times its TIS weight when it asks for one.
+    Returns (loss, clipped, TIS (weight, applied, capped) or None), all (N,)."""
+    device = logp.device
+    groups: dict[tuple[str, float, float], list[int]] = {}
+    for i, a in enumerate(algos):
+        key = (a.loss, a.eps_low, a.eps_high) if a else ("grpo", cfg.eps_clip, cfg.eps_clip_high)
+        groups.setdefault(key, []).append(i)
+    loss = torch.zeros_like(logp)
+    clipped = torch.zeros_like(logp, dtype=torch.bool)
+    for (kind, eps_low, eps_high), members in groups.items():
+        sel = torch.isin(tok.adapter, torch.tensor(members, device=device)).nonzero().squeeze(1)  # (M,)
+        part, part_clipped = token_losses(
+            kind, logp[sel], old_logp[sel], tok.advantage[sel], tok.row[sel], n_rows, eps_low, eps_high
+        )
+        loss = loss.index_put((sel,), part)  # out of place: the graph keeps every tenant's part
+        clipped[sel] = part_clipped
+    with_tis = [i for i, a in enumerate(algos) if a is not None and a.tis_mode is not None]
+    if not with_tis:
+        return loss, clipped, None
+    weight = torch.ones_like(logp)
+    applied = torch.zeros_like(logp, dtype=torch.bool)
+    capped = torch.zeros_like(logp, dtype=torch.bool)
+    for i in with_tis:
+        a = algos[i]
+        sel = ((tok.adapter == i) & tok.has_rollout).nonzero().squeeze(1)  # rows without engine log-probs: 1
+        w = tis_weights(old_logp[sel], tok.rollout_logp[sel], tok.row[sel], n_rows, a.tis_mode, a.tis_cap)
+        weight[sel] = w.to(weight.dtype)
+        applied[sel] = True
+        capped[sel] = w >= a.tis_cap
+    return loss * weight, clipped, (weight, applied, capped)
+
+
+def per_adapter_sum(values: torch.Tensor, adapter: torch.Tensor, n_adapters: int) -> torch.Tensor:
+    """out[a] = sum over tokens i with adapter[i] = a of values[i]; values, adapter: (N,) -> (n_adapters,)."""
+    return torch.zeros(n_adapters, device=values.device, dtype=values.dtype).index_add_(0, adapter, values)

@@ -1,0 +1,131 @@
+"""One tenant's optimizer: AdamW + LR schedule over the leaf views of its own slot, one clipping path, the NaN skip.
+
+Design choices:
+
+- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name)` only: leaf views of its own slot in
+  the model's stacked LoRA tensors, so each tenant's optimizer is exactly the per-tenant AdamW it would be over
+  separate tensors (same shapes, state and results) while the forward runs every slot in one grouped path. The
+  backward accumulates into the stacked grads; before a tenant steps, the trainer points its views' `.grad` at its
+  slot's part (`attach_slot_grads`).
+- One clipping path (`clip_grads_`) for one process and for ranks: the grad norm comes from the rank coordinator
+  (`rl_multilora.ranks.RankCoordinator.grad_norm`), one process being world 1. A non-finite norm or loss skips the
+  step (counted by the caller, nobody else affected); the grads are dropped either way.
+- A tenant with no rows is not stepped at all: AdamW with weight decay would otherwise still move it, and its schedule
+  and step counter would drift from the data it saw. The scheduler's `last_epoch` is the tenant's step count.
+- Warmup is (step + 1) / warmup_steps (`rl_multilora.grpo.lr_multiplier`), so the first step already learns.
+- A rank that does not hold the slot (sharded model) keeps an optimizer over an empty placeholder, so its schedule and
+  learning rate stay in step with the holding rank's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rl_multilora.config import OptimSettings
+from rl_multilora.errors import bad_value
+from rl_multilora.grpo import lr_multiplier
+
+
+def clip_grads_(grads: Sequence[torch.Tensor], grad_norm: torch.Tensor | float, max_norm: float) -> None:
+    """g *= min(1, max_norm / (grad_norm + 1e-6)) for every g in `grads`, in place: `clip_grad_norm_`'s rule.
+
+    The coefficient is computed in `grad_norm`'s own arithmetic: a 0-dim tensor (one process) gives exactly what
+    `clip_grad_norm_` computes, a float (the float64 norm over ranks) the same rule in float64."""
+    coef = min(1.0, float(float(max_norm) / (grad_norm + 1e-6)))
+    for g in grads:
+        g.mul_(coef)
+
+
+class TenantOptimizer:
+    """`name`'s AdamW (peak `lr`) and LR schedule over `params` (its slot's leaf views; empty on a rank that does not
+    hold the slot); `max_steps` is its budget in optimizer steps (what a cosine schedule decays over)."""
+
+    def __init__(
+        self, name: str, params: list[torch.nn.Parameter], optim: OptimSettings, lr: float, max_steps: int | None
+    ):
+        if not isinstance(optim, OptimSettings):
+            raise TypeError(bad_value(f"{name}.optim", type(optim).__name__, "a rl_multilora.config.OptimSettings"))
+        if not lr > 0.0:
+            raise ValueError(bad_value(f"{name}.lr", lr, "a number > 0"))
+        if optim.schedule == "cosine" and not (max_steps is not None and max_steps > optim.warmup_steps):
+            # the same rule as config validation: fail here, at admission, never mid-run
+            raise ValueError(bad_value(f"{name}.max_steps", max_steps, "an integer > warmup_steps with cosine"))
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        self.settings = optim
+        self.params = params
+        held = params or [torch.nn.Parameter(torch.zeros(0))]
+        self.optimizer = torch.optim.AdamW(
+            held, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, max_steps))
+
+    @property
+    def holds(self) -> bool:
+        """Whether this rank holds the slot (has parameters to step)."""
+        return bool(self.params)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken, as the LR scheduler counts them."""
+        return self.scheduler.last_epoch
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's grads of the tenant (the parameters that have one)."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, grad_norm: torch.Tensor | float | None, skip: bool) -> tuple[bool, float | None]:
+        """Clip the grads by `grad_norm` (over all ranks, from the rank coordinator; None when no backward reached
+        the tenant) and step, unless `skip` (its loss was not finite) or the norm is not finite; drop the grads
+        either way. Returns (stepped, the pre-clip grad norm or None)."""
+        norm = None if grad_norm is None else float(grad_norm)
+        max_norm = self.settings.max_grad_norm
+        if norm is not None and max_norm is not None and not skip and math.isfinite(norm):
+            clip_grads_(self.grads(), grad_norm, max_norm)
+        ok = not skip and (norm is None or math.isfinite(norm))
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return ok, norm
+
+    def drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and scheduler state, for checkpoints (the scheduler's `last_epoch` is the step count)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], name: str) -> None:
+        """Restore what `state_dict` returned (saved with the same OptimSettings). Without the slot (sharded model)
+        only the schedule and learning rate are taken. `name`: the tenant, for the error message."""
+        missing = {"optimizer", "scheduler"} - set(state)
+        if missing:
+            raise ValueError(
+                bad_value(f"optimizer state of {name!r}", sorted(state), f"keys including {sorted(missing)}")
+            )
+        if self.params:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"], strict=True):
+                group["lr"] = saved["lr"]
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _lr_lambda(optim: OptimSettings, total_steps: int | None) -> Callable[[int], float]:
+    # A plain function, not a functools.partial: LambdaLR's state_dict saves the __dict__ of callable objects.
+    def fn(step: int) -> float:
+        return lr_multiplier(step, optim, total_steps)
+
+    return fn
