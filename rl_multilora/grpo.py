@@ -167,17 +167,22 @@ class TokenSettings:
         return any(a is not None for a in self.algos)
 
     @staticmethod
+    def needs_ref(algos: list[TenantAlgo | None], cfg: GRPOSettings) -> bool:
+        """Whether some of these tenants (None: the run's settings) has a KL term."""
+        return any((cfg.kl_coef if a is None else a.kl_coef) > 0.0 for a in algos)
+
+    @staticmethod
     def of(
         algos: list[TenantAlgo | None], cfg: GRPOSettings, temperature: float, adapter: torch.Tensor
     ) -> TokenSettings:
         """`algos` per adapter of the micro-batch, `temperature` the run's, `adapter` (N,) each token's adapter."""
         if not any(a is not None for a in algos):
-            return TokenSettings(algos, None, None, cfg.kl_coef > 0.0)
+            return TokenSettings(algos, None, None, TokenSettings.needs_ref(algos, cfg))
         per_name = [(a.temperature, a.kl_coef) if a else (temperature, cfg.kl_coef) for a in algos]
         device = adapter.device
         temp_tok = torch.tensor([t for t, _ in per_name], dtype=torch.float32, device=device)[adapter]  # (N,)
         kl_coef_tok = torch.tensor([k for _, k in per_name], dtype=torch.float32, device=device)[adapter]  # (N,)
-        return TokenSettings(algos, temp_tok, kl_coef_tok, any(k > 0.0 for _, k in per_name))
+        return TokenSettings(algos, temp_tok, kl_coef_tok, TokenSettings.needs_ref(algos, cfg))
 
 
 @dataclass

@@ -222,6 +222,10 @@ class MultiLoRATrainer:
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(row) -> (old_logp, ref_logp)
         algos = {n: t.algo for n, t in self._tenants.items()}
         weights = token_weights(rows_by_adapter, self.cfg.loss_agg, algos)
+        # Reference log-probs are cached in the first epoch for every row when any tenant of the step has KL: a
+        # tenant leaving after an epoch re-cuts the micro-batches, so a row can meet a KL tenant's rows only later.
+        # One flag for the step also keeps every rank's count of forwards the same (FSDP collectives).
+        step_ref = TokenSettings.needs_ref([algos[n] for n in rows_by_adapter], self.cfg)
         sums = _Sums()
         active = set(rows_by_adapter)
         ranks = self._ranks
@@ -237,9 +241,11 @@ class MultiLoRATrainer:
             backwarded: set[str] = set()
             for micro in micro_batches(shares, ranks.rank, self.cfg.micro_batch_size):
                 if not micro:  # this rank is short of rows: join the collectives (same forwards) at weight zero
-                    self._micro_step([rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), first_epoch=epoch == 0, filler=True)
+                    self._micro_step(
+                        [rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), epoch == 0, step_ref, filler=True
+                    )
                     continue
-                bad, good = self._micro_step(micro, weights, cache, sums, first_epoch=epoch == 0)
+                bad, good = self._micro_step(micro, weights, cache, sums, epoch == 0, step_ref)
                 nonfinite_loss |= bad
                 backwarded |= good
             nonfinite_loss, backwarded = ranks.agree(sorted(active), nonfinite_loss, backwarded)
@@ -311,10 +317,12 @@ class MultiLoRATrainer:
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
         sums: _Sums,
         first_epoch: bool,
+        step_ref: bool,
         filler: bool = False,
     ) -> tuple[set[str], set[str]]:
         """Forward + backward of one micro-batch; returns the adapters whose loss here was not finite, and those
-        whose loss went into the backward. `filler`: a zero-weight stand-in on a rank short of rows, which runs the
+        whose loss went into the backward. `step_ref`: whether some tenant of the whole step has KL (the first
+        epoch then caches every row's reference log-probs). `filler`: a zero-weight stand-in on a rank short of rows, which runs the
         same forwards and backward as the other ranks (their FSDP collectives) and caches nothing."""
         device = next(self.model.parameters()).device
         names = sorted({r.adapter for r in micro})
@@ -326,7 +334,7 @@ class MultiLoRATrainer:
         need_ref, temp_tok = settings.need_ref, settings.temperature
 
         ref_logp = None
-        if first_epoch and need_ref:
+        if first_epoch and step_ref:
             with torch.no_grad():
                 ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(micro), tok, temp_tok)  # (N,)
         logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok, temp_tok)  # (N,), (N,)
@@ -338,13 +346,15 @@ class MultiLoRATrainer:
             # No optimizer step has happened yet in this train_step: this forward IS the old policy.
             old_logp = logp.detach()
             splits_old = old_logp.split(tok.counts)
-            splits_ref = ref_logp.split(tok.counts) if need_ref else [None] * len(micro)
+            splits_ref = ref_logp.split(tok.counts) if step_ref else [None] * len(micro)
             for r, o, f in zip(micro, splits_old, splits_ref, strict=True):
                 cache[id(r)] = (o, f)
         else:
             old_logp = torch.cat([cache[id(r)][0] for r in micro])  # (N,)
             if need_ref:
                 ref_logp = torch.cat([cache[id(r)][1] for r in micro])  # (N,)
+        if not need_ref:
+            ref_logp = None  # no token of this micro-batch has a KL term (a 0 * inf term would still be NaN)
         loss = token_loss(self.cfg, settings, tok, logp, old_logp, ref_logp, entropy, len(micro))
 
         def per_adapter(values: torch.Tensor) -> torch.Tensor:

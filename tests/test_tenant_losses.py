@@ -103,3 +103,23 @@ def test_tis_is_refused_at_a_sampling_temperature_its_log_probs_cannot_correct()
         with pytest.raises(ConfigError, match=r"adapters\.0\.tis=.*TIS needs temperature 1"):
             parse_run_config({"model": {"path": "m"}, **cfg})
     assert parse_run_config({"model": {"path": "m"}, "adapters": [tenant]}).adapters[0].tis.cap == 2.0
+
+
+def test_a_kl_tenant_meets_rows_in_a_later_epoch_whose_first_epoch_micro_batch_had_no_kl():
+    """Two PPO epochs, the run without KL, one tenant with its own: when a tenant leaves after the first epoch the
+    micro-batches are cut again, so a row whose first-epoch micro-batch needed no reference log-probs can share one
+    with the KL tenant's rows later. The reference log-probs are cached for every row of a step that has some KL,
+    and the KL tenant still ends where it ends trained alone."""
+    two_epochs = GRPOSettings(micro_batch_size=4, drop_uniform_groups=False, ppo_epochs=2)
+
+    def rows():  # c: 2 rows, b: 2 rows, a: 4 rows -> epoch 1 cuts [c c b b] [a a a a], epoch 2 [b b a a] [a a]
+        return random_samples("c", 1, 2, seed=3) + random_samples("b", 1, 2, seed=2) + random_samples("a", 1, 4, seed=1)
+
+    mixed_model, mixed = _build({"a": {"kl_coef": 0.05}, "b": {}, "c": {}}, two_epochs)
+    alone_model, alone = _build({"a": {"kl_coef": 0.05}}, two_epochs)
+    stats = mixed.train_step(rows(), max_steps={"c": 1})
+    assert stats["c"].n_steps == 1 and stats["a"].n_steps == 2 and stats["b"].n_steps == 2
+    alone_stats = alone.train_step(random_samples("a", 1, 4, seed=1))
+    assert stats["a"].kl == pytest.approx(alone_stats["a"].kl, rel=1e-5, abs=1e-9) and stats["a"].kl > 0
+    for x, y in zip(params_of(mixed_model, "a"), params_of(alone_model, "a"), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
