@@ -199,9 +199,10 @@ class Runtime:
             self.metrics.log_row(row)
             log.info(eval_line(row))
 
-    def final_evals(self) -> list[EvalResult]:
+    def final_evals(self, run_over: bool = False) -> list[EvalResult]:
         """Evaluate every adapter that finished its budget on its final checkpoint (its weights after the last step,
-        which no rollout used), in batches of as many as the engine has slots."""
+        which no rollout used), in batches of as many as the engine has slots. `run_over`: the run stopped (e.g. at
+        `max_global_steps`), so adapters still running are evaluated on their newest checkpoint too."""
         from rl_multilora.metrics import read_metrics
 
         done = {
@@ -211,8 +212,11 @@ class Runtime:
         }  # a finished run dir run again evaluates nothing twice
         todo = [
             (t, self.eval_set(t.cfg))
-            for t in self.tenants.in_state(TenantState.DRAINED, TenantState.REMOVED)
+            for t in self.tenants.in_state(
+                TenantState.DRAINED, TenantState.REMOVED, *((TenantState.RUNNING,) if run_over else ())
+            )
             if t.last_checkpoint
+            and t.adapter_step > 0
             and t.last_eval_step != t.adapter_step
             and (t.name, t.adapter_step) not in done
             and self.eval_set(t.cfg) is not None
@@ -327,7 +331,10 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
                 means = [r.reward_mean for r in res.records if r.reward_mean is not None]
                 bar.set_postfix(reward=f"{statistics.fmean(means):.3f}" if means else "-", refresh=False)
                 bar.update(1)
-        rt.final_evals()
+        # Stopped with adapters still running (max_global_steps): their steps since the last periodic save are
+        # checkpointed (nothing trained is lost, and the run resumes from here) and evaluated like finished ones.
+        rt.checkpoint_all()
+        rt.final_evals(run_over=True)
         if cfg.logging.plot:
             png = plot_reward_curves(cfg.run_dir)
             if png:

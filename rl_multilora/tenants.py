@@ -533,6 +533,9 @@ class TenantManager:
     def snapshot(self, t: Tenant, note: str | None = None, in_step: bool = True) -> AdapterSnapshot:
         """What a checkpoint of `t` holds. `in_step`: taken during global step `global_step` (committed once the
         run state records that step as done), or between steps (committed already)."""
+        version = t.weight_version
+        if not t.dirty and version is not None:  # the engine already has these weights: the version before them
+            version = version - 1 if version > 0 else None
         return AdapterSnapshot(
             tensors=self.backend.adapter_state_dict(t.name),
             peft_config=self.backend.peft_config(t.name),
@@ -542,7 +545,9 @@ class TenantManager:
                 "adapter_step": t.adapter_step,
                 "global_step": self.global_step,
                 "steps_done": self.global_step + int(in_step),
-                "weight_version": t.weight_version,
+                # The version before these weights: resume's first push gives them the version they have in an
+                # uninterrupted run (a checkpoint taken after the engine got these weights, as a stop's, steps back).
+                "weight_version": version,
                 "state": t.state.value,
                 "note": note,
                 "last_reward": t.last_reward,

@@ -286,3 +286,19 @@ def test_eval_refuses_a_bad_peft_folder_before_loading_the_model(runs, ws, capsy
         err = capsys.readouterr().err
         assert code == 2, (name, err)
         assert str(folder) in err and expected[name] in err and "Traceback" not in err, (name, err)
+
+
+def test_a_run_stopped_by_max_global_steps_checkpoints_and_evaluates_its_running_adapters(ws, tmp_path):
+    """max_global_steps ends the run between periodic saves (save_every 2, stop after 3): each still-running
+    adapter's step 3 is checkpointed (nothing trained is lost) and gets its final eval on exactly those weights."""
+    run_dir = tmp_path / "stopped"
+    rt = run(parse_run_config(dict(_cfg(ws, run_dir, True), max_global_steps=3)))
+    rows = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]
+    for name in ("a", "b"):
+        t = rt.tenants.get(name)
+        assert t.state.value == "RUNNING" and t.adapter_step == 3
+        assert CheckpointManager(run_dir).latest(name).name == "step_3"
+        assert [(r["adapter_step"], r["eval/base"]) for r in rows if r["adapter"] == name] == [
+            (0, True), (2, False), (3, False)
+        ]  # fmt: skip
+    assert summarize(run_dir)["a"]["eval_final_step"] == 3

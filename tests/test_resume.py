@@ -126,16 +126,17 @@ def test_stop_then_resume_ignores_half_written_checkpoints_and_matches(workspace
     cfg = _config(workspace, run_dir)
     run(parse_run_config(dict(cfg, max_global_steps=3)))  # stops after 3 global steps: t1 at adapter step 3
     t1 = run_dir / "adapters" / "t1"
-    assert [s for s, _ in list_checkpoints(t1)] == [2]
+    # step 2 is the periodic save; step 3 the stop's (nothing trained is lost when max_global_steps ends a run)
+    assert [s for s, _ in list_checkpoints(t1)] == [2, 3]
     # What a crash mid-save can leave: a temp folder that looks complete, and a folder without checkpoint.json.
-    # Both claim a newer step, with weights that would be wrong; resume must use step_2.
-    for fake, step in [(".tmp-step_4-x1", 4), ("step_3", 3)]:
-        shutil.copytree(t1 / "step_2", t1 / fake)
+    # Both claim a newer step, with weights that would be wrong; resume must use step_3.
+    for fake, step in [(".tmp-step_5-x1", 5), ("step_4", 4)]:
+        shutil.copytree(t1 / "step_3", t1 / fake)
         zeros = {k: torch.zeros_like(v) for k, v in load_file(str(t1 / fake / "adapter_model.safetensors")).items()}
         save_file(zeros, str(t1 / fake / "adapter_model.safetensors"))
         meta = json.loads((t1 / fake / CKPT_META).read_text()) | {"adapter_step": step}
         (t1 / fake / CKPT_META).write_text(json.dumps(meta))
-    (t1 / "step_3" / CKPT_META).unlink()
+    (t1 / "step_4" / CKPT_META).unlink()
     rows_before = len(read_metrics(run_dir))
     assert rows_before == 9
 
