@@ -369,7 +369,51 @@ def test_pause_wait_lets_in_flight_requests_finish_on_the_old_weights(engine, mo
         engine.pause(mode="later")
 
 
-def test_reloading_an_adapter_mid_request_aborts_it_instead_of_mixing_versions(engine, model, peft_adapters):
+def test_publishing_a_version_mid_request_lets_running_rows_finish_on_theirs_and_pauses_no_one(
+    engine, model, peft_adapters
+):
+    """A new version of `a` loaded without a pause (a free slot exists: 3 adapters, 4 slots) goes into another slot:
+    `a`'s running row finishes on version 0 with exactly version 0's tokens, a row started afterwards runs on
+    version 1, `b`'s long row never stops, and the load returns while both are still decoding. The old slot is
+    freed once its last row is done."""
+    _, tensors, config = peft_adapters["a"]
+    doubled = {k: v * 2 for k, v in tensors.items()}
+    long = greedy(60, stop_token_ids=[])
+    expected_old = engine.generate([GenerateRequest(PROMPTS[0], "a", long)])[0]
+    expected_b = engine.generate([GenerateRequest(PROMPTS[1], "b", long)])[0]
+    decoding, hook = slowed(model)
+    try:
+        thread, box = run_in_thread(
+            engine.generate, [GenerateRequest(PROMPTS[0], "a", long), GenerateRequest(PROMPTS[1], "b", long)]
+        )
+        assert decoding.wait(10)
+        start = time.monotonic()
+        assert engine.load_adapter("a", doubled, config) == 1  # no pause
+        load_s = time.monotonic() - start
+        assert "out" not in box  # both rows were still decoding when the publish returned
+        after = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(5, stop_token_ids=[]))])[0]
+        thread.join(30)
+    finally:
+        hook.remove()
+    old, other = box["out"]
+    assert old.finish_reason == "length" and old.weight_version == 0 and old.output_ids == expected_old.output_ids
+    assert other.finish_reason == "length" and other.output_ids == expected_b.output_ids
+    assert after.weight_version == 1 and load_s < 0.5  # it waited one slowed decode step at most, not 60
+    assert engine._retiring == {} and engine._slot_rows.get(0, 0) == 0  # the old slot was freed
+    fresh = EmbeddedEngine(model, tiny_tokenizer())
+    try:
+        fresh.load_adapter("a", doubled, config)
+        assert fresh.generate([GenerateRequest(PROMPTS[0], "a", long)])[0].output_ids == engine.generate(
+            [GenerateRequest(PROMPTS[0], "a", long)]
+        )[0].output_ids  # the new slot holds exactly the new weights
+    finally:
+        fresh.close()
+
+
+def test_reloading_an_adapter_mid_request_without_a_free_slot_aborts_it_instead_of_mixing_versions(
+    engine, model, peft_adapters
+):
+    engine.load_adapter("d", *peft_adapters["a"][1:])  # all 4 slots taken: no room to keep version 0 running
     decoding, hook = slowed(model)
     try:
         requests = [

@@ -414,7 +414,8 @@ def test_abort_message_is_the_engines_reason_not_the_pause():
 
 
 def test_embedded_engine_abort_reason_reaches_the_http_response(tmp_path):
-    """The real engine aborts a row whose adapter was reloaded mid-request (no pause); the response says so."""
+    """The real engine aborts a row whose adapter was reloaded mid-request (no pause) when no free slot can keep its
+    version running; the response says so."""
     from rollout.server.serve import build_embedded_engine
     from tests.tiny_models import EOS_ID, save_tiny_model
 
@@ -441,6 +442,7 @@ def test_embedded_engine_abort_reason_reaches_the_http_response(tmp_path):
         with BackgroundServer(engine, tokenizer=tokenizer) as server:
             client = SGLangEngine(server.url, tensor_format="safetensors")
             old = client.load_adapter("a", adapter, CONFIG)
+            client.load_adapter("b", adapter, CONFIG)  # both slots taken: a new version of a overwrites the old one
             box: dict[str, dict] = {}
             body = {"input_ids": [5, 6, 7], "lora_path": "a", "sampling_params": {"max_new_tokens": 8}}
             worker = threading.Thread(

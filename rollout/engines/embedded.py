@@ -36,10 +36,15 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   matched on the decoded text of the last few tokens (enough to cover the longest stop string).
 - Weight versions: every adapter has a version (`version` if given, else previous + 1, starting
   at 0 for a name never loaded before; unloading keeps the counter so versions of a name only go
-  up). A row records its adapter's version when it is prefilled. Before every forward the worker
-  checks it again; a row whose adapter was reloaded or unloaded mid-flight comes back "abort",
-  so no result ever mixes tokens of two versions, even when `load_adapter` is called without a
-  pause.
+  up). A row records its adapter's slot and version when it is prefilled, and no result ever mixes
+  tokens of two versions, even when `load_adapter` is called without a pause.
+- Versioned publish (no pause): loading a new version of an adapter whose rows are running writes it
+  into a free slot; the running rows finish on the old slot (their result's `weight_version` says
+  which), rows that start later get the new one, and the old slot is cleared and freed when its last
+  row finishes. Other adapters' rows never stop: a load waits only for the model call in progress
+  (one decode step). With no free slot the new version overwrites the old one in place, and the old
+  version's running rows come back "abort" (resubmit them), as they do when their adapter is
+  unloaded.
 - Pause: `pause(mode="abort")` (default) aborts in-flight rows at the next step boundary (they
   come back with finish_reason "abort" and no output: resubmit them); `pause(mode="wait")` lets
   the running wave finish on the weights it started with. Either way `pause()` returns only once
@@ -126,6 +131,7 @@ class _Row:
     seed: int
     slot: int = -1
     version: int | None = None
+    holds_slot: bool = False  # counted in the engine's rows per slot until it finishes
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -240,6 +246,12 @@ class EmbeddedEngine(RolloutEngine):
             self._bank.clear(slot)
         self._adapters: dict[str, _AdapterEntry] = {}
         self._last_version: dict[str, int] = {}
+        # Versioned publish: rows running per slot, and the slots that hold an older version of an adapter
+        # (slot -> (name, version)) until their last row finishes. `_slots_lock` guards both; it is taken
+        # after `_weights_lock` where both are held, never the other way round.
+        self._slots_lock = threading.Lock()
+        self._slot_rows: dict[int, int] = {}
+        self._retiring: dict[int, tuple[str, int]] = {}
 
         # `_cond` guards the queue, the pause flags and `_busy`; `_weights_lock` is held by the
         # worker around each model call and by load/unload, so weights never change mid-forward.
@@ -274,17 +286,20 @@ class EmbeddedEngine(RolloutEngine):
         validate_adapter_name(name)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise ValueError(f"version={version!r} is not allowed; allowed: an int or None (adapter {name!r})")
-        with self._weights_lock:
+        with self._weights_lock, self._slots_lock:
             entry = self._adapters.get(name)
-            if entry is not None:
-                slot = entry.slot
+            used = {e.slot for e in self._adapters.values()} | set(self._retiring)
+            free = [s for s in range(self._max_loras) if s not in used]
+            retire = entry is not None and self._slot_rows.get(entry.slot, 0) > 0 and bool(free)
+            if entry is not None and not retire:
+                slot = entry.slot  # nothing of it is running (or no room to keep it): overwrite in place
             else:
-                used = {e.slot for e in self._adapters.values()}
-                free = [s for s in range(self._max_loras) if s not in used]
                 if not free:
                     raise RuntimeError(
                         f"cannot load adapter {name!r}: all {self._max_loras} engine slots are in use by "
-                        f"{sorted(self._adapters)}; unload one first"
+                        f"{sorted(self._adapters)}"
+                        + (f" and older versions still running ({len(self._retiring)})" if self._retiring else "")
+                        + "; unload one first"
                     )
                 slot = free[0]
             # The bank validates everything (peft_type LORA, 1 <= r <= max_rank, no rsLoRA/DoRA, every key a
@@ -295,16 +310,19 @@ class EmbeddedEngine(RolloutEngine):
             except (ValueError, TypeError) as err:
                 raise ValueError(f"cannot load adapter {name!r} into the engine: {err}") from err
             new_version = version if version is not None else self._last_version.get(name, -1) + 1
+            if retire:  # its running rows finish on the old slot, which is freed after the last of them
+                self._retiring[entry.slot] = (name, entry.version)
             self._adapters[name] = _AdapterEntry(slot=slot, version=new_version)
             self._last_version[name] = new_version
         return new_version
 
     def unload_adapter(self, name: str) -> None:
-        with self._weights_lock:
+        with self._weights_lock, self._slots_lock:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise KeyError(f"adapter {name!r} is not loaded in the engine; loaded: {sorted(self._adapters)}")
             self._bank.clear(entry.slot)
+            # Its older versions' rows stop too (they come back "abort"); their slots free when those rows finish.
 
     def adapter_versions(self) -> dict[str, int]:
         with self._weights_lock:
@@ -504,6 +522,13 @@ class EmbeddedEngine(RolloutEngine):
                 return [self._queue.popleft() for _ in range(n)]
 
     def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
+        if row.holds_slot:
+            row.holds_slot = False
+            with self._slots_lock:
+                left = self._slot_rows[row.slot] = self._slot_rows[row.slot] - 1
+                if left == 0 and row.slot in self._retiring:  # an older version's last row: free its slot
+                    del self._retiring[row.slot]
+                    self._bank.clear(row.slot)
         keep_output = reason in ("stop", "length")
         result = GenerateResult(
             output_ids=list(row.output_ids) if keep_output else [],
@@ -531,6 +556,9 @@ class EmbeddedEngine(RolloutEngine):
         elif name is not None and entry is None:
             reason = f"adapter {name!r} was unloaded while the request was running; resubmit it"
         elif entry is not None and (entry.version != row.version or entry.slot != row.slot):
+            with self._slots_lock:
+                if self._retiring.get(row.slot) == (name, row.version):
+                    return True  # a newer version was published beside it: it finishes on its own
             reason = f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request; resubmit it"
         else:
             return True
@@ -637,6 +665,9 @@ class EmbeddedEngine(RolloutEngine):
                     self._finish(row, "error", error=self._unknown_adapter(name))
                     continue
                 row.slot, row.version = entry.slot, entry.version
+                with self._slots_lock:
+                    self._slot_rows[row.slot] = self._slot_rows.get(row.slot, 0) + 1
+                row.holds_slot = True
             if row.params.max_new_tokens == 0:
                 self._finish(row, "length")
                 continue
