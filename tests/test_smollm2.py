@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QUESTIONS = [
-    "Is 58 larger than 35? Answer with only Yes or No.",
+    "Tell me one fact about rain. Begin your reply with the word 'Indeed'.",
     "What is 7 + 5? Reply in the form 7 + 5 = N and write nothing else.",
     "Name 3 fruits. Write them on one line, separated by commas, with no other text.",
 ]
@@ -111,7 +111,7 @@ def test_provisioned_folder_is_a_plain_llama_with_checked_logits_and_disjoint_sp
         }
         assert len(rows["test"]) == 40 and len(rows["train"]) >= 40
         assert not {r["question"] for r in rows["train"]} & {r["question"] for r in rows["test"]}
-        if task != "list":  # the label is itself a full-credit answer
+        if task == "equation":  # the label is itself a full-credit answer
             reward = smollm2_tasks.REWARDS[task]
             assert all(reward(r["question"], r["answer"], r["answer"], {}) == 1.0 for r in rows["test"])
     assert provision(PRESET, smol_dir, config=SmolLM2PresetConfig(base_samples=0)) == smol_dir  # same recipe: kept
@@ -168,7 +168,7 @@ def test_engine_greedy_equals_hf_generate_with_peft_chat_template_and_stop_token
             GenerateRequest(
                 tokenizer(chat_prompt(tokenizer, q)).input_ids,
                 adapter=name,
-                sampling=SamplingParams(temperature=0.0, max_new_tokens=20),
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=32),
             )  # fmt: skip
             for q in QUESTIONS
             for name in (None, "a", "b", "c")  # every adapter and the base in one decode batch
@@ -179,7 +179,7 @@ def test_engine_greedy_equals_hf_generate_with_peft_chat_template_and_stop_token
     stops = 0
     for i, (request, result) in enumerate(zip(requests, results, strict=True)):
         folder = None if request.adapter is None else peft_adapters[request.adapter][0]
-        expected = hf_greedy(smol_dir, tokenizer, QUESTIONS[i // 4], 20, folder)
+        expected = hf_greedy(smol_dir, tokenizer, QUESTIONS[i // 4], 32, folder)
         assert result.output_ids == expected, (request.adapter, QUESTIONS[i // 4], tokenizer.decode(expected))
         stopped = expected[-1] == tokenizer.eos_token_id
         assert result.finish_reason == ("stop" if stopped else "length")

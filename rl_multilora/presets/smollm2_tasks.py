@@ -10,9 +10,8 @@ tasks whose full-credit rate lies between about 10 % and 60 % (measured rates: `
   subtraction, operands 1-10, results >= 0. This 135M base is weak at arithmetic: full credit is the rarest of the
   three tasks at the start (about 5-10 %), the partial credit gives GRPO groups a gradient before it is common.
   (Asking "for example 2 + 2 = 4" instead gave 4 % full credit; this wording about 10 %.)
-- `yesno`: "Is 37 larger than 52? Answer with only Yes or No." -> label `"No"`. Format-following plus a fact the
-  model can check: 1.0 only for the bare right word; Yes and No are balanced, so always answering one word scores
-  0.5 at most.
+- `prefix`: "Tell me one fact about rain. Begin your reply with the word 'Indeed'." -> label `"Indeed"`.
+  Format-following: 1.0 when the reply starts with that word (case as given), else 0.0.
 - `list`: "Name 3 fruits. Write them on one line, separated by commas, with no other text." -> label `"3"`.
   An instruction constraint: 1.0 for exactly N short comma-separated items on one line and nothing else, 0.25 for
   a one-line comma list of the wrong length.
@@ -26,6 +25,10 @@ Design choices:
 - Every question of a task is one template over a small grid of values, enumerated and shuffled with a seeded rng;
   the test split is the first `n_test`, train the rest, so the splits are disjoint by construction and the held-out
   gain measures the learned behaviour on unseen values, not memorized answers.
+- Tried and dropped: "Is 37 larger than 52? Answer with only Yes or No." (base 40 % full credit) collapsed under
+  GRPO within 3 steps to one near-deterministic bare word per prompt, so its groups had no variance left (an
+  all-equal group has zero advantage) and it stayed at chance; "the opposite of 'hot', one word only" and "write
+  X in capital letters" had 0 % full credit in 40-64 samples (the model answers in sentences).
 - Rewards read only the response text and the label (no prompt parsing), strip surrounding whitespace and a final
   period, and compare case-insensitively where the instruction does not fix case.
 """
@@ -37,7 +40,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-TASKS: tuple[str, ...] = ("equation", "yesno", "list")
+TASKS: tuple[str, ...] = ("equation", "prefix", "list")
 
 _CATEGORIES: tuple[str, ...] = (
     "fruits",
@@ -61,6 +64,29 @@ _CATEGORIES: tuple[str, ...] = (
     "tools",
     "metals",
 )
+_TOPICS: tuple[str, ...] = (
+    "the moon",
+    "cats",
+    "rain",
+    "the ocean",
+    "music",
+    "trees",
+    "coffee",
+    "winter",
+    "bees",
+    "the sun",
+    "mountains",
+    "bread",
+    "horses",
+    "volcanoes",
+    "snow",
+    "rivers",
+    "owls",
+    "chess",
+    "deserts",
+    "bicycles",
+)
+_PREFIXES: tuple[str, ...] = ("Sure", "Indeed", "Yes", "Well", "Actually", "Honestly", "Interestingly", "Notably")
 _NUMBER = re.compile(r"-?\d+")
 _SPACES = re.compile(r"\s+")
 
@@ -88,14 +114,12 @@ def _equation_examples() -> list[TaskExample]:
     return out
 
 
-def _yesno_examples() -> list[TaskExample]:
-    out = []
-    for a in range(10, 100, 3):
-        for b in range(11, 100, 4):
-            if a != b:
-                answer = "Yes" if a > b else "No"
-                out.append(TaskExample(f"Is {a} larger than {b}? Answer with only Yes or No.", answer))
-    return out
+def _prefix_examples() -> list[TaskExample]:
+    return [
+        TaskExample(f"Tell me one fact about {topic}. Begin your reply with the word '{word}'.", word)
+        for topic in _TOPICS
+        for word in _PREFIXES
+    ]
 
 
 def _list_examples() -> list[TaskExample]:
@@ -106,7 +130,7 @@ def _list_examples() -> list[TaskExample]:
     ]
 
 
-_GENERATORS = {"equation": _equation_examples, "yesno": _yesno_examples, "list": _list_examples}
+_GENERATORS = {"equation": _equation_examples, "prefix": _prefix_examples, "list": _list_examples}
 
 
 def task_examples(task: str) -> list[TaskExample]:
@@ -117,20 +141,11 @@ def task_examples(task: str) -> list[TaskExample]:
 
 
 def make_splits(task: str, n_test: int, seed: int) -> dict[str, list[TaskExample]]:
-    """Shuffle the task's questions with `seed`; the first `n_test` are the test split, the rest train.
-
-    `yesno` is balanced in the test split (as many Yes as No), so a constant answer scores 0.5 at most there too.
-    """
+    """Shuffle the task's questions with `seed`; the first `n_test` are the test split, the rest train."""
     examples = task_examples(task)
     random.Random(f"smollm2-{task}-{seed}").shuffle(examples)
     if not 0 < n_test < len(examples):
         raise ValueError(f"n_test={n_test!r} is not allowed for task {task!r}; allowed: 1 to {len(examples) - 1}")
-    if task == "yesno":
-        yes = [ex for ex in examples if ex.answer == "Yes"]
-        no = [ex for ex in examples if ex.answer == "No"]
-        test = [ex for pair in zip(yes, no, strict=False) for ex in pair][:n_test]
-        chosen = set(test)
-        return {"train": [ex for ex in examples if ex not in chosen], "test": test}
     return {"train": examples[n_test:], "test": examples[:n_test]}
 
 
@@ -164,17 +179,17 @@ def equation_reward(prompt: str, response: str, label: Any, metadata: dict[str, 
     return 0.25 if re.fullmatch(re.escape(left) + r" = -?\d+", text) else 0.0
 
 
-def yesno_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any], **kwargs: Any) -> float:
-    """1.0 when the whole response is the right word (any case, an optional final period), else 0.0.
+def prefix_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any], **kwargs: Any) -> float:
+    """1.0 when the reply's first word is the label (as written; punctuation may follow), else 0.0.
 
-    >>> yesno_reward("Is 52 larger than 37? ...", "Yes.", "Yes", {})
+    >>> prefix_reward("... Begin your reply with the word 'Indeed'.", "Indeed, rain is water.", "Indeed", {})
     1.0
-    >>> yesno_reward("Is 52 larger than 37? ...", "Yes, 52 is larger.", "Yes", {})
+    >>> prefix_reward("... Begin your reply with the word 'Indeed'.", "Indeedly so.", "Indeed", {})
     0.0
-    >>> yesno_reward("Is 37 larger than 52? ...", "Yes", "No", {})
+    >>> prefix_reward("... Begin your reply with the word 'Indeed'.", "Rain is water. Indeed.", "Indeed", {})
     0.0
     """
-    return 1.0 if _clean(response).lower() == str(label).lower() else 0.0
+    return 1.0 if re.match(re.escape(str(label)) + r"\b", response.strip()) else 0.0
 
 
 def list_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any], **kwargs: Any) -> float:
@@ -198,5 +213,5 @@ def list_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]
     return 1.0 if len(items) == int(label) else 0.25
 
 
-REWARDS = {"equation": equation_reward, "yesno": yesno_reward, "list": list_reward}
+REWARDS = {"equation": equation_reward, "prefix": prefix_reward, "list": list_reward}
 REWARD_PATHS = {task: f"{__name__}:{fn.__name__}" for task, fn in REWARDS.items()}

