@@ -182,6 +182,12 @@ class AdapterConfig(_Strict):
     eps_clip: float | None = Field(None, ge=0, lt=1, description="Its own low clip (None = grpo.eps_clip).")
     eps_clip_high: float | None = Field(None, ge=0, description="Its own high clip (None = grpo.eps_clip_high).")
     tis: TISSettings | None = Field(None, description="Correct the engine-vs-trainer mismatch (off when None).")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="rollout.mode async: weight versions its samples may lag behind its current one (0: strictly "
+        "on-policy, its rollouts wait for its training); None = rollout.max_staleness.",
+    )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")
@@ -251,6 +257,18 @@ class RolloutConfig(_Strict):
         None, description="GenerateStateHooks subclass `module:Class` (default: multi-LoRA hooks)."
     )
     max_batch_size: int = Field(256, ge=1, description="Embedded engine: most rows in one decode batch.")
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: rollout, then training, then one paused weight sync per step (on-policy, exact resume). "
+        "async: the next step's rollouts generate while this step trains, and new versions are published without "
+        "pausing the engine (where it can); each tenant's samples lag at most its max_staleness versions.",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="mode async: versions a sample may lag behind its adapter's current one (adapters may set their "
+        "own); older samples are dropped and counted as stale. 0 makes every tenant wait for its own training.",
+    )
     max_rows_per_step: int | None = Field(
         None,
         ge=1,
@@ -359,6 +377,12 @@ class RunConfig(_Strict):
         """The eval settings of adapter `a`: the run's, with the adapter's overrides."""
         return a.eval.apply(self.eval) if a.eval is not None else self.eval
 
+    def max_staleness_for(self, a: AdapterConfig) -> int:
+        """Versions adapter `a`'s samples may lag (0 in a synchronous run: every sample is on-policy)."""
+        if self.rollout.mode != "async":
+            return 0
+        return a.max_staleness if a.max_staleness is not None else self.rollout.max_staleness
+
     run_dir: str = Field("runs/default", description="Where config.yaml, metrics.jsonl and checkpoints go.")
     seed: int = Field(0, description="Global seed (base init of slots uses each adapter's own seed).")
     model: ModelConfig
@@ -454,12 +478,20 @@ def _tis_temperature_problem(where: str, temperature: float) -> str:
     )
 
 
+def staleness_problems(a: AdapterConfig, rollout: RolloutConfig, where: str = "") -> list[str]:
+    """An adapter's own `max_staleness` means something only in an asynchronous run."""
+    if a.max_staleness is not None and rollout.mode != "async":
+        return [bad_value(f"{where}max_staleness", a.max_staleness, "null unless rollout.mode is 'async'")]
+    return []
+
+
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
         where = f"adapters.{i}."
         problems += adapter_problems(a, cfg.model, where)
+        problems += staleness_problems(a, cfg.rollout, where)
         own_temp = a.sampling.temperature if a.sampling is not None else None
         if a.tis is not None and own_temp is None and cfg.rollout.temperature not in (0.0, 1.0):
             problems.append(_tis_temperature_problem(f"{where}tis", cfg.rollout.temperature))

@@ -17,10 +17,19 @@ Design choices:
   in-flight samples are exactly that step's, which have already trained.
 - The weight sync is the last thing in a step, so the engine is paused once per step, for the adapters that stepped,
   the ones admitted for the next step, and the ones that left.
+- `rollout.mode: async` pipelines one step ahead: right after a step's rollout, the groups of the next step are
+  drawn for every tenant whose `max_staleness` is at least 1 and generated in a background thread (its own
+  `GenerateState`) while this step evaluates, scores and trains; the weight sync then publishes without pausing
+  the engine where it can (`publishes_without_pause`), so rows of the next step that started before it finish on
+  the old version and later ones get the new. Each sample carries its version; the trainer drops samples more than
+  the tenant's `max_staleness` versions behind (counted as stale). Tenants with `max_staleness: 0` roll out at the
+  start of each step as in sync mode. The data cursor runs one step ahead, so a resumed run skips the prompts that
+  were in flight (at most one step's groups per tenant); every trained step is in its checkpoint.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import statistics
@@ -66,10 +75,35 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+class _Ahead:
+    """Async mode: the next step's groups, generating in a background thread while this step trains."""
+
+    def __init__(
+        self, pool: concurrent.futures.ThreadPoolExecutor, generator, names: list[str], groups: list[list[Sample]]
+    ):
+        self.drawn = list(names)  # the tenants whose cursors moved for it (settled when it is taken)
+        self.names = {s.adapter.name for g in groups for s in g if s.adapter is not None}  # those it has groups of
+        self._future = pool.submit(generator.run_sync, groups)
+
+    def samples(self) -> list[Sample]:
+        return self._future.result()
+
+
 class Runtime:
     """All components of a run, built once. See the module docstring for the step order."""
 
-    def __init__(self, cfg: RunConfig, backend: TrainingBackend, tokenizer, engine, launcher, data, generator, scorer):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        backend: TrainingBackend,
+        tokenizer,
+        engine,
+        launcher,
+        data,
+        generator,
+        scorer,
+        ahead_generator=None,
+    ):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.backend = backend
@@ -84,6 +118,14 @@ class Runtime:
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))
         self._eval_sets: dict[str, tuple[AdapterConfig, EvalSet]] = {}
         self._stop_requested = False
+        # Async mode: the next step's rollout (its own GenerateState, in one background thread).
+        self.ahead_generator = ahead_generator
+        self._ahead: _Ahead | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if cfg.rollout.mode == "async":
+            if ahead_generator is None:
+                raise ValueError("rollout.mode async needs a second generator for the rollout ahead")
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
 
     @property
     def data(self):
@@ -101,7 +143,9 @@ class Runtime:
         engine, launcher = components.build_engine(cfg, backend, tokenizer)
         generator = components.build_generator(cfg, engine, tokenizer)
         data = components.build_data_source(cfg, tokenizer)
-        return cls(cfg, backend, tokenizer, engine, launcher, data, generator, components.build_scorer(cfg))
+        ahead = components.build_generator(cfg, engine, tokenizer) if cfg.rollout.mode == "async" else None
+        scorer = components.build_scorer(cfg)
+        return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer, ahead_generator=ahead)
 
     # -- tenants --------------------------------------------------------------------------------------------------
     def register(self, a: AdapterConfig):
@@ -119,27 +163,32 @@ class Runtime:
         clock = _Clock(res.timings)
         names = [t.name for t in tenants.running()]
         with clock("rollout_s"):
-            quotas = fair_quotas(
-                {n: self.data.ask(n) for n in names},
-                {n: tenants.get(n).cfg.weight for n in names},
-                self.cfg.rollout.max_rows_per_step,
-            )
-            groups = [g for gs in self.data.next_groups(names, quotas).values() for g in gs]
-            samples = self.generator.run_sync(groups) if groups else []
+            # Async: the groups generated during the previous step's training (for tenants still running).
+            ready, covered = self._take_ahead(names)
+            groups = self._draw([n for n in names if n not in covered])
+            samples = ready + (self.generator.run_sync(groups) if groups else [])
+            self._start_ahead(names)
         with clock("eval_s"):  # on the versions the rollout used, never trained on
             res.evals = run_evals(self.generator, self.scorer, self._due_evals())
             tenants.apply_evals(res.evals)
         with clock("reward_s"):
             report = self.scorer.score_samples(samples)
+        current = tenants.current_versions()  # the versions training starts from (what the samples lag behind)
         with clock("train_s"):
-            stats = self.backend.train_step(samples, tenants.current_versions(), tenants.step_limits())
+            stats = self.backend.train_step(samples, self._oldest_versions(), tenants.step_limits())
         mine = {n: [s for s in samples if s.adapter is not None and s.adapter.name == n] for n in names}
         means = {n: _reward_stats(mine[n])[0] for n in names}
         with clock("checkpoint_s"):
             tenants.apply_step(names, stats, means, report.all_failed)
             res.records = [self._record(res.step, n, mine[n], len(samples), stats.get(n), report) for n in names]
+            if self._pool is not None:  # async: how far behind its adapter each tenant's samples were
+                for rec in res.records:
+                    lags = [current[rec.adapter] - s.weight_version for s in mine[rec.adapter]
+                            if s.weight_version is not None and rec.adapter in current]  # fmt: skip
+                    if lags:
+                        rec.version_lag_max, rec.version_lag_mean = max(lags), statistics.fmean(lags)
             tenants.enforce_faults(names, stats, report.all_failed)
-            tenants.retire_finished()
+            tenants.retire_finished(in_flight=self._ahead.names if self._ahead is not None else ())
             tenants.admit_pending()
             self._save_due_checkpoints(names, stats)
         with clock("sync_s"):
@@ -156,6 +205,54 @@ class Runtime:
         # Last: a step counts as done only once its metrics rows are written (resume redoes unfinished steps).
         tenants.finish_step()
         return res
+
+    # -- rollouts -------------------------------------------------------------------------------------------------
+    def _draw(self, names: list[str], ahead: bool = False) -> list[list[Sample]]:
+        """The prompt groups of `names` for one step, split by fair share when the step's rows are capped.
+        `ahead`: for the next step (async); checkpoints keep the cursor from before them until they are taken."""
+        if not names:
+            return []
+        quotas = fair_quotas(
+            {n: self.data.ask(n) for n in names},
+            {n: self.tenants.get(n).cfg.weight for n in names},
+            self.cfg.rollout.max_rows_per_step,
+        )
+        return [g for gs in self.data.next_groups(names, quotas, ahead=ahead).values() for g in gs]
+
+    def _take_ahead(self, names: list[str]) -> tuple[list[Sample], set[str]]:
+        """Async: the samples generated ahead for `names` (waiting for the generation if it is still running) and
+        the tenants they cover; those of tenants that left since are dropped."""
+        if self._ahead is None:
+            return [], set()
+        ahead, self._ahead = self._ahead, None
+        self.data.settle([n for n in ahead.drawn if n in self.data.adapters])
+        keep = set(names)
+        samples = [s for s in ahead.samples() if s.adapter is not None and s.adapter.name in keep]
+        return samples, ahead.names & keep
+
+    def _start_ahead(self, names: list[str]) -> None:
+        """Async: draw the next step's groups of every tenant that may lag (max_staleness >= 1) and is not about to
+        spend its budget in this step, and generate them in the background while this step trains."""
+        if self._pool is None:
+            return
+        ahead = []
+        for n in names:
+            t = self.tenants.get(n)
+            left = t.steps_left()
+            if self.cfg.max_staleness_for(t.cfg) >= 1 and (left is None or left > self.cfg.grpo.ppo_epochs):
+                ahead.append(n)
+        groups = self._draw(ahead, ahead=True)
+        if groups:
+            self._ahead = _Ahead(self._pool, self.ahead_generator, ahead, groups)
+        else:
+            self.data.settle(ahead)  # nothing was left to draw: no cursor is held back
+
+    def _oldest_versions(self) -> dict[str, int]:
+        """The oldest weight version each tenant trains on: its current one less its max_staleness (sync: 0)."""
+        return {
+            name: version - self.cfg.max_staleness_for(self.tenants.get(name).cfg)
+            for name, version in self.tenants.current_versions().items()
+        }
 
     def idle_step(self) -> None:
         """No tenant RUNNING (the service between submissions): retire drained adapters, admit pending ones and
@@ -230,7 +327,8 @@ class Runtime:
 
     def sync_now(self) -> SyncStats:
         push, unload = self.tenants.sync_plan()
-        stats = self.weight_sync.sync(push=push, unload=unload)
+        pause = self.cfg.rollout.mode != "async" or not self.engine.publishes_without_pause
+        stats = self.weight_sync.sync(push=push, unload=unload, pause=pause)
         self.tenants.apply_sync(stats.pushed, stats.adapters_unloaded)
         return stats
 
@@ -296,7 +394,10 @@ class Runtime:
     def close(self) -> None:
         self.metrics.close()
         self.scorer.close()
-        self.engine.close()
+        self.engine.close()  # a rollout still running ahead (async) ends here: its rows come back as errors
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._ahead = None
         self.backend.close()
         if self.launcher is not None:
             self.launcher.stop()

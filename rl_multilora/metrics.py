@@ -42,6 +42,8 @@ class StepRecord:
     slot_wait_s: float | None = None  # how long it waited for a slot after it was submitted
     train: AdapterStepStats | None = None
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads (reported with `train`)
+    version_lag_max: int | None = None  # async: most versions a sample of this step lagged its adapter's (at train)
+    version_lag_mean: float | None = None
     pause_s: float = 0.0
     bytes_pushed: int = 0
     bytes_gathered: int = 0  # LoRA bytes moved between trainer ranks for the sync (0 with one rank)
@@ -84,6 +86,8 @@ class StepRecord:
                 stale_samples=st.stale,
                 nonfinite_streak=self.nonfinite_streak,
             )
+        if self.version_lag_max is not None:
+            row.update(version_lag_max=self.version_lag_max, version_lag_mean=self.version_lag_mean)
         row.update(pause_s=self.pause_s, bytes_pushed=self.bytes_pushed, adapters_pushed=self.adapters_pushed)
         row.update(bytes_gathered=self.bytes_gathered)
         row.update({k: round(v, 4) for k, v in self.timings.items()})

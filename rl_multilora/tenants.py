@@ -33,11 +33,12 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
-from rl_multilora.config import AdapterConfig, ConfigError
+from rl_multilora.config import AdapterConfig, ConfigError, staleness_problems
 from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef
 
@@ -283,6 +284,7 @@ class TenantManager:
             lora_parameters=self.backend.lora_parameters,
             submitted=not restart,
         )
+        problems += staleness_problems(a, self.cfg.rollout)
         old = self.tenants.get(a.name)
         if old is not None and old.state in LIVE | {TenantState.DRAINED}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {old.state.value})"))
@@ -412,10 +414,12 @@ class TenantManager:
     def budget_done(self, t: Tenant) -> bool:
         return t.steps_left() == 0 or self.data.exhausted(t.name)
 
-    def retire_finished(self) -> None:
-        """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED)."""
+    def retire_finished(self, in_flight: Collection[str] = ()) -> None:
+        """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED). `in_flight`:
+        tenants with groups drawn but not trained yet (an asynchronous run's next rollout), whose data is not used
+        up while those groups wait."""
         for t in self.running():
-            if self.budget_done(t):
+            if t.steps_left() == 0 or (t.name not in in_flight and self.data.exhausted(t.name)):
                 self.drain(t.name, "budget reached")
         for t in self.in_state(TenantState.DRAINING):
             self.save_checkpoint(t)

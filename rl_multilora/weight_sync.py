@@ -45,17 +45,20 @@ class WeightSync:
         self.backend = backend
         self.pauses = 0  # total pauses, for the one-pause-per-step invariant test
 
-    def sync(self, push: Sequence[tuple[str, int]], unload: Sequence[str]) -> SyncStats:
+    def sync(self, push: Sequence[tuple[str, int]], unload: Sequence[str], pause: bool = True) -> SyncStats:
         """Pause once, unload the adapters named in `unload`, push each `(name, version)` of `push` from the
-        backend's slots, resume. No-op when both are empty."""
+        backend's slots, resume. No-op when both are empty. `pause=False` (an asynchronous run, on an engine that
+        `publishes_without_pause`): no pause; other adapters' requests keep running and an adapter's running
+        requests finish on the version they started with."""
         stats = SyncStats()
         if not push and not unload:
             return stats
         t0 = time.perf_counter()
         gathered = getattr(self.backend, "gathered_bytes", 0)  # a bare MultiLoRAModel serves as a backend too
-        self.engine.pause()
-        self.pauses += 1
-        stats.paused = True
+        if pause:
+            self.engine.pause()
+            self.pauses += 1
+            stats.paused = True
         try:
             for name in unload:
                 self.engine.unload_adapter(name)
@@ -66,7 +69,8 @@ class WeightSync:
                 stats.bytes_pushed += sum(x.numel() * x.element_size() for x in tensors.values())
                 stats.pushed[name] = version
         finally:
-            self.engine.resume()
-        stats.pause_s = time.perf_counter() - t0
+            if pause:
+                self.engine.resume()
+        stats.pause_s = time.perf_counter() - t0 if pause else 0.0
         stats.bytes_gathered = getattr(self.backend, "gathered_bytes", 0) - gathered
         return stats

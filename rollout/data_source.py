@@ -29,7 +29,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,6 +294,7 @@ class MultiLoRADataSource:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self._streams: dict[str, _AdapterStream] = {}
+        self._before_ahead: dict[str, dict[str, Any]] = {}  # cursor states from before groups drawn ahead
 
     @property
     def adapters(self) -> list[str]:
@@ -368,16 +369,25 @@ class MultiLoRADataSource:
         """Forget adapter `name` and its cursor; no other adapter's state changes."""
         self._stream(name)
         del self._streams[name]
+        self._before_ahead.pop(name, None)
 
-    def next_groups(self, names: list[str], quotas: Mapping[str, int] | None = None) -> dict[str, list[list[Sample]]]:
+    def next_groups(
+        self, names: list[str], quotas: Mapping[str, int] | None = None, ahead: bool = False
+    ) -> dict[str, list[list[Sample]]]:
         """For each adapter in `names`, up to `prompts_per_step` groups of `n_samples_per_prompt` samples (or up to
         `quotas[name]` groups, when a step's row cap splits it by fair share).
 
         An adapter whose budget ends mid-step gets the groups still available; an exhausted one gets [].
+        `ahead`: groups of a later step, drawn before they train (an asynchronous run): until `settle(name)`,
+        `state_dict(name)` is the state from before this draw, so a checkpoint resumes by drawing them again.
         """
         streams = [self._stream(name) for name in names]
         if len(set(names)) != len(names):
             raise DatasetError(f"names={names!r} is not allowed; allowed: each adapter at most once")
+        if ahead:
+            for name in names:
+                self._before_ahead.pop(name, None)
+                self._before_ahead[name] = self.state_dict(name)
         out: dict[str, list[list[Sample]]] = {}
         position = 0
         for stream in streams:
@@ -419,8 +429,15 @@ class MultiLoRADataSource:
             "exhausted": stream.exhausted(),
         }
 
+    def settle(self, names: Collection[str]) -> None:
+        """The groups drawn ahead for `names` are now this step's: `state_dict` includes them again."""
+        for name in names:
+            self._before_ahead.pop(name, None)
+
     def state_dict(self, name: str) -> dict[str, Any]:
         """JSON-serializable cursor state; the per-epoch permutation is re-derived from (seed, epoch)."""
+        if name in self._before_ahead:
+            return dict(self._before_ahead[name])
         stream = self._stream(name)
         return {
             "version": _STATE_VERSION,
@@ -437,6 +454,7 @@ class MultiLoRADataSource:
     def load_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
         """Restore `name`'s cursor; the adapter must be added with the same seed and dataset first."""
         stream = self._stream(name)
+        self._before_ahead.pop(name, None)
         if state.get("version") != _STATE_VERSION:
             raise DatasetError(
                 f"data state of {name!r}: version={state.get('version')!r} is not supported (expected {_STATE_VERSION})"

@@ -18,7 +18,13 @@ class RolloutEngine(abc.ABC):
     `resume()` or come back with finish_reason "abort"), `load_adapter` / `unload_adapter` change
     adapters while paused, `resume()` continues. Each adapter has its own weight version, which
     every result reports, so stale samples can be detected.
+
+    `publishes_without_pause`: the engine can take a new version of an adapter while requests run (they finish on
+    the version they started with; see the embedded engine's versioned publish), so an asynchronous run publishes
+    without pausing it.
     """
+
+    publishes_without_pause: bool = False
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:

@@ -204,6 +204,8 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 class EmbeddedEngine(RolloutEngine):
     """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
 
+    Publishes without a pause (versioned publish, see the module docstring).
+
     `model` is the `MultiLoRAModel` (its frozen base is shared; its LoRA slots are not used),
     `tokenizer` is used for EOS and stop strings (may be None when no request uses stop strings),
     `max_batch_size` caps the rows of one wave, `batch_wait_s` is how long the worker waits for
@@ -221,6 +223,7 @@ class EmbeddedEngine(RolloutEngine):
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
+        self.publishes_without_pause = True
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed; allowed: an integer >= 1")
         if batch_wait_s < 0:

@@ -35,6 +35,7 @@ class MultiEngine(RolloutEngine):
         if not engines:
             raise ValueError("MultiEngine needs at least one engine")
         self.engines = list(engines)
+        self.publishes_without_pause = all(e.publishes_without_pause for e in self.engines)
         self._in_flight = [0] * len(self.engines)
         self._served = [0] * len(self.engines)  # requests each engine has taken (for status and tests)
         self._lock = threading.Lock()

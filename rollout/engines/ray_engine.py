@@ -90,6 +90,9 @@ class RayEngine(RolloutEngine):
         )  # fmt: skip
         self._actor = actor_cls.remote(build, "cuda" if num_gpus else None)
         ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
+        # The actor is threaded: a load runs beside generate calls, into an embedded engine that publishes without
+        # a pause.
+        self.publishes_without_pause = True
 
     def _get(self, ref):
         import ray
