@@ -250,3 +250,39 @@ def test_resume_after_kill_9(tmp_path):
         proc.kill()
         proc.wait(10)
     np.testing.assert_allclose(first + rest, expected, rtol=1e-4)
+
+
+def _logprobs(tc, tokens: list[int]) -> list[float]:
+    return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def test_ppo_loss_is_clipped_surrogate(server):
+    """forward_backward with loss_fn="ppo" and its loss_fn_config: each token's loss is
+    -min(r A, clip(r, low, high) A), r = exp(logp - sampler_logp), checked in float64 token by token (one-hot
+    advantages) and summed over a datum."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    tokens = list(range(5, 17))
+    logp = np.array(_logprobs(tc, tokens), dtype=np.float64)  # the policy's log-probs; no step runs in this test
+    n = len(logp)
+    # ratios below, inside and above [0.7, 1.3] (and between the default 0.8 / 1.2), advantages of both signs and 0
+    ratio = np.array([0.5, 0.75, 1.0, 1.25, 1.6, 0.5, 0.75, 1.0, 1.25, 1.6, 1.1])[:n]
+    adv = np.array([1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -2.0, -1.0, -1.5, -1.0, 0.0])[:n]
+    sampler_logp = (logp - np.log(ratio)).astype(np.float32)
+    config = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
+
+    def datum(advantages: np.ndarray) -> types.Datum:
+        inputs = {"target_tokens": np.array(tokens[1:], dtype=np.int64), "logprobs": sampler_logp,
+                  "advantages": advantages.astype(np.float32)}  # fmt: skip
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+    r = np.exp(logp - sampler_logp.astype(np.float64))
+    a = adv.astype(np.float32).astype(np.float64)
+    expected = -np.minimum(r * a, np.clip(r, 0.7, 1.3) * a)  # (N,) float64
+    assert np.abs(expected - (-np.minimum(r * a, np.clip(r, 0.8, 1.2) * a))).max() > 0.05  # the config matters
+    futures = [tc.forward_backward([datum(np.eye(n)[k] * adv[k])], "ppo", config) for k in range(n)]
+    per_token = np.array([f.result().metrics["loss:sum"] for f in futures])
+    np.testing.assert_allclose(per_token, expected, rtol=1e-5, atol=1e-6)
+    whole = tc.forward_backward([datum(adv), datum(adv)], "ppo", config).result()
+    assert whole.metrics["loss:sum"] == pytest.approx(2 * expected.sum(), rel=1e-5)
+    np.testing.assert_allclose(whole.loss_fn_outputs[0]["logprobs"].tolist(), logp, rtol=1e-6)
