@@ -8,7 +8,9 @@ Each test starts a server on a free local port; the SDK talks to it over HTTP ex
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
+import torch
 from aiohttp import web
 from tinker import types
 
@@ -49,8 +52,8 @@ def _free_port() -> int:
 class _Running:
     """A TinkerServer on its own event loop thread."""
 
-    def __init__(self, state_dir: Path, model: Path = MODEL) -> None:
-        self.server = build_server(str(model), state_dir, TOKEN, base_model=BASE, poll_s=5)
+    def __init__(self, state_dir: Path, model: Path = MODEL, **options) -> None:
+        self.server = build_server(str(model), state_dir, TOKEN, base_model=BASE, poll_s=5, **options)
         self.port = _free_port()
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(self.server.app())
@@ -254,6 +257,127 @@ def test_resume_after_kill_9(tmp_path):
 
 def _logprobs(tc, tokens: list[int]) -> list[float]:
     return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def test_training_client_from_state_resumes(server):
+    """save_state -> a new TrainingClient from it (the SDK names that model `<session>:train:<n>` itself): its
+    weights are the saved ones; with the optimizer it trains on exactly as the original does, without it from a
+    fresh AdamW."""
+    ops = server.server.ops
+    tokens = list(range(5, 25))
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3, train_mlp=False).result()
+    _sft(tc, 3, tokens)
+    path = tc.save_state("step-3").result().path
+    assert path == f"tinker://{tc.model_id}/weights/step-3"
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    fresh = sc.create_training_client_from_state(path).result()
+    assert len({tc.model_id, resumed.model_id, fresh.model_id}) == 3
+    saved_weights = ops.model.adapter_state_dict(ops.tenants[tc.model_id].name)  # tc has not trained since its save
+    saved_optim = copy.deepcopy(ops.tenants[tc.model_id].optim.state_dict()["state"])
+    assert saved_optim and all("mlp" not in k for k in saved_weights)
+    for client in (resumed, fresh):
+        t = ops.tenants[client.model_id]
+        assert client.get_info().lora_rank == 8 and t.lora_config["train_mlp"] is False
+        weights = ops.model.adapter_state_dict(t.name)
+        assert weights.keys() == saved_weights.keys()
+        for k, v in saved_weights.items():
+            torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
+    state = ops.tenants[resumed.model_id].optim.state_dict()["state"]
+    assert state.keys() == saved_optim.keys() and ops.tenants[resumed.model_id].steps == 3
+    for i, moments in saved_optim.items():
+        for k, v in moments.items():
+            torch.testing.assert_close(state[i][k], v, rtol=0, atol=0)
+    assert ops.tenants[fresh.model_id].optim.state_dict()["state"] == {} and ops.tenants[fresh.model_id].steps == 0
+
+    expected_lp = _logprobs(tc, tokens)
+    np.testing.assert_allclose(_logprobs(resumed, tokens), expected_lp, rtol=1e-6)
+    np.testing.assert_allclose(_logprobs(fresh, tokens), expected_lp, rtol=1e-6)
+    expected = _sft(tc, 3, tokens)
+    np.testing.assert_allclose(_sft(resumed, 3, tokens), expected, rtol=1e-5)
+    fresh_losses = _sft(fresh, 3, tokens)
+    assert fresh_losses[0] == pytest.approx(expected[0], rel=1e-5)  # same weights, then a different optimizer
+    assert abs(fresh_losses[1] - expected[1]) > 1e-4 and fresh_losses[2] < fresh_losses[0], (fresh_losses, expected)
+
+
+def test_model_ids_and_checkpoint_names_stay_inside_the_state_dir(server, tmp_path):
+    import httpx
+
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    for name in ("../escape", "a/b", ".."):
+        with pytest.raises(tinker.RequestFailedError, match="is not allowed"):
+            tc.save_state(name).result()
+    good = tc.save_state("ok").result().path
+    run = good.split("/")[2]
+    for path in ("tinker://..:train:0/weights/ok", f"tinker://{run}/weights/..", "tinker://../weights/ok",
+                 f"/{run}/weights/ok", f"tinker://{run}/sampler_weights/ok"):  # fmt: skip
+        with pytest.raises(tinker.RequestFailedError, match="is not allowed|is not a training checkpoint"):
+            sc.create_training_client_from_state(path).result()
+    headers = {"X-API-Key": TOKEN}
+    body = {"session_id": "../x", "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
+    r = httpx.post(server.url + "/api/v1/create_model", json=body, headers=headers)
+    assert r.status_code == 400 and "is not allowed" in r.json()["detail"]
+    state = tmp_path / "state"
+    written = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
+    assert [p for p in written if p.startswith("checkpoints/")] == [
+        f"checkpoints/{run.replace(':', '.')}/ok/{f}"
+        for f in ("adapter.safetensors", "adapter_config.json", "optim.pt")
+    ]
+    assert not (tmp_path / "escape").exists()
+
+
+def _sample(sampler) -> list[int]:
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0)).result().sequences[0].tokens
+
+
+def test_sampler_versions_are_bounded_and_freed_on_unload(tmp_path):
+    """At most max_sampler_versions in-memory versions per model, the least recently used (published or sampled)
+    freed first; a sample of a freed version is a user error naming it and the limit; unload_model frees them all."""
+    import httpx
+
+    s = _Running(tmp_path / "state", max_sampler_versions=2)
+    try:
+        ops = s.server.ops
+        sc = tinker.ServiceClient(base_url=s.url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+        other = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+        other_path = other.save_weights_for_sampler("o1").result().path
+        paths, samplers = [], []
+        for i in range(3):
+            _sft(tc, 1, list(range(5 + i, 20)))
+            paths.append(tc.save_weights_for_sampler(f"v{i}").result().path)
+            samplers.append(sc.create_sampling_client(model_path=paths[-1]).result())
+            if i == 1:
+                assert _sample(samplers[0])  # v0 is now more recently used than v1: publishing v2 frees v1
+        assert list(ops.tenants[tc.model_id].sampler_paths) == [paths[0], paths[2]]
+        assert set(ops.samplers) == {paths[0], paths[2], other_path}
+        tc_name = ops.tenants[tc.model_id].name
+        assert f"{tc_name}.s2" not in ops.engine.adapter_versions()  # v1's engine copy is gone too
+        assert _sample(samplers[0]) and _sample(samplers[2])
+        with pytest.raises(tinker.RequestFailedError, match="at most 2 sampler versions per model") as err:
+            _sample(samplers[1])
+        assert paths[1] in str(err.value) and err.value.category == types.RequestErrorCategory.User
+
+        headers = {"X-API-Key": TOKEN}
+        body = {"model_id": tc.model_id, "type": "unload_model"}
+        key = httpx.post(s.url + "/api/v1/unload_model", json=body, headers=headers).json()["request_id"]
+        done = httpx.post(s.url + "/api/v1/retrieve_future", json={"request_id": key}, headers=headers, timeout=30)
+        assert types.UnloadModelResponse.model_validate(done.json()).model_id == tc.model_id
+        assert tc.model_id not in ops.tenants and set(ops.samplers) == {other_path}
+        assert ops.tenants[other.model_id].name in ops.model.adapters and len(ops.model.adapters) == 1
+        assert not [name for name in ops.engine.adapter_versions() if name.startswith(tc_name + ".")]
+        for sampler, path, why in zip(samplers, paths, ("was unloaded", "evicted", "was unloaded"), strict=True):
+            with pytest.raises(tinker.RequestFailedError, match=f"{re.escape(path)}.*{why}"):
+                _sample(sampler)
+        with pytest.raises(tinker.RequestFailedError, match="unknown model_id"):
+            tc.forward([_datum(list(range(5, 15)))], "cross_entropy").result()
+        assert _sample(sc.create_sampling_client(model_path=other_path).result())  # the other model is untouched
+        assert s.server._worker.is_alive()  # a failed forward_backward fails its future, not the worker
+        assert len(_sft(other, 1, list(range(5, 15)))) == 1
+    finally:
+        s.close()
 
 
 def test_ppo_loss_is_clipped_surrogate(server):

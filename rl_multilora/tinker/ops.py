@@ -13,15 +13,22 @@ Design choices:
 - Losses are Tinker's: sums over tokens (the client normalizes through `weights` / `advantages`), not means.
   `cross_entropy`: -sum w * logp(target). `importance_sampling`: -sum exp(logp - sampler_logp) * A.
   `ppo`: -sum min(r A, clip(r, clip_low_threshold, clip_high_threshold) A), r = exp(logp - sampler_logp).
+- Model ids are `<session>:train:<n>`, the id the SDK derives on its own for `create_training_client_from_state`.
+  They end up in paths (checkpoint folders) and adapter names, so they and checkpoint names are validated against
+  a strict pattern (no '/', no '..'); a model's adapter name is its id with ':' -> '.' (`slot_name`).
 - Sampler weights are in-memory versions: `save_weights_for_sampler` copies the slot's true-rank tensors
   (`adapter_state_dict`) and loads them into the engine's bank under a name of their own. When the bank is full the
-  least recently used version is unloaded; its tensors stay in memory and are loaded again on its next sample.
+  least recently used version is unloaded from the bank; its tensors stay in memory and are loaded again on its next
+  sample. Memory stays bounded: a model keeps at most `max_sampler_versions` versions (publishing or sampling one
+  makes it the most recently used); an older one's tensors are freed, and so are all of a model's on `unload`. A
+  sample of a freed version is a user error that says why.
 - Engine log-probs are those of the raw logits (temperature 1), as the engine documents.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,6 +45,9 @@ from rollout.types import GenerateRequest, SamplingParams
 
 LORA_ALPHA = 32.0
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+PLAIN_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # sessions (fullmatch): no '.', ':' or '/'
+MODEL_ID_PATTERN = re.compile(r"([A-Za-z0-9_-]{1,64}):train:([0-9]{1,9})")  # fullmatch
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # checkpoint and sampler names (fullmatch), not '.' or '..'
 _LAYER_GROUPS = {
     "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "train_mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -49,25 +59,82 @@ class UserError(ValueError):
     """A request the client must change (bad loss inputs, unknown model, ...): category "user"."""
 
 
+def model_id_of(session_id: Any, model_seq_id: Any) -> str:
+    """The id of a session's n-th model, as the SDK derives it itself when it creates a model by loading weights.
+
+    >>> model_id_of("s0a1", 2)
+    's0a1:train:2'
+    """
+    model_id = f"{session_id}:train:{model_seq_id}"
+    if not MODEL_ID_PATTERN.fullmatch(model_id):
+        raise _bad_model_id(model_id)
+    return model_id
+
+
+def slot_name(model_id: Any) -> str:
+    """The model's adapter name (in the model, the engine and under checkpoint_dir): its id with ':' -> '.'.
+    A plain name of the session's characters (no '.' or ':', so no API id maps onto it) names itself: the server
+    only makes `<session>:train:<n>` ids, direct `ClientOps` users (bench/bench_tinker.py) may pick their own.
+
+    >>> slot_name("s0a1:train:2"), slot_name("c0")
+    ('s0a1.train.2', 'c0')
+    >>> slot_name("../x:train:0")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rl_multilora.tinker.ops.UserError: model_id='../x:train:0' is not allowed; allowed: <session>:train:<n>, ...
+    """
+    if isinstance(model_id, str) and PLAIN_NAME_PATTERN.fullmatch(model_id):
+        return model_id
+    if not isinstance(model_id, str) or not MODEL_ID_PATTERN.fullmatch(model_id):
+        raise _bad_model_id(model_id)
+    return model_id.replace(":", ".")
+
+
+def _bad_model_id(model_id: Any) -> UserError:
+    return UserError(
+        f"model_id={model_id!r} is not allowed; allowed: <session>:train:<n>, the session 1 to 64 letters, "
+        "digits, '_' or '-'"
+    )
+
+
+def checkpoint_name(field_name: str, name: Any) -> str:
+    """`name` if it is a safe path component, else a UserError naming `field_name`.
+
+    >>> checkpoint_name("path", "step-10")
+    'step-10'
+    """
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name in (".", ".."):
+        raise UserError(
+            f"{field_name}={name!r} is not allowed; allowed: 1 to 128 letters, digits, '.', '_' or '-', "
+            "other than '.' and '..'"
+        )
+    return name
+
+
 @dataclass
 class ClientTenant:
     """One model created through the API: its slot's leaf views, their AdamW and counters."""
 
     model_id: str
+    name: str  # slot_name(model_id)
     rank: int
+    lora_config: dict[str, Any]
     params: list[torch.nn.Parameter]
     optim: torch.optim.AdamW
     steps: int = 0
     sampler_versions: int = 0
+    sampler_paths: OrderedDict[str, None] = field(default_factory=OrderedDict)  # live versions, least recent first
 
 
 @dataclass
 class SamplerVersion:
-    """Frozen weights a sampling session serves; `tensors` None means the base model."""
+    """Frozen weights a sampling session serves; `engine_name` None means the base model. A freed version has
+    `tensors` None and its `path` is in `ClientOps.freed`."""
 
     engine_name: str | None
     tensors: dict[str, torch.Tensor] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
 
 
 @dataclass
@@ -85,22 +152,33 @@ class ClientOps:
     """Everything the server does to the model and the engine. Training calls come from one worker thread;
     sampling calls may come from any thread (the engine has its own worker and bank)."""
 
-    def __init__(self, model: MultiLoRAModel, engine: Any, pad_id: int, checkpoint_dir: Path) -> None:
+    def __init__(
+        self, model: MultiLoRAModel, engine: Any, pad_id: int, checkpoint_dir: Path, max_sampler_versions: int = 4
+    ) -> None:
+        if type(max_sampler_versions) is not int or max_sampler_versions < 1:  # bool is refused too
+            raise ValueError(
+                f"max_sampler_versions={max_sampler_versions!r} is not allowed; allowed: an int >= 1 "
+                "(in-memory sampler versions kept per model)"
+            )
         self.model = model
         self.engine = engine
         self.pad_id = pad_id
         self.checkpoint_dir = checkpoint_dir
+        self.max_sampler_versions = max_sampler_versions
         self.tenants: dict[str, ClientTenant] = {}
-        self.samplers: dict[str, SamplerVersion] = {}
+        self.samplers: dict[str, SamplerVersion] = {}  # live versions by tinker:// path
+        self.freed: dict[str, str] = {}  # path of a freed version -> why (the error its samples get)
+        self._samplers_lock = threading.RLock()  # samplers, freed, sampler_paths: publish (worker) vs sample (loop)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # engine names in the bank, least recently used first
         self._engine_lock = threading.Lock()
         self.device = next(model.parameters()).device
         self.batch_sizes: list[int] = []  # requests per mixed forward_backward batch, in order (tests, bench)
 
     # -- tenants ---------------------------------------------------------------------------------------------------
-    def create(self, model_id: str, rank: int, seed: int | None, layers: dict[str, bool]) -> ClientTenant:
+    def create(self, model_id: str, rank: int, seed: int | None, layers: dict[str, Any]) -> ClientTenant:
         if model_id in self.tenants:
             return self.tenants[model_id]
+        name = slot_name(model_id)
         wanted = {leaf for key, leaves in _LAYER_GROUPS.items() if layers.get(key, True) for leaf in leaves}
         targets = [m for m in self.model.lora_modules if m.rsplit(".", 1)[-1] in wanted]
         if not targets:
@@ -109,10 +187,11 @@ class ClientOps:
             raise UserError(f"lora_config.rank={rank} is not allowed; allowed: 1 to {self.model.max_rank}")
         if not self.model.free_slots:
             raise UserError(f"no free LoRA slot: all {self.model.max_loras} are in use; unload a model first")
-        self.model.add_adapter(model_id, rank, LORA_ALPHA, seed=seed, target_modules=targets)
-        params = self.model.adapter_parameters(model_id)
+        self.model.add_adapter(name, rank, LORA_ALPHA, seed=seed, target_modules=targets)
+        params = self.model.adapter_parameters(name)
         optim = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        tenant = ClientTenant(model_id, rank, params, optim)
+        lora_config = {key: bool(layers.get(key, True)) for key in _LAYER_GROUPS}
+        tenant = ClientTenant(model_id, name, rank, lora_config, params, optim)
         self.tenants[model_id] = tenant
         return tenant
 
@@ -120,6 +199,14 @@ class ClientOps:
         if model_id not in self.tenants:
             raise UserError(f"unknown model_id {model_id!r}")
         return self.tenants[model_id]
+
+    def unload(self, model_id: str) -> None:
+        """Free the model: its slot, optimizer and every sampler version's tensors (engine copies included)."""
+        t = self.tenant(model_id)
+        for path in list(t.sampler_paths):
+            self._free_sampler(t, path, f"sampler weights {path!r} were freed: model {model_id!r} was unloaded")
+        self.model.remove_adapter(t.name)
+        del self.tenants[model_id]
 
     # -- training --------------------------------------------------------------------------------------------------
     def forward_backward(self, items: list[FwdBwdItem]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
@@ -138,7 +225,7 @@ class ClientOps:
         for r, (_, d) in enumerate(rows):
             ids[r, : len(d.tokens)] = torch.from_numpy(d.tokens)
             mask[r, : len(d.tokens)] = 1
-        names = [items[i].model_id for i, _ in rows]
+        names = [self.tenants[items[i].model_id].name for i, _ in rows]
         need_grad = any(not item.forward_only for item in items)
         with torch.set_grad_enabled(need_grad):
             # logits: (R, T, V); right padding leaves every real position's logits as they are alone.
@@ -165,7 +252,7 @@ class ClientOps:
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         t = self.tenant(model_id)
-        self.model.attach_slot_grads(model_id, t.params)
+        self.model.attach_slot_grads(t.name, t.params)
         grads = [p.grad for p in t.params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
         clip = float(adam.get("grad_clip_norm", 0.0))
@@ -186,64 +273,105 @@ class ClientOps:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def save(self, model_id: str, name: str) -> str:
-        """Adapter (PEFT safetensors) + optimizer state under checkpoint_dir/<model_id>/<name>/."""
+        """Adapter (PEFT safetensors) + optimizer state under checkpoint_dir/<slot_name>/<name>/."""
         t = self.tenant(model_id)
-        out = self.checkpoint_dir / model_id / name
+        out = self.checkpoint_dir / t.name / checkpoint_name("path", name)
         out.mkdir(parents=True, exist_ok=True)
         save_file(
-            {k: v.contiguous() for k, v in self.model.adapter_state_dict(model_id).items()},
+            {k: v.contiguous() for k, v in self.model.adapter_state_dict(t.name).items()},
             out / "adapter.safetensors",
         )
-        (out / "adapter_config.json").write_text(json.dumps(self.model.peft_config(model_id)))
-        torch.save({"optim": t.optim.state_dict(), "steps": t.steps, "rank": t.rank}, out / "optim.pt")
+        (out / "adapter_config.json").write_text(json.dumps(self.model.peft_config(t.name)))
+        saved = {"optim": t.optim.state_dict(), "steps": t.steps, "rank": t.rank, "lora_config": t.lora_config}
+        torch.save(saved, out / "optim.pt")
         return f"tinker://{model_id}/weights/{name}"
 
     def load(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        """Weights (and, `with_optimizer`, AdamW state and step count) of a checkpoint into the model, which is
+        created like the checkpoint's (rank, layers) when it does not exist: the SDK's create-from-state."""
         folder = self._checkpoint_folder(path)
         tensors = load_file(folder / "adapter.safetensors")
         config = json.loads((folder / "adapter_config.json").read_text())
         saved = torch.load(folder / "optim.pt", weights_only=False)
         if model_id not in self.tenants:
-            self.create(model_id, int(saved["rank"]), None, {})
+            self.create(model_id, int(saved["rank"]), None, saved.get("lora_config", {}))
         t = self.tenants[model_id]
-        self.model.load_adapter_state_dict(model_id, tensors, config)
+        if t.rank != int(saved["rank"]):
+            raise UserError(f"checkpoint {path!r} has rank {saved['rank']}; model {model_id!r} has rank {t.rank}")
+        self.model.load_adapter_state_dict(t.name, tensors, config)
         if with_optimizer:
             t.optim.load_state_dict(saved["optim"])
             t.steps = int(saved["steps"])
 
     def _checkpoint_folder(self, path: str) -> Path:
-        parts = path.removeprefix("tinker://").split("/")
+        parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] != "weights":
             raise UserError(f"path={path!r} is not a training checkpoint; allowed: tinker://<model_id>/weights/<name>")
-        folder = self.checkpoint_dir / parts[0] / parts[2]
+        folder = self.checkpoint_dir / slot_name(parts[0]) / checkpoint_name("path name", parts[2])
         if not (folder / "optim.pt").is_file():
             raise UserError(f"checkpoint {path!r} does not exist")
         return folder
 
     def publish_sampler(self, model_id: str, name: str | None) -> tuple[str, str]:
-        """A new in-memory sampler version of the tenant: (its tinker:// path, its engine name)."""
+        """A new in-memory sampler version of the tenant: (its tinker:// path, its engine name). The model's least
+        recently used version beyond `max_sampler_versions` is freed."""
         t = self.tenant(model_id)
-        t.sampler_versions += 1
-        engine_name = f"{model_id}.s{t.sampler_versions}"
-        path = f"tinker://{model_id}/sampler_weights/{name or f's{t.sampler_versions}'}"
+        n = t.sampler_versions + 1
+        path = f"tinker://{model_id}/sampler_weights/{checkpoint_name('path', name or f's{n}')}"
+        t.sampler_versions = n
+        engine_name = f"{t.name}.s{n}"
         version = SamplerVersion(
-            engine_name, self.model.adapter_state_dict(model_id), self.model.peft_config(model_id)
+            engine_name, self.model.adapter_state_dict(t.name), self.model.peft_config(t.name), path
         )
-        self.samplers[path] = version
+        with self._samplers_lock:
+            if path in t.sampler_paths:  # the same name again: the new weights replace the old version
+                self._free_sampler(t, path, f"sampler weights {path!r} were replaced")
+            self.samplers[path] = version
+            self.freed.pop(path, None)
+            t.sampler_paths[path] = None
+            while len(t.sampler_paths) > self.max_sampler_versions:
+                old = next(iter(t.sampler_paths))
+                self._free_sampler(
+                    t,
+                    old,
+                    f"sampler weights {old!r} were evicted from memory: the server keeps at most "
+                    f"{self.max_sampler_versions} sampler versions per model (--max-sampler-versions), least recently "
+                    "used first; call save_weights_for_sampler again",
+                )
         self._ensure_loaded(version)
         return path, engine_name
 
+    def _free_sampler(self, t: ClientTenant, path: str, why: str) -> None:
+        """Drop a version's tensors and its engine copy; its samples from now on fail with `why`."""
+        with self._samplers_lock:
+            v = self.samplers.pop(path)
+            del t.sampler_paths[path]
+            self.freed[path] = why
+            v.tensors = None
+        with self._engine_lock:
+            if v.engine_name in self._loaded:
+                del self._loaded[v.engine_name]
+                self.engine.unload_adapter(v.engine_name)
+
     def sampler(self, path: str | None) -> SamplerVersion:
+        """The version at `path` (None: the base), now the most recently used of its model."""
         if path is None:
             return SamplerVersion(None)
-        if path not in self.samplers:
-            raise UserError(f"model_path={path!r} names no sampler weights; save_weights_for_sampler first")
-        return self.samplers[path]
+        with self._samplers_lock:
+            if path in self.freed:
+                raise UserError(self.freed[path])
+            if path not in self.samplers:
+                raise UserError(f"model_path={path!r} names no sampler weights; save_weights_for_sampler first")
+            model_id = path.removeprefix("tinker://").split("/")[0]
+            self.tenants[model_id].sampler_paths.move_to_end(path)
+            return self.samplers[path]
 
     def _ensure_loaded(self, v: SamplerVersion) -> None:
         if v.engine_name is None:
             return
         with self._engine_lock:
+            if v.tensors is None:  # freed while a sample of it was on its way
+                raise UserError(self.freed.get(v.path or "", f"sampler weights {v.path!r} were freed"))
             if v.engine_name in self._loaded:
                 self._loaded.move_to_end(v.engine_name)
                 return

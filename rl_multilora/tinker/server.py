@@ -11,7 +11,10 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   `<session>.create.<model_seq_id>`, `<sampling_session>.<seq_id>`): a retried POST gets the same future and is not
   run twice. The request is committed to the journal (`journal.py`) before the acknowledgement.
 - Requests of one model run in seq_id order: a request waits until every lower seq_id of its model has run,
-  whatever order the HTTP calls arrived in.
+  whatever order the HTTP calls arrived in. `unload_model` has no seq_id: it runs after every request of its model
+  acknowledged before it (so a replay unloads at the same point).
+- Models are named `<session>:train:<n>`, as the SDK names a model it creates from a checkpoint
+  (`create_training_client_from_state*`, a `load_weights` without model_id) without asking the server.
 - One worker thread runs the model. It takes every request that is ready (the next seq_id of each model), waits
   `batch_wait_s` (20 ms) for other clients' forward_backward calls, and runs all ready forward_backward requests, of
   any number of clients, as one mixed batch (`ops.ClientOps`).
@@ -41,7 +44,7 @@ from aiohttp import web
 
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
-from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, UserError
+from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, UserError, model_id_of, slot_name
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
@@ -76,6 +79,7 @@ class ServerState:
     queues: dict[str, dict[int, Op]] = field(default_factory=dict)  # model_id -> seq_id -> op
     next_seq: dict[str, int] = field(default_factory=dict)
     creates: list[Op] = field(default_factory=list)
+    unloads: list[tuple[int, Op]] = field(default_factory=list)  # (run once next_seq[model] is past this, op)
 
 
 class TinkerServer:
@@ -117,6 +121,7 @@ class TinkerServer:
             "save_weights": self.save_weights,
             "save_weights_for_sampler": self.save_weights_for_sampler,
             "load_weights": self.load_weights,
+            "unload_model": self.unload_model,
             "create_sampling_session": self.create_sampling_session,
             "asample": self.asample,
             "retrieve_future": self.retrieve_future,
@@ -214,7 +219,9 @@ class TinkerServer:
         body = await r.json()
         self._check_base(body.get("base_model"))
         key = f"{body['session_id']}.create.{body['model_seq_id']}"
-        return await self._ack(key, "create_model", body, {"model_id": _model_id(body)})
+        return await self._ack(
+            key, "create_model", body, {"model_id": model_id_of(body["session_id"], body["model_seq_id"])}
+        )
 
     async def forward_backward(self, r: web.Request) -> web.Response:
         raw = await r.read()
@@ -237,9 +244,14 @@ class TinkerServer:
         body = await r.json()
         if body.get("model_id") is None:  # create-via-load: the load is the new model's request 0
             self._check_base(body.get("base_model"))
-            body["model_id"], body["seq_id"] = _model_id(body), 0
+            body["model_id"], body["seq_id"] = model_id_of(body["session_id"], body["model_seq_id"]), 0
         return await self._ack(f"{body['model_id']}.{body['seq_id']}", "load_weights", body,
                                {"model_id": body["model_id"]})  # fmt: skip
+
+    async def unload_model(self, r: web.Request) -> web.Response:
+        model_id = (await r.json())["model_id"]
+        slot_name(model_id)
+        return await self._ack(f"{model_id}.unload", "unload_model", {"model_id": model_id})
 
     async def create_sampling_session(self, r: web.Request) -> web.Response:
         body = await r.json()
@@ -302,10 +314,13 @@ class TinkerServer:
                 fb = wire.decode_forward_backward(body)
                 op = Op(key, kind, fb.model_id, fb.seq_id, fb)
             else:
-                op = Op(key, kind, body.get("model_id") or _model_id(body), int(body.get("seq_id") or 0), body)
+                model_id = body.get("model_id") or model_id_of(body["session_id"], body["model_seq_id"])
+                op = Op(key, kind, model_id, int(body.get("seq_id") or 0), body)
             with self.lock:
                 if kind == "create_model":
                     self.state.creates.append(op)
+                elif kind == "unload_model":
+                    self.state.unloads.append((self._last_seq(op.model_id), op))
                 else:
                     if kind == "load_weights" and op.seq_id == 0:
                         self.state.next_seq.setdefault(op.model_id, 0)
@@ -326,14 +341,31 @@ class TinkerServer:
         else:
             self.loop.call_soon_threadsafe(done)
 
+    def _last_seq(self, model_id: str) -> int:
+        """The highest seq_id of the model acknowledged so far; -1 for a model the scheduler has never seen (under
+        `lock`)."""
+        queued = list(self.state.queues.get(model_id, {}))
+        if model_id in self.state.next_seq:
+            return max([self.state.next_seq[model_id] - 1, *queued])
+        if queued or any(op.model_id == model_id for op in self.state.creates):
+            return max([0, *queued])  # a pending create is request 0
+        return -1
+
     def _ready(self) -> list[Op]:
-        """Creates first, then the next seq_id of every model (under `lock`)."""
+        """Creates first, then the next seq_id of every model, then unloads whose model is done (under `lock`)."""
         ready = list(self.state.creates)
         self.state.creates.clear()
         for model_id, queue in self.state.queues.items():
             nxt = self.state.next_seq.get(model_id)
             if nxt is not None and nxt in queue:
                 ready.append(queue.pop(nxt))
+        waiting = []
+        for after, op in self.state.unloads:
+            if self.state.next_seq.get(op.model_id, 0) > after:  # after its model's ops in `ready` too
+                ready.append(op)
+            else:
+                waiting.append((after, op))
+        self.state.unloads = waiting
         return ready
 
     def _work(self) -> None:
@@ -358,7 +390,7 @@ class TinkerServer:
                 self._run_batch(fwd)
             with self.lock:
                 for op in ready:
-                    if op.kind != "create_model":
+                    if op.kind not in ("create_model", "unload_model"):
                         self.state.next_seq[op.model_id] = op.seq_id + 1
 
     def _run_batch(self, ops: list[Op]) -> None:
@@ -371,9 +403,9 @@ class TinkerServer:
                 for op in ops:
                     self._run_batch([op])
                 return
-            outs = None
             self._fail(ops[0])
-        for op, out in zip(ops, outs or [], strict=True):
+            return
+        for op, out in zip(ops, outs, strict=True):
             self._resolve(self.state.results[op.request_id], wire.encode_forward_backward_output(*out))
 
     def _fail(self, op: Op) -> None:
@@ -413,6 +445,9 @@ class TinkerServer:
             elif op.kind == "load_weights":
                 self.ops.load(op.model_id, b["path"], bool(b.get("optimizer")))
                 value = {"type": "load_weights", "path": b["path"], "model_id": op.model_id}
+            elif op.kind == "unload_model":
+                self.ops.unload(op.model_id)
+                value = {"type": "unload_model", "model_id": op.model_id}
             else:
                 raise UserError(f"unknown request kind {op.kind!r}")
         except Exception:  # noqa: BLE001 - the failure is the request's result
@@ -437,10 +472,6 @@ class TinkerServer:
             self._resolve(res, {"error": f"{type(e).__name__}: {e}", "category": category})
 
 
-def _model_id(body: dict[str, Any]) -> str:
-    return f"{body['session_id']}.m{body['model_seq_id']}"
-
-
 def build_server(
     model_path: str,
     state_dir: Path,
@@ -451,6 +482,7 @@ def build_server(
     poll_s: float = 20.0,
     seed: int = 0,
     batch_wait_s: float = 0.02,
+    max_sampler_versions: int = 4,
 ) -> TinkerServer:
     from transformers import AutoTokenizer
 
@@ -464,7 +496,7 @@ def build_server(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = EmbeddedEngine(model, tokenizer, seed=seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ops = ClientOps(model, engine, pad, state_dir / "checkpoints")
+    ops = ClientOps(model, engine, pad, state_dir / "checkpoints", max_sampler_versions)
     return TinkerServer(
         ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
     )
@@ -492,10 +524,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-rank", type=int, default=32)
+    p.add_argument("--max-sampler-versions", type=int, default=4,
+                   help="in-memory sampler versions kept per model; the least recently used beyond it is freed")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     token = resolve_token(args.state_dir)
-    server = build_server(args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank)
+    server = build_server(
+        args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
+        max_sampler_versions=args.max_sampler_versions,
+    )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
