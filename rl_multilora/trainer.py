@@ -203,12 +203,11 @@ class MultiLoRATrainer:
         for name, st in batch.stats.items():
             st.lr = self.adapter_lr(name)
         if batch.by_adapter:
-            was_training = self.model.training
-            self.model.eval()  # dropout off: old, new and reference log-probs must be the same function
-            try:
-                self._optimize(batch.rows, batch.by_adapter, batch.stats, max_steps or {})
-            finally:
-                self.model.train(was_training)
+            # Dropout off: old, new and reference log-probs must be the same function. The model stays in eval mode
+            # (nothing here needs train mode), so an engine generating on the shared base at the same time (an
+            # asynchronous run) never sees the mode flip under it.
+            self.model.eval()
+            self._optimize(batch.rows, batch.by_adapter, batch.stats, max_steps or {})
         return batch.stats
 
     def _optimize(

@@ -151,3 +151,28 @@ def test_colocated_engines_share_the_ranks_bundles_and_train_like_one_rank(
         rt.close()
     assert _series(tmp_path / "colocated") == _series(one_rank)
     _assert_same_adapters(tmp_path / "colocated", one_rank)
+
+
+def test_async_mode_with_engine_actors_and_two_ranks(workspace, local_ray, tmp_path):
+    """rollout.mode async on Ray: two engine actors generate the next step while two trainer ranks train; every
+    publish goes to the actors without a pause, samples lag at most one version, and both tenants spend their
+    budgets with every adapter step logged once."""
+    from rl_multilora.loop import Runtime
+
+    cfg = _config(workspace, tmp_path / "async", 2, trainer={"world_size": 2, "colocate_engines": True})
+    cfg["rollout"].update(engine_actors=True, num_engines=2, mode="async")  # 2 CPUs: ranks and engines share
+    rt = Runtime.build(parse_run_config(cfg))
+    try:
+        assert rt.engine.publishes_without_pause
+        rt.start()
+        while not rt.finished():
+            rt.step()
+        assert rt.weight_sync.pauses == 0
+    finally:
+        rt.close()
+    rows = [r for r in read_metrics(tmp_path / "async") if r.get("kind") != "eval"]
+    for name in ("t1", "t2"):
+        mine = [r for r in rows if r["adapter"] == name]
+        assert [r["adapter_step"] for r in mine] == [1, 2, 3, 4]
+        assert all(0 <= r["version_lag_max"] <= 1 and r["stale_samples"] == 0 for r in mine)
+    assert any(r["version_lag_max"] == 1 for r in rows)  # the rollout ran ahead of training

@@ -642,8 +642,8 @@ class EmbeddedEngine(RolloutEngine):
     def _eval_mode(self) -> Iterator[None]:
         """Run a wave with the model in eval mode (no dropout), restoring the caller's mode after.
 
-        Training and rollout of a colocated model alternate (the run loop trains only after the
-        rollout returns), so flipping the mode here never races a training forward.
+        The trainer trains in eval mode and leaves the model in it, so on a base shared with a trainer
+        that runs at the same time (an asynchronous run) the mode is already eval and never flips here.
         """
         was_training = self._model.training
         if was_training:
