@@ -9,7 +9,10 @@ of the sync runs. From those phases, the GPU case is modelled: a synchronous ste
 train + sync, an asynchronous one max(rollout, reward + train) + sync's publish, if generation and training run on
 separate devices (engine actors on their own GPU) and so do not share cores as they do here.
 
-    python bench/bench_async.py [--preset DIR] [--steps 8] [--repeats 3]
+    python bench/bench_async.py [--preset DIR] [--steps 8] [--repeats 3] [--engine-actors]
+
+`--engine-actors`: the engine runs as a Ray actor in its own process (`rollout.engine_actors`), apart from the
+trainer, as on a GPU cluster (needs the `ray` extra).
 
 Provision the tiny preset first (`bash examples/multi_lora/provision.sh`).
 """
@@ -32,12 +35,13 @@ from rl_multilora.loop import Runtime  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(mode: str, preset: Path, steps: int, run_dir: Path) -> dict:
+def one_run(mode: str, preset: Path, steps: int, run_dir: Path, engine_actors: bool = False) -> dict:
     data = yaml.safe_load((ROOT / "examples/multi_lora/configs/tiny.yaml").read_text())
     text = yaml.safe_dump(data).replace("artifacts/tiny", str(preset))
     data = yaml.safe_load(text)
     data.update(run_dir=str(run_dir), max_global_steps=steps + 1)
     data["rollout"]["mode"] = mode
+    data["rollout"]["engine_actors"] = engine_actors
     data["eval"] = {"enabled": False}
     data["checkpoint"] = {"save_every": 10_000, "keep_last": 1}
     data["logging"] = {"plot": False, "progress": False}
@@ -76,14 +80,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench_async")
+    p.add_argument("--engine-actors", action="store_true", help="the engine as a Ray actor, apart from the trainer")
     args = p.parse_args()
+    if args.engine_actors:
+        import ray
+
+        ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
     preset = Path(args.preset).resolve()
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     for i in range(args.repeats):
         for mode in ("sync", "async"):
-            results[mode].append(one_run(mode, preset, args.steps, Path(args.out) / f"{mode}-{i}"))
+            out = Path(args.out) / f"{mode}-{i}"
+            results[mode].append(one_run(mode, preset, args.steps, out, args.engine_actors))
             print(f"run {i} {mode}: {results[mode][-1]['step_s']:.3f} s/step", flush=True)
-    print(f"\n{args.steps} steps x {args.repeats} runs per mode, tiny preset (3 tenants x 64 rows per step)")
+    where = "engine as a Ray actor" if args.engine_actors else "engine in this process"
+    print(f"\n{args.steps} steps x {args.repeats} runs per mode, tiny preset (3 tenants x 64 rows per step), {where}")
     print("| mode | s/step | rows/s | pause at publish, s |")
     print("|---|---|---|---|")
     for mode, runs in results.items():
