@@ -240,9 +240,7 @@ class MultiLoRATrainer:
             backwarded: set[str] = set()
             for micro in micro_batches(shares, ranks.rank, self.cfg.micro_batch_size):
                 if not micro:  # this rank is short of rows: join the collectives (same forwards) at weight zero
-                    self._micro_step(
-                        [rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), epoch == 0, step_ref, filler=True
-                    )
+                    self._micro_step([rows[0]], {id(rows[0]): 0.0}, {}, _Sums(), epoch == 0, step_ref, filler=True)
                     continue
                 bad, good = self._micro_step(micro, weights, cache, sums, epoch == 0, step_ref)
                 nonfinite_loss |= bad

@@ -403,9 +403,10 @@ def test_publishing_a_version_mid_request_lets_running_rows_finish_on_theirs_and
     fresh = EmbeddedEngine(model, tiny_tokenizer())
     try:
         fresh.load_adapter("a", doubled, config)
-        assert fresh.generate([GenerateRequest(PROMPTS[0], "a", long)])[0].output_ids == engine.generate(
-            [GenerateRequest(PROMPTS[0], "a", long)]
-        )[0].output_ids  # the new slot holds exactly the new weights
+        assert (
+            fresh.generate([GenerateRequest(PROMPTS[0], "a", long)])[0].output_ids
+            == engine.generate([GenerateRequest(PROMPTS[0], "a", long)])[0].output_ids
+        )  # the new slot holds exactly the new weights
     finally:
         fresh.close()
 

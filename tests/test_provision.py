@@ -289,7 +289,9 @@ def test_hub_preset_downloads_model_and_gsm8k(tmp_path, monkeypatch):
 
 
 def test_bad_input_names_the_field(tmp_path, capsys):
-    with pytest.raises(ValueError, match="preset='tiny-ish' is not allowed; use 'tiny', 'tiny-moe', 'smollm2-135m' or a Hub model id"):
+    with pytest.raises(
+        ValueError, match="preset='tiny-ish' is not allowed; use 'tiny', 'tiny-moe', 'smollm2-135m' or a Hub model id"
+    ):
         provision("tiny-ish", tmp_path)
     with pytest.raises(ValueError, match="config.family='llama' does not fit preset='tiny-moe'"):
         provision("tiny-moe", tmp_path, config=SMALL)

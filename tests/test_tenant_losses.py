@@ -113,7 +113,9 @@ def test_a_kl_tenant_meets_rows_in_a_later_epoch_whose_first_epoch_micro_batch_h
     two_epochs = GRPOSettings(micro_batch_size=4, drop_uniform_groups=False, ppo_epochs=2)
 
     def rows():  # c: 2 rows, b: 2 rows, a: 4 rows -> epoch 1 cuts [c c b b] [a a a a], epoch 2 [b b a a] [a a]
-        return random_samples("c", 1, 2, seed=3) + random_samples("b", 1, 2, seed=2) + random_samples("a", 1, 4, seed=1)
+        return (
+            random_samples("c", 1, 2, seed=3) + random_samples("b", 1, 2, seed=2) + random_samples("a", 1, 4, seed=1)
+        )
 
     mixed_model, mixed = _build({"a": {"kl_coef": 0.05}, "b": {}, "c": {}}, two_epochs)
     alone_model, alone = _build({"a": {"kl_coef": 0.05}}, two_epochs)
