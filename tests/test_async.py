@@ -119,3 +119,16 @@ def test_async_run_killed_then_resumed_loses_no_trained_step(workspace, tmp_path
         assert [r["adapter_step"] for r in _series(run_dir, name)] == list(range(1, budget + 1)), name
         meta = yaml.safe_load((CheckpointManager(run_dir).latest(name) / CKPT_META).read_text())
         assert meta["adapter_step"] == budget
+
+
+def test_async_run_stopped_at_max_global_steps_with_a_rollout_ahead_resumes_every_step_once(workspace, tmp_path):
+    """The stop comes while the next step's rollout is generating: the run still exits, its checkpoints hold the
+    cursor from before those groups, and the resumed run trains every adapter step exactly once."""
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    first = run(parse_run_config(dict(cfg, max_global_steps=3)))
+    assert first._ahead is None and first.tenants.get("t1").adapter_step == 3
+    rt = run(parse_run_config(cfg))
+    for name, budget in BUDGETS.items():
+        assert rt.tenants.get(name).adapter_step == budget, name
+        assert [r["adapter_step"] for r in _series(run_dir, name)] == list(range(1, budget + 1)), name
