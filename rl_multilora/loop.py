@@ -165,7 +165,7 @@ class Runtime:
         with clock("rollout_s"):
             # Async: the groups generated during the previous step's training (for tenants still running).
             ready, covered = self._take_ahead(names)
-            groups = self._draw([n for n in names if n not in covered])
+            groups = self._draw([n for n in names if n not in covered], among=names)
             samples = ready + (self.generator.run_sync(groups) if groups else [])
             self._start_ahead(names)
         with clock("eval_s"):  # on the versions the rollout used, never trained on
@@ -207,14 +207,16 @@ class Runtime:
         return res
 
     # -- rollouts -------------------------------------------------------------------------------------------------
-    def _draw(self, names: list[str], ahead: bool = False) -> list[list[Sample]]:
-        """The prompt groups of `names` for one step, split by fair share when the step's rows are capped.
-        `ahead`: for the next step (async); checkpoints keep the cursor from before them until they are taken."""
+    def _draw(self, names: list[str], among: list[str], ahead: bool = False) -> list[list[Sample]]:
+        """The prompt groups of `names` for one step: their fair shares of the step's row cap among the tenants
+        `among` that share it (async draws a step's groups in two parts, ahead and at its start; the shares are
+        the same as if drawn at once). `ahead`: for the next step (async); checkpoints keep the cursor from before
+        them until they are taken."""
         if not names:
             return []
         quotas = fair_quotas(
-            {n: self.data.ask(n) for n in names},
-            {n: self.tenants.get(n).cfg.weight for n in names},
+            {n: self.data.ask(n) for n in among},
+            {n: self.tenants.get(n).cfg.weight for n in among},
             self.cfg.rollout.max_rows_per_step,
         )
         return [g for gs in self.data.next_groups(names, quotas, ahead=ahead).values() for g in gs]
@@ -241,7 +243,7 @@ class Runtime:
             left = t.steps_left()
             if self.cfg.max_staleness_for(t.cfg) >= 1 and (left is None or left > self.cfg.grpo.ppo_epochs):
                 ahead.append(n)
-        groups = self._draw(ahead, ahead=True)
+        groups = self._draw(ahead, among=names, ahead=True)
         if groups:
             self._ahead = _Ahead(self._pool, self.ahead_generator, ahead, groups)
         else:

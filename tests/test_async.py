@@ -132,3 +132,18 @@ def test_async_run_stopped_at_max_global_steps_with_a_rollout_ahead_resumes_ever
     for name, budget in BUDGETS.items():
         assert rt.tenants.get(name).adapter_step == budget, name
         assert [r["adapter_step"] for r in _series(run_dir, name)] == list(range(1, budget + 1)), name
+
+
+def test_a_row_cap_holds_for_steps_drawn_in_two_parts(workspace, tmp_path):
+    """rollout.max_rows_per_step caps a step's rows in async mode too: the groups drawn ahead and those drawn at
+    the step's start (the strict tenant's) are fair shares of one cap, never two caps."""
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    cfg["rollout"]["max_rows_per_step"] = 12  # 3 tenants ask 2 groups x 4 rows each: one group each fits
+    run(parse_run_config(dict(cfg, max_global_steps=4)))
+    per_step: dict[int, int] = {}
+    for r in read_metrics(run_dir):
+        if r.get("kind") != "eval":
+            per_step[r["step"]] = per_step.get(r["step"], 0) + r["n_samples"]
+    assert per_step and all(n <= 12 for n in per_step.values()), per_step
+    assert max(per_step.values()) == 12
