@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config")
     s.add_argument("--address", default=None, help="join an existing Ray cluster")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument(
+        "--tinker-port", type=int, default=None, help="also serve the Tinker API on this port (off by default)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address the Tinker API binds (with --tinker-port)")
+    s.add_argument("--tinker-base-model", default=None, help="name clients pass as base_model (default: model.path)")
     s.set_defaults(fn=cmd_service)
     for verb, helptext in [("submit", "submit ADAPTER.yaml to the service"), ("remove", "drain adapter NAME")]:
         s = sub.add_parser(verb, help=helptext)

@@ -15,6 +15,11 @@ that actor by name. The pieces:
 - `ServiceActor` wraps a `ServiceCore` for Ray; it is a threaded actor (`max_concurrency`), so a submit waiting for
   the current step to end does not block `status`. Actor methods return `Reply` values instead of raising, so a
   rejected submission reaches the client as one clean message, not a remote traceback.
+- Tinker API (`serve --tinker-port`): the Tinker app (`rl_multilora.tinker.server.build_service_server`) runs on
+  this Runtime's model, engine and TenantManager. The training thread and the Tinker worker take turns on the model
+  through one FIFO lock (`turn`): a step (with the mutations before it) is one turn, a batch of Tinker requests is
+  one turn, and whoever asked first goes next, so neither a slow GRPO step nor a stream of client requests starves
+  the other. Status is published at the end of every turn.
 - Drained adapters are marked REMOVED once the step's weight sync has unloaded them, so a name can be submitted
   again; the Runtime's admission then resumes it from its newest checkpoint (`checkpoint.resume != "never"`).
 
@@ -35,6 +40,7 @@ shared networks.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -155,6 +161,29 @@ class _Mutation:
 
 
 # -- the service without Ray ----------------------------------------------------------------------------------------
+class TurnLock:
+    """A FIFO lock (`with turn(): ...`): turns are given in the order they were asked for. Not reentrant."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the ticket the next caller draws
+        self._serving = 0  # the ticket that holds the lock
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving += 1
+                self._cond.notify_all()
+
+
 class ServiceCore:
     """A Runtime driven by a training thread; mutations are applied between steps. See the module docstring."""
 
@@ -169,6 +198,7 @@ class ServiceCore:
         self._thread: threading.Thread | None = None
         self._training = False
         self._finished = False
+        self.turn = TurnLock()  # the model: the training thread's steps and the Tinker worker's batches take turns
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,27 +241,38 @@ class ServiceCore:
     def model_config(self) -> ModelConfig:
         return self.rt.cfg.model
 
+    @contextlib.contextmanager
+    def tinker_turn(self):
+        """One turn of the Tinker worker on the model and the tenants; status is published at its end."""
+        with self.turn():
+            yield
+            self._publish()
+
     # -- the training thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         last_idle_log = 0.0
         while not self._stop.is_set():
-            self._apply_mutations(block_s=0.0)
-            if self.error is None and self._has_work():
-                try:
-                    self._training = True
-                    self._step()
-                except Exception as e:  # noqa: BLE001 - a bug must not kill the service silently: report it
-                    log.exception("service step failed; training stopped (status shows the error)")
-                    self.error = f"{type(e).__name__}: {e}"
+            with self.turn():
+                self._apply_mutations(block_s=0.0)
+                worked = self.error is None and self._has_work()
+                if worked:
+                    try:
+                        self._training = True
+                        self._step()
+                    except Exception as e:  # noqa: BLE001 - a bug must not kill the service silently: report it
+                        log.exception("service step failed; training stopped (status shows the error)")
+                        self.error = f"{type(e).__name__}: {e}"
+                        self._training = False
+                    self._publish()
+                else:
+                    if self._training or time.monotonic() - last_idle_log >= IDLE_LOG_EVERY_S:
+                        log.info("idle: no RUNNING adapters (global step %d)", self.rt.tenants.global_step)
+                        last_idle_log = time.monotonic()
                     self._training = False
-                self._publish()
+                    self._publish()
+            if worked:
                 last_idle_log = 0.0
                 continue
-            if self._training or time.monotonic() - last_idle_log >= IDLE_LOG_EVERY_S:
-                log.info("idle: no RUNNING adapters (global step %d)", self.rt.tenants.global_step)
-                last_idle_log = time.monotonic()
-            self._training = False
-            self._publish()
             self._apply_mutations(block_s=self.poll_s)
         self._finish()
 
@@ -247,17 +288,20 @@ class ServiceCore:
             self.rt.idle_step()  # nothing to train: retire, admit and sync without a wasted global step
 
     def _apply_mutations(self, block_s: float) -> None:
+        """Apply every queued mutation. `block_s` > 0: wait that long for the first one (outside the model's turn),
+        then take a turn to apply them; 0: the caller already holds the turn."""
         try:
             m = self._queue.get(timeout=block_s) if block_s > 0 else self._queue.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._apply(m)
-            try:
-                m = self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._publish()
+        with self.turn() if block_s > 0 else contextlib.nullcontext():
+            while True:
+                self._apply(m)
+                try:
+                    m = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._publish()
 
     def _apply(self, m: _Mutation) -> None:
         try:
@@ -311,14 +355,15 @@ class ServiceCore:
             self._finished = True
         for m in self._drain_queue():
             m.done.set_exception(ServiceError("the service is stopping"))
-        try:
-            self.rt.checkpoint_all()
-            log.info("checkpointed every live adapter (global step %d)", self.rt.tenants.global_step)
-        except Exception:  # noqa: BLE001 - still close the engine and reward workers
-            log.exception("final checkpoint failed")
-        self._training = False
-        self._publish()
-        self.rt.close()
+        with self.turn():  # a Tinker batch still running finishes first
+            try:
+                self.rt.checkpoint_all()
+                log.info("checkpointed every live adapter (global step %d)", self.rt.tenants.global_step)
+            except Exception:  # noqa: BLE001 - still close the engine and reward workers
+                log.exception("final checkpoint failed")
+            self._training = False
+            self._publish()
+            self.rt.close()
 
     def _drain_queue(self) -> list[_Mutation]:
         out = []
@@ -343,13 +388,20 @@ class ServiceCore:
 class ServiceActor:
     """Ray-side wrapper of ServiceCore; created by `serve` as `ray.remote(ServiceActor).options(...)`."""
 
-    def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None):
+    def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None, tinker: dict[str, Any] | None = None):
         _setup_worker(workdir)
         from rl_multilora.loop import Runtime
 
         cfg = parse_run_config(cfg_data, source="serve")
         self.core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
         self.core.start()
+        self.tinker = None
+        if tinker is not None:  # the Tinker API on this Runtime (see rl_multilora.tinker.server)
+            from rl_multilora.tinker.server import BackgroundApp, build_service_server, resolve_token
+
+            state_dir = tinker_state_dir(cfg)
+            server = build_service_server(self.core, state_dir, resolve_token(state_dir), tinker.get("base_model"))
+            self.tinker = BackgroundApp(server, tinker["host"], tinker["port"])
         log.info("service ready: %d slot(s), run dir %s", cfg.model.max_loras, cfg.run_dir)
 
     def ready(self) -> bool:
@@ -377,8 +429,16 @@ class ServiceActor:
         return self.core.status()
 
     def shutdown(self) -> ServiceStatus:
+        if self.tinker is not None:  # no client request may start once the final checkpoint is under way
+            self.tinker.close()
+            self.tinker = None
         self.core.stop()
         return self.core.status()
+
+
+def tinker_state_dir(cfg: RunConfig) -> Path:
+    """The Tinker API's request journal, client checkpoints and token, inside the run directory."""
+    return Path(cfg.run_dir) / "tinker"
 
 
 def _setup_worker(workdir: str | None) -> None:
@@ -542,12 +602,23 @@ def _actor_resources(cfg: RunConfig) -> dict[str, float]:
     return {"num_cpus": 1, "num_gpus": 1 if device != "cpu" and gpus >= 1 else 0}
 
 
-def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.0) -> int:
-    """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code."""
+def serve(
+    cfg: RunConfig, address: str | None = None, health_every_s: float = 5.0, tinker: dict[str, Any] | None = None
+) -> int:
+    """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code.
+
+    `tinker`: {"host", "port", "base_model"} to serve the Tinker API from the same process as the GRPO tenants."""
     import ray
 
     from rl_multilora.validate import check_run
 
+    if tinker is not None:
+        from rl_multilora.tinker.server import resolve_token, service_problems
+
+        problems = service_problems(cfg)
+        if problems:
+            raise ServiceError("--tinker-port needs one in-process model and engine: " + "; ".join(problems))
+        resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
     check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
     # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,
     # or a detached actor would outlive this process on a cluster we joined.
@@ -574,7 +645,7 @@ def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.
         handle = (
             ray.remote(ServiceActor)
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
-            .remote(cfg.model_dump(mode="json"), os.getcwd())
+            .remote(cfg.model_dump(mode="json"), os.getcwd(), tinker)
         )
         ready = handle.ready.remote()
         while not stop.is_set() and not ray.wait([ready], timeout=1.0)[0]:
@@ -587,6 +658,13 @@ def serve(cfg: RunConfig, address: str | None = None, health_every_s: float = 5.
         except Exception as e:  # noqa: BLE001 - a bad model path etc. surfaces as RayActorError with the cause
             raise ServiceError(f"the service failed to start: {_cause(e)}") from None
         client = ServiceClient(handle)
+        if tinker is not None:
+            token_at = (
+                "$RL_MULTILORA_TINKER_TOKEN"
+                if os.environ.get("RL_MULTILORA_TINKER_TOKEN")
+                else tinker_state_dir(cfg) / "token"
+            )
+            print(f"  tinker API: http://{tinker['host']}:{tinker['port']} (token in {token_at})", flush=True)
         code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None)
         log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
         print(client.shutdown().table(), flush=True)
@@ -638,7 +716,10 @@ def _run_until_signal(
 def cli(args) -> int:
     """Entry point for `rl-multilora serve | submit | remove | status` (routed here by rl_multilora.cli)."""
     if args.command == "serve":
-        return serve(load_run_config(args.config, args.set), address=args.address)
+        tinker = None
+        if args.tinker_port is not None:
+            tinker = {"host": args.host, "port": args.tinker_port, "base_model": args.tinker_base_model}
+        return serve(load_run_config(args.config, args.set), address=args.address, tinker=tinker)
     client = ServiceClient.connect(args.address)
     if args.command == "submit":
         st = client.submit(args.target)

@@ -22,6 +22,13 @@ clean), and the results others return to it: a step's training stats and rewards
 pushes and unloads (`apply_sync`; DRAINED -> REMOVED once the engine no longer holds the adapter, in single runs
 and the service alike), evaluations (`apply_evals`). It also persists the run state (`run_state.json`).
 
+Client-driven tenants (the Tinker API, `rl_multilora.tinker`) are tenants of their own kind, `ClientTenant`: no
+dataset, reward or GRPO optimizer (the client steps its own AdamW), never drawn for rollouts, trained or
+checkpointed by the GRPO step. They take a slot of the same model (`add_client`: a free slot or a clear refusal,
+never ahead of a GRPO tenant already waiting for one), count against `model.max_loras`, appear in `status`, and
+leave through `release_client`, which frees the slot for the next tenant of either kind. Their durability is the
+Tinker request journal, not `run_state.json`.
+
 Step counters: `adapter_step` advances by the optimizer steps the backend reports for the tenant
 (`AdapterStepStats.n_steps`), so an adapter that got no usable samples does not skip data it never trained on
 (Miles #1141 review), and with `grpo.ppo_epochs > 1` counter, budget (`max_steps`) and LR schedule count the same
@@ -113,11 +120,38 @@ class Tenant:
         }
 
 
+@dataclass
+class ClientTenant:
+    """A tenant driven from outside through the Tinker API: a slot of the shared model and its step count. RUNNING
+    while it holds the slot, REMOVED once released."""
+
+    name: str
+    rank: int
+    slot: int | None
+    state: TenantState = TenantState.RUNNING
+    adapter_step: int = 0  # the client's optim_step calls
+    registered_at: float = field(default_factory=time.time)
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "slot": self.slot,
+            "adapter_step": self.adapter_step,
+            "max_steps": None,
+            "weight_version": None,
+            "last_reward": None,
+            "last_checkpoint": None,
+            "reason": "tinker client",
+        }
+
+
 class TenantTable:
     """The registry of tenants and their state machine; no tensors, no files."""
 
     def __init__(self) -> None:
         self.tenants: dict[str, Tenant] = {}
+        self.clients: dict[str, ClientTenant] = {}  # Tinker-API tenants, by adapter name
         self.global_step = 0
 
     # -- views ----------------------------------------------------------------------------------------------------
@@ -140,14 +174,15 @@ class TenantTable:
         return sorted(self.in_state(TenantState.PENDING), key=lambda t: (-t.cfg.priority, t.registered_at))
 
     def used_slots(self) -> set[int]:
-        return {t.slot for t in self.tenants.values() if t.slot is not None}
+        return {t.slot for t in (*self.tenants.values(), *self.clients.values()) if t.slot is not None}
 
     def all_done(self) -> bool:
         """True when no adapter is live (single-run mode exits then)."""
         return not any(t.state in LIVE for t in self.tenants.values())
 
     def status(self) -> list[dict[str, Any]]:
-        return [t.to_status() for t in sorted(self.tenants.values(), key=lambda t: t.registered_at)]
+        everyone: list[Tenant | ClientTenant] = [*self.tenants.values(), *self.clients.values()]
+        return [t.to_status() for t in sorted(everyone, key=lambda t: t.registered_at)]
 
     # -- transitions ----------------------------------------------------------------------------------------------
     def register(self, cfg: AdapterConfig) -> Tenant:
@@ -285,6 +320,9 @@ class TenantManager:
             submitted=not restart,
         )
         problems += staleness_problems(a, self.cfg.rollout)
+        client = self.table.clients.get(a.name)
+        if client is not None and client.state == TenantState.RUNNING:
+            problems.append(bad_value("name", a.name, "a name no live adapter has (a Tinker client tenant has it)"))
         old = self.tenants.get(a.name)
         if old is not None and old.state in LIVE | {TenantState.DRAINED}:
             problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {old.state.value})"))
@@ -302,6 +340,39 @@ class TenantManager:
     def drain(self, name: str, reason: str | None = None) -> None:
         """No new prompts; checkpointed and released at the end of the step (PENDING: REMOVED at once)."""
         self.table.drain(name, reason)
+
+    # -- client-driven tenants (Tinker API) -----------------------------------------------------------------------
+    def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
+        """A slot of the shared model for a Tinker client tenant, now or a TenantError saying why not. A GRPO tenant
+        already waiting (PENDING) keeps its claim on the next free slot."""
+        model = self.backend.shared_model
+        if model is None:
+            raise TenantError("Tinker client tenants need the local training backend (trainer.world_size: 1)")
+        old = self.tenants.get(name)
+        live = self.table.clients.get(name)
+        if (old is not None and old.state in LIVE | {TenantState.DRAINED}) or (
+            live is not None and live.state == TenantState.RUNNING
+        ):
+            raise TenantError(bad_value("name", name, "a name no live adapter has"))
+        free, waiting = len(self.free_slots()), len(self.pending_in_order())
+        if free <= waiting:
+            raise TenantError(
+                f"no free LoRA slot: all {self.max_loras} (model.max_loras) are held by GRPO and Tinker tenants"
+                + (f" or promised to {waiting} waiting GRPO tenant(s)" if waiting else "")
+                + "; unload a model or remove an adapter first"
+            )
+        slot = model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
+        self.table.clients[name] = ClientTenant(name, rank, slot)
+        return slot
+
+    def record_client_step(self, name: str, adapter_step: int) -> None:
+        self.table.clients[name].adapter_step = adapter_step
+
+    def release_client(self, name: str) -> None:
+        """The client tenant leaves: its slot is free for the next tenant of either kind."""
+        t = self.table.clients[name]
+        self.backend.shared_model.remove_adapter(name)
+        t.state, t.slot = TenantState.REMOVED, None
 
     # -- admission ------------------------------------------------------------------------------------------------
     def admit_pending(self) -> list[str]:

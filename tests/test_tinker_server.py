@@ -410,3 +410,45 @@ def test_ppo_loss_is_clipped_surrogate(server):
     whole = tc.forward_backward([datum(adv), datum(adv)], "ppo", config).result()
     assert whole.metrics["loss:sum"] == pytest.approx(2 * expected.sum(), rel=1e-5)
     np.testing.assert_allclose(whole.loss_fn_outputs[0]["logprobs"].tolist(), logp, rtol=1e-6)
+
+
+def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
+    """After a restart the journal's sample request runs again; the sampler version it names is republished by a
+    replayed save_weights_for_sampler on the worker, which here is slow: the sample waits for it and succeeds."""
+    import httpx
+
+    from rl_multilora.tinker.ops import ClientOps
+
+    first = _Running(tmp_path / "state")
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    _sft(tc, 3, list(range(5, 20)), lr=5e-2)
+
+    def sample(sampler) -> list[int]:
+        prompt = types.ModelInput.from_ints([5, 6, 7])
+        return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=0)).result().sequences[0].tokens
+
+    tokens = sample(tc.save_weights_and_get_sampling_client())
+    assert tokens != sample(sc.create_sampling_client(base_model=BASE))  # a base sample would not pass for it
+    [key, _] = [k for k, kind, _ in first.server.journal.replay() if kind == "sample"]
+    first.close()
+
+    publish = ClientOps.publish_sampler
+
+    def slow_publish(self, *args):
+        time.sleep(1.0)  # the replayed sample task starts at once on the event loop; this publish comes later
+        return publish(self, *args)
+
+    monkeypatch.setattr(ClientOps, "publish_sampler", slow_publish)
+    again = _Running(tmp_path / "state")
+    try:
+        r = httpx.post(again.url + "/api/v1/retrieve_future", json={"request_id": key},
+                       headers={"X-API-Key": TOKEN}, timeout=30)  # fmt: skip
+        assert r.headers["content-type"].startswith("application/x-protobuf"), r.text
+        from tinker.proto import tinker_public_pb2 as pb
+
+        out = pb.SampleResponse()
+        out.ParseFromString(r.content)
+        assert list(np.frombuffer(out.sequences[0].tokens, dtype=np.int32)) == tokens
+    finally:
+        again.close()

@@ -2,14 +2,17 @@
 
 Design choices:
 
-- A client tenant is a slot of the model (`add_adapter`) and an AdamW over that slot's leaf views
-  (`adapter_parameters`), as GRPO tenants have. Its LoRA alpha is fixed at 32 (Tinker's convention), so the scale is
+- A client tenant is a slot of the model and an AdamW over that slot's leaf views (`adapter_parameters`), as GRPO
+  tenants have. The slot comes from `slots`: the model itself (`ModelSlots`, the standalone server) or the GRPO
+  service's `TenantManager` (`add_client` / `release_client`), so both kinds of tenants share one slot pool. Its LoRA alpha is fixed at 32 (Tinker's convention), so the scale is
   32 / rank.
 - `forward_backward` of several tenants runs as ONE right-padded mixed batch routed by `adapter_names`; the loss
   summed over every backward row is backpropagated once. The grouped LoRA backward adds each row's gradient into its
   own slot only, so each tenant's gradient is what it would be alone, and it accumulates in the slot's part of the
-  stacked `.grad` until that tenant's own `optim_step`, which steps its AdamW with that call's Adam settings and
-  zeroes only its slot's grads.
+  stacked `.grad`. Right after the backward each tenant's slot part is added into a buffer of its own and the
+  stacked grads are dropped: a GRPO step on the same model (service mode) starts with `zero_lora_grads`, so grads
+  left in the stacked tensors would not survive it. The buffer accumulates until that tenant's own `optim_step`,
+  which steps its AdamW with that call's Adam settings and empties only that buffer.
 - Losses are Tinker's: sums over tokens (the client normalizes through `weights` / `advantages`), not means.
   `cross_entropy`: -sum w * logp(target). `importance_sampling`: -sum exp(logp - sampler_logp) * A.
   `ppo`: -sum min(r A, clip(r, clip_low_threshold, clip_high_threshold) A), r = exp(logp - sampler_logp).
@@ -21,7 +24,9 @@ Design choices:
   least recently used version is unloaded from the bank; its tensors stay in memory and are loaded again on its next
   sample. Memory stays bounded: a model keeps at most `max_sampler_versions` versions (publishing or sampling one
   makes it the most recently used); an older one's tensors are freed, and so are all of a model's on `unload`. A
-  sample of a freed version is a user error that says why.
+  sample of a freed version is a user error that says why. With an engine shared with GRPO tenants
+  (`shared_engine`), client versions hold at most one engine slot per client tenant, so the engine always has room
+  for every GRPO tenant's push.
 - Engine log-probs are those of the raw logits (temperature 1), as the engine documents.
 """
 
@@ -40,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rl_multilora.lora import MultiLoRAModel
+from rl_multilora.tenants import TenantError
 from rl_multilora.tinker.wire import Datum
 from rollout.types import GenerateRequest, SamplingParams
 
@@ -122,6 +128,7 @@ class ClientTenant:
     params: list[torch.nn.Parameter]
     optim: torch.optim.AdamW
     steps: int = 0
+    grads: list[torch.Tensor | None] | None = None  # accumulated since the last optim_step, `params` order
     sampler_versions: int = 0
     sampler_paths: OrderedDict[str, None] = field(default_factory=OrderedDict)  # live versions, least recent first
 
@@ -148,12 +155,38 @@ class FwdBwdItem:
     forward_only: bool
 
 
+class ModelSlots:
+    """Slots straight from the model: the standalone server, where client tenants are the only tenants. The GRPO
+    service passes its `TenantManager` instead, which has the same three methods."""
+
+    def __init__(self, model: MultiLoRAModel) -> None:
+        self.model = model
+
+    def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
+        if not self.model.free_slots:
+            raise TenantError(f"no free LoRA slot: all {self.model.max_loras} are in use; unload a model first")
+        return self.model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
+
+    def record_client_step(self, name: str, adapter_step: int) -> None:
+        """Nothing else keeps client step counts here."""
+
+    def release_client(self, name: str) -> None:
+        self.model.remove_adapter(name)
+
+
 class ClientOps:
     """Everything the server does to the model and the engine. Training calls come from one worker thread;
     sampling calls may come from any thread (the engine has its own worker and bank)."""
 
     def __init__(
-        self, model: MultiLoRAModel, engine: Any, pad_id: int, checkpoint_dir: Path, max_sampler_versions: int = 4
+        self,
+        model: MultiLoRAModel,
+        engine: Any,
+        pad_id: int,
+        checkpoint_dir: Path,
+        max_sampler_versions: int = 4,
+        slots: Any = None,
+        shared_engine: bool = False,
     ) -> None:
         if type(max_sampler_versions) is not int or max_sampler_versions < 1:  # bool is refused too
             raise ValueError(
@@ -161,6 +194,8 @@ class ClientOps:
                 "(in-memory sampler versions kept per model)"
             )
         self.model = model
+        self.slots = slots if slots is not None else ModelSlots(model)
+        self.shared_engine = shared_engine  # GRPO tenants use the engine too: one engine slot per client tenant
         self.engine = engine
         self.pad_id = pad_id
         self.checkpoint_dir = checkpoint_dir
@@ -185,9 +220,10 @@ class ClientOps:
             raise UserError(f"lora_config {layers} selects none of the model's LoRA modules")
         if not 1 <= rank <= self.model.max_rank:
             raise UserError(f"lora_config.rank={rank} is not allowed; allowed: 1 to {self.model.max_rank}")
-        if not self.model.free_slots:
-            raise UserError(f"no free LoRA slot: all {self.model.max_loras} are in use; unload a model first")
-        self.model.add_adapter(name, rank, LORA_ALPHA, seed=seed, target_modules=targets)
+        try:
+            self.slots.add_client(name, rank, LORA_ALPHA, seed, targets)
+        except TenantError as e:
+            raise UserError(str(e)) from None
         params = self.model.adapter_parameters(name)
         optim = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         lora_config = {key: bool(layers.get(key, True)) for key in _LAYER_GROUPS}
@@ -205,7 +241,9 @@ class ClientOps:
         t = self.tenant(model_id)
         for path in list(t.sampler_paths):
             self._free_sampler(t, path, f"sampler weights {path!r} were freed: model {model_id!r} was unloaded")
-        self.model.remove_adapter(t.name)
+        if self.shared_engine:  # one engine slot fewer for client versions once this tenant's slot is free
+            self._trim_engine(len(self.tenants) - 1)
+        self.slots.release_client(t.name)
         del self.tenants[model_id]
 
     # -- training --------------------------------------------------------------------------------------------------
@@ -240,6 +278,7 @@ class ClientOps:
             train = [loss for (i, _), loss in zip(rows, losses, strict=True) if not items[i].forward_only]
             if train:
                 torch.stack(train).sum().backward()
+                self._take_grads({items[i].model_id for i, _ in rows if not items[i].forward_only})
         results = []
         start = 0
         for item in items:
@@ -250,9 +289,25 @@ class ClientOps:
             start += n
         return results
 
+    def _take_grads(self, model_ids: set[str]) -> None:
+        """Add each tenant's slot part of the stacked grads into its own buffer, then drop the stacked grads."""
+        for model_id in sorted(model_ids):
+            t = self.tenants[model_id]
+            fresh = self.model.adapter_grads(t.name)
+            if t.grads is None:
+                t.grads = [None if g is None else g.clone() for g in fresh]
+            else:
+                t.grads = [
+                    old if g is None else (g.clone() if old is None else old.add_(g))
+                    for old, g in zip(t.grads, fresh, strict=True)
+                ]
+        self.model.zero_lora_grads()
+
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         t = self.tenant(model_id)
-        self.model.attach_slot_grads(t.name, t.params)
+        for p, g in zip(t.params, t.grads or [None] * len(t.params), strict=True):
+            p.grad = g
+        t.grads = None
         grads = [p.grad for p in t.params if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
         clip = float(adam.get("grad_clip_norm", 0.0))
@@ -264,11 +319,10 @@ class ClientOps:
             group["eps"] = float(adam.get("eps", 1e-12))
             group["weight_decay"] = float(adam.get("weight_decay", 0.0))
         t.optim.step()
-        for p in t.params:  # zero only this slot's part of the stacked grads; other tenants keep accumulating
-            if p.grad is not None:
-                p.grad.zero_()
+        for p in t.params:  # this tenant's buffer is spent; other tenants keep accumulating in theirs
             p.grad = None
         t.steps += 1
+        self.slots.record_client_step(t.name, t.steps)
         return {"grad_norm": norm}
 
     # -- weights ---------------------------------------------------------------------------------------------------
@@ -302,6 +356,7 @@ class ClientOps:
         if with_optimizer:
             t.optim.load_state_dict(saved["optim"])
             t.steps = int(saved["steps"])
+            self.slots.record_client_step(t.name, t.steps)
 
     def _checkpoint_folder(self, path: str) -> Path:
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
@@ -375,11 +430,21 @@ class ClientOps:
             if v.engine_name in self._loaded:
                 self._loaded.move_to_end(v.engine_name)
                 return
-            while len(self._loaded) >= self.model.max_loras:
+            room = len(self.tenants) if self.shared_engine else self.model.max_loras
+            if room < 1:
+                raise UserError(f"sampler weights {v.path!r} cannot be served: its model was unloaded")
+            while len(self._loaded) >= room:
                 old, _ = self._loaded.popitem(last=False)
                 self.engine.unload_adapter(old)
             self.engine.load_adapter(v.engine_name, v.tensors, v.config)
             self._loaded[v.engine_name] = None
+
+    def _trim_engine(self, room: int) -> None:
+        """Unload the least recently used client versions until at most `room` are in the engine."""
+        with self._engine_lock:
+            while len(self._loaded) > max(room, 0):
+                old, _ = self._loaded.popitem(last=False)
+                self.engine.unload_adapter(old)
 
     async def sample(
         self, v: SamplerVersion, prompt: list[int], n: int, params: dict[str, Any], seed: int

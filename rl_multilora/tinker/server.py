@@ -18,6 +18,11 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
 - One worker thread runs the model. It takes every request that is ready (the next seq_id of each model), waits
   `batch_wait_s` (20 ms) for other clients' forward_backward calls, and runs all ready forward_backward requests, of
   any number of clients, as one mixed batch (`ops.ClientOps`).
+- In the GRPO service (`rl-multilora serve CONFIG --tinker-port PORT`, `build_service_server`) the model, the engine
+  and the slot pool are the service's: client tenants are the TenantManager's (`add_client`), and each batch of ready
+  requests runs in one turn of the service's FIFO model lock (`turn`), between GRPO steps.
+- After a restart, a sample or a sampling session that names sampler weights not published yet waits until the
+  replayed requests have run (they republish them) instead of failing with "names no sampler weights".
 - `retrieve_future` long-polls (up to `poll_s`) instead of answering "try_again" at once: the SDK re-polls a
   try_again immediately, so an instant answer would be a busy loop.
 - Errors: HTTP errors are `{"detail": ...}` with the status the SDK maps to its exception classes; a request that
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +41,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,8 +98,10 @@ class TinkerServer:
         base_model: str,
         poll_s: float = 20.0,
         batch_wait_s: float = 0.02,
+        turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.ops = ops
+        self.turn = turn  # held while requests run on the model (the service's FIFO lock; nothing standalone)
         self.batch_wait_s = batch_wait_s
         self.journal = journal
         self.token = token
@@ -101,6 +110,7 @@ class TinkerServer:
         self.state = ServerState()
         self.lock = threading.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._replayed: list[Result] = []  # futures of the replayed model requests (republishing sampler weights)
         self._stop = False
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
 
@@ -139,6 +149,8 @@ class TinkerServer:
         self.loop = asyncio.get_running_loop()
         for key, kind, body in self.journal.replay():
             self._dispatch(key, kind, json.loads(body) if kind != "forward_backward" else body, replay=True)
+            if kind not in ("create_session", "create_sampling_session", "sample"):
+                self._replayed.append(self.state.results[key])
         self._worker.start()
 
     async def _on_cleanup(self, _app) -> None:
@@ -260,6 +272,7 @@ class TinkerServer:
         if path is None:
             self._check_base(body.get("base_model"))
         else:
+            await self._replay_done(path)
             self.ops.sampler(path)
         key = f"sampling.{sid}"
         if key not in self.state.results:
@@ -290,6 +303,15 @@ class TinkerServer:
         if isinstance(res.value, bytes):
             return web.Response(body=res.value, content_type=wire.PROTO_CONTENT_TYPE)
         return self._json(res.value)
+
+    async def _replay_done(self, path: str | None, sid: str | None = None) -> None:
+        """Sampler weights at `path`, or a sampling session `sid`, not published (yet): wait for the replayed
+        requests, which republish them."""
+        if (path is not None and path not in self.ops.samplers) or (
+            sid is not None and sid not in self.state.sampling
+        ):
+            for res in self._replayed:
+                await res.event.wait()
 
     def _check_base(self, name: str | None) -> None:
         if name is not None and name != self.base_model:
@@ -382,12 +404,15 @@ class TinkerServer:
                 while any(op.kind == "forward_backward" for op in ready) and time.monotonic() < deadline:
                     self.lock.wait(deadline - time.monotonic())
                     ready += self._ready()
-            fwd = [op for op in ready if op.kind == "forward_backward"]
-            rest = [op for op in ready if op.kind != "forward_backward"]
-            for op in rest:
-                self._run_one(op)
-            if fwd:
-                self._run_batch(fwd)
+            with self.turn():
+                with self.lock:  # what became ready while the service's step held the model joins this turn
+                    ready += self._ready()
+                fwd = [op for op in ready if op.kind == "forward_backward"]
+                rest = [op for op in ready if op.kind != "forward_backward"]
+                for op in rest:
+                    self._run_one(op)
+                if fwd:
+                    self._run_batch(fwd)
             with self.lock:
                 for op in ready:
                     if op.kind not in ("create_model", "unload_model"):
@@ -458,7 +483,9 @@ class TinkerServer:
     async def _sample(self, key: str, body: dict[str, Any], res: Result) -> None:
         try:
             sid = body.get("sampling_session_id")
+            await self._replay_done(None, sid)
             path = self.state.sampling.get(sid) if sid is not None else body.get("model_path")
+            await self._replay_done(path)
             prompt = [t for chunk in body["prompt"]["chunks"] for t in chunk.get("tokens", [])]
             seed = int.from_bytes(key.encode()[-8:], "little") % (2**31)  # replay samples the same tokens
             seqs = await self.ops.sample(
@@ -500,6 +527,74 @@ def build_server(
     return TinkerServer(
         ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
     )
+
+
+def service_problems(cfg: Any) -> list[str]:
+    """What keeps a GRPO service config (`RunConfig`) from serving the Tinker API, each naming the setting."""
+    problems = []
+    if cfg.trainer.world_size != 1:
+        problems.append(f"trainer.world_size: {cfg.trainer.world_size} -> 1 (the local backend)")
+    r = cfg.rollout
+    if r.engine != "embedded" or r.engine_actors or r.num_engines != 1:
+        problems.append(
+            f"rollout.engine: {r.engine!r} (rollout.engine_actors {r.engine_actors}, rollout.num_engines "
+            f"{r.num_engines}) -> 'embedded' with engine_actors false and num_engines 1"
+        )
+    return problems
+
+
+def build_service_server(
+    core: Any,
+    state_dir: Path,
+    token: str,
+    base_model: str | None = None,
+    poll_s: float = 20.0,
+    batch_wait_s: float = 0.02,
+    max_sampler_versions: int = 4,
+) -> TinkerServer:
+    """The Tinker app on a GRPO service's Runtime (`core`: a started `rl_multilora.service.ServiceCore`): its model,
+    engine and TenantManager, its FIFO model lock; journal and checkpoints under `state_dir`."""
+    from rl_multilora import components
+
+    if not token.startswith("tml-"):
+        raise ValueError("token must start with 'tml-' (the tinker SDK refuses other API keys)")
+    rt = core.rt
+    problems = service_problems(rt.cfg)
+    if rt.backend.shared_model is None:
+        problems.append("the training backend shares no in-process model -> the local backend")
+    if problems:
+        raise ValueError("the Tinker API needs one in-process model and engine: " + "; ".join(problems))
+    ops = ClientOps(
+        rt.backend.shared_model,
+        rt.engine,
+        components.pad_token_id(rt.tokenizer),
+        state_dir / "checkpoints",
+        max_sampler_versions,
+        slots=rt.tenants,
+        shared_engine=True,
+    )
+    return TinkerServer(
+        ops, Journal(state_dir / "requests.sqlite"), token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
+        turn=core.tinker_turn,
+    )  # fmt: skip
+
+
+class BackgroundApp:
+    """A TinkerServer's app on its own event-loop thread (inside the service's process)."""
+
+    def __init__(self, server: TinkerServer, host: str, port: int) -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(server.app())
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, host, port).start())
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tinker-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
 
 
 def resolve_token(state_dir: Path) -> str:

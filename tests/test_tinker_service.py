@@ -1,0 +1,125 @@
+"""The Tinker API served by the GRPO service (`rl-multilora serve CONFIG --tinker-port PORT`): one model, one slot
+pool, one engine and one TenantManager for GRPO tenants and Tinker clients, driven by the real `tinker` SDK.
+
+No Ray here: a `ServiceCore` (what the service actor runs) with the Tinker app on its Runtime, on a tiny random
+model built offline (tests.tiny_models); the standalone server of tests/test_tinker_server.py is the reference.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+
+from rl_multilora.config import parse_adapter_config, parse_run_config
+from rl_multilora.loop import Runtime
+from rl_multilora.service import ServiceCore, ServiceError
+from rl_multilora.tinker.ops import slot_name
+from rl_multilora.tinker.server import BackgroundApp, build_server, build_service_server
+from tests.test_tinker_server import BASE, TOKEN, _free_port, _sft
+from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+TOKENS = list(range(5, 25))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinker-service")
+    save_tiny_model(root / "model", hidden=32, layers=2)
+    for name, off in [("t1", 1), ("t2", 3)]:
+        write_sum_task(root / "data" / f"{name}.jsonl", 40, off)
+    return root
+
+
+def _wait(what, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
+    """A Tinker client next to a GRPO tenant: its losses are the standalone server's, the GRPO tenant keeps
+    training, both hold slots of one pool (a third tenant is refused or waits), status lists both, and the client
+    leaving frees its slot for the waiting GRPO tenant."""
+    # Reference: the standalone server on the same base and seed.
+    ref = BackgroundApp(
+        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        "127.0.0.1",
+        port := _free_port(),
+    )
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 3, TOKENS)
+    ref.close()
+
+    run_dir = tmp_path / "run"
+    cfg = parse_run_config(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": str(workspace / "model"), "max_loras": 2, "max_rank": 8},
+            "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+            "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+            "logging": {"plot": False, "progress": False},
+            "rewards": {"num_workers": 1},
+            "service_poll_s": 0.2,
+            "adapters": [sum_task_adapter(workspace / "data", "t1", 7, max_steps=500)],
+        }
+    )
+    core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
+    core.start()
+    app = BackgroundApp(
+        build_service_server(core, run_dir / "tinker", TOKEN, base_model=BASE, poll_s=5), "127.0.0.1", _free_port()
+    )
+    url = f"http://127.0.0.1:{app.runner.addresses[0][1]}"
+    try:
+        assert app.server.ops.model is core.rt.backend.shared_model and app.server.ops.engine is core.rt.engine
+        # the same token rules as the standalone server
+        for headers in ({}, {"X-API-Key": "tml-wrong"}):
+            assert httpx.post(url + "/api/v1/create_session", json={}, headers=headers).status_code == 401
+        with pytest.raises(tinker.AuthenticationError):
+            tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
+                base_model=BASE, rank=4
+            ).result()
+
+        sc = tinker.ServiceClient(base_url=url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        step_before = core.status().global_step
+        losses = _sft(tc, 3, TOKENS)
+        np.testing.assert_allclose(losses, expected, rtol=1e-4)
+        # the GRPO tenant trained meanwhile, and keeps training
+        _wait(lambda: core.status().global_step >= step_before + 2)
+        assert core.status().get("t1").adapter_step > 0
+
+        name = slot_name(tc.model_id)
+        st = core.status()
+        client = st.get(name)
+        assert client is not None and client.state == "RUNNING" and client.adapter_step == 3
+        assert {client.slot, st.get("t1").slot} == {0, 1} and "slots 2/2" in st.table()
+
+        # Full: a second client is refused; a GRPO tenant submitted now waits for a slot.
+        with pytest.raises(tinker.RequestFailedError, match="no free LoRA slot"):
+            sc.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+        waiting = core.submit(parse_adapter_config(sum_task_adapter(workspace / "data", "t2", 8, max_steps=500),
+                                                   cfg.model))  # fmt: skip
+        assert waiting.state == "PENDING" and waiting.slot is None
+        with pytest.raises(ServiceError, match="a name no live adapter has"):
+            core.submit(parse_adapter_config(sum_task_adapter(workspace / "data", name, 8, max_steps=5), cfg.model))
+
+        # The client leaves through the same release path: its slot goes to the waiting GRPO tenant.
+        headers = {"X-API-Key": TOKEN}
+        key = httpx.post(url + "/api/v1/unload_model", json={"model_id": tc.model_id}, headers=headers).json()
+        httpx.post(url + "/api/v1/retrieve_future", json=key, headers=headers, timeout=30).raise_for_status()
+        st = _wait(lambda: (s := core.status()).get("t2").state == "RUNNING" and s)
+        assert st.get(name).state == "REMOVED" and st.get(name).slot is None
+        assert st.get("t2").slot == client.slot
+        _wait(lambda: core.status().get("t2").adapter_step > 0)
+        assert core.status().error is None
+    finally:
+        app.close()
+        core.stop(timeout=60)
