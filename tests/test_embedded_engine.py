@@ -551,3 +551,26 @@ def test_close_stops_the_worker_and_fails_new_requests(engine):
     assert not engine.health()
     result = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy())])[0]
     assert result.finish_reason == "error" and "closed" in result.error
+
+
+def test_a_new_adapter_takes_the_slot_an_older_version_still_holds(engine, model, peft_adapters):
+    """Slots: a, b, c and one free. A new version of a mid-request takes the free slot (a's old version keeps
+    running in its own); a new adapter d loaded then gets the old version's slot instead of failing for lack of
+    one, and the old version's row comes back "abort" rather than decoding on d's weights."""
+    _, tensors, config = peft_adapters["a"]
+    decoding, hook = slowed(model)
+    try:
+        thread, box = run_in_thread(
+            engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(100, stop_token_ids=[]))]
+        )
+        assert decoding.wait(10)
+        engine.load_adapter("a", {k: v * 2 for k, v in tensors.items()}, config)  # into the free slot
+        engine.load_adapter("d", *peft_adapters["b"][1:])  # no free slot left: takes a's old one
+        thread.join(30)
+    finally:
+        hook.remove()
+    (old,) = box["out"]
+    assert old.finish_reason == "abort" and old.output_ids == [] and old.weight_version == 0
+    expected = engine.generate([GenerateRequest(PROMPTS[1], "b", greedy(8))])[0].output_ids
+    assert engine.generate([GenerateRequest(PROMPTS[1], "d", greedy(8))])[0].output_ids == expected
+    assert engine._retiring == {}

@@ -44,7 +44,7 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   row finishes. Other adapters' rows never stop: a load waits only for the model call in progress
   (one decode step). With no free slot the new version overwrites the old one in place, and the old
   version's running rows come back "abort" (resubmit them), as they do when their adapter is
-  unloaded.
+  unloaded; a new adapter that needs a slot only an older version still holds takes it the same way.
 - Pause: `pause(mode="abort")` (default) aborts in-flight rows at the next step boundary (they
   come back with finish_reason "abort" and no output: resubmit them); `pause(mode="wait")` lets
   the running wave finish on the weights it started with. Either way `pause()` returns only once
@@ -294,6 +294,12 @@ class EmbeddedEngine(RolloutEngine):
             used = {e.slot for e in self._adapters.values()} | set(self._retiring)
             free = [s for s in range(self._max_loras) if s not in used]
             retire = entry is not None and self._slot_rows.get(entry.slot, 0) > 0 and bool(free)
+            if entry is None and not free and self._retiring:
+                # A new adapter needs a slot that only an older version still holds: that version's running rows
+                # come back "abort" at their next step (before any forward on the new weights), as on an unload.
+                reclaimed = next(iter(self._retiring))
+                del self._retiring[reclaimed]
+                free = [reclaimed]
             if entry is not None and not retire:
                 slot = entry.slot  # nothing of it is running (or no room to keep it): overwrite in place
             else:
