@@ -175,18 +175,15 @@ class Runtime:
             report = self.scorer.score_samples(samples)
         current = tenants.current_versions()  # the versions training starts from (what the samples lag behind)
         with clock("train_s"):
-            stats = self.backend.train_step(samples, self._oldest_versions(), tenants.step_limits())
+            stats = self.backend.train_step(samples, self._oldest_versions(current), tenants.step_limits())
         mine = {n: [s for s in samples if s.adapter is not None and s.adapter.name == n] for n in names}
         means = {n: _reward_stats(mine[n])[0] for n in names}
         with clock("checkpoint_s"):
             tenants.apply_step(names, stats, means, report.all_failed)
-            res.records = [self._record(res.step, n, mine[n], len(samples), stats.get(n), report) for n in names]
-            if self._pool is not None:  # async: how far behind its adapter each tenant's samples were
-                for rec in res.records:
-                    lags = [current[rec.adapter] - s.weight_version for s in mine[rec.adapter]
-                            if s.weight_version is not None and rec.adapter in current]  # fmt: skip
-                    if lags:
-                        rec.version_lag_max, rec.version_lag_mean = max(lags), statistics.fmean(lags)
+            lag_from = current if self._pool is not None else {}  # async: samples' lag behind these versions
+            res.records = [
+                self._record(res.step, n, mine[n], len(samples), stats.get(n), report, lag_from.get(n)) for n in names
+            ]
             tenants.enforce_faults(names, stats, report.all_failed)
             tenants.retire_finished(in_flight=self._ahead.names if self._ahead is not None else ())
             tenants.admit_pending()
@@ -249,11 +246,10 @@ class Runtime:
         else:
             self.data.settle(ahead)  # nothing was left to draw: no cursor is held back
 
-    def _oldest_versions(self) -> dict[str, int]:
-        """The oldest weight version each tenant trains on: its current one less its max_staleness (sync: 0)."""
+    def _oldest_versions(self, current: dict[str, int]) -> dict[str, int]:
+        """The oldest weight version each tenant trains on: its `current` one less its max_staleness (sync: 0)."""
         return {
-            name: version - self.cfg.max_staleness_for(self.tenants.get(name).cfg)
-            for name, version in self.tenants.current_versions().items()
+            name: version - self.cfg.max_staleness_for(self.tenants.get(name).cfg) for name, version in current.items()
         }
 
     def idle_step(self) -> None:
@@ -335,11 +331,20 @@ class Runtime:
         return stats
 
     def _record(
-        self, step: int, name: str, mine: list[Sample], n_samples: int, st: AdapterStepStats | None, report
+        self,
+        step: int,
+        name: str,
+        mine: list[Sample],
+        n_samples: int,
+        st: AdapterStepStats | None,
+        report,
+        lag_from: int | None = None,
     ) -> StepRecord:
-        """One adapter's metrics record for this step (after the tenant manager applied the step)."""
+        """One adapter's metrics record for this step (after the tenant manager applied the step). `lag_from`
+        (async): the version training started from, which the samples' versions lag behind."""
         t = self.tenants.get(name)
         reward_mean, reward_std = _reward_stats(mine)
+        lags = [lag_from - s.weight_version for s in mine if lag_from is not None and s.weight_version is not None]
         return StepRecord(
             step=step,
             adapter=name,
@@ -359,6 +364,8 @@ class Runtime:
             slot_wait_s=round(t.admitted_at - t.registered_at, 3) if t.admitted_at is not None else None,
             train=st,
             nonfinite_streak=t.nonfinite_streak,
+            version_lag_max=max(lags) if lags else None,
+            version_lag_mean=statistics.fmean(lags) if lags else None,
         )
 
     def _save_due_checkpoints(self, names: list[str], stats: dict[str, AdapterStepStats]) -> None:

@@ -482,15 +482,16 @@ class TenantManager:
         self.data.remove_adapter(t.name)
         t.dirty = False
 
-    def budget_done(self, t: Tenant) -> bool:
-        return t.steps_left() == 0 or self.data.exhausted(t.name)
+    def budget_done(self, t: Tenant, in_flight: Collection[str] = ()) -> bool:
+        """Its step budget is spent, or its data is (unless it has groups `in_flight`, drawn and not trained)."""
+        return t.steps_left() == 0 or (t.name not in in_flight and self.data.exhausted(t.name))
 
     def retire_finished(self, in_flight: Collection[str] = ()) -> None:
         """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED). `in_flight`:
         tenants with groups drawn but not trained yet (an asynchronous run's next rollout), whose data is not used
         up while those groups wait."""
         for t in self.running():
-            if t.steps_left() == 0 or (t.name not in in_flight and self.data.exhausted(t.name)):
+            if self.budget_done(t, in_flight):
                 self.drain(t.name, "budget reached")
         for t in self.in_state(TenantState.DRAINING):
             self.save_checkpoint(t)
