@@ -123,3 +123,23 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
     finally:
         app.close()
         core.stop(timeout=60)
+
+
+def test_a_service_that_cannot_share_its_model_is_refused_naming_each_setting(workspace):
+    from rl_multilora.tinker.server import service_problems
+
+    def cfg(**over):
+        return parse_run_config(
+            {
+                "run_dir": "unused",
+                "model": {"path": str(workspace / "model"), "max_loras": 2, "max_rank": 8},
+                "adapters": [sum_task_adapter(workspace / "data", "t1", 7, max_steps=5)],
+                **over,
+            }
+        )
+
+    assert service_problems(cfg()) == []
+    problems = service_problems(cfg(rollout={"engine_actors": True, "num_engines": 2}))
+    assert len(problems) == 2
+    assert problems[0].startswith("rollout.engine_actors=True is not allowed; allowed: false")
+    assert problems[1].startswith("rollout.num_engines=2 is not allowed; allowed: 1")

@@ -499,6 +499,11 @@ class TinkerServer:
             self._resolve(res, {"error": f"{type(e).__name__}: {e}", "category": category})
 
 
+def _check_token(token: str) -> None:
+    if not token.startswith("tml-"):
+        raise ValueError("token must start with 'tml-' (the tinker SDK refuses other API keys)")
+
+
 def build_server(
     model_path: str,
     state_dir: Path,
@@ -516,8 +521,7 @@ def build_server(
     from rl_multilora.lora import MultiLoRAModel
     from rollout.engines.embedded import EmbeddedEngine
 
-    if not token.startswith("tml-"):
-        raise ValueError("token must start with 'tml-' (the tinker SDK refuses other API keys)")
+    _check_token(token)
     torch.manual_seed(seed)
     model = MultiLoRAModel.from_pretrained(model_path, max_loras=max_loras, max_rank=max_rank)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -530,17 +534,19 @@ def build_server(
 
 
 def service_problems(cfg: Any) -> list[str]:
-    """What keeps a GRPO service config (`RunConfig`) from serving the Tinker API, each naming the setting."""
-    problems = []
-    if cfg.trainer.world_size != 1:
-        problems.append(f"trainer.world_size: {cfg.trainer.world_size} -> 1 (the local backend)")
+    """What keeps a GRPO service config (`RunConfig`) from serving the Tinker API (one in-process model and engine),
+    each naming the setting, its value and what is allowed."""
+    from rl_multilora.errors import bad_value
+
     r = cfg.rollout
-    if r.engine != "embedded" or r.engine_actors or r.num_engines != 1:
-        problems.append(
-            f"rollout.engine: {r.engine!r} (rollout.engine_actors {r.engine_actors}, rollout.num_engines "
-            f"{r.num_engines}) -> 'embedded' with engine_actors false and num_engines 1"
-        )
-    return problems
+    wanted = [
+        ("trainer.world_size", cfg.trainer.world_size, 1, "1 (the local training backend)"),
+        ("rollout.engine", r.engine, "embedded", "'embedded'"),
+        ("rollout.engine_actors", r.engine_actors, False, "false (the engine in the service's process)"),
+        ("rollout.num_engines", r.num_engines, 1, "1"),
+    ]
+    return [bad_value(field, value, f"{allowed} with the Tinker API") for field, value, ok, allowed in wanted
+            if value != ok]  # fmt: skip
 
 
 def build_service_server(
@@ -556,8 +562,7 @@ def build_service_server(
     engine and TenantManager, its FIFO model lock; journal and checkpoints under `state_dir`."""
     from rl_multilora import components
 
-    if not token.startswith("tml-"):
-        raise ValueError("token must start with 'tml-' (the tinker SDK refuses other API keys)")
+    _check_token(token)
     rt = core.rt
     problems = service_problems(rt.cfg)
     if rt.backend.shared_model is None:
