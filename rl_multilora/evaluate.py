@@ -245,7 +245,7 @@ def evaluate_checkpoints(
     from rl_multilora.config import ConfigError, load_run_config
     from rl_multilora.errors import bad_value
     from rl_multilora.lora import CONFIG_NAME, AdapterFolderError
-    from rl_multilora.validate import adapter_problems
+    from rl_multilora.validate import Admission, adapter_problems
 
     root = Path(run_dir)
     if not (root / "config.yaml").is_file():
@@ -292,7 +292,7 @@ def evaluate_checkpoints(
     for name in names:
         update = {"enabled": True, **({"split": split} if split else {}), **({"n_prompts": n} if n else {})}
         settings[name] = cfg.eval_for(known[name]).model_copy(update=update)
-        problems += adapter_problems(known[name], None, settings[name])
+        problems += adapter_problems(known[name], Admission(eval_settings=settings[name]))
     if problems:
         raise ConfigError(problems)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
-from rl_multilora.config import AdapterConfig, ConfigError, staleness_problems
+from rl_multilora.config import AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import RunConfig
+    from rl_multilora.validate import Admission
     from rollout.data_source import MultiLoRADataSource
 
 log = logging.getLogger("rl_multilora")
@@ -302,31 +303,37 @@ class TenantManager:
 
     # -- submission -------------------------------------------------------------------------------------------------
     def admission_problems(self, a: AdapterConfig, restart: bool = False) -> list[str]:
-        """Everything that keeps `a` from being registered now, each naming the field, the value and what is
-        allowed: its reward resolves, its dataset has usable rows, its targets exist in the model, its checkpoint (when
-        it would resume from one) fits and is below its budget, and no live adapter has its name.
+        """Everything that keeps `a` from being registered now (`validate.adapter_problems` judges it against what
+        this run knows), each naming the field, the value and what is allowed.
 
         `restart`: `a` is an adapter of the run's own config being registered again at start; one whose checkpoint
         is at its budget was killed before the run state recorded it done, and leaves at once instead of being
         refused."""
         from rl_multilora import validate
 
-        problems = validate.adapter_problems(
-            a,
-            self.backend.lora_modules,
-            self.cfg.eval_for(a),
-            ckpt=self.ckpt if self.cfg.checkpoint.resume != "never" else None,
-            lora_parameters=self.backend.lora_parameters,
-            submitted=not restart,
-        )
-        problems += staleness_problems(a, self.cfg.rollout)
-        client = self.table.clients.get(a.name)
+        admission = self.admission(a, restart)
+        return validate.adapter_problems(a, admission)
+
+    def admission(self, a: AdapterConfig, restart: bool = False) -> Admission:
+        """The facts adapter `a` is admitted against: the model's LoRA, its eval, this run's checkpoints (when it
+        resumes), the rollout settings and who already holds its name."""
+        from rl_multilora.validate import Admission
+
+        client, old = self.table.clients.get(a.name), self.tenants.get(a.name)
+        holder = None
         if client is not None and client.state == TenantState.RUNNING:
-            problems.append(bad_value("name", a.name, "a name no live adapter has (a Tinker client tenant has it)"))
-        old = self.tenants.get(a.name)
-        if old is not None and old.state in LIVE | {TenantState.DRAINED}:
-            problems.append(bad_value("name", a.name, f"a name no live adapter has (it is already {old.state.value})"))
-        return problems
+            holder = "a Tinker client tenant has it"
+        elif old is not None and old.state in LIVE | {TenantState.DRAINED}:
+            holder = f"it is already {old.state.value}"
+        return Admission(
+            lora_modules=self.backend.lora_modules,
+            lora_parameters=self.backend.lora_parameters,
+            eval_settings=self.cfg.eval_for(a),
+            ckpt=self.ckpt if self.cfg.checkpoint.resume != "never" else None,
+            submitted=not restart,
+            rollout=self.cfg.rollout,
+            name_holder=holder,
+        )
 
     def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False) -> Tenant:
         """Register `a` as PENDING after `admission_problems` (skipped when `checked`: the caller just ran the same

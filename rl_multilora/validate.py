@@ -7,22 +7,33 @@ the checks that need the outside world, each reported as one problem in the proj
 - run level: the model folder and its files (a local path must be a folder with `config.json`; a Hub id is left to
   the loader), the device exists, `model.target_modules` names nn.Linear modules of the model (checked on the model
   built from its config on the meta device: no weights are read), the rollout hooks class imports;
-- per adapter: the reward resolves (`rewards.validate`), the dataset loads and has at least one row with a non-empty
-  prompt and label, and its `target_modules` match modules the model's LoRA covers.
+- per adapter (`adapter_problems`, the one admission check of `run`, `serve`, `submit` and `eval`): the facts are
+  read first (its targets against the model's LoRA; its reward, environment, dataset rows, eval split and newest
+  checkpoint from the outside world) and then judged in one place, against an `Admission` that says what the run
+  knows (the model's LoRA, the eval settings, the checkpoints, the rollout settings, who holds the name).
 
 Every function returns problems instead of raising, so one pass reports all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from rl_multilora.checkpoint import CheckpointManager
-from rl_multilora.config import AdapterConfig, ConfigError, EvalSettings, ModelConfig, RunConfig
+from rl_multilora.checkpoint import CheckpointManager, check_compatible
+from rl_multilora.config import (
+    AdapterConfig,
+    ConfigError,
+    EvalSettings,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    staleness_problems,
+)
 from rl_multilora.errors import bad_value
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -105,158 +116,145 @@ def model_lora_targets(model: ModelConfig) -> tuple[tuple[list[str], list[str]] 
     return (linears, params), []
 
 
-def adapter_target_problems(a: AdapterConfig, lora_modules: Sequence[str], where: str) -> list[str]:
-    """Each of the adapter's `target_modules` must match a module the model's LoRA covers (PEFT's suffix rule)."""
-    from rl_multilora.lora.peft_io import matches_target
+@dataclass(frozen=True)
+class Admission:
+    """What the run knows when an adapter asks in: the facts `adapter_problems` judges it against.
 
-    targets = a.target_modules
-    if targets is None or targets == "all-linear":
-        return []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    unmatched = [t for t in targets if not any(matches_target(m, t) for m in lora_modules)]
-    if not unmatched:
-        return []
-    leaves = sorted({m.rsplit(".", 1)[-1] for m in lora_modules})
-    return [
-        bad_value(
-            f"{where}target_modules",
-            a.target_modules,
-            f"names of the model's LoRA modules ({', '.join(leaves)}); {', '.join(map(repr, unmatched))} match none",
-        )
-    ]
+    `lora_modules` / `lora_parameters`: what the model's LoRA covers (None: not inspected, e.g. a Hub id);
+    `eval_settings`: the adapter's eval, whose split must load when it is on; `ckpt`: the run's checkpoints when the
+    run resumes (the adapter must fit its newest one); `submitted`: an adapter sent to a running run, which must have
+    budget left past that checkpoint; `rollout`: the run's rollout settings (rules that span adapter and run);
+    `name_holder`: who already holds the adapter's name, when someone does; `where`: the field prefix of messages
+    (default `adapters.<name>.`)."""
 
-
-def dataset_problems(a: AdapterConfig, where: str) -> list[str]:
-    """The dataset loads and has at least one row with a non-empty prompt and label."""
-    from rollout.data_source import load_dataset_rows, read_row
-
-    try:
-        rows = load_dataset_rows(a.dataset)
-    except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
-        return [f"{where}dataset: {e}"]
-    spec = a.dataset
-    for i in range(len(rows)):
-        row = read_row(rows, i)  # an undecodable row is a bad row, counted when drawn; it never stops the check
-        if not isinstance(row, str) and _filled(row.get(spec.prompt_key)) and _filled(row.get(spec.label_key)):
-            return []
-    what = (
-        "has no rows" if len(rows) == 0 else f"has no row with a non-empty {spec.prompt_key!r} and {spec.label_key!r}"
-    )
-    return [bad_value(f"{where}dataset.path", spec.path, f"a dataset with at least one usable row; this one {what}")]
+    lora_modules: Sequence[str] | None = None
+    lora_parameters: Sequence[str] | None = None
+    eval_settings: EvalSettings | None = None
+    ckpt: CheckpointManager | None = None
+    submitted: bool = False
+    rollout: RolloutConfig | None = None
+    name_holder: str | None = None
+    where: str | None = None
 
 
-def _filled(value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, str | list | dict | tuple):
-        return len(value) > 0 and (not isinstance(value, str) or bool(value.strip()))
-    return True
+def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
+    """Everything that keeps adapter `a` from starting, each naming the field, the value and what is allowed.
 
+    It reads the facts first (its targets against the model's LoRA, then the reward, environment, dataset, eval split
+    and checkpoint from the outside world, each failure kept as its message) and then judges them in one place, in
+    a fixed order: reward, environment, dataset, targets, expert parameters, eval split, checkpoint, name, staleness."""
+    import dataclasses
 
-def adapter_parameter_problems(a: AdapterConfig, lora_parameters: Sequence[str], where: str) -> list[str]:
-    """Each of the adapter's `target_parameters` must match an expert Parameter the model's LoRA covers."""
-    from rl_multilora.lora.peft_io import matches_target
-
-    unmatched = [t for t in a.target_parameters or [] if not any(matches_target(p, t) for p in lora_parameters)]
-    if not unmatched:
-        return []
-    names = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in lora_parameters}) or ["none"]
-    return [
-        bad_value(
-            f"{where}target_parameters",
-            a.target_parameters,
-            f"the model's expert LoRA Parameters ({', '.join(names)}); {', '.join(map(repr, unmatched))} match none",
-        )
-    ]
-
-
-def adapter_problems(
-    a: AdapterConfig,
-    lora_modules: Sequence[str] | None,
-    eval_settings: EvalSettings | None = None,
-    where: str | None = None,
-    ckpt: CheckpointManager | None = None,
-    lora_parameters: Sequence[str] | None = None,
-    submitted: bool = False,
-) -> list[str]:
-    """I/O checks of one adapter: reward, dataset, (when known) its target modules against the model, its eval split
-    when its eval is on, and (with `ckpt`, when the run resumes) that its newest checkpoint can resume it (and, for a
-    `submitted` adapter, is below its budget)."""
     import rewards
+    from rollout.data_source import first_usable_row, load_dataset_rows
+    from rollout.environments import load_environment
 
-    where = f"adapters.{a.name}." if where is None else where
-    problems = []
+    ctx = admission
+    where = f"adapters.{a.name}." if ctx.where is None else ctx.where
+    targets = [a.target_modules] if isinstance(a.target_modules, str) else list(a.target_modules or [])
+    unmatched_modules = _unmatched([] if targets == ["all-linear"] else targets, ctx.lora_modules)
+    unmatched_parameters = _unmatched(a.target_parameters or [], ctx.lora_parameters)
+
+    # -- facts from the outside world --------------------------------------------------------------------------------
+    failures = []  # (field, message) of each probe that raised
     if a.reward is not None:
         try:
             rewards.validate(a.reward)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{where}reward: {e}")
+        except Exception as e:  # noqa: BLE001 - whatever resolving it raises is the user's reward problem
+            failures.append(("reward", str(e)))
     if a.environment is not None:
-        problems += environment_problems(a, where)
-    problems += dataset_problems(a, where)
-    if lora_modules is not None:
-        problems += adapter_target_problems(a, lora_modules, where)
-    if lora_parameters is not None:
-        problems += adapter_parameter_problems(a, lora_parameters, where)
-    if eval_settings is not None and eval_settings.enabled:
-        problems += _eval_problems(a, eval_settings, where)
-    if ckpt is not None:
-        problems += resume_problems(a, ckpt, submitted)
+        try:
+            env = load_environment(a.environment.path, a.environment.kwargs)  # one instance is built, then closed
+        except Exception as e:  # noqa: BLE001 - whatever building it raises is the user's environment problem
+            failures.append(("environment", str(e)))
+        else:
+            with contextlib.suppress(Exception):
+                env.close()
+    rows, usable = None, None
+    try:
+        rows = load_dataset_rows(a.dataset)
+        usable = first_usable_row(rows, a.dataset)
+    except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
+        failures.append(("dataset", str(e)))
+    eval_on = ctx.eval_settings is not None and ctx.eval_settings.enabled
+    if eval_on:
+        split, files = ctx.eval_settings.split, ctx.eval_settings.data_files or a.dataset.data_files
+        try:
+            eval_rows = len(load_dataset_rows(dataclasses.replace(a.dataset, split=split, data_files=files)))
+        except Exception as e:  # noqa: BLE001
+            eval_rows, failures = 0, [*failures, ("eval", str(e))]
+    found = ctx.ckpt.latest_meta(a.name) if ctx.ckpt is not None else None
+    resume = []
+    if found is not None:
+        try:
+            check_compatible(a.name, a.model_dump(mode="json"), found[1].get("config", {}), found[0])
+        except ConfigError as e:
+            resume = e.problems
+
+    # -- the judgement -----------------------------------------------------------------------------------------------
+    problems = [f"{where}{field}: {message}" for field, message in failures if field in ("reward", "environment")]
+    problems += [f"{where}{field}: {message}" for field, message in failures if field == "dataset"]
+    if rows is not None and usable is None:
+        what = (
+            "has no rows"
+            if len(rows) == 0
+            else f"has no row with a non-empty {a.dataset.prompt_key!r} and {a.dataset.label_key!r}"
+        )
+        problems.append(
+            bad_value(
+                f"{where}dataset.path", a.dataset.path, f"a dataset with at least one usable row; this one {what}"
+            )
+        )
+    if unmatched_modules:
+        leaves = sorted({m.rsplit(".", 1)[-1] for m in ctx.lora_modules})
+        problems.append(
+            bad_value(
+                f"{where}target_modules",
+                a.target_modules,
+                f"names of the model's LoRA modules ({', '.join(leaves)}); "
+                f"{', '.join(map(repr, unmatched_modules))} match none",
+            )
+        )
+    if unmatched_parameters:
+        names = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in ctx.lora_parameters}) or ["none"]
+        problems.append(
+            bad_value(
+                f"{where}target_parameters",
+                a.target_parameters,
+                f"the model's expert LoRA Parameters ({', '.join(names)}); "
+                f"{', '.join(map(repr, unmatched_parameters))} match none",
+            )
+        )
+    if eval_on:
+        split = ctx.eval_settings.split
+        fix = (
+            f"eval.split={split!r}: give the dataset a '{split}' split, e.g. data_files: {{train: ..., test: ...}}, "
+            "or set eval.data_files, or eval.enabled: false"
+        )
+        problems += [f"{where}eval: {message} ({fix})" for field, message in failures if field == "eval"]
+        if eval_rows == 0 and not any(field == "eval" for field, _ in failures):
+            problems.append(f"{where}eval: the split has no rows ({fix})")
+    problems += resume
+    done = int(found[1]["adapter_step"]) if found is not None else 0
+    if not resume and ctx.submitted and found is not None and a.max_steps is not None and done >= a.max_steps:
+        # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
+        problems.append(
+            bad_value("max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}")
+        )
+    if ctx.name_holder is not None:
+        problems.append(bad_value("name", a.name, f"a name no live adapter has ({ctx.name_holder})"))
+    if ctx.rollout is not None:
+        problems += staleness_problems(a, ctx.rollout)
     return problems
 
 
-def environment_problems(a: AdapterConfig, where: str) -> list[str]:
-    """The environment class imports, subclasses `Environment` and takes its kwargs (one instance is built)."""
-    from rollout.environments import load_environment
+def _unmatched(wanted: Sequence[str], names: Sequence[str] | None) -> list[str]:
+    """The patterns of `wanted` that match none of `names` (PEFT's suffix rule); none when `names` is unknown."""
+    from rl_multilora.lora.peft_io import matches_target
 
-    try:
-        env = load_environment(a.environment.path, a.environment.kwargs)
-    except Exception as e:  # noqa: BLE001 - whatever building it raises is the user's environment problem
-        return [f"{where}environment: {e}"]
-    try:
-        env.close()
-    except Exception:  # noqa: BLE001, S110 - closing an unused instance: nothing to report
-        pass
-    return []
-
-
-def resume_problems(a: AdapterConfig, ckpt: CheckpointManager, submitted: bool = False) -> list[str]:
-    """Rank, alpha, targets and seed must equal those of the checkpoint the adapter would resume from; a `submitted`
-    adapter (not one of the run's own, registered again at start) must have budget left past that checkpoint."""
-    from rl_multilora.checkpoint import check_compatible
-
-    found = ckpt.latest_meta(a.name)
-    if found is None:
+    if names is None:
         return []
-    latest, meta = found
-    try:
-        check_compatible(a.name, a.model_dump(mode="json"), meta.get("config", {}), latest)
-    except ConfigError as e:
-        return e.problems
-    done = int(meta["adapter_step"])
-    if submitted and a.max_steps is not None and done >= a.max_steps:
-        # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
-        return [
-            bad_value("max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}")
-        ]
-    return []
-
-
-def _eval_problems(a: AdapterConfig, settings: EvalSettings, where: str) -> list[str]:
-    """The eval split loads (`eval.split` of `eval.data_files`, or of the dataset's own files)."""
-    import dataclasses
-
-    from rollout.data_source import load_dataset_rows
-
-    spec = dataclasses.replace(a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files)
-    try:
-        load_dataset_rows(spec)
-    except Exception as e:  # noqa: BLE001
-        return [
-            f"{where}eval: {e} (eval.split={settings.split!r}: give the dataset a '{settings.split}' split, e.g. "
-            "data_files: {train: ..., test: ...}, or set eval.data_files, or eval.enabled: false)"
-        ]
-    return []
+    return [t for t in wanted if not any(matches_target(n, t) for n in names)]
 
 
 def run_problems(cfg: RunConfig) -> list[str]:
@@ -283,7 +281,8 @@ def run_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"rollout.hooks: {e}")
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     for a in cfg.adapters:
-        problems += adapter_problems(a, lora_modules, cfg.eval_for(a), ckpt=ckpt, lora_parameters=lora_parameters)
+        admission = Admission(lora_modules, lora_parameters, cfg.eval_for(a), ckpt)
+        problems += adapter_problems(a, admission)
     return problems
 
 

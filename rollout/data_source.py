@@ -175,10 +175,8 @@ def load_dataset_rows(spec: DatasetSpec):
         if "split" in str(exc).lower():
             raise DatasetError(f"dataset.split={spec.split!r} cannot be read from {spec.path!r}: {exc}") from exc
         raise DatasetError(f"dataset {spec.path!r} cannot be loaded: {exc}") from exc
-    except StopIteration as exc:  # what `datasets` raises for an empty file
-        raise DatasetError(
-            bad_value("dataset.data_files", spec.data_files, "files with at least one row (these have none)")
-        ) from exc
+    except StopIteration:  # what `datasets` raises for an empty file: a dataset without rows, which admission refuses
+        return datasets.Dataset.from_dict({})
     except Exception as exc:  # datasets raises many types (hub, network, parsing): report them all the same way
         raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     _check_columns(spec, list(rows.column_names))
@@ -192,6 +190,24 @@ def read_row(rows, index: int) -> Mapping[str, Any] | str:
         return rows[index]
     except UnicodeDecodeError:
         return "undecodable_row"
+
+
+def first_usable_row(rows, spec: DatasetSpec) -> int | None:
+    """Index of the first row with a non-empty prompt and label (None when there is none): a dataset without one
+    could never give a step. Undecodable rows are bad rows, counted when drawn; they never stop the search."""
+    for i in range(len(rows)):
+        row = read_row(rows, i)
+        if not isinstance(row, str) and _filled(row.get(spec.prompt_key)) and _filled(row.get(spec.label_key)):
+            return i
+    return None
+
+
+def _filled(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, str | list | dict | tuple):
+        return len(value) > 0 and (not isinstance(value, str) or bool(value.strip()))
+    return True
 
 
 def _check_columns(spec: DatasetSpec, columns: list[str]) -> None:

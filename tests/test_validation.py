@@ -95,7 +95,21 @@ CASES = [
     ("hooks-missing", lambda d, ws: d["rollout"].update(hooks="no_such_module_xyz:Hooks"), "rollout.hooks"),
     ("hooks-not-class", lambda d, ws: d["rollout"].update(hooks="rl_multilora.cli:main"), "rollout.hooks"),
     # more mistakes, all refused by both
-    ("empty-file", lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "empty.jsonl")), "row"),
+    (
+        "empty-file",
+        lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "empty.jsonl")),
+        "at least one usable row; this one has no rows",
+    ),
+    (
+        "eval-split-empty",
+        lambda d, ws: d.update(eval={"enabled": True, "data_files": {"test": str(ws / "data" / "empty.jsonl")}}),
+        "eval: the split has no rows",
+    ),
+    (
+        "eval-split-missing",
+        lambda d, ws: d.update(eval={"enabled": True}),
+        "eval.split='test'",
+    ),
     (
         "no-label-column",
         lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "nolabel.jsonl")),
