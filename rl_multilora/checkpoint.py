@@ -39,6 +39,10 @@ Design choices (PRIOR_ART):
   has each adapter step once. The file is rewritten in place behind a journal (`.metrics.jsonl.rewrite`): the
   open MetricsLogger appends to the same file, and a crash mid-rewrite is finished by the next start. The loop
   writes a step's metrics rows before it saves the run state, so a kill in between redoes that step on resume.
+- Labeled checkpoints (`save_labeled`): a Tinker API client's `save_weights(name)` is a checkpoint of the same
+  layout under `adapters/<its adapter name>/`, with the name (`label`) and the request id in checkpoint.json. It is
+  never pruned (a client may load any name it saved) and a replayed request finds its checkpoint instead of writing
+  another; `find_labeled` reads it back and `export(label=...)` (`rl-multilora export`) copies its PEFT folder.
 - This module sees files only. A tenant hands it an `AdapterSnapshot` (PEFT tensors + config, optimizer state, data
   cursor, counters) and gets one back; which tenant to save or restore, and when, is `rl_multilora.tenants`'.
 """
@@ -269,14 +273,21 @@ class CheckpointManager:
         found = _complete(self.adapter_dir(name))
         return (found[-1][1], found[-1][2]) if found else None
 
-    def export(self, name: str, out: Path, step: int | None = None) -> Path:
-        """Copy `name`'s checkpoint (newest, or at adapter step `step`) into `out` as a PEFT folder; returns the
-        checkpoint folder. Raises FileNotFoundError naming the steps there are."""
-        ck = self.find(name, step)
+    def export(self, name: str, out: Path, step: int | None = None, label: str | None = None) -> Path:
+        """Copy `name`'s checkpoint (newest, at adapter step `step`, or the newest labeled `label`) into `out` as a
+        PEFT folder; returns the checkpoint folder. Raises FileNotFoundError naming the steps (labels) there are."""
+        if label is not None:
+            found = self.find_labeled(name, label)
+            ck = found[0] if found is not None and (step is None or found[1]["adapter_step"] == step) else None
+        else:
+            ck = self.find(name, step)
         if ck is None:
             which = f"step {step}" if step is not None else "any step"
+            which = f"label {label!r}, {which}" if label is not None else which
             steps = sorted({s for s, _ in list_checkpoints(self.adapter_dir(name))})
             have = f"; its checkpointed steps: {', '.join(map(str, steps))}" if steps else ""
+            labels = self.labels(name)
+            have += f"; its labels: {', '.join(labels)}" if labels else ""
             raise FileNotFoundError(f"no complete checkpoint of adapter {name!r} ({which}) in {self.run_dir}{have}")
         if out.exists() and not out.is_dir():
             raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
@@ -319,6 +330,14 @@ class CheckpointManager:
                 same = False
             if same:
                 return last
+        final = self._write(name, snap, existing)
+        self._prune(name)
+        return final
+
+    def _write(self, name: str, snap: AdapterSnapshot, existing: list[tuple[tuple[int, int], Path, dict]]) -> Path:
+        """Build the checkpoint folder in a temp folder, fsync it and rename it into place; returns its folder."""
+        adir = self.adapter_dir(name)
+        step = snap.adapter_step
         seq = max((key[1] for key, _, _ in existing), default=0) + 1
         final = adir / f"step_{step}"
         n = 0
@@ -337,8 +356,44 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune(name)
         return final
+
+    # -- labeled checkpoints (the Tinker API's save_weights) ------------------------------------------------------
+    def save_labeled(self, name: str, snap: AdapterSnapshot, label: str, key: str | None = None) -> Path:
+        """Write `snap` as a checkpoint of `name` that its client named `label` (Tinker's `save_weights` name);
+        returns its folder. The same folder, files and atomic write as `save_adapter`, with `label` and the
+        request `key` in checkpoint.json.
+
+        Unlike `save_adapter` it is never pruned (a client may load any name it saved, at any later time) and never
+        reused for another save, except a checkpoint of the same `key` already on disk: that is the same request
+        replayed after a restart, and its checkpoint (what the client was told) is returned as it is.
+        """
+        adir = self.adapter_dir(name)
+        adir.mkdir(parents=True, exist_ok=True)
+        existing = _complete(adir)
+        if key is not None:
+            for _, d, meta in existing:
+                if meta.get("request") == key:
+                    return d
+        labeled = AdapterSnapshot(
+            snap.tensors,
+            snap.peft_config,
+            snap.optimizer,
+            snap.data_state,
+            {**snap.meta, "label": label, "request": key},
+        )
+        return self._write(name, labeled, existing)
+
+    def find_labeled(self, name: str, label: str) -> tuple[Path, dict[str, Any]] | None:
+        """`name`'s newest complete checkpoint labeled `label` and its `checkpoint.json`, or None."""
+        for _, d, meta in reversed(_complete(self.adapter_dir(name))):
+            if meta.get("label") == label:
+                return d, meta
+        return None
+
+    def labels(self, name: str) -> list[str]:
+        """The labels of `name`'s complete checkpoints, oldest first, each once."""
+        return list(dict.fromkeys(m["label"] for _, _, m in _complete(self.adapter_dir(name)) if m.get("label")))
 
     def _prune(self, name: str) -> None:
         cks = list_checkpoints(self.adapter_dir(name))

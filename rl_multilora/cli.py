@@ -83,12 +83,17 @@ def cmd_export(args) -> int:
     from rl_multilora.config import ConfigError
     from rl_multilora.lora.peft_io import validate_adapter_name
 
+    name, label = args.name, None
     try:
-        validate_adapter_name(args.name)  # NAME becomes a path under RUN_DIR: no '..', no separators
+        if name.startswith("tinker://"):  # a Tinker client's save_weights path: its model's newest checkpoint so named
+            from rl_multilora.tinker.ops import checkpoint_ref
+
+            name, label = checkpoint_ref(name)
+        validate_adapter_name(name)  # NAME becomes a path under RUN_DIR: no '..', no separators
     except ValueError as e:
         raise ConfigError([f"NAME: {e}"]) from None
     out = Path(args.out)
-    ck = CheckpointManager(Path(args.run_dir)).export(args.name, out, args.step)
+    ck = CheckpointManager(Path(args.run_dir)).export(name, out, args.step, label=label)
     print(f"exported {ck} -> {out}")
     return 0
 
@@ -159,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("export", help="copy an adapter's checkpointed PEFT folder out of a run dir")
-    s.add_argument("run_dir")
-    s.add_argument("name")
+    s.add_argument("run_dir", help="a run dir (or a Tinker server's --state-dir)")
+    s.add_argument("name", help="adapter name, or a Tinker checkpoint path tinker://<model_id>/weights/<name>")
     s.add_argument("out")
     s.add_argument("--step", type=int, default=None, help="adapter step (default: latest)")
     s.set_defaults(fn=cmd_export)

@@ -320,11 +320,69 @@ def test_model_ids_and_checkpoint_names_stay_inside_the_state_dir(server, tmp_pa
     assert r.status_code == 400 and "is not allowed" in r.json()["detail"]
     state = tmp_path / "state"
     written = sorted(str(p.relative_to(state)) for p in state.rglob("*") if p.is_file())
-    assert [p for p in written if p.startswith("checkpoints/")] == [
-        f"checkpoints/{run.replace(':', '.')}/ok/{f}"
-        for f in ("adapter.safetensors", "adapter_config.json", "optim.pt")
-    ]
+    assert [p for p in written if p.startswith("adapters/")] == [f"adapters/{run.replace(':', '.')}/step_0/{f}"
+                                                                 for f in CHECKPOINT_FILES]  # fmt: skip
     assert not (tmp_path / "escape").exists()
+
+
+CHECKPOINT_FILES = ["adapter_config.json", "adapter_model.safetensors", "checkpoint.json", "data_state.json",
+                    "optimizer.json", "optimizer.safetensors"]  # fmt: skip
+
+
+def test_client_checkpoints_are_run_checkpoints(server, tmp_path, capsys):
+    """save_state writes a GRPO tenant's checkpoint (rl_multilora.checkpoint): CheckpointManager lists it,
+    `rl-multilora export` copies it out as a PEFT folder that PEFT loads with our model's logits for the adapter,
+    and load_state_with_optimizer resumes from it exactly (the losses the original run had after that save)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+    from rl_multilora.cli import main as cli_main
+
+    ops, state = server.server.ops, tmp_path / "state"
+    tokens = list(range(5, 25))
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    _sft(tc, 2, tokens)
+    early = tc.save_state("early").result().path
+    later_losses = _sft(tc, 2, tokens)
+    path = tc.save_state("step-4").result().path
+    name = ops.tenants[tc.model_id].name
+
+    ckpt = CheckpointManager(state)
+    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 4]
+    folder, meta = ckpt.find_labeled(name, "step-4")
+    assert ckpt.latest_meta(name)[0] == folder and sorted(p.name for p in folder.iterdir()) == CHECKPOINT_FILES
+    assert meta["adapter_step"] == 4 and meta["tinker"]["model_id"] == tc.model_id and meta["tinker"]["rank"] == 4
+    assert ckpt.labels(name) == ["early", "step-4"]
+
+    out = tmp_path / "peft"
+    assert cli_main(["export", str(state), path, str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert cli_main(["export", str(state), name, str(tmp_path / "by-step"), "--step", "2"]) == 0
+    assert (tmp_path / "by-step" / "adapter_model.safetensors").read_bytes() == (
+        ckpt.find_labeled(name, "early")[0] / "adapter_model.safetensors"
+    ).read_bytes()
+    capsys.readouterr()
+    assert cli_main(["export", str(state), f"tinker://{tc.model_id}/weights/nope", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "no complete checkpoint" in err and "label 'nope'" in err and "its labels: early, step-4" in err
+    assert cli_main(["export", str(state), "tinker://../weights/x", str(tmp_path / "x")]) == 2
+    assert "model_id='..' is not allowed" in capsys.readouterr().err
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        ours = ops.model(ids, adapter_names=[name]).logits
+        base = ops.model(ids, adapter_names=[None]).logits
+        theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), out).eval()(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    assert (ours - base).abs().max() > 1e-3  # the adapter is not the base
+
+    # Back to the first save, AdamW state and step count included: the next steps are the original run's.
+    tc.load_state_with_optimizer(early).result()
+    assert ops.tenants[tc.model_id].steps == 2
+    np.testing.assert_allclose(_sft(tc, 2, tokens), later_losses, rtol=1e-6)
+    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 4]  # a load writes nothing
 
 
 def _sample(sampler) -> list[int]:

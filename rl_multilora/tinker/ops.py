@@ -19,6 +19,11 @@ Design choices:
 - Model ids are `<session>:train:<n>`, the id the SDK derives on its own for `create_training_client_from_state`.
   They end up in paths (checkpoint folders) and adapter names, so they and checkpoint names are validated against
   a strict pattern (no '/', no '..'); a model's adapter name is its id with ':' -> '.' (`slot_name`).
+- Checkpoints are the run's (`rl_multilora.checkpoint.CheckpointManager`, the service's own in `serve`): `save_weights`
+  writes the GRPO tenants' layout (PEFT folder, AdamW state, `checkpoint.json`, atomic temp-folder rename) under
+  `adapters/<slot_name>/`, labeled with the client's name (`save_labeled`), so `rl-multilora export` and PEFT read
+  it as they read any adapter's; `tinker://<model_id>/weights/<name>` is that model's newest checkpoint labeled
+  <name>. A replayed save finds the checkpoint its request wrote before the restart.
 - Sampler weights are in-memory versions: `save_weights_for_sampler` copies the slot's true-rank tensors
   (`adapter_state_dict`) and loads them into the engine's bank under a name of their own. When the bank is full the
   least recently used version is unloaded from the bank; its tensors stay in memory and are loaded again on its next
@@ -32,18 +37,16 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
+from rl_multilora.checkpoint import AdapterSnapshot, CheckpointManager, DamagedCheckpoint
 from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.tenants import TenantError
 from rl_multilora.tinker.wire import Datum
@@ -117,6 +120,18 @@ def checkpoint_name(field_name: str, name: Any) -> str:
     return name
 
 
+def checkpoint_ref(path: Any) -> tuple[str, str]:
+    """(adapter name, label) of a training checkpoint's path, each checked: they become path components.
+
+    >>> checkpoint_ref("tinker://s0a1:train:2/weights/step-10")
+    ('s0a1.train.2', 'step-10')
+    """
+    parts = path.removeprefix("tinker://").split("/") if isinstance(path, str) and path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != "weights":
+        raise UserError(f"path={path!r} is not a training checkpoint; allowed: tinker://<model_id>/weights/<name>")
+    return slot_name(parts[0]), checkpoint_name("path name", parts[2])
+
+
 @dataclass
 class ClientTenant:
     """One model created through the API: its slot's leaf views, their AdamW and counters."""
@@ -125,6 +140,7 @@ class ClientTenant:
     name: str  # slot_name(model_id)
     rank: int
     lora_config: dict[str, Any]
+    seed: int | None
     params: list[torch.nn.Parameter]
     optim: torch.optim.AdamW
     steps: int = 0
@@ -173,6 +189,9 @@ class ModelSlots:
     def release_client(self, name: str) -> None:
         self.model.remove_adapter(name)
 
+    def end_client_reservations(self) -> None:
+        """Nothing is reserved here: no other kind of tenant competes for these slots."""
+
 
 class ClientOps:
     """Everything the server does to the model and the engine. Training calls come from one worker thread;
@@ -183,7 +202,7 @@ class ClientOps:
         model: MultiLoRAModel,
         engine: Any,
         pad_id: int,
-        checkpoint_dir: Path,
+        ckpt: CheckpointManager,
         max_sampler_versions: int = 4,
         slots: Any = None,
         shared_engine: bool = False,
@@ -198,7 +217,7 @@ class ClientOps:
         self.shared_engine = shared_engine  # GRPO tenants use the engine too: one engine slot per client tenant
         self.engine = engine
         self.pad_id = pad_id
-        self.checkpoint_dir = checkpoint_dir
+        self.ckpt = ckpt  # the run's checkpoints: client tenants' are GRPO tenants' (see the module docstring)
         self.max_sampler_versions = max_sampler_versions
         self.tenants: dict[str, ClientTenant] = {}
         self.samplers: dict[str, SamplerVersion] = {}  # live versions by tinker:// path
@@ -227,7 +246,7 @@ class ClientOps:
         params = self.model.adapter_parameters(name)
         optim = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         lora_config = {key: bool(layers.get(key, True)) for key in _LAYER_GROUPS}
-        tenant = ClientTenant(model_id, name, rank, lora_config, params, optim)
+        tenant = ClientTenant(model_id, name, rank, lora_config, seed, params, optim)
         self.tenants[model_id] = tenant
         return tenant
 
@@ -326,46 +345,50 @@ class ClientOps:
         return {"grad_norm": norm}
 
     # -- weights ---------------------------------------------------------------------------------------------------
-    def save(self, model_id: str, name: str) -> str:
-        """Adapter (PEFT safetensors) + optimizer state under checkpoint_dir/<slot_name>/<name>/."""
+    def save(self, model_id: str, name: str, key: str | None = None) -> str:
+        """A checkpoint of the model labeled `name` (`CheckpointManager.save_labeled`): PEFT folder, AdamW state and
+        step count. `key`: the request's id, so its replay after a restart finds this checkpoint."""
         t = self.tenant(model_id)
-        out = self.checkpoint_dir / t.name / checkpoint_name("path", name)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.contiguous() for k, v in self.model.adapter_state_dict(t.name).items()},
-            out / "adapter.safetensors",
+        label = checkpoint_name("path", name)
+        snap = AdapterSnapshot(
+            tensors=self.model.adapter_state_dict(t.name),
+            peft_config=self.model.peft_config(t.name),
+            optimizer=t.optim.state_dict(),
+            data_state={},  # no data source: the client holds its own data
+            meta={
+                "adapter_step": t.steps,
+                "state": "RUNNING",
+                "tinker": {"model_id": model_id, "rank": t.rank, "lora_config": t.lora_config, "seed": t.seed},
+            },
         )
-        (out / "adapter_config.json").write_text(json.dumps(self.model.peft_config(t.name)))
-        saved = {"optim": t.optim.state_dict(), "steps": t.steps, "rank": t.rank, "lora_config": t.lora_config}
-        torch.save(saved, out / "optim.pt")
-        return f"tinker://{model_id}/weights/{name}"
+        self.ckpt.save_labeled(t.name, snap, label, key)
+        return f"tinker://{model_id}/weights/{label}"
 
     def load(self, model_id: str, path: str, with_optimizer: bool) -> None:
         """Weights (and, `with_optimizer`, AdamW state and step count) of a checkpoint into the model, which is
         created like the checkpoint's (rank, layers) when it does not exist: the SDK's create-from-state."""
-        folder = self._checkpoint_folder(path)
-        tensors = load_file(folder / "adapter.safetensors")
-        config = json.loads((folder / "adapter_config.json").read_text())
-        saved = torch.load(folder / "optim.pt", weights_only=False)
+        snap = self._checkpoint(path)
+        info = snap.meta["tinker"]
         if model_id not in self.tenants:
-            self.create(model_id, int(saved["rank"]), None, saved.get("lora_config", {}))
+            self.create(model_id, int(info["rank"]), None, info.get("lora_config", {}))
         t = self.tenants[model_id]
-        if t.rank != int(saved["rank"]):
-            raise UserError(f"checkpoint {path!r} has rank {saved['rank']}; model {model_id!r} has rank {t.rank}")
-        self.model.load_adapter_state_dict(t.name, tensors, config)
+        if t.rank != int(info["rank"]):
+            raise UserError(f"checkpoint {path!r} has rank {info['rank']}; model {model_id!r} has rank {t.rank}")
+        self.model.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config)
         if with_optimizer:
-            t.optim.load_state_dict(saved["optim"])
-            t.steps = int(saved["steps"])
+            t.optim.load_state_dict(snap.optimizer)
+            t.steps = snap.adapter_step
             self.slots.record_client_step(t.name, t.steps)
 
-    def _checkpoint_folder(self, path: str) -> Path:
-        parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] != "weights":
-            raise UserError(f"path={path!r} is not a training checkpoint; allowed: tinker://<model_id>/weights/<name>")
-        folder = self.checkpoint_dir / slot_name(parts[0]) / checkpoint_name("path name", parts[2])
-        if not (folder / "optim.pt").is_file():
+    def _checkpoint(self, path: str) -> AdapterSnapshot:
+        """The checkpoint `tinker://<model_id>/weights/<name>` names: that model's newest labeled <name>."""
+        found = self.ckpt.find_labeled(*checkpoint_ref(path))
+        if found is None or "tinker" not in found[1]:
             raise UserError(f"checkpoint {path!r} does not exist")
-        return folder
+        try:
+            return self.ckpt.read_snapshot(*found)
+        except DamagedCheckpoint as e:
+            raise UserError(f"checkpoint {path!r} cannot be read: {e}") from None
 
     def publish_sampler(self, model_id: str, name: str | None) -> tuple[str, str]:
         """A new in-memory sampler version of the tenant: (its tinker:// path, its engine name). The model's least

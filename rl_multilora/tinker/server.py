@@ -458,7 +458,7 @@ class TinkerServer:
                 value = {"metrics": self.ops.optim_step(op.model_id, params)}
             elif op.kind == "save_weights":
                 name = b.get("path") or f"step{self.ops.tenant(op.model_id).steps}"
-                value = {"type": "save_weights", "path": self.ops.save(op.model_id, name)}
+                value = {"type": "save_weights", "path": self.ops.save(op.model_id, name, key=op.request_id)}
             elif op.kind == "save_weights_for_sampler":
                 path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
                 value = {"type": "save_weights_for_sampler", "path": path}
@@ -518,6 +518,7 @@ def build_server(
 ) -> TinkerServer:
     from transformers import AutoTokenizer
 
+    from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.lora import MultiLoRAModel
     from rollout.engines.embedded import EmbeddedEngine
 
@@ -527,7 +528,10 @@ def build_server(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = EmbeddedEngine(model, tokenizer, seed=seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ops = ClientOps(model, engine, pad, state_dir / "checkpoints", max_sampler_versions)
+    ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
+    for p in ckpt.remove_stale_temps():
+        log.info("removed %s, left by an interrupted write", p)
+    ops = ClientOps(model, engine, pad, ckpt, max_sampler_versions)
     return TinkerServer(
         ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
     )
@@ -559,7 +563,8 @@ def build_service_server(
     max_sampler_versions: int = 4,
 ) -> TinkerServer:
     """The Tinker app on a GRPO service's Runtime (`core`: a started `rl_multilora.service.ServiceCore`): its model,
-    engine and TenantManager, its FIFO model lock; journal and checkpoints under `state_dir`."""
+    engine and TenantManager, its FIFO model lock, its checkpoints (`RUN_DIR/adapters/`); the journal under
+    `state_dir`."""
     from rl_multilora import components
 
     _check_token(token)
@@ -573,7 +578,7 @@ def build_service_server(
         rt.backend.shared_model,
         rt.engine,
         components.pad_token_id(rt.tokenizer),
-        state_dir / "checkpoints",
+        rt.ckpt,
         max_sampler_versions,
         slots=rt.tenants,
         shared_engine=True,
