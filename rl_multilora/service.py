@@ -16,7 +16,8 @@ that actor by name. The pieces:
   the current step to end does not block `status`. Actor methods return `Reply` values instead of raising, so a
   rejected submission reaches the client as one clean message, not a remote traceback.
 - Tinker API (`serve --tinker-port`): the Tinker app (`rl_multilora.tinker.server.build_service_server`) runs on
-  this Runtime's model, engine and TenantManager. The training thread and the Tinker worker take turns on the model
+  this Runtime's model, engine and TenantManager. It is built before the Runtime starts, so on a restart the clients
+  its journal replays keep their slots and the run's GRPO tenants are admitted around them. The training thread and the Tinker worker take turns on the model
   through one FIFO lock (`turn`): a step (with the mutations before it) is one turn, a batch of Tinker requests is
   one turn, and whoever asked first goes next, so neither a slow GRPO step nor a stream of client requests starves
   the other. Status is published at the end of every turn.
@@ -394,13 +395,16 @@ class ServiceActor:
 
         cfg = parse_run_config(cfg_data, source="serve")
         self.core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
-        self.core.start()
         self.tinker = None
+        server = None
         if tinker is not None:  # the Tinker API on this Runtime (see rl_multilora.tinker.server)
             from rl_multilora.tinker.server import BackgroundApp, build_service_server, resolve_token
 
             state_dir = tinker_state_dir(cfg)
+            # Before the start: the clients the journal replays keep their slots; GRPO tenants are admitted around them.
             server = build_service_server(self.core, state_dir, resolve_token(state_dir), tinker.get("base_model"))
+        self.core.start()
+        if server is not None:
             self.tinker = BackgroundApp(server, tinker["host"], tinker["port"])
         log.info("service ready: %d slot(s), run dir %s", cfg.model.max_loras, cfg.run_dir)
 

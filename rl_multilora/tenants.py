@@ -27,7 +27,9 @@ dataset, reward or GRPO optimizer (the client steps its own AdamW), never drawn 
 checkpointed by the GRPO step. They take a slot of the same model (`add_client`: a free slot or a clear refusal,
 never ahead of a GRPO tenant already waiting for one), count against `model.max_loras`, appear in `status`, and
 leave through `release_client`, which frees the slot for the next tenant of either kind. Their durability is the
-Tinker request journal, not `run_state.json`.
+Tinker request journal, not `run_state.json`: after a restart, the clients that held slots get them back first
+(`reserve_client_slots`, before the GRPO tenants are admitted; the replay then takes them), so a GRPO tenant that was
+waiting still waits instead of taking a replayed client's slot.
 
 Step counters: `adapter_step` advances by the optimizer steps the backend reports for the tenant
 (`AdapterStepStats.n_steps`), so an adapter that got no usable samples does not skip data it never trained on
@@ -261,6 +263,7 @@ class TenantManager:
         self.backend = backend
         self.data = data
         self.ckpt = ckpt
+        self.reserved_clients: list[str] = []  # client tenants a restart's journal replay recreates (see below)
 
     # -- views (read-only for everyone else) -----------------------------------------------------------------------
     @property
@@ -294,7 +297,9 @@ class TenantManager:
         return self.backend.max_loras
 
     def free_slots(self) -> list[int]:
-        return self.backend.free_slots()
+        """Slots a new tenant may take: the backend's free ones, less those held for replayed client tenants."""
+        free = self.backend.free_slots()
+        return free[: max(0, len(free) - len(self.reserved_clients))]
 
     def finish_step(self) -> None:
         """The global step is done (its metrics are written): count it and record the run state."""
@@ -361,7 +366,10 @@ class TenantManager:
             live is not None and live.state == TenantState.RUNNING
         ):
             raise TenantError(bad_value("name", name, "a name no live adapter has"))
-        free, waiting = len(self.free_slots()), len(self.pending_in_order())
+        reserved = name in self.reserved_clients
+        if reserved:  # a client the journal replays after a restart: its slot was held for it (reserve_client_slots)
+            self.reserved_clients.remove(name)
+        free, waiting = len(self.free_slots()), 0 if reserved else len(self.pending_in_order())
         if free <= waiting:
             raise TenantError(
                 f"no free LoRA slot: all {self.max_loras} (model.max_loras) are held by GRPO and Tinker tenants"
@@ -371,6 +379,20 @@ class TenantManager:
         slot = model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
         self.table.clients[name] = ClientTenant(name, rank, slot)
         return slot
+
+    def reserve_client_slots(self, names: list[str]) -> list[str]:
+        """A restart: hold a slot for each client tenant `names` that held one when the service went down (the
+        Tinker journal knows them), before the run's GRPO tenants are admitted, so the journal's replay finds their
+        slots free instead of taken by a GRPO tenant that was waiting. Held slots are not `free_slots` to anyone else
+        until the client's `add_client` takes one or `end_client_reservations`. Returns the names held (at most as
+        many as there are free slots, in the order given)."""
+        room = len(self.backend.free_slots())
+        self.reserved_clients = [n for n in dict.fromkeys(names) if n not in self.table.clients][:room]
+        return list(self.reserved_clients)
+
+    def end_client_reservations(self) -> None:
+        """The replay has recreated its clients: slots still held (a client whose replay failed) are free again."""
+        self.reserved_clients = []
 
     def record_client_step(self, name: str, adapter_step: int) -> None:
         self.table.clients[name].adapter_step = adapter_step

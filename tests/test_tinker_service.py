@@ -7,7 +7,9 @@ model built offline (tests.tiny_models); the standalone server of tests/test_tin
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -120,6 +122,94 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
         assert st.get("t2").slot == client.slot
         _wait(lambda: core.status().get("t2").adapter_step > 0)
         assert core.status().error is None
+    finally:
+        app.close()
+        core.stop(timeout=60)
+
+
+def _service_config(workspace, run_dir, adapters: list[str]) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "model": {"path": str(workspace / "model"), "max_loras": 2, "max_rank": 8},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+        "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "checkpoint": {"save_every": 2, "keep_last": 1},
+        "service_poll_s": 0.2,
+        "adapters": [sum_task_adapter(workspace / "data", n, 7 + k, max_steps=500) for k, n in enumerate(adapters)],
+    }
+
+
+def _start_service(cfg, port: int):
+    """A service with the Tinker app, in `serve`'s order: the app is built (holding the slots of the clients its
+    journal replays) before the Runtime starts and admits GRPO tenants."""
+    core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
+    server = build_service_server(core, Path(cfg.run_dir) / "tinker", TOKEN, base_model=BASE, poll_s=5)
+    core.start()
+    return core, BackgroundApp(server, "127.0.0.1", port)
+
+
+def test_restarted_service_gives_replayed_clients_their_slots_first(workspace, tmp_path, monkeypatch):
+    """Both slots held (GRPO t1 and a client) and GRPO t2 waiting; the service goes down without a final checkpoint
+    (as after a kill) and restarts with t2 in its config. The replayed client gets its slot back before t1 and t2 are
+    admitted: the same TrainingClient trains on with the losses of an uninterrupted run, t1 resumes from its
+    checkpoint, and t2 still waits. Client checkpoints are the run's: under RUN_DIR/adapters, never pruned."""
+    from rl_multilora.checkpoint import list_checkpoints
+
+    ref = BackgroundApp(
+        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        "127.0.0.1",
+        port := _free_port(),
+    )
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 5, TOKENS)
+    ref.close()
+
+    run_dir, port = tmp_path / "run", _free_port()
+    cfg = parse_run_config(_service_config(workspace, run_dir, ["t1"]))
+    core, app = _start_service(cfg, port)
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        name = slot_name(tc.model_id)
+        losses = _sft(tc, 2, TOKENS)
+        saved = tc.save_state("two").result().path
+        losses += _sft(tc, 1, TOKENS)
+        assert core.submit(parse_adapter_config(sum_task_adapter(workspace / "data", "t2", 8, max_steps=500),
+                                                cfg.model)).state == "PENDING"  # fmt: skip
+        st = _wait(lambda: (s := core.status()).get("t1").adapter_step >= 4 and s)
+        assert st.get("t2").state == "PENDING" and st.get(name).slot is not None
+        ck = core.rt.ckpt  # the client's checkpoint is the run's, next to t1's, and keep_last does not prune it
+        assert [s for s, _ in list_checkpoints(ck.adapter_dir(name))] == [2] and ck.labels(name) == ["two"]
+        assert len(list_checkpoints(ck.adapter_dir("t1"))) == 1
+        t1_saved = ck.latest_meta("t1")[1]["adapter_step"]
+        monkeypatch.setattr(core.rt, "checkpoint_all", lambda: None)  # down as after a kill: no final checkpoint
+    finally:
+        app.close()
+        core.stop(timeout=60)
+
+    cfg = parse_run_config(_service_config(workspace, run_dir, ["t1", "t2"]))
+    core, app = _start_service(cfg, port)
+    try:
+        st = core.status()  # the start admitted t1 only: the client's slot is held for the replay
+        assert (st.get("t1").state, st.get("t2").state) == ("RUNNING", "PENDING")
+        losses += _sft(tc, 2, TOKENS)  # the same TrainingClient, its next seq_ids
+        np.testing.assert_allclose(losses, expected, rtol=1e-4)
+        st = core.status()
+        assert (
+            st.get(name).state == "RUNNING" and st.get(name).adapter_step == 5 and not core.rt.tenants.reserved_clients
+        )
+        assert {st.get(name).slot, st.get("t1").slot} == {0, 1} and st.get("t2").slot is None
+        _wait(lambda: core.status().get("t1").adapter_step >= t1_saved + 2)
+        assert core.status().get("t2").state == "PENDING" and core.status().error is None
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        t1_steps = [r["adapter_step"] for r in rows if r["adapter"] == "t1"]
+        assert t1_steps == sorted(t1_steps) and len(t1_steps) == len(set(t1_steps))  # resumed: no step twice
+        # the checkpoint saved before the restart loads (the replayed save found it and wrote no second one)
+        assert [s for s, _ in list_checkpoints(core.rt.ckpt.adapter_dir(name))] == [2]
+        tc.load_state_with_optimizer(saved).result()
+        np.testing.assert_allclose(_sft(tc, 1, TOKENS), expected[2:3], rtol=1e-4)
     finally:
         app.close()
         core.stop(timeout=60)

@@ -391,6 +391,7 @@ class TinkerServer:
         return ready
 
     def _work(self) -> None:
+        first = True
         while True:
             with self.lock:
                 ready = self._ready()
@@ -413,6 +414,9 @@ class TinkerServer:
                     self._run_one(op)
                 if fwd:
                     self._run_batch(fwd)
+                if first:  # every replayed create ran in this turn (creates and loads at seq 0 are ready at once)
+                    self.ops.slots.end_client_reservations()
+                    first = False
             with self.lock:
                 for op in ready:
                     if op.kind not in ("create_model", "unload_model"):
@@ -476,9 +480,16 @@ class TinkerServer:
             else:
                 raise UserError(f"unknown request kind {op.kind!r}")
         except Exception:  # noqa: BLE001 - the failure is the request's result
+            self._record_live(op)
             self._fail(op)
             return
+        self._record_live(op)
         self._resolve(self.state.results[op.request_id], value)
+
+    def _record_live(self, op: Op) -> None:
+        """Who holds a slot, for a restart's order (`Journal.live_models`); before the client hears of it."""
+        if op.kind in ("create_model", "load_weights", "unload_model"):
+            self.journal.set_live(op.model_id, op.model_id in self.ops.tenants)
 
     async def _sample(self, key: str, body: dict[str, Any], res: Result) -> None:
         try:
@@ -562,9 +573,14 @@ def build_service_server(
     batch_wait_s: float = 0.02,
     max_sampler_versions: int = 4,
 ) -> TinkerServer:
-    """The Tinker app on a GRPO service's Runtime (`core`: a started `rl_multilora.service.ServiceCore`): its model,
+    """The Tinker app on a GRPO service's Runtime (`core`: a `rl_multilora.service.ServiceCore`): its model,
     engine and TenantManager, its FIFO model lock, its checkpoints (`RUN_DIR/adapters/`); the journal under
-    `state_dir`."""
+    `state_dir`.
+
+    Restart order: call this before `core.start()`. It holds a slot for every client the journal says held one
+    (`TenantManager.reserve_client_slots`), so the start admits the run's GRPO tenants around them and the app's
+    replay (its first worker turn) gets them back; then the holds end. Called on a started core, GRPO tenants
+    admitted at its start went first."""
     from rl_multilora import components
 
     _check_token(token)
@@ -574,6 +590,11 @@ def build_service_server(
         problems.append("the training backend shares no in-process model -> the local backend")
     if problems:
         raise ValueError("the Tinker API needs one in-process model and engine: " + "; ".join(problems))
+    journal = Journal(state_dir / "requests.sqlite")
+    with core.turn():  # the training thread may run already (a core started before this call)
+        held = rt.tenants.reserve_client_slots([slot_name(m) for m in journal.live_models()])
+    if held:
+        log.info("holding %d slot(s) for the Tinker clients the journal replays: %s", len(held), ", ".join(held))
     ops = ClientOps(
         rt.backend.shared_model,
         rt.engine,
@@ -583,10 +604,8 @@ def build_service_server(
         slots=rt.tenants,
         shared_engine=True,
     )
-    return TinkerServer(
-        ops, Journal(state_dir / "requests.sqlite"), token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
-        turn=core.tinker_turn,
-    )  # fmt: skip
+    return TinkerServer(ops, journal, token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
+                        turn=core.tinker_turn)  # fmt: skip
 
 
 class BackgroundApp:
