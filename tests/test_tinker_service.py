@@ -7,7 +7,14 @@ model built offline (tests.tiny_models); the standalone server of tests/test_tin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,13 +22,15 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import yaml
+from tinker import types
 
 from rl_multilora.config import parse_adapter_config, parse_run_config
 from rl_multilora.loop import Runtime
 from rl_multilora.service import ServiceCore, ServiceError
 from rl_multilora.tinker.ops import slot_name
 from rl_multilora.tinker.server import BackgroundApp, build_server, build_service_server
-from tests.test_tinker_server import BASE, TOKEN, _free_port, _sft
+from tests.test_tinker_server import BASE, TOKEN, _datum, _free_port, _sft
 from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
 TOKENS = list(range(5, 25))
@@ -233,3 +242,144 @@ def test_a_service_that_cannot_share_its_model_is_refused_naming_each_setting(wo
     assert len(problems) == 2
     assert problems[0].startswith("rollout.engine_actors=True is not allowed; allowed: false")
     assert problems[1].startswith("rollout.num_engines=2 is not allowed; allowed: 1")
+
+
+# -- `rl-multilora serve CONFIG --tinker-port PORT` as a user runs it --------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Serve:
+    """`rl-multilora serve CONFIG --tinker-port PORT` in a subprocess (on its own local Ray cluster). Every process
+    it starts carries `RL_MULTILORA_TEST_MARK` in its environment, so `kill_9` can SIGKILL all of them (the serve
+    process, Ray's GCS and raylet, the service actor's worker): the whole service dies at once, as in a crash."""
+
+    def __init__(self, config: Path, port: int, log: Path, timeout: float = 240) -> None:
+        self.mark = f"tinker-serve-{time.time_ns()}"
+        self.log = log
+        self._fh = log.open("w")
+        env = {**os.environ, "RL_MULTILORA_TINKER_TOKEN": TOKEN, "RL_MULTILORA_TEST_MARK": self.mark}
+        cmd = [sys.executable, "-m", "rl_multilora.cli", "serve", str(config), "--tinker-port", str(port),
+               "--tinker-base-model", BASE]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while "tinker API: http://" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill_9()
+                pytest.fail(f"serve did not become ready (rc {self.proc.returncode}):\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+
+    def _marked(self) -> list[int]:
+        pids = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if f"RL_MULTILORA_TEST_MARK={self.mark}".encode() in environ.read_bytes().split(b"\0"):
+                    pids.append(int(environ.parent.name))
+            except OSError:  # gone meanwhile, or not ours
+                continue
+        return pids
+
+    def kill_9(self) -> None:
+        deadline = time.monotonic() + 30
+        while (pids := self._marked()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        self.proc.wait(30)
+        self._fh.close()
+        assert not self._marked(), "processes of the killed service are still alive"
+
+
+def _journal_rows(run_dir: Path, kinds: tuple[str, ...]) -> int:
+    db = sqlite3.connect(f"file:{run_dir / 'tinker' / 'requests.sqlite'}?mode=ro", uri=True)
+    try:
+        marks = ",".join("?" * len(kinds))
+        return db.execute(f"SELECT COUNT(*) FROM requests WHERE kind IN ({marks})", kinds).fetchone()[0]
+    finally:
+        db.close()
+
+
+def _metrics(run_dir: Path, name: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["adapter"] == name]
+
+
+@pytest.mark.ray  # serve always runs on Ray (about 35 s on 2 CPUs: two starts of a local cluster)
+def test_serve_with_tinker_port_survives_kill_9(workspace, tmp_path):
+    """`rl-multilora serve cfg.yaml --tinker-port P`, driven by the real SDK next to a GRPO tenant, SIGKILLed (every
+    process of it) with a forward_backward and an optim_step acknowledged but maybe not run, restarted on the same
+    run dir: the same TrainingClient's pending futures resolve and its losses are those of an uninterrupted run (no
+    acknowledged request lost), its checkpoint is still there, and the GRPO tenant resumes from its checkpoint."""
+    from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+
+    ref = BackgroundApp(
+        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        "127.0.0.1",
+        port := _free_port(),
+    )
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 6, TOKENS)
+    ref.close()
+
+    run_dir, port = tmp_path / "run", _free_port()
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(_service_config(workspace, run_dir, ["t1"]) | {"model": {
+        "path": str(workspace / "model"), "max_loras": 2, "max_rank": 8, "device": "cpu"}}))  # fmt: skip
+    ckpt = CheckpointManager(run_dir)
+    served = _Serve(config, port, tmp_path / "serve-1.log")
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        name = slot_name(tc.model_id)
+        losses = _sft(tc, 3, TOKENS)
+        saved = tc.save_state("three").result().path
+        _wait(lambda: list_checkpoints(ckpt.adapter_dir("t1")), timeout=120)  # t1 has a checkpoint to resume from
+        acked = _journal_rows(run_dir, ("forward_backward", "optim_step"))
+        fb = tc.forward_backward([_datum(TOKENS)], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        _wait(lambda: _journal_rows(run_dir, ("forward_backward", "optim_step")) == acked + 2)  # both acknowledged
+    finally:
+        served.kill_9()
+    before = _metrics(run_dir, "t1")
+    assert before and "resumed from" not in served.log.read_text()
+
+    served = _Serve(config, port, tmp_path / "serve-2.log")
+    try:
+        losses.append(fb.result(timeout=180).metrics["loss:sum"])
+        opt.result(timeout=180)
+        losses += _sft(tc, 2, TOKENS)
+        np.testing.assert_allclose(losses, expected, rtol=1e-4)
+        assert ckpt.find_labeled(name, "three") is not None and saved.endswith("/weights/three")
+        _wait(lambda: len(_metrics(run_dir, "t1")) >= len(before) + 2, timeout=120)
+    finally:
+        served.kill_9()
+    log = served.log.read_text()
+    resumed = re.search(r"adapter t1 resumed from (\S+) \(adapter step (\d+);", log)
+    assert resumed, log[-4000:]
+    step = int(resumed.group(2))
+    rows = _metrics(run_dir, "t1")
+    # The restart redid the steps after the checkpoint: t1's rows continue from it, each global step once.
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
+    assert rows[-1]["adapter_step"] > step >= 2
+    kept = [r for r in rows if r["adapter_step"] <= step]
+    assert kept == [r for r in before if r["adapter_step"] <= step]
+
+
+def test_serve_refuses_the_tinker_port_on_configs_without_one_in_process_model(workspace, tmp_path):
+    """The Ray paths that do not share one in-process model and engine (engine actors, several engines, trainer
+    ranks) are refused before a cluster starts: exit 2, each setting named, no traceback."""
+    config = tmp_path / "service.yaml"
+    data = _service_config(workspace, tmp_path / "run", ["t1"])
+    data["rollout"].update(engine_actors=True, num_engines=2)
+    data["trainer"] = {"world_size": 2}
+    config.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "rl_multilora.cli", "serve", str(config), "--tinker-port",
+                          str(_free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: --tinker-port needs one in-process model and engine: ")
+    for setting in ("trainer.world_size=2 is not allowed; allowed: 1", "rollout.engine_actors=True is not allowed",
+                    "rollout.num_engines=2 is not allowed; allowed: 1"):  # fmt: skip
+        assert setting in out.stderr
+    assert "Traceback" not in out.stderr and "service ready" not in out.stdout
+    assert not (tmp_path / "run").exists()  # refused before anything was written
