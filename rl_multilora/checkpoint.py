@@ -385,11 +385,13 @@ class CheckpointManager:
         return self._write(name, labeled, existing)
 
     def find_labeled(self, name: str, label: str) -> tuple[Path, dict[str, Any]] | None:
-        """`name`'s newest complete checkpoint labeled `label` and its `checkpoint.json`, or None."""
-        for _, d, meta in reversed(_complete(self.adapter_dir(name))):
-            if meta.get("label") == label:
-                return d, meta
-        return None
+        """`name`'s complete checkpoint labeled `label` that was saved last, and its `checkpoint.json`, or None.
+        Last saved, not highest step: a client that loaded an earlier checkpoint may save the same name again."""
+        found = [(key[1], d, meta) for key, d, meta in _complete(self.adapter_dir(name)) if meta.get("label") == label]
+        if not found:
+            return None
+        _, d, meta = max(found, key=lambda f: f[0])
+        return d, meta
 
     def labels(self, name: str) -> list[str]:
         """The labels of `name`'s complete checkpoints, oldest first, each once."""

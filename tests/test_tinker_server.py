@@ -385,6 +385,27 @@ def test_client_checkpoints_are_run_checkpoints(server, tmp_path, capsys):
     assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 4]  # a load writes nothing
 
 
+def test_labeled_checkpoints_last_save_wins_and_a_replayed_save_writes_nothing(tmp_path):
+    from rl_multilora.checkpoint import AdapterSnapshot, CheckpointManager, list_checkpoints
+
+    ckpt = CheckpointManager(tmp_path, keep_last=1)
+    a = torch.full((2, 8), 0.5)
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2)}  # fmt: skip
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 32, "target_modules": ["q_proj"]}
+
+    def snap(step: int) -> AdapterSnapshot:
+        return AdapterSnapshot(tensors, config, {"state": {}}, {}, {"adapter_step": step})
+
+    first = ckpt.save_labeled("c", snap(5), "x", key="m.3")
+    again = ckpt.save_labeled("c", snap(2), "x", key="m.9")  # after loading an earlier checkpoint: same name again
+    assert ckpt.find_labeled("c", "x")[0] == again != first
+    assert ckpt.save_labeled("c", snap(7), "x", key="m.3") == first  # request m.3 replayed: its checkpoint
+    ckpt.save_labeled("c", snap(6), "y", key="m.11")
+    assert len(list_checkpoints(ckpt.adapter_dir("c"))) == 3  # keep_last=1 prunes GRPO checkpoints, not these
+    assert ckpt.labels("c") == ["x", "y"] and ckpt.find_labeled("c", "z") is None
+
+
 def _sample(sampler) -> list[int]:
     prompt = types.ModelInput.from_ints([1, 2, 3])
     return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0)).result().sequences[0].tokens
