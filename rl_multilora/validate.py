@@ -184,8 +184,9 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
         except Exception as e:  # noqa: BLE001
             eval_rows, failures = 0, [*failures, ("eval", str(e))]
     found = ctx.ckpt.latest_meta(a.name) if ctx.ckpt is not None else None
+    clients = found is not None and found[1].get("label") is not None  # a Tinker client's save_weights wrote it
     resume = []
-    if found is not None:
+    if found is not None and not clients:
         try:
             check_compatible(a.name, a.model_dump(mode="json"), found[1].get("config", {}), found[0])
         except ConfigError as e:
@@ -236,13 +237,23 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
             problems.append(f"{where}eval: the split has no rows ({fix})")
     problems += resume
     done = int(found[1]["adapter_step"]) if found is not None else 0
-    if not resume and ctx.submitted and found is not None and a.max_steps is not None and done >= a.max_steps:
+    if (
+        not resume
+        and not clients
+        and ctx.submitted
+        and found is not None
+        and a.max_steps is not None
+        and done >= a.max_steps
+    ):
         # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
         problems.append(
             bad_value("max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}")
         )
     if ctx.name_holder is not None:
         problems.append(bad_value("name", a.name, f"a name no live adapter has ({ctx.name_holder})"))
+    elif clients:  # resuming from them would hand one tenant's weights to another
+        where_ = found[0].parent
+        problems.append(bad_value("name", a.name, f"a name without a Tinker client's checkpoints ({where_} has them)"))
     if ctx.rollout is not None:
         problems += staleness_problems(a, ctx.rollout)
     return problems

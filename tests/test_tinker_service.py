@@ -122,6 +122,8 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
         with pytest.raises(ServiceError, match="a name no live adapter has"):
             core.submit(parse_adapter_config(sum_task_adapter(workspace / "data", name, 8, max_steps=5), cfg.model))
 
+        saved = tc.save_state("kept").result().path
+
         # The client leaves through the same release path: its slot goes to the waiting GRPO tenant.
         headers = {"X-API-Key": TOKEN}
         key = httpx.post(url + "/api/v1/unload_model", json={"model_id": tc.model_id}, headers=headers).json()
@@ -130,7 +132,10 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
         assert st.get(name).state == "REMOVED" and st.get(name).slot is None
         assert st.get("t2").slot == client.slot
         _wait(lambda: core.status().get("t2").adapter_step > 0)
-        assert core.status().error is None
+        # Its name stays the client's: a GRPO tenant of that name would resume from the client's checkpoint.
+        with pytest.raises(ServiceError, match=r"name=.*a name without a Tinker client's checkpoints"):
+            core.submit(parse_adapter_config(sum_task_adapter(workspace / "data", name, 8, max_steps=5), cfg.model))
+        assert saved.endswith("/weights/kept") and core.status().error is None
     finally:
         app.close()
         core.stop(timeout=60)
