@@ -7,6 +7,7 @@ Layout:
         optimizer.safetensors + optimizer.json            AdamW moments (tensors) + scheduler (JSON skeleton)
         data_state.json                                   the adapter's data-source cursor and counters
         checkpoint.json                                   counters; written last, its presence marks completeness
+    RUN_DIR/tinker/requests.sqlite               the Tinker API's request journal (`serve --tinker-port`)
     RUN_DIR/archive/<utc time>/                  what a `--fresh` start found in the run dir (nothing is deleted)
 
 Design choices (PRIOR_ART):
@@ -68,6 +69,7 @@ CKPT_META = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
 METRICS_FILE = "metrics.jsonl"
 METRICS_JOURNAL = ".metrics.jsonl.rewrite"
+TINKER_JOURNAL = "tinker/requests.sqlite"  # with SQLite's -wal and -shm files beside it
 # Adapter config fields that shape the slot or the data stream: a checkpoint only resumes into the same values.
 _MUST_MATCH = ("rank", "alpha", "target_modules", "target_parameters", "seed")
 
@@ -494,14 +496,17 @@ class CheckpointManager:
         return adapters.is_dir() and any(list_checkpoints(d) for d in adapters.iterdir() if d.is_dir())
 
     def archive_previous(self) -> Path | None:
-        """Move an earlier run's run_state, checkpoints and metrics rows to RUN_DIR/archive/<utc time>/."""
+        """Move an earlier run's run_state, checkpoints, metrics rows and Tinker request journal (whose replay would
+        load those checkpoints) to RUN_DIR/archive/<utc time>/. The journal must not be open."""
         state, adapters, metrics = (
             self.run_state_path,
             self.run_dir / "adapters",
             self.run_dir / METRICS_FILE,
         )
+        journal = self.run_dir / TINKER_JOURNAL
+        journal_files = [p for p in (journal, Path(f"{journal}-wal"), Path(f"{journal}-shm")) if p.exists()]
         has_metrics = metrics.is_file() and metrics.stat().st_size > 0
-        if not (state.exists() or adapters.exists() or has_metrics):
+        if not (state.exists() or adapters.exists() or has_metrics or journal_files):
             return None
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         dest, n = self.run_dir / "archive" / stamp, 0
@@ -512,6 +517,9 @@ class CheckpointManager:
         for p in (state, adapters):
             if p.exists():
                 os.rename(p, dest / p.name)
+        for p in journal_files:
+            (dest / "tinker").mkdir(exist_ok=True)
+            os.rename(p, dest / "tinker" / p.name)
         if has_metrics:
             # Copied then emptied in place: the MetricsLogger already holds the file open for appending.
             shutil.copy2(metrics, dest / METRICS_FILE)

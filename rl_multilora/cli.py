@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config")
     s.add_argument("--address", default=None, help="join an existing Ray cluster")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--fresh", action="store_true", help="archive what an earlier run left in the run dir, start anew")
     s.add_argument(
         "--tinker-port", type=int, default=None, help="also serve the Tinker API on this port (off by default)"
     )

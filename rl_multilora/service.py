@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import (
     AdapterConfig,
     ConfigError,
@@ -394,6 +395,9 @@ class ServiceActor:
         from rl_multilora.loop import Runtime
 
         cfg = parse_run_config(cfg_data, source="serve")
+        if tinker is not None and cfg.checkpoint.resume == "never":
+            # --fresh: the earlier run (its Tinker journal too) is archived before the Tinker app opens the journal.
+            CheckpointManager(Path(cfg.run_dir)).archive_previous()
         self.core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
         self.tinker = None
         server = None
@@ -723,7 +727,10 @@ def cli(args) -> int:
         tinker = None
         if args.tinker_port is not None:
             tinker = {"host": args.host, "port": args.tinker_port, "base_model": args.tinker_base_model}
-        return serve(load_run_config(args.config, args.set), address=args.address, tinker=tinker)
+        cfg = load_run_config(args.config, args.set)
+        if args.fresh:
+            cfg.checkpoint.resume = "never"
+        return serve(cfg, address=args.address, tinker=tinker)
     client = ServiceClient.connect(args.address)
     if args.command == "submit":
         st = client.submit(args.target)

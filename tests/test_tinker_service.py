@@ -258,13 +258,13 @@ class _Serve:
     it starts carries `RL_MULTILORA_TEST_MARK` in its environment, so `kill_9` can SIGKILL all of them (the serve
     process, Ray's GCS and raylet, the service actor's worker): the whole service dies at once, as in a crash."""
 
-    def __init__(self, config: Path, port: int, log: Path, timeout: float = 240) -> None:
+    def __init__(self, config: Path, port: int, log: Path, timeout: float = 240, extra: tuple[str, ...] = ()) -> None:
         self.mark = f"tinker-serve-{time.time_ns()}"
         self.log = log
         self._fh = log.open("w")
         env = {**os.environ, "RL_MULTILORA_TINKER_TOKEN": TOKEN, "RL_MULTILORA_TEST_MARK": self.mark}
         cmd = [sys.executable, "-m", "rl_multilora.cli", "serve", str(config), "--tinker-port", str(port),
-               "--tinker-base-model", BASE]  # fmt: skip
+               "--tinker-base-model", BASE, *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + timeout
@@ -369,6 +369,17 @@ def test_serve_with_tinker_port_survives_kill_9(workspace, tmp_path):
     assert rows[-1]["adapter_step"] > step >= 2
     kept = [r for r in rows if r["adapter_step"] <= step]
     assert kept == [r for r in before if r["adapter_step"] <= step]
+
+    # --fresh archives the journal with the checkpoints it refers to: nothing is replayed, so the old client holds
+    # no slot (t1 + it would fill both) and a new client starts from the base like the first one did.
+    served = _Serve(config, port, tmp_path / "serve-3.log", extra=("--fresh",))
+    try:
+        assert list((run_dir / "archive").glob("*/tinker/requests.sqlite"))
+        fresh = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        np.testing.assert_allclose(_sft(fresh, 1, TOKENS), expected[:1], rtol=1e-4)
+        assert ckpt.find_labeled(name, "three") is None
+    finally:
+        served.kill_9()
 
 
 def test_serve_refuses_the_tinker_port_on_configs_without_one_in_process_model(workspace, tmp_path):
