@@ -156,17 +156,17 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
     unmatched_parameters = _unmatched(a.target_parameters or [], ctx.lora_parameters)
 
     # -- facts from the outside world --------------------------------------------------------------------------------
-    failures = []  # (field, message) of each probe that raised
+    failed: dict[str, str] = {}  # field -> message, for each probe that raised
     if a.reward is not None:
         try:
             rewards.validate(a.reward)
         except Exception as e:  # noqa: BLE001 - whatever resolving it raises is the user's reward problem
-            failures.append(("reward", str(e)))
+            failed["reward"] = str(e)
     if a.environment is not None:
         try:
             env = load_environment(a.environment.path, a.environment.kwargs)  # one instance is built, then closed
         except Exception as e:  # noqa: BLE001 - whatever building it raises is the user's environment problem
-            failures.append(("environment", str(e)))
+            failed["environment"] = str(e)
         else:
             with contextlib.suppress(Exception):
                 env.close()
@@ -175,14 +175,14 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
         rows = load_dataset_rows(a.dataset)
         usable = first_usable_row(rows, a.dataset)
     except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
-        failures.append(("dataset", str(e)))
-    eval_on = ctx.eval_settings is not None and ctx.eval_settings.enabled
+        failed["dataset"] = str(e)
+    eval_on, eval_rows = ctx.eval_settings is not None and ctx.eval_settings.enabled, None
     if eval_on:
         split, files = ctx.eval_settings.split, ctx.eval_settings.data_files or a.dataset.data_files
         try:
             eval_rows = len(load_dataset_rows(dataclasses.replace(a.dataset, split=split, data_files=files)))
         except Exception as e:  # noqa: BLE001
-            eval_rows, failures = 0, [*failures, ("eval", str(e))]
+            failed["eval"] = str(e)
     found = ctx.ckpt.latest_meta(a.name) if ctx.ckpt is not None else None
     clients = found is not None and found[1].get("label") is not None  # a Tinker client's save_weights wrote it
     resume = []
@@ -193,8 +193,9 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
             resume = e.problems
 
     # -- the judgement -----------------------------------------------------------------------------------------------
-    problems = [f"{where}{field}: {message}" for field, message in failures if field in ("reward", "environment")]
-    problems += [f"{where}{field}: {message}" for field, message in failures if field == "dataset"]
+    problems = [
+        f"{where}{field}: {failed[field]}" for field in ("reward", "environment", "dataset") if field in failed
+    ]
     if rows is not None and usable is None:
         what = (
             "has no rows"
@@ -232,23 +233,19 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
             f"eval.split={split!r}: give the dataset a '{split}' split, e.g. data_files: {{train: ..., test: ...}}, "
             "or set eval.data_files, or eval.enabled: false"
         )
-        problems += [f"{where}eval: {message} ({fix})" for field, message in failures if field == "eval"]
-        if eval_rows == 0 and not any(field == "eval" for field, _ in failures):
+        if "eval" in failed:
+            problems.append(f"{where}eval: {failed['eval']} ({fix})")
+        elif eval_rows == 0:
             problems.append(f"{where}eval: the split has no rows ({fix})")
     problems += resume
-    done = int(found[1]["adapter_step"]) if found is not None else 0
-    if (
-        not resume
-        and not clients
-        and ctx.submitted
-        and found is not None
-        and a.max_steps is not None
-        and done >= a.max_steps
-    ):
-        # Admission would resume it at its budget and retire it at once: say so instead of accepting it.
-        problems.append(
-            bad_value("max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}")
-        )
+    if found is not None and not clients and not resume and ctx.submitted and a.max_steps is not None:
+        done = int(found[1]["adapter_step"])
+        if done >= a.max_steps:  # admission would resume it at its budget and retire it at once: say so instead
+            problems.append(
+                bad_value(
+                    "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
+                )
+            )
     if ctx.name_holder is not None:
         problems.append(bad_value("name", a.name, f"a name no live adapter has ({ctx.name_holder})"))
     elif clients:  # resuming from them would hand one tenant's weights to another
