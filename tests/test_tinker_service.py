@@ -45,6 +45,20 @@ def workspace(tmp_path_factory):
     return root
 
 
+def _reference_losses(workspace, tmp_path, steps: int) -> list[float]:
+    """A client's losses over `steps` SFT steps (rank 4, seed 10) on the standalone server, alone on the same base."""
+    ref = BackgroundApp(
+        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        "127.0.0.1",
+        port := _free_port(),
+    )
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+        return _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), steps, TOKENS)
+    finally:
+        ref.close()
+
+
 def _wait(what, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -60,14 +74,7 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
     training, both hold slots of one pool (a third tenant is refused or waits), status lists both, and the client
     leaving frees its slot for the waiting GRPO tenant."""
     # Reference: the standalone server on the same base and seed.
-    ref = BackgroundApp(
-        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
-        "127.0.0.1",
-        port := _free_port(),
-    )
-    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
-    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 3, TOKENS)
-    ref.close()
+    expected = _reference_losses(workspace, tmp_path, 3)
 
     run_dir = tmp_path / "run"
     cfg = parse_run_config(
@@ -171,14 +178,7 @@ def test_restarted_service_gives_replayed_clients_their_slots_first(workspace, t
     checkpoint, and t2 still waits. Client checkpoints are the run's: under RUN_DIR/adapters, never pruned."""
     from rl_multilora.checkpoint import list_checkpoints
 
-    ref = BackgroundApp(
-        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
-        "127.0.0.1",
-        port := _free_port(),
-    )
-    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
-    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 5, TOKENS)
-    ref.close()
+    expected = _reference_losses(workspace, tmp_path, 5)
 
     run_dir, port = tmp_path / "run", _free_port()
     cfg = parse_run_config(_service_config(workspace, run_dir, ["t1"]))
@@ -318,14 +318,7 @@ def test_serve_with_tinker_port_survives_kill_9(workspace, tmp_path):
     acknowledged request lost), its checkpoint is still there, and the GRPO tenant resumes from its checkpoint."""
     from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
 
-    ref = BackgroundApp(
-        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
-        "127.0.0.1",
-        port := _free_port(),
-    )
-    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
-    expected = _sft(sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result(), 6, TOKENS)
-    ref.close()
+    expected = _reference_losses(workspace, tmp_path, 6)
 
     run_dir, port = tmp_path / "run", _free_port()
     config = tmp_path / "service.yaml"

@@ -529,6 +529,7 @@ def build_server(
 ) -> TinkerServer:
     from transformers import AutoTokenizer
 
+    from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.lora import MultiLoRAModel
     from rollout.engines.embedded import EmbeddedEngine
@@ -538,11 +539,10 @@ def build_server(
     model = MultiLoRAModel.from_pretrained(model_path, max_loras=max_loras, max_rank=max_rank)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = EmbeddedEngine(model, tokenizer, seed=seed)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
     for p in ckpt.remove_stale_temps():
         log.info("removed %s, left by an interrupted write", p)
-    ops = ClientOps(model, engine, pad, ckpt, max_sampler_versions)
+    ops = ClientOps(model, engine, components.pad_token_id(tokenizer), ckpt, max_sampler_versions)
     return TinkerServer(
         ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
     )
