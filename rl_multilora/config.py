@@ -316,8 +316,12 @@ class RewardsSettings(_Strict):
     def _one_setting_per_limit(cls, data: Any) -> Any:
         if isinstance(data, dict) and "fail_steps" in data:
             raise ValueError(
-                "rewards.fail_steps is no longer a setting; the one limit on consecutive all-failing reward steps "
-                "is faults.max_reward_fail_steps"
+                bad_value(
+                    "fail_steps",
+                    data["fail_steps"],
+                    "no such setting any more: the one limit on consecutive all-failing reward steps is "
+                    "faults.max_reward_fail_steps",
+                )
             )
         return data
 

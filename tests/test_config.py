@@ -73,6 +73,16 @@ def test_duplicate_names_and_budget():
         parse_run_config({"model": {"path": "m"}, "adapters": [no_budget]})
 
 
+def test_the_removed_reward_fail_steps_setting_names_its_replacement():
+    data = {"model": {"path": "m"}, "rewards": {"fail_steps": 2}, "adapters": [_adapter()]}
+    with pytest.raises(ConfigError) as ei:
+        parse_run_config(data)
+    assert ei.value.problems == [
+        "rewards: fail_steps=2 is not allowed; allowed: no such setting any more: the one limit on consecutive "
+        "all-failing reward steps is faults.max_reward_fail_steps"
+    ]
+
+
 @pytest.mark.parametrize("name", ["..", ".", "a b", "x/../y", ""])
 def test_adapter_names_that_would_escape_paths_are_rejected(name):
     model = parse_run_config({"model": {"path": "m"}}).model
