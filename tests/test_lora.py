@@ -21,6 +21,7 @@ from rl_multilora.lora import (
     validate_adapter_name,
     write_peft_folder,
 )
+from rollout.engines.embedded import kv_cache_kwarg
 
 VOCAB = 128
 TOL = dict(atol=2e-5, rtol=1e-5)
@@ -442,8 +443,9 @@ def test_kv_cache_decoding_with_mixed_slots_equals_full_forward(use_bank):
         out = m(ids[:, :prefill], use_cache=True, **route)
         steps = [out.logits]
         past = out.past_key_values
+        cache_kwarg = kv_cache_kwarg(m.base_model)
         for t in range(prefill, ids.shape[1]):
-            out = m(ids[:, t : t + 1], past_key_values=past, use_cache=True, **route)
+            out = m(ids[:, t : t + 1], **{cache_kwarg: past}, use_cache=True, **route)
             past = out.past_key_values
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
@@ -568,6 +570,6 @@ def test_gradient_checkpointing_replays_routing_and_direct_enable_is_refused():
     for g_ckpt, g_plain in zip(grads(), plain, strict=True):
         torch.testing.assert_close(g_ckpt, g_plain, atol=1e-6, rtol=1e-5)
     m.gradient_checkpointing_disable()
-    m.base_model.gradient_checkpointing_enable()
+    m.base_model.activation_checkpointing_enable()
     with pytest.raises(RuntimeError, match="use MultiLoRAModel.gradient_checkpointing_enable"):
         m(ids, adapter_names=names)

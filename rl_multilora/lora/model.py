@@ -515,13 +515,19 @@ class MultiLoRAModel(nn.Module):
 
     def gradient_checkpointing_enable(self) -> None:
         """Activation checkpointing of the HF decoder layers whose recompute replays each row's LoRA slot."""
-        self.base_model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
-        )
+        kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+        # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn).
+        if hasattr(self.base_model, "activation_checkpointing_enable"):
+            self.base_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self._routed_checkpointing = True
 
     def gradient_checkpointing_disable(self) -> None:
-        self.base_model.gradient_checkpointing_disable()
+        if hasattr(self.base_model, "activation_checkpointing_disable"):
+            self.base_model.activation_checkpointing_disable()
+        else:
+            self.base_model.gradient_checkpointing_disable()
         self._routed_checkpointing = False
 
     # -- forward -----------------------------------------------------------------------------------------------

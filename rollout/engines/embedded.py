@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import math
 import random
@@ -201,6 +202,12 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (pad, 0) if dim == -1 else (0, 0, pad, 0))
 
 
+def kv_cache_kwarg(hf_model: torch.nn.Module) -> str:
+    """The name the HF model's forward takes its KV cache by: `cache` from transformers 5.2x on (where passing
+    `past_key_values` prints a FutureWarning on every call), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+
+
 class EmbeddedEngine(RolloutEngine):
     """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
 
@@ -238,6 +245,7 @@ class EmbeddedEngine(RolloutEngine):
         self._vocab_size = int(text_config.vocab_size)
         self._context_len: int | None = getattr(text_config, "max_position_embeddings", None)
         self._device = next(self._base.parameters()).device
+        self._cache_kwarg = kv_cache_kwarg(self._base)
         self._max_loras = int(model.max_loras)
         self._max_rank = int(model.max_rank)
         self._eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else self._default_eos_ids()
@@ -725,7 +733,7 @@ class EmbeddedEngine(RolloutEngine):
             position_ids=positions,
             adapter_slots=slots,
             lora_bank=self._bank,
-            past_key_values=cache,
+            **{self._cache_kwarg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
