@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl_multilora import components, validate
-from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.backends.base import TrainingBackend
+from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
@@ -432,14 +433,30 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     rt = Runtime.build(cfg)
     try:
         rt.start(checked=True)
-        total = cfg.max_global_steps or max((a.max_steps or 0) for a in cfg.adapters) or None
-        bar = tqdm(total=total, initial=rt.tenants.global_step, desc="grpo", disable=not cfg.logging.progress)
+        bar = tqdm(
+            total=_steps_left(rt),
+            initial=rt.tenants.global_step,
+            desc="grpo",
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]",  # our estimate, not tqdm's
+            disable=not cfg.logging.progress,
+        )
+        if bar.total is not None:
+            bar.total += bar.n
+        step_s: list[float] = []
         # Console lines go through tqdm.write, so they print above the bar instead of through it.
         with logging_redirect_tqdm(), bar:
             while not rt.finished():
+                t0 = time.perf_counter()
                 res = rt.step()
+                step_s.append(time.perf_counter() - t0)
                 means = [r.reward_mean for r in res.records if r.reward_mean is not None]
-                bar.set_postfix(reward=f"{statistics.fmean(means):.3f}" if means else "-", refresh=False)
+                left = _steps_left(rt)
+                if left is not None:
+                    bar.total = bar.n + 1 + left
+                bar.set_postfix(
+                    reward=f"{statistics.fmean(means):.3f}" if means else "-", left=_time_left(step_s, left),
+                    refresh=False,
+                )  # fmt: skip
                 bar.update(1)
         # Stopped with adapters still running (max_global_steps): their steps since the last periodic save are
         # checkpointed (nothing trained is lost, and the run resumes from here) and evaluated like finished ones.
@@ -454,18 +471,50 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     return rt
 
 
+ESTIMATE_AFTER = 3  # steps before a time estimate: the first holds the base evaluation and the warm-up
+
+
+def _steps_left(rt: Runtime) -> int | None:
+    """Global steps the run needs at least: the largest step budget left of a running or waiting tenant (with
+    `ppo_epochs` optimizer steps per global step), capped by `max_global_steps`. A floor, not an exact count: a
+    tenant whose groups all score alike takes no optimizer step that step. None when a budget is in epochs only."""
+    cfg = rt.cfg
+    lefts = [
+        t.steps_left() for t in rt.tenants.tenants.values() if t.state in (TenantState.PENDING, TenantState.RUNNING)
+    ]
+    left = None if None in lefts else -(-max(lefts, default=0) // cfg.grpo.ppo_epochs)
+    if cfg.max_global_steps is not None:
+        cap = max(0, cfg.max_global_steps - rt.tenants.global_step)
+        left = cap if left is None else min(left, cap)
+    return left
+
+
+def _time_left(step_s: list[float], steps_left: int | None) -> str:
+    """About how long the steps left take, from the median of the last 10 step times; '?' until ESTIMATE_AFTER steps
+    are done (tqdm's own estimate extrapolated the first step, base evaluation included: 52 min for a 2 min run)."""
+    if steps_left is None or len(step_s) < ESTIMATE_AFTER:
+        return "?"
+    seconds = int(statistics.median(step_s[-10:]) * steps_left)
+    return f"~{seconds // 60}m{seconds % 60:02d}s"
+
+
 def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float | None]]:
-    """Per adapter: first-`window` vs last-`window` mean training reward, and the held-out reward of the base and of
-    the last evaluated adapter (None without eval)."""
+    """Per adapter: first-`window` vs last-`window` mean training reward, its optimizer steps (`steps`, what
+    `max_steps` counts) and the global steps it took part in (`global_steps`: more, when all its groups of a step
+    scored alike and it took no optimizer step), and the held-out reward of the base and of the last evaluated adapter
+    (None without eval)."""
     from rl_multilora.metrics import read_metrics
 
     by: dict[str, list[tuple[int, float]]] = {}
+    adapter_steps: dict[str, int] = {}
     evals: dict[str, list[dict]] = {}
     for r in read_metrics(run_dir):
         if r.get("kind") == "eval":
             evals.setdefault(r["adapter"], []).append(r)
-        elif r.get("reward_mean") is not None:
-            by.setdefault(r["adapter"], []).append((r["step"], r["reward_mean"]))
+        else:
+            adapter_steps[r["adapter"]] = max(adapter_steps.get(r["adapter"], 0), r["adapter_step"])
+            if r.get("reward_mean") is not None:
+                by.setdefault(r["adapter"], []).append((r["step"], r["reward_mean"]))
     out: dict[str, dict[str, float | None]] = {}
     for name, pts in by.items():
         pts.sort()
@@ -479,7 +528,8 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
             "first": first,
             "last": last,
             "gain": last - first,
-            "steps": len(vals),
+            "steps": adapter_steps[name],
+            "global_steps": len(vals),
             "eval_base": base[-1] if base else None,
             "eval_final": held[-1][2] if held else None,
             "eval_final_step": held[-1][0] if held else None,
