@@ -58,6 +58,8 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """The shared frozen base and its pre-allocated LoRA slots."""
+
     path: str = Field(description="Base model: a local folder (e.g. artifacts/tiny/model) or a Hub id.")
     max_loras: int = Field(
         4, ge=1, le=256, description="Adapter slots pre-allocated on the base (max concurrent tenants)."
@@ -226,6 +228,8 @@ class AdapterConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
+    """The rollout engine(s), sampling and the sync/async pipeline, shared by every tenant unless it overrides them."""
+
     engine: Literal["embedded", "sglang", "http"] = Field(
         "embedded",
         description="embedded (in-process torch), sglang (launch/attach a server), http (any server at url).",
@@ -309,6 +313,8 @@ class GRPOSettings(_Strict):
 
 
 class RewardsSettings(_Strict):
+    """The reward worker pool (each adapter names its own reward function)."""
+
     num_workers: int = Field(2, ge=1, description="Reward worker processes (killable on timeout).")
 
     @model_validator(mode="before")
@@ -327,6 +333,8 @@ class RewardsSettings(_Strict):
 
 
 class CheckpointSettings(_Strict):
+    """How often each adapter is checkpointed, how many checkpoints it keeps, and whether a run resumes."""
+
     save_every: int = Field(10, ge=1, description="Checkpoint an adapter every N adapter steps (and when it drains).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept per adapter.")
     resume: Literal["auto", "always", "never"] = Field(
@@ -335,6 +343,8 @@ class CheckpointSettings(_Strict):
 
 
 class FaultSettings(_Strict):
+    """Per-tenant fault limits: past one, that tenant FAILS and the others train on."""
+
     max_nonfinite_steps: int = Field(3, ge=1, description="Consecutive NaN/inf steps before an adapter FAILS.")
     max_reward_fail_steps: int = Field(3, ge=1, description="Consecutive all-failing reward steps before it FAILS.")
     max_idle_steps: int = Field(
@@ -353,6 +363,8 @@ class WandbSettings(_Strict):
 
 
 class LoggingSettings(_Strict):
+    """Console progress, the reward plot and wandb."""
+
     wandb: WandbSettings = Field(default_factory=WandbSettings, description="Weights & Biases (off by default).")
     plot: bool = Field(True, description="Write reward_curves.png at the end of the run.")
     progress: bool = Field(True, description="Show a progress bar.")

@@ -41,7 +41,7 @@ class RewardSpec:
     name: str | None = None
     """Built-in reward: gsm8k, math, dapo, exact_match, f1, format."""
     path: str | None = None
-    """Custom reward `module:function` (see the README for the signature)."""
+    """Custom reward `module:function` (signature: docs/guides/rewards.md)."""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
     """Keyword arguments passed to the reward."""
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
