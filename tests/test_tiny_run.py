@@ -1,7 +1,9 @@
 """Acceptance: the shipped tiny config, on the provisioned tiny preset, raises every adapter's reward, and every
 adapter's held-out reward (test split, `rl-multilora eval`) beats the base's by HELD_OUT_MARGIN.
 
-Slow (about 6 minutes on 2 CPU cores: provisioning plus 80 steps of three adapters); CI runs it with -m slow.
+Slow (about 6 minutes on 2 CPU cores: provisioning plus 80 steps of three adapters); CI runs it with -m slow. The run
+evaluates the base and the final adapters only (`eval.every=null`): evaluation never changes the trained weights
+(tests/test_eval.py), and the held-out gain asserted here is `rl-multilora eval`'s on the final checkpoints.
 """
 
 import json
@@ -14,7 +16,7 @@ import pytest
 from rl_multilora.loop import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-# Measured on 2026-11-22 (2-core CPU, torch 2.13.0+cpu): held-out gains of +0.63 to +0.92 over the base (README);
+# Measured on three 2-core CPU machines (torch 2.13.0+cpu): held-out gains of +0.51 to +0.92 over the base (README);
 # the margin leaves room for another CPU's different (deterministic per machine) trajectory.
 HELD_OUT_MARGIN = 0.1
 
@@ -26,7 +28,7 @@ def test_single_run_every_adapter_learns(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rl_multilora.cli", "run", "examples/multi_lora/configs/tiny.yaml",
-         "--set", f"run_dir={run_dir}", "--set", "logging.progress=false"],
+         "--set", f"run_dir={run_dir}", "--set", "logging.progress=false", "--set", "eval.every=null"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
