@@ -67,8 +67,8 @@ def main() -> None:
         def disk() -> None:
             folder = Path(tmp) / "roundtrip"
             folder.mkdir(exist_ok=True)
-            save_file({k: v.contiguous() for k, v in ops.model.adapter_state_dict("c0").items()}, folder / "a.st")
-            ops.engine.load_adapter("disk", load_file(folder / "a.st"), ops.model.peft_config("c0"))
+            save_file({k: v.contiguous() for k, v in ops.backend.adapter_state_dict("c0").items()}, folder / "a.st")
+            ops.engine.load_adapter("disk", load_file(folder / "a.st"), ops.backend.peft_config("c0"))
             ops.engine.unload_adapter("disk")
 
         rt = _median(disk, args.repeats)  # first: publishes fill engine slots (LRU) that "disk" would need

@@ -438,6 +438,12 @@ class CheckpointManager:
             raise DamagedCheckpoint(f"{ck}: data_state.json is not a JSON object")
         return AdapterSnapshot(meta=meta, **parts)
 
+    def discard(self, ck: Path) -> Path:
+        """Remove one checkpoint folder of this run (a superseded journal snapshot), atomically as pruning does."""
+        if self.run_dir.resolve() not in ck.resolve().parents:
+            raise ValueError(f"{ck} is not a checkpoint of the run in {self.run_dir}")
+        return self._discard(ck)
+
     def _discard(self, ck: Path) -> Path:
         """Remove a checkpoint folder; renamed first, so a kill during rmtree leaves nothing that looks complete."""
         doomed = ck.with_name(f"{TMP_PREFIX}discard-{ck.name}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rl_multilora.config import AdapterConfig, ModelConfig, RunConfig
+from rl_multilora.config import AdapterConfig, GRPOSettings, ModelConfig, RunConfig
 from rollout.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -157,13 +157,20 @@ def build_backend(cfg: RunConfig, pad: int) -> TrainingBackend:
         from rl_multilora.backends.ray_fsdp import RayFSDPBackend
 
         return RayFSDPBackend(cfg, pad_token_id=pad)
+    r = cfg.rollout
+    return build_local_backend(cfg.model, cfg.grpo, pad, temperature=r.logit_temperature, norm_len=r.max_new_tokens)
+
+
+def build_local_backend(
+    m: ModelConfig, grpo: GRPOSettings, pad: int, temperature: float = 1.0, norm_len: int | None = None
+) -> TrainingBackend:
+    """The model of `m` and the trainer's per-tenant operations over it, in this process: the GRPO run's backend
+    and the standalone Tinker server's (`grpo` then only gives the defaults nobody uses: clients name their loss)."""
     from rl_multilora.backends.local import LocalBackend
     from rl_multilora.trainer import MultiLoRATrainer
 
-    model = build_model(cfg.model)
-    r = cfg.rollout
-    trainer = MultiLoRATrainer(model, cfg.grpo, pad, temperature=r.logit_temperature, norm_len=r.max_new_tokens)
-    return LocalBackend(model, trainer)
+    model = build_model(m)
+    return LocalBackend(model, MultiLoRATrainer(model, grpo, pad, temperature=temperature, norm_len=norm_len))
 
 
 # ------------------------------------------------------------------------------------------------ rollout side

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rl_multilora.config import GRPOSettings, OptimSettings
+from rl_multilora.config import AdapterConfig, GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
-from rl_multilora.losses import TenantAlgo, tis_weights, token_losses
+from rl_multilora.losses import LOSS_DEFAULTS, REGISTRY, TenantAlgo, TokenBatch, tis_weights, token_losses
 from rollout.types import Sample
 
 if TYPE_CHECKING:
-    from rl_multilora.batch import TokenIndex
+    from rl_multilora.rows import TokenIndex
 
 KL_TYPES = ("k1", "k3", "low_var_kl")
 
@@ -68,10 +68,8 @@ def policy_loss(
     Returns (loss, clipped), both (N,): loss = -min(r * A, clip(r, 1 - eps_clip, 1 + eps_clip_high) * A) with
     r = exp(logp - old_logp); clipped is True where the clipped term is strictly the active (larger-loss) one.
     """
-    ratio = torch.exp(logp - old_logp)  # (N,)
-    unclipped = -ratio * advantages  # (N,)
-    clipped_loss = -torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages  # (N,)
-    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+    rows = torch.zeros_like(logp, dtype=torch.long)  # the surrogate is per token: every token one row
+    return token_losses("grpo", logp, old_logp, advantages, rows, 1, eps_clip, eps_clip_high)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -232,17 +230,22 @@ def tenant_policy_loss(
     get its own surrogate and clip range (rl_multilora.losses), times its TIS weight when it asks for one.
     Returns (loss, clipped, TIS (weight, applied, capped) or None), all (N,)."""
     device = logp.device
-    groups: dict[tuple[str, float, float], list[int]] = {}
+    groups: dict[tuple[str, float, float, tuple[tuple[str, float], ...]], list[int]] = {}
     for i, a in enumerate(algos):
-        key = (a.loss, a.eps_low, a.eps_high) if a else ("grpo", cfg.eps_clip, cfg.eps_clip_high)
+        key = (a.loss, a.eps_low, a.eps_high, a.config) if a else ("grpo", cfg.eps_clip, cfg.eps_clip_high, ())
         groups.setdefault(key, []).append(i)
+    loss_weight = tok.loss_weight if tok.loss_weight is not None else torch.ones_like(logp)
     loss = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp, dtype=torch.bool)
-    for (kind, eps_low, eps_high), members in groups.items():
+    for (kind, eps_low, eps_high, config), members in groups.items():
         sel = torch.isin(tok.adapter, torch.tensor(members, device=device)).nonzero().squeeze(1)  # (M,)
-        part, part_clipped = token_losses(
-            kind, logp[sel], old_logp[sel], tok.advantage[sel], tok.row[sel], n_rows, eps_low, eps_high
-        )
+        if kind in REGISTRY and algos[members[0]].sdk:  # a client's loss, with its own config
+            x = TokenBatch(logp[sel], old_logp[sel], tok.advantage[sel], loss_weight[sel], tok.row[sel], n_rows)
+            part, part_clipped = REGISTRY[kind].fn(x, dict(config))
+        else:
+            part, part_clipped = token_losses(
+                kind, logp[sel], old_logp[sel], tok.advantage[sel], tok.row[sel], n_rows, eps_low, eps_high
+            )
         loss = loss.index_put((sel,), part)  # out of place: the graph keeps every tenant's part
         clipped[sel] = part_clipped
     with_tis = [i for i, a in enumerate(algos) if a is not None and a.tis_mode is not None]
@@ -264,3 +267,30 @@ def tenant_policy_loss(
 def per_adapter_sum(values: torch.Tensor, adapter: torch.Tensor, n_adapters: int) -> torch.Tensor:
     """out[a] = sum over tokens i with adapter[i] = a of values[i]; values, adapter: (N,) -> (n_adapters,)."""
     return torch.zeros(n_adapters, device=values.device, dtype=values.dtype).index_add_(0, adapter, values)
+
+
+def tenant_algo(grpo: GRPOSettings, a: AdapterConfig, temperature: float, max_new_tokens: int) -> TenantAlgo | None:
+    """Adapter `a`'s algorithm: None when it sets nothing of its own (the run's grpo section applies as it is);
+    otherwise its loss (with that loss's advantage normalization and aggregation, `LOSS_DEFAULTS`; without a `loss`,
+    the run's), KL, clip range, TIS and sampling temperature. `temperature` / `max_new_tokens`: the run's."""
+    own_temp = a.sampling.temperature if a.sampling is not None else None
+    own = (a.loss, a.kl_coef, a.eps_clip, a.eps_clip_high, a.tis, own_temp)
+    if all(x is None for x in own):
+        return None
+    normalize_std, agg = LOSS_DEFAULTS[a.loss] if a.loss is not None else (grpo.normalize_std, grpo.loss_agg)
+    temp = own_temp if own_temp is not None else temperature
+    budget = a.environment.max_tokens if a.environment is not None else None
+    if budget is None and a.sampling is not None and a.sampling.max_new_tokens is not None:
+        budget = a.sampling.max_new_tokens
+    return TenantAlgo(
+        loss=a.loss or "grpo",
+        normalize_std=normalize_std,
+        loss_agg=agg,
+        kl_coef=grpo.kl_coef if a.kl_coef is None else a.kl_coef,
+        eps_low=grpo.eps_clip if a.eps_clip is None else a.eps_clip,
+        eps_high=grpo.eps_clip_high if a.eps_clip_high is None else a.eps_clip_high,
+        temperature=temp if temp > 0 else 1.0,
+        norm_len=budget or max_new_tokens,
+        tis_mode=a.tis.mode if a.tis is not None else None,
+        tis_cap=a.tis.cap if a.tis is not None else 2.0,
+    )

@@ -1,17 +1,36 @@
-"""Per-tenant policy losses and the truncated importance-sampling (TIS) correction, free of any model.
+"""The one loss registry: every policy and supervised loss, defined once, free of any model.
 
-Every function works on the flattened loss tokens of a mixed batch: `logp`, `old_logp`, `adv`, `rows` are (N,),
-`rows[t]` the batch row of token t (so sequence-level quantities are segment reductions over `rows`). Aggregation
-(how token losses become a tenant's loss) is the trainer's per-token weights; `LOSS_DEFAULTS` says which one and
-which advantage normalization each loss is defined with.
+Both front doors use it: a GRPO tenant's `loss` (`GRPO_LOSSES`, each a surrogate of the registry with the advantage
+normalization and aggregation it is defined with, `LOSS_DEFAULTS`) and a Tinker client's `loss_fn` (`SDK_LOSSES`,
+with its `loss_fn_config`). The config's choices and the server's accepted names are these tuples; a loss added to
+`REGISTRY` is available to both.
 
-| loss     | surrogate per token                                                   | advantages | aggregation |
-|----------|-----------------------------------------------------------------------|------------|-------------|
-| grpo     | -min(r A, clip(r, 1-el, 1+eh) A), r = exp(logp - old)                  | group std  | seq-mean-token-mean |
-| dapo     | the same, clip-higher (eh > el)                                         | group std  | token-mean |
-| dr_grpo  | the same                                                              | no std     | seq-mean-token-sum-norm |
-| gspo     | -min(s A, clip(s, 1-el, 1+eh) A), s = exp(mean over the row of (logp - old)), per token as sg(s) * exp(logp - sg(logp)) (GSPO-token) | group std | seq-mean-token-mean |
-| cispo    | -sg(clip(r, 1-el, 1+eh)) A logp (the IS weight is clipped, the gradient flows through logp only) | group std | token-mean |
+Every loss works on the flattened loss tokens of a mixed batch (`TokenBatch`): `logp`, `old_logp`, `adv`, `weights`,
+`rows` are (N,), `rows[t]` the batch row of token t (sequence-level quantities are segment reductions over `rows`).
+It returns the per-token loss and where its clip was active; how token losses become a tenant's loss is the
+caller's per-token weight (GRPO's aggregation, 1 for a Tinker client, whose losses are sums over tokens).
+`old_logp` is the policy that sampled the tokens: the trainer's own first-epoch forward for GRPO tenants, the
+sampler's `logprobs` input for Tinker clients.
+
+| loss                | per-token loss                                                               | config (default) |
+|---------------------|------------------------------------------------------------------------------|------------------|
+| cross_entropy       | -w logp                                                                      | -                |
+| importance_sampling | -r A, r = exp(logp - old)                                                    | -                |
+| ppo                 | -min(r A, clip(r, lo, hi) A)                                                 | lo 0.8, hi 1.2   |
+| cispo               | -sg(clip(r, lo, hi)) A logp (the IS weight is clipped, the gradient flows through logp) | lo 0, hi 4 |
+| gspo                | -min(s A, clip(s, lo, hi) A), s = exp(mean of (logp - old) over the row's tokens that `sequence_ratio_mask` marks, all by default), per token sg(s) exp(logp - sg(logp)) (GSPO-token) | lo 0.8, hi 1.2 |
+| dro                 | -(A logp - beta / 2 (logp - old)^2)                                         | beta 0.05        |
+| stable_reinforce    | refused: Tinker does not publish its objective (`UNSUPPORTED`)             |                  |
+
+GRPO tenants' names (`GRPO_LOSSES`), with lo = 1 - eps_clip and hi = 1 + eps_clip_high:
+
+| loss     | surrogate | advantages | aggregation             |
+|----------|-----------|------------|-------------------------|
+| grpo     | ppo       | group std  | seq-mean-token-mean     |
+| dapo     | ppo (clip-higher, eh > el) | group std | token-mean |
+| dr_grpo  | ppo       | no std     | seq-mean-token-sum-norm |
+| gspo     | gspo      | group std  | seq-mean-token-mean     |
+| cispo    | cispo     | group std  | token-mean              |
 
 TIS (`tis_weights`): the trainer's old log-probs and the engine's rollout log-probs of the same tokens differ
 (kernels, precision, batching). Each token's loss is multiplied by sg(w), w = min(exp(old - rollout), cap) per
@@ -21,18 +40,141 @@ Yao et al. (2025, "Your efficient RL framework secretly brings you off-policy RL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-if TYPE_CHECKING:
-    from rl_multilora.config import AdapterConfig, GRPOSettings
-
-LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 TIS_MODES = ("token", "sequence")
+CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
-# (normalize advantages by the group std, loss aggregation) each loss is defined with.
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A loss's inputs over the flattened loss tokens of a batch, all (N,) but `n_rows`."""
+
+    logp: torch.Tensor  # the policy's log-prob of each target token (the one tensor with a gradient)
+    old_logp: torch.Tensor  # the sampling policy's log-probs (zeros where a loss needs none)
+    adv: torch.Tensor  # advantages (zeros where a loss needs none)
+    weights: torch.Tensor  # cross_entropy's per-token weights (ones elsewhere)
+    rows: torch.Tensor  # each token's row in the batch
+    n_rows: int
+
+
+@dataclass(frozen=True)
+class LossDef:
+    """One loss: its per-token function, the Tinker `loss_fn_inputs` it reads besides `target_tokens`, and its
+    `loss_fn_config` keys with their defaults."""
+
+    name: str
+    fn: Callable[[TokenBatch, Mapping[str, float]], tuple[torch.Tensor, torch.Tensor]]
+    inputs: tuple[str, ...]
+    config: Mapping[str, float] = field(default_factory=dict)
+    optional_inputs: tuple[str, ...] = ()
+
+    def resolve(self, config: Mapping[str, float] | None) -> dict[str, float]:
+        """This loss's config: `config` over the defaults; an unknown key or a non-finite value is a ValueError that
+        names it."""
+        got = dict(config or {})
+        unknown = sorted(set(got) - set(self.config))
+        if unknown:
+            allowed = ", ".join(sorted(self.config)) or "none"
+            raise ValueError(f"loss_fn_config {unknown} is not allowed for loss_fn {self.name!r}; allowed: {allowed}")
+        out = dict(self.config)
+        for key, value in got.items():
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not torch.isfinite(torch.tensor(float(value), dtype=torch.float64))
+            ):
+                raise ValueError(f"loss_fn_config[{key!r}]={value!r} is not allowed; allowed: a finite number")
+            out[key] = float(value)
+        return out
+
+
+def segment_sum(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """out[i] = sum of values[t] over tokens t with rows[t] == i; (N,) -> (n_rows,)."""
+    return torch.zeros(n_rows, dtype=values.dtype, device=values.device).index_add(0, rows, values)
+
+
+def _cross_entropy(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return -(x.weights * x.logp), torch.zeros_like(x.logp, dtype=torch.bool)
+
+
+def _importance_sampling(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = torch.exp(x.logp - x.old_logp)  # (N,)
+    return -ratio * x.adv, torch.zeros_like(x.logp, dtype=torch.bool)
+
+
+def _clipped(value: torch.Tensor, adv: torch.Tensor, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(v A, clip(v, lo, hi) A) and where the clipped branch is strictly the active (larger-loss) one."""
+    unclipped = -value * adv  # (N,)
+    clipped = -torch.clamp(value, cfg["clip_low_threshold"], cfg["clip_high_threshold"]) * adv  # (N,)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _ppo(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _clipped(torch.exp(x.logp - x.old_logp), x.adv, cfg)
+
+
+def _cispo(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = torch.exp(x.logp - x.old_logp).detach()  # (N,)
+    weight = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -weight * x.adv * x.logp, weight != ratio
+
+
+def _gspo(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token over the tokens `x.weights` marks (Tinker's `sequence_ratio_mask`; all ones for GRPO tenants)."""
+    count = segment_sum(x.weights, x.rows, x.n_rows).clamp_min(1.0)  # (R,)
+    log_s = segment_sum(x.weights * (x.logp - x.old_logp), x.rows, x.n_rows) / count  # (R,) log sequence ratio
+    # the value is the sequence ratio s_i, the gradient s_i * d logp_t (sg = detach)
+    s = torch.exp(log_s.detach()[x.rows] + x.logp - x.logp.detach())  # (N,)
+    return _clipped(s, x.adv, cfg)
+
+
+def _dro(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    log_ratio = x.logp - x.old_logp  # (N,)
+    return -(x.logp * x.adv - 0.5 * cfg["beta"] * log_ratio * log_ratio), torch.zeros_like(x.logp, dtype=torch.bool)
+
+
+REGISTRY: dict[str, LossDef] = {
+    d.name: d
+    for d in (
+        LossDef("cross_entropy", _cross_entropy, inputs=(), optional_inputs=("weights",)),
+        LossDef("importance_sampling", _importance_sampling, inputs=("logprobs", "advantages")),
+        LossDef("ppo", _ppo, inputs=("logprobs", "advantages"), config=CLIP_DEFAULTS),
+        LossDef(
+            "cispo",
+            _cispo,
+            inputs=("logprobs", "advantages"),
+            config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        ),
+        LossDef(
+            "gspo",
+            _gspo,
+            inputs=("logprobs", "advantages"),
+            optional_inputs=("sequence_ratio_mask",),
+            config=CLIP_DEFAULTS,
+        ),
+        LossDef("dro", _dro, inputs=("logprobs", "advantages"), config={"beta": 0.05}),
+    )
+}
+# Which TokenBatch field each Tinker input fills (`target_tokens` is the target ids themselves).
+INPUT_FIELDS = {"logprobs": "old_logp", "advantages": "adv", "weights": "weights", "sequence_ratio_mask": "weights"}
+
+# The names the Tinker SDK 0.38 defines; `stable_reinforce` is refused (UNSUPPORTED says why).
+SDK_LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+SDK_LOSSES = tuple(n for n in SDK_LOSS_NAMES if n in REGISTRY)
+UNSUPPORTED = {
+    "stable_reinforce": "its objective is not published (Tinker documents only its sampling-side provenance, "
+    "record_stability_info and sequence ids), so it cannot be computed here as the SDK defines it; use "
+    "importance_sampling, ppo, cispo, gspo or dro",
+}
+
+# A GRPO tenant's `loss`: its registry surrogate, (normalize advantages by the group std, loss aggregation).
+GRPO_SURROGATE = {"grpo": "ppo", "dapo": "ppo", "dr_grpo": "ppo", "gspo": "gspo", "cispo": "cispo"}
+GRPO_LOSSES = tuple(GRPO_SURROGATE)
+LOSSES = GRPO_LOSSES  # the config's choices
 LOSS_DEFAULTS: dict[str, tuple[bool, str]] = {
     "grpo": (True, "seq-mean-token-mean"),
     "dapo": (True, "token-mean"),
@@ -42,9 +184,13 @@ LOSS_DEFAULTS: dict[str, tuple[bool, str]] = {
 }
 
 
-def segment_sum(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """out[i] = sum of values[t] over tokens t with rows[t] == i; (N,) -> (n_rows,)."""
-    return torch.zeros(n_rows, dtype=values.dtype, device=values.device).index_add(0, rows, values)
+def sdk_loss(name: object) -> LossDef:
+    """The registry's loss a Tinker client names, or a ValueError that says what is allowed (and why not)."""
+    if isinstance(name, str) and name in UNSUPPORTED:
+        raise ValueError(f"loss_fn={name!r} is not supported: {UNSUPPORTED[name]}")
+    if not isinstance(name, str) or name not in SDK_LOSSES:
+        raise ValueError(f"loss_fn={name!r} is not supported; allowed: {', '.join(SDK_LOSSES)}")
+    return REGISTRY[name]
 
 
 def token_losses(
@@ -57,26 +203,13 @@ def token_losses(
     eps_low: float,
     eps_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, clipped) per token for loss `kind` (see the module table); both (N,). `clipped` marks tokens where
-    clipping changed the value (for `clip_frac`)."""
-    if kind in ("grpo", "dapo", "dr_grpo"):
-        ratio = torch.exp(logp - old_logp)  # (N,)
-        unclipped = -ratio * adv
-        clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-        return torch.maximum(unclipped, clipped), clipped > unclipped
-    if kind == "gspo":
-        count = segment_sum(torch.ones_like(logp), rows, n_rows).clamp_min(1.0)  # (R,)
-        log_s = segment_sum(logp - old_logp, rows, n_rows) / count  # (R,) log of the sequence ratio
-        # GSPO-token: the value is the sequence ratio s_i, the gradient s_i * d logp_t (sg = detach).
-        s = torch.exp(log_s.detach()[rows] + logp - logp.detach())  # (N,)
-        unclipped = -s * adv
-        clipped = -torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high) * adv
-        return torch.maximum(unclipped, clipped), clipped > unclipped
-    if kind == "cispo":
-        ratio = torch.exp(logp - old_logp).detach()  # (N,)
-        weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-        return -weight * adv * logp, weight != ratio
-    raise ValueError(f"loss={kind!r} is not allowed; allowed: one of {', '.join(LOSSES)}")
+    """(loss, clipped) per token of GRPO loss `kind` (see the module tables), clip range [1 - eps_low, 1 + eps_high];
+    both (N,). `clipped` marks tokens where clipping changed the value (for `clip_frac`)."""
+    if kind not in GRPO_SURROGATE:
+        raise ValueError(f"loss={kind!r} is not allowed; allowed: one of {', '.join(GRPO_LOSSES)}")
+    x = TokenBatch(logp, old_logp, adv, torch.ones_like(logp), rows, n_rows)
+    cfg = {"clip_low_threshold": 1.0 - eps_low, "clip_high_threshold": 1.0 + eps_high}
+    return REGISTRY[GRPO_SURROGATE[kind]].fn(x, cfg)
 
 
 def tis_weights(
@@ -93,9 +226,10 @@ def tis_weights(
 
 @dataclass(frozen=True)
 class TenantAlgo:
-    """One tenant's own algorithm settings, resolved against the run's `grpo` section (see `tenant_algo`)."""
+    """One tenant's loss settings where they are not the run's `grpo` section: a GRPO tenant's own algorithm
+    (`rl_multilora.grpo.tenant_algo`) or a Tinker client's loss (`client_algo`)."""
 
-    loss: str
+    loss: str  # a GRPO_LOSSES name, or an SDK_LOSSES name for a client
     normalize_std: bool
     loss_agg: str
     kl_coef: float
@@ -105,30 +239,27 @@ class TenantAlgo:
     norm_len: int  # dr_grpo's constant divisor: the tenant's response budget
     tis_mode: str | None = None
     tis_cap: float = 2.0
+    config: tuple[tuple[str, float], ...] = ()  # an SDK loss's resolved loss_fn_config, sorted by key
+
+    @property
+    def sdk(self) -> bool:
+        """Whether `loss` names a registry loss directly (a Tinker client's), not a GRPO tenant's loss."""
+        return self.loss not in GRPO_SURROGATE
 
 
-def tenant_algo(grpo: GRPOSettings, a: AdapterConfig, temperature: float, max_new_tokens: int) -> TenantAlgo | None:
-    """Adapter `a`'s algorithm: None when it sets nothing of its own (the run's grpo section applies as it is);
-    otherwise its loss (with that loss's advantage normalization and aggregation, `LOSS_DEFAULTS`; without a `loss`,
-    the run's), KL, clip range, TIS and sampling temperature. `temperature` / `max_new_tokens`: the run's."""
-    own_temp = a.sampling.temperature if a.sampling is not None else None
-    own = (a.loss, a.kl_coef, a.eps_clip, a.eps_clip_high, a.tis, own_temp)
-    if all(x is None for x in own):
-        return None
-    normalize_std, agg = LOSS_DEFAULTS[a.loss] if a.loss is not None else (grpo.normalize_std, grpo.loss_agg)
-    temp = own_temp if own_temp is not None else temperature
-    budget = a.environment.max_tokens if a.environment is not None else None
-    if budget is None and a.sampling is not None and a.sampling.max_new_tokens is not None:
-        budget = a.sampling.max_new_tokens
+def client_algo(loss_fn: object, loss_fn_config: Mapping[str, float] | None) -> TenantAlgo:
+    """A Tinker client's loss as a tenant algorithm: the registry's loss with its config, token sums (the weight of
+    every token is 1), no KL, temperature 1 (the engine's log-probs are those of the raw logits)."""
+    d = sdk_loss(loss_fn)
+    cfg = d.resolve(loss_fn_config)
     return TenantAlgo(
-        loss=a.loss or "grpo",
-        normalize_std=normalize_std,
-        loss_agg=agg,
-        kl_coef=grpo.kl_coef if a.kl_coef is None else a.kl_coef,
-        eps_low=grpo.eps_clip if a.eps_clip is None else a.eps_clip,
-        eps_high=grpo.eps_clip_high if a.eps_clip_high is None else a.eps_clip_high,
-        temperature=temp if temp > 0 else 1.0,
-        norm_len=budget or max_new_tokens,
-        tis_mode=a.tis.mode if a.tis is not None else None,
-        tis_cap=a.tis.cap if a.tis is not None else 2.0,
+        loss=d.name,
+        normalize_std=False,
+        loss_agg="token-sum",
+        kl_coef=0.0,
+        eps_low=0.0,
+        eps_high=0.0,
+        temperature=1.0,
+        norm_len=1,
+        config=tuple(sorted(cfg.items())),
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_multilora.backends.base import AdapterStepStats
+from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import WandbSettings
 
 

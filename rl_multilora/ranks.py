@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rl_multilora.batch import Row
     from rl_multilora.lora import MultiLoRAModel
+    from rl_multilora.rows import Row
 
 
 class RankCoordinator:

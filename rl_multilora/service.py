@@ -406,7 +406,13 @@ class ServiceActor:
 
             state_dir = tinker_state_dir(cfg)
             # Before the start: the clients the journal replays keep their slots; GRPO tenants are admitted around them.
-            server = build_service_server(self.core, state_dir, resolve_token(state_dir), tinker.get("base_model"))
+            server = build_service_server(
+                self.core,
+                state_dir,
+                resolve_token(state_dir),
+                tinker.get("base_model"),
+                snapshot_every=tinker.get("snapshot_every", 50),
+            )
         self.core.start()
         if server is not None:
             self.tinker = BackgroundApp(server, tinker["host"], tinker["port"])
@@ -615,7 +621,7 @@ def serve(
 ) -> int:
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code.
 
-    `tinker`: {"host", "port", "base_model"} to serve the Tinker API from the same process as the GRPO tenants."""
+    `tinker`: {"host", "port", "base_model", "snapshot_every"} to serve the Tinker API from the same process as the GRPO tenants."""
     import ray
 
     from rl_multilora.validate import check_run
@@ -726,7 +732,12 @@ def cli(args) -> int:
     if args.command == "serve":
         tinker = None
         if args.tinker_port is not None:
-            tinker = {"host": args.host, "port": args.tinker_port, "base_model": args.tinker_base_model}
+            tinker = {
+                "host": args.host,
+                "port": args.tinker_port,
+                "base_model": args.tinker_base_model,
+                "snapshot_every": getattr(args, "tinker_snapshot_every", 50),
+            }
         cfg = load_run_config(args.config, args.set)
         if args.fresh:
             cfg.checkpoint.resume = "never"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,18 @@ import torch
 from rl_multilora.config import OptimSettings
 from rl_multilora.errors import bad_value
 from rl_multilora.grpo import lr_multiplier
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """One optimizer step's settings as a Tinker client sends them with `optim_step` (the SDK's `AdamParams`)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
 
 
 def clip_grads_(grads: Sequence[torch.Tensor], grad_norm: torch.Tensor | float, max_norm: float) -> None:
@@ -64,6 +77,7 @@ class TenantOptimizer:
             held, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, max_steps))
+        self._clip_once: float | None = None  # `set_adam`'s clip for the next step (0: none)
 
     @property
     def holds(self) -> bool:
@@ -84,12 +98,23 @@ class TenantOptimizer:
         """This rank's grads of the tenant (the parameters that have one)."""
         return [p.grad for p in self.params if p.grad is not None]
 
+    def set_adam(self, adam: AdamSettings) -> None:
+        """The next step's learning rate, betas, eps, weight decay and clipping (a Tinker client's `optim_step`); the
+        LR schedule does not apply to it."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = adam.learning_rate
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay
+        self._clip_once = adam.grad_clip_norm
+
     def step(self, grad_norm: torch.Tensor | float | None, skip: bool) -> tuple[bool, float | None]:
         """Clip the grads by `grad_norm` (over all ranks, from the rank coordinator; None when no backward reached
         the tenant) and step, unless `skip` (its loss was not finite) or the norm is not finite; drop the grads
         either way. Returns (stepped, the pre-clip grad norm or None)."""
         norm = None if grad_norm is None else float(grad_norm)
-        max_norm = self.settings.max_grad_norm
+        max_norm = self.settings.max_grad_norm if self._clip_once is None else (self._clip_once or None)
+        self._clip_once = None
         if norm is not None and max_norm is not None and not skip and math.isfinite(norm):
             clip_grads_(self.grads(), grad_norm, max_norm)
         ok = not skip and (norm is None or math.isfinite(norm))

@@ -52,7 +52,8 @@ from rl_multilora.errors import bad_value
 from rollout.types import AdapterRef
 
 if TYPE_CHECKING:
-    from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+    from rl_multilora.backends.base import TrainingBackend
+    from rl_multilora.batch import AdapterStepStats
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import RunConfig
     from rl_multilora.validate import Admission
@@ -376,7 +377,7 @@ class TenantManager:
                 + (f" or promised to {waiting} waiting GRPO tenant(s)" if waiting else "")
                 + "; unload a model or remove an adapter first"
             )
-        slot = model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
+        slot = self.backend.add_client(name, rank, alpha, seed, target_modules)
         self.table.clients[name] = ClientTenant(name, rank, slot)
         return slot
 
@@ -400,7 +401,7 @@ class TenantManager:
     def release_client(self, name: str) -> None:
         """The client tenant leaves: its slot is free for the next tenant of either kind."""
         t = self.table.clients[name]
-        self.backend.shared_model.remove_adapter(name)
+        self.backend.remove_adapter(name)
         t.state, t.slot = TenantState.REMOVED, None
 
     # -- admission ------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rl_multilora.config import AdapterConfig, GRPOSettings, OptimSettings
-from rl_multilora.losses import LOSSES, tenant_algo
+from rl_multilora.grpo import tenant_algo
+from rl_multilora.losses import LOSSES
 from rl_multilora.trainer import MultiLoRATrainer
 from tests.test_trainer import RANKS, SEEDS, VOCAB, params_of, random_samples
 from tests.tiny_models import PAD_ID, tiny_model

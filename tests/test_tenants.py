@@ -2,7 +2,7 @@
 
 import pytest
 
-from rl_multilora.backends.base import AdapterStepStats
+from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import AdapterConfig
 from rl_multilora.tenants import TenantError, TenantState, TenantTable
 

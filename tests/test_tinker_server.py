@@ -273,22 +273,25 @@ def test_training_client_from_state_resumes(server):
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
     fresh = sc.create_training_client_from_state(path).result()
     assert len({tc.model_id, resumed.model_id, fresh.model_id}) == 3
-    saved_weights = ops.model.adapter_state_dict(ops.tenants[tc.model_id].name)  # tc has not trained since its save
-    saved_optim = copy.deepcopy(ops.tenants[tc.model_id].optim.state_dict()["state"])
+    saved_weights = ops.backend.adapter_state_dict(ops.tenants[tc.model_id].name)  # tc has not trained since its save
+    saved_optim = copy.deepcopy(ops.backend.optimizer_state_dict(ops.tenants[tc.model_id].name)["optimizer"]["state"])
     assert saved_optim and all("mlp" not in k for k in saved_weights)
     for client in (resumed, fresh):
         t = ops.tenants[client.model_id]
         assert client.get_info().lora_rank == 8 and t.lora_config["train_mlp"] is False
-        weights = ops.model.adapter_state_dict(t.name)
+        weights = ops.backend.adapter_state_dict(t.name)
         assert weights.keys() == saved_weights.keys()
         for k, v in saved_weights.items():
             torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
-    state = ops.tenants[resumed.model_id].optim.state_dict()["state"]
-    assert state.keys() == saved_optim.keys() and ops.tenants[resumed.model_id].steps == 3
+    state = ops.backend.optimizer_state_dict(ops.tenants[resumed.model_id].name)["optimizer"]["state"]
+    assert state.keys() == saved_optim.keys() and ops.backend.adapter_step(ops.tenants[resumed.model_id].name) == 3
     for i, moments in saved_optim.items():
         for k, v in moments.items():
             torch.testing.assert_close(state[i][k], v, rtol=0, atol=0)
-    assert ops.tenants[fresh.model_id].optim.state_dict()["state"] == {} and ops.tenants[fresh.model_id].steps == 0
+    assert (
+        ops.backend.optimizer_state_dict(ops.tenants[fresh.model_id].name)["optimizer"]["state"] == {}
+        and ops.backend.adapter_step(ops.tenants[fresh.model_id].name) == 0
+    )
 
     expected_lp = _logprobs(tc, tokens)
     np.testing.assert_allclose(_logprobs(resumed, tokens), expected_lp, rtol=1e-6)
@@ -372,15 +375,15 @@ def test_client_checkpoints_are_run_checkpoints(server, tmp_path, capsys):
 
     ids = torch.tensor([tokens])
     with torch.no_grad():
-        ours = ops.model(ids, adapter_names=[name]).logits
-        base = ops.model(ids, adapter_names=[None]).logits
+        ours = ops.backend.shared_model(ids, adapter_names=[name]).logits
+        base = ops.backend.shared_model(ids, adapter_names=[None]).logits
         theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), out).eval()(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert (ours - base).abs().max() > 1e-3  # the adapter is not the base
 
     # Back to the first save, AdamW state and step count included: the next steps are the original run's.
     tc.load_state_with_optimizer(early).result()
-    assert ops.tenants[tc.model_id].steps == 2
+    assert ops.backend.adapter_step(ops.tenants[tc.model_id].name) == 2
     np.testing.assert_allclose(_sft(tc, 2, tokens), later_losses, rtol=1e-6)
     assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 4]  # a load writes nothing
 
@@ -445,7 +448,10 @@ def test_sampler_versions_are_bounded_and_freed_on_unload(tmp_path):
         done = httpx.post(s.url + "/api/v1/retrieve_future", json={"request_id": key}, headers=headers, timeout=30)
         assert types.UnloadModelResponse.model_validate(done.json()).model_id == tc.model_id
         assert tc.model_id not in ops.tenants and set(ops.samplers) == {other_path}
-        assert ops.tenants[other.model_id].name in ops.model.adapters and len(ops.model.adapters) == 1
+        assert (
+            ops.tenants[other.model_id].name in ops.backend.shared_model.adapters
+            and len(ops.backend.shared_model.adapters) == 1
+        )
         assert not [name for name in ops.engine.adapter_versions() if name.startswith(tc_name + ".")]
         for sampler, path, why in zip(samplers, paths, ("was unloaded", "evicted", "was unloaded"), strict=True):
             with pytest.raises(tinker.RequestFailedError, match=f"{re.escape(path)}.*{why}"):
@@ -509,7 +515,7 @@ def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
 
     tokens = sample(tc.save_weights_and_get_sampling_client())
     assert tokens != sample(sc.create_sampling_client(base_model=BASE))  # a base sample would not pass for it
-    [key, _] = [k for k, kind, _ in first.server.journal.replay() if kind == "sample"]
+    [key, _] = [k for k, kind, *_ in first.server.journal.replay() if kind == "sample"]
     first.close()
 
     publish = ClientOps.publish_sampler

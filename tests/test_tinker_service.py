@@ -96,7 +96,7 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
     )
     url = f"http://127.0.0.1:{app.runner.addresses[0][1]}"
     try:
-        assert app.server.ops.model is core.rt.backend.shared_model and app.server.ops.engine is core.rt.engine
+        assert app.server.ops.backend is core.rt.backend and app.server.ops.engine is core.rt.engine
         # the same token rules as the standalone server
         for headers in ({}, {"X-API-Key": "tml-wrong"}):
             assert httpx.post(url + "/api/v1/create_session", json={}, headers=headers).status_code == 401

@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from rl_multilora.backends.base import AdapterStepStats
+from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import ConfigError, GRPOSettings, OptimSettings, parse_run_config
 from rl_multilora.grpo import compute_advantages, kl_penalty, lr_multiplier, policy_loss
 from rl_multilora.trainer import MultiLoRATrainer

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from rl_multilora.batch import Row, TokenIndex, build_batch, micro_batches, pad, token_weights
+from rl_multilora.batch import build_batch, micro_batches, token_weights
 from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.grpo import TokenSettings, kl_penalty, per_adapter_sum, policy_loss, token_loss
 from rl_multilora.losses import TenantAlgo
 from rl_multilora.ranks import RankCoordinator
+from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.tenant_optim import TenantOptimizer, clip_grads_
 from rollout.types import SampleStatus
 from tests.test_trainer import random_samples, sample

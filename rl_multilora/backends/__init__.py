@@ -6,6 +6,7 @@ process on one device: the multi-LoRA model and the GRPO trainer in-process. `Ra
 backend would plug in behind the same interface.
 """
 
-from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.backends.base import TrainingBackend
+from rl_multilora.batch import AdapterStepStats
 
 __all__ = ["AdapterStepStats", "TrainingBackend"]

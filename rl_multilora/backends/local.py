@@ -11,12 +11,20 @@ from typing import Any
 
 import torch
 
-from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
-from rl_multilora.config import AdapterConfig
+from rl_multilora.backends.base import TrainingBackend
+from rl_multilora.batch import AdapterStepStats
+from rl_multilora.config import AdapterConfig, OptimSettings
+from rl_multilora.grpo import tenant_algo
 from rl_multilora.lora import MultiLoRAModel
-from rl_multilora.losses import tenant_algo
+from rl_multilora.losses import TenantAlgo
+from rl_multilora.rows import Row
+from rl_multilora.tenant_optim import AdamSettings
+from rl_multilora.train_ops import FwdBwdOut
 from rl_multilora.trainer import MultiLoRATrainer
 from rollout.types import Sample
+
+# A client's optimizer before its first optim_step names its settings (the SDK's AdamParams defaults).
+CLIENT_OPTIM = OptimSettings(betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, max_grad_norm=None)
 
 
 class LocalBackend(TrainingBackend):
@@ -29,6 +37,10 @@ class LocalBackend(TrainingBackend):
     @property
     def shared_model(self) -> MultiLoRAModel:
         return self.model
+
+    @property
+    def max_rank(self) -> int:
+        return self.model.max_rank
 
     @property
     def max_loras(self) -> int:
@@ -66,6 +78,26 @@ class LocalBackend(TrainingBackend):
             self.model.remove_adapter(cfg.name)
             raise
         return slot
+
+    def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
+        slot = self.model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
+        try:
+            self.trainer.ops.add_tenant(name, CLIENT_OPTIM, lr=AdamSettings().learning_rate)
+        except BaseException:
+            self.model.remove_adapter(name)
+            raise
+        return slot
+
+    def forward_backward(
+        self, rows: Sequence[Row], losses: Mapping[str, TenantAlgo], backward: bool = True
+    ) -> FwdBwdOut:
+        return self.trainer.ops.forward_backward(rows, None, algos=losses, backward=backward)
+
+    def optim_step(self, name: str, adam: AdamSettings) -> tuple[bool, float | None]:
+        return self.trainer.ops.optim_step(name, adam=adam)
+
+    def adapter_step(self, name: str) -> int:
+        return self.trainer.adapter_step(name)
 
     def remove_adapter(self, name: str) -> None:
         if name in self.trainer.adapters:

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from rl_multilora.backends.base import AdapterStepStats, TrainingBackend
+from rl_multilora.backends.base import TrainingBackend
 from rl_multilora.backends.local import LocalBackend
+from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import AdapterConfig, RunConfig
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the trainer ranks' placement group may wait for resources

@@ -1,10 +1,19 @@
-"""The durable request log: every request the server acknowledges is committed here first.
+"""The durable request log: every request the server acknowledges is committed here first, and the log stays bounded
+by each client's snapshots.
 
 One SQLite file (WAL, synchronous=FULL): a row per acknowledged request, keyed by its deterministic request id, with
-its kind and body. A restarted server replays the rows in the order they were acknowledged through the same
-scheduler (requests of one model still run in seq_id order), so models, optimizer states, sampler versions and the
-results clients still poll for are rebuilt and no acknowledged request is lost. Replay recomputes; it does not read
-results back, so a replayed mixed batch may group rows differently than the first run (same math, float rounding).
+its kind, body and the model (and seq_id) it belongs to. A restarted server replays the rows in the order they were
+acknowledged through the same scheduler (requests of one model still run in seq_id order), so models, optimizer
+states, sampler versions and the results clients still poll for are rebuilt and no acknowledged request is lost.
+Replay recomputes; it does not read results back, so a replayed mixed batch may group rows differently than the first
+run (same math, float rounding).
+
+Bounded by snapshots: every `snapshot_every` optimizer steps of a model (and at each of its `save_state`), the server
+writes the model's state as a run checkpoint (weights, optimizer, step count; its live sampler versions' tensors go
+into `samplers`) and `compact` swaps, in one transaction, the model's requests before that point for the snapshot
+and their results. A restart restores the snapshot and replays only what came after it, so its time follows the
+snapshot interval, not the client's history. Results of compacted requests are kept for the two latest snapshots of a
+model (`done`): a client that polls a future it had not fetched before the restart still gets it.
 
 A second table records which models hold a slot (written when a create or load makes one and when an unload frees
 it): a restarted service holds slots for those models before it admits GRPO tenants, so the replay finds them.
@@ -13,9 +22,24 @@ A create that was refused (no free slot) is in the log but not here, so it gets 
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Snapshot:
+    """A model's state as of its request `next_seq` (all requests before it done): `info` says how to rebuild it
+    (checkpoint label, rank, LoRA config, seed, sampler versions), `samplers` holds those versions' tensors."""
+
+    model_id: str
+    next_seq: int
+    generation: int
+    info: dict[str, Any]
+    samplers: dict[str, bytes]  # sampler path -> safetensors bytes of its tensors
 
 
 class Journal:
@@ -28,20 +52,115 @@ class Journal:
             "CREATE TABLE IF NOT EXISTS requests (n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL,"
             " kind TEXT NOT NULL, body BLOB NOT NULL)"
         )
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(requests)")}
+        for column, kind in (("model_id", "TEXT"), ("seq", "INTEGER")):  # a journal written before snapshots
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
         self._db.execute("CREATE TABLE IF NOT EXISTS models (model_id TEXT PRIMARY KEY, live INTEGER NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS snapshots (model_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
+            " generation INTEGER NOT NULL, info TEXT NOT NULL)"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS samplers (path TEXT PRIMARY KEY, model_id TEXT NOT NULL, tensors BLOB NOT NULL)"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS done (key TEXT PRIMARY KEY, model_id TEXT NOT NULL, generation INTEGER NOT NULL,"
+            " result BLOB NOT NULL, is_json INTEGER NOT NULL)"
+        )
         self._lock = threading.Lock()
 
-    def append(self, key: str, kind: str, body: bytes) -> bool:
-        """Commit the request; False when `key` is already logged (a retry)."""
+    def append(self, key: str, kind: str, body: bytes, model_id: str | None = None, seq: int | None = None) -> bool:
+        """Commit the request (of `model_id`'s request `seq`, when it has one); False when `key` is already logged
+        (a retry)."""
         with self._lock:
             cur = self._db.execute(
-                "INSERT OR IGNORE INTO requests (key, kind, body) VALUES (?, ?, ?)", (key, kind, body)
+                "INSERT OR IGNORE INTO requests (key, kind, body, model_id, seq) VALUES (?, ?, ?, ?, ?)",
+                (key, kind, body, model_id, seq),
             )
             return cur.rowcount == 1
 
-    def replay(self) -> list[tuple[str, str, bytes]]:
+    def replay(self) -> list[tuple[str, str, bytes, str | None, int | None]]:
+        """(request id, kind, body, model id, seq) of every request in the log, in the order they were logged."""
         with self._lock:
-            return list(self._db.execute("SELECT key, kind, body FROM requests ORDER BY n"))
+            return list(self._db.execute("SELECT key, kind, body, model_id, seq FROM requests ORDER BY n"))
+
+    def size(self) -> int:
+        """Requests in the log (what a restart replays)."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+    def snapshots(self) -> list[Snapshot]:
+        """The latest snapshot of every model that has one, oldest model first."""
+        with self._lock:
+            rows = list(self._db.execute("SELECT model_id, next_seq, generation, info FROM snapshots ORDER BY rowid"))
+            out = []
+            for model_id, next_seq, generation, info in rows:
+                samplers = dict(self._db.execute("SELECT path, tensors FROM samplers WHERE model_id = ?", (model_id,)))
+                out.append(Snapshot(model_id, next_seq, generation, json.loads(info), samplers))
+            return out
+
+    def done(self) -> list[tuple[str, bytes | dict[str, Any]]]:
+        """(request id, result) of the compacted requests whose results are kept."""
+        with self._lock:
+            rows = list(self._db.execute("SELECT key, result, is_json FROM done"))
+        return [(key, json.loads(result) if is_json else bytes(result)) for key, result, is_json in rows]
+
+    def compact(
+        self,
+        model_id: str,
+        next_seq: int,
+        info: dict[str, Any] | None,
+        samplers: dict[str, bytes],
+        results: dict[str, bytes | dict[str, Any]],
+        sample_keys: list[str],
+    ) -> int:
+        """Swap `model_id`'s requests before `next_seq` (and its finished samples `sample_keys`) for its snapshot
+        `info` (None: the model is gone, forget it) with its sampler versions, keeping the results of what is
+        removed. One transaction: a kill leaves the log before or after, never between. Returns the generation."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT generation FROM snapshots WHERE model_id = ?", (model_id,)).fetchone()
+                generation = (row[0] if row else 0) + 1
+                removed = [
+                    key
+                    for (key,) in self._db.execute(
+                        "SELECT key FROM requests WHERE model_id = ? AND (seq < ? OR seq IS NULL)",
+                        (model_id, next_seq),
+                    )
+                    if key in results or key in sample_keys
+                ]
+                for key in removed:
+                    value = results.get(key)
+                    if value is not None:
+                        blob, is_json = (value, 0) if isinstance(value, bytes) else (json.dumps(value).encode(), 1)
+                        self._db.execute(
+                            "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, ?, ?, ?, ?)",
+                            (key, model_id, generation, blob, is_json),
+                        )
+                    self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+                self._db.execute("DELETE FROM done WHERE model_id = ? AND generation < ?", (model_id, generation - 1))
+                self._db.execute("DELETE FROM samplers WHERE model_id = ?", (model_id,))
+                if info is None:
+                    self._db.execute("DELETE FROM snapshots WHERE model_id = ?", (model_id,))
+                else:
+                    for path, tensors in samplers.items():
+                        self._db.execute(
+                            "INSERT INTO samplers (path, model_id, tensors) VALUES (?, ?, ?)",
+                            (path, model_id, tensors),
+                        )
+                    self._db.execute(
+                        "INSERT INTO snapshots (model_id, next_seq, generation, info) VALUES (?, ?, ?, ?) "
+                        "ON CONFLICT(model_id) DO UPDATE SET next_seq = excluded.next_seq, "
+                        "generation = excluded.generation, info = excluded.info",
+                        (model_id, next_seq, generation, json.dumps(info)),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return generation
 
     def set_live(self, model_id: str, live: bool) -> None:
         """Record whether `model_id` holds a slot now (idempotent: a replay writes the same)."""

@@ -2,20 +2,18 @@
 
 Design choices:
 
-- A client tenant is a slot of the model and an AdamW over that slot's leaf views (`adapter_parameters`), as GRPO
-  tenants have. The slot comes from `slots`: the model itself (`ModelSlots`, the standalone server) or the GRPO
-  service's `TenantManager` (`add_client` / `release_client`), so both kinds of tenants share one slot pool. Its LoRA alpha is fixed at 32 (Tinker's convention), so the scale is
-  32 / rank.
-- `forward_backward` of several tenants runs as ONE right-padded mixed batch routed by `adapter_names`; the loss
-  summed over every backward row is backpropagated once. The grouped LoRA backward adds each row's gradient into its
-  own slot only, so each tenant's gradient is what it would be alone, and it accumulates in the slot's part of the
-  stacked `.grad`. Right after the backward each tenant's slot part is added into a buffer of its own and the
-  stacked grads are dropped: a GRPO step on the same model (service mode) starts with `zero_lora_grads`, so grads
-  left in the stacked tensors would not survive it. The buffer accumulates until that tenant's own `optim_step`,
-  which steps its AdamW with that call's Adam settings and empties only that buffer.
+- One trainer behind both doors: a client tenant is a tenant of the training backend like a GRPO tenant (a slot, an
+  optimizer with its step count, a gradient buffer: `rl_multilora.train_ops.TenantTrainState`), and this module
+  only translates the API onto the backend's primitives. The slot comes from `slots`: the backend itself
+  (`BackendSlots`, the standalone server) or the GRPO service's `TenantManager` (`add_client` / `release_client`),
+  so both kinds of tenants share one slot pool. Its LoRA alpha is fixed at 32 (Tinker's convention), so the scale
+  is 32 / rank.
+- `forward_backward` of several tenants is ONE call of the backend's `forward_backward`: one mixed batch, each
+  tenant's tokens under its own `loss_fn` from the one loss registry (`rl_multilora.losses`, every SDK loss but
+  `stable_reinforce`, whose objective Tinker does not publish), each tenant's gradient accumulating in its own buffer
+  until its own `optim_step`, which applies that call's Adam settings. A datum is a `Row` whose targets are every
+  position of its `model_input` (position i predicts `target_tokens[i]`).
 - Losses are Tinker's: sums over tokens (the client normalizes through `weights` / `advantages`), not means.
-  `cross_entropy`: -sum w * logp(target). `importance_sampling`: -sum exp(logp - sampler_logp) * A.
-  `ppo`: -sum min(r A, clip(r, clip_low_threshold, clip_high_threshold) A), r = exp(logp - sampler_logp).
 - Model ids are `<session>:train:<n>`, the id the SDK derives on its own for `create_training_client_from_state`.
   They end up in paths (checkpoint folders) and adapter names, so they and checkpoint names are validated against
   a strict pattern (no '/', no '..'); a model's adapter name is its id with ':' -> '.' (`slot_name`).
@@ -37,25 +35,32 @@ Design choices:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from rl_multilora.backends.base import TrainingBackend
 from rl_multilora.checkpoint import AdapterSnapshot, CheckpointManager, DamagedCheckpoint
-from rl_multilora.lora import MultiLoRAModel
+from rl_multilora.losses import REGISTRY, SDK_LOSSES, TenantAlgo, client_algo
+from rl_multilora.rows import Row
+from rl_multilora.tenant_optim import AdamSettings
 from rl_multilora.tenants import TenantError
 from rl_multilora.tinker.wire import Datum
+from rl_multilora.train_ops import finite_number
 from rollout.types import GenerateRequest, SamplingParams
 
 LORA_ALPHA = 32.0
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+LOSS_FNS = SDK_LOSSES  # derived from the loss registry
 PLAIN_NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # sessions (fullmatch): no '.', ':' or '/'
 MODEL_ID_PATTERN = re.compile(r"([A-Za-z0-9_-]{1,64}):train:([0-9]{1,9})")  # fullmatch
+SNAPSHOT_LABEL = "_journal-snapshot"  # the label of the checkpoints journal snapshots write (not a client's)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")  # checkpoint and sampler names (fullmatch), not '.' or '..'
 _LAYER_GROUPS = {
     "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -134,17 +139,14 @@ def checkpoint_ref(path: Any) -> tuple[str, str]:
 
 @dataclass
 class ClientTenant:
-    """One model created through the API: its slot's leaf views, their AdamW and counters."""
+    """One model created through the API as the server knows it: its id, adapter name and LoRA settings, and its
+    sampler versions. Its weights, optimizer and step count are the training backend's tenant `name`."""
 
     model_id: str
     name: str  # slot_name(model_id)
     rank: int
     lora_config: dict[str, Any]
     seed: int | None
-    params: list[torch.nn.Parameter]
-    optim: torch.optim.AdamW
-    steps: int = 0
-    grads: list[torch.Tensor | None] | None = None  # accumulated since the last optim_step, `params` order
     sampler_versions: int = 0
     sampler_paths: OrderedDict[str, None] = field(default_factory=OrderedDict)  # live versions, least recent first
 
@@ -171,23 +173,23 @@ class FwdBwdItem:
     forward_only: bool
 
 
-class ModelSlots:
-    """Slots straight from the model: the standalone server, where client tenants are the only tenants. The GRPO
-    service passes its `TenantManager` instead, which has the same three methods."""
+class BackendSlots:
+    """Slots straight from the training backend: the standalone server, where client tenants are the only tenants.
+    The GRPO service passes its `TenantManager` instead, which has the same methods."""
 
-    def __init__(self, model: MultiLoRAModel) -> None:
-        self.model = model
+    def __init__(self, backend: TrainingBackend) -> None:
+        self.backend = backend
 
     def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
-        if not self.model.free_slots:
-            raise TenantError(f"no free LoRA slot: all {self.model.max_loras} are in use; unload a model first")
-        return self.model.add_adapter(name, rank, alpha, seed=seed, target_modules=target_modules)
+        if not self.backend.free_slots():
+            raise TenantError(f"no free LoRA slot: all {self.backend.max_loras} are in use; unload a model first")
+        return self.backend.add_client(name, rank, alpha, seed, target_modules)
 
     def record_client_step(self, name: str, adapter_step: int) -> None:
         """Nothing else keeps client step counts here."""
 
     def release_client(self, name: str) -> None:
-        self.model.remove_adapter(name)
+        self.backend.remove_adapter(name)
 
     def end_client_reservations(self) -> None:
         """Nothing is reserved here: no other kind of tenant competes for these slots."""
@@ -199,7 +201,7 @@ class ClientOps:
 
     def __init__(
         self,
-        model: MultiLoRAModel,
+        backend: TrainingBackend,
         engine: Any,
         pad_id: int,
         ckpt: CheckpointManager,
@@ -212,8 +214,8 @@ class ClientOps:
                 f"max_sampler_versions={max_sampler_versions!r} is not allowed; allowed: an int >= 1 "
                 "(in-memory sampler versions kept per model)"
             )
-        self.model = model
-        self.slots = slots if slots is not None else ModelSlots(model)
+        self.backend = backend
+        self.slots = slots if slots is not None else BackendSlots(backend)
         self.shared_engine = shared_engine  # GRPO tenants use the engine too: one engine slot per client tenant
         self.engine = engine
         self.pad_id = pad_id
@@ -225,7 +227,6 @@ class ClientOps:
         self._samplers_lock = threading.RLock()  # samplers, freed, sampler_paths: publish (worker) vs sample (loop)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # engine names in the bank, least recently used first
         self._engine_lock = threading.Lock()
-        self.device = next(model.parameters()).device
         self.batch_sizes: list[int] = []  # requests per mixed forward_backward batch, in order (tests, bench)
 
     # -- tenants ---------------------------------------------------------------------------------------------------
@@ -234,21 +235,23 @@ class ClientOps:
             return self.tenants[model_id]
         name = slot_name(model_id)
         wanted = {leaf for key, leaves in _LAYER_GROUPS.items() if layers.get(key, True) for leaf in leaves}
-        targets = [m for m in self.model.lora_modules if m.rsplit(".", 1)[-1] in wanted]
+        targets = [m for m in self.backend.lora_modules if m.rsplit(".", 1)[-1] in wanted]
         if not targets:
             raise UserError(f"lora_config {layers} selects none of the model's LoRA modules")
-        if not 1 <= rank <= self.model.max_rank:
-            raise UserError(f"lora_config.rank={rank} is not allowed; allowed: 1 to {self.model.max_rank}")
+        if not 1 <= rank <= self.backend.max_rank:
+            raise UserError(f"lora_config.rank={rank} is not allowed; allowed: 1 to {self.backend.max_rank}")
         try:
             self.slots.add_client(name, rank, LORA_ALPHA, seed, targets)
         except TenantError as e:
             raise UserError(str(e)) from None
-        params = self.model.adapter_parameters(name)
-        optim = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         lora_config = {key: bool(layers.get(key, True)) for key in _LAYER_GROUPS}
-        tenant = ClientTenant(model_id, name, rank, lora_config, seed, params, optim)
+        tenant = ClientTenant(model_id, name, rank, lora_config, seed)
         self.tenants[model_id] = tenant
         return tenant
+
+    def steps(self, model_id: str) -> int:
+        """Optimizer steps the model has taken (the backend's count for its tenant)."""
+        return self.backend.adapter_step(self.tenant(model_id).name)
 
     def tenant(self, model_id: str) -> ClientTenant:
         if model_id not in self.tenants:
@@ -267,102 +270,76 @@ class ClientOps:
 
     # -- training --------------------------------------------------------------------------------------------------
     def forward_backward(self, items: list[FwdBwdItem]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
-        """One mixed forward over every datum of `items`, one backward over the rows of non-forward-only items."""
+        """The items' datums as one mixed batch of the backend's `forward_backward` (forward-only items in a forward
+        of their own); each item's tenant under its own loss. Returns per item its datums' outputs and metrics."""
         self.batch_sizes.append(len(items))
-        rows: list[tuple[int, Datum]] = [(i, d) for i, item in enumerate(items) for d in item.data]
+        losses: list[TenantAlgo] = []
+        rows: list[list[Row]] = []
         for item in items:
-            self.tenant(item.model_id)
-            if item.loss_fn not in LOSS_FNS:
-                raise UserError(f"loss_fn={item.loss_fn!r} is not supported; allowed: {', '.join(LOSS_FNS)}")
-        if not rows:
-            return [([], {"loss:sum": 0.0}) for _ in items]
-        width = max(len(d.tokens) for _, d in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (_, d) in enumerate(rows):
-            ids[r, : len(d.tokens)] = torch.from_numpy(d.tokens)
-            mask[r, : len(d.tokens)] = 1
-        names = [self.tenants[items[i].model_id].name for i, _ in rows]
-        need_grad = any(not item.forward_only for item in items)
-        with torch.set_grad_enabled(need_grad):
-            # logits: (R, T, V); right padding leaves every real position's logits as they are alone.
-            logits = self.model(ids.to(self.device), attention_mask=mask.to(self.device), adapter_names=names).logits
-            logp_all = torch.log_softmax(logits.float(), dim=-1)
-            losses: list[torch.Tensor] = []
-            outputs: list[dict[str, np.ndarray]] = []
-            for r, (i, d) in enumerate(rows):
-                loss, logp = _row_loss(items[i], d, logp_all[r, : len(d.tokens)])
-                losses.append(loss)
-                outputs.append({"logprobs": logp.detach().cpu().numpy(), "loss": np.array([loss.item()], np.float32)})
-            train = [loss for (i, _), loss in zip(rows, losses, strict=True) if not items[i].forward_only]
-            if train:
-                torch.stack(train).sum().backward()
-                self._take_grads({items[i].model_id for i, _ in rows if not items[i].forward_only})
-        results = []
-        start = 0
-        for item in items:
-            n = len(item.data)
-            mine = outputs[start : start + n]
-            total = float(sum(o.pop("loss")[0] for o in mine))
-            results.append((mine, {"loss:sum": total}))
-            start += n
-        return results
-
-    def _take_grads(self, model_ids: set[str]) -> None:
-        """Add each tenant's slot part of the stacked grads into its own buffer, then drop the stacked grads."""
-        for model_id in sorted(model_ids):
-            t = self.tenants[model_id]
-            fresh = self.model.adapter_grads(t.name)
-            if t.grads is None:
-                t.grads = [None if g is None else g.clone() for g in fresh]
-            else:
-                t.grads = [
-                    old if g is None else (g.clone() if old is None else old.add_(g))
-                    for old, g in zip(t.grads, fresh, strict=True)
-                ]
-        self.model.zero_lora_grads()
+            t = self.tenant(item.model_id)
+            try:
+                algo = client_algo(item.loss_fn, item.config)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            losses.append(algo)
+            rows.append([_datum_row(t.name, item.loss_fn, d) for d in item.data])
+        outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in items]
+        totals = [0.0] * len(items)
+        # One call per (forward only?, wave): a call holds each tenant once, with its own loss.
+        pending = list(range(len(items)))
+        while pending:
+            wave: dict[tuple[bool, str], int] = {}
+            for i in pending:
+                wave.setdefault((items[i].forward_only, self.tenants[items[i].model_id].name), i)
+            pending = [i for i in pending if i not in wave.values()]
+            for forward_only in (False, True):
+                chosen = [i for (fo, _), i in wave.items() if fo == forward_only and rows[i]]
+                if not chosen:
+                    continue
+                batch = [r for i in chosen for r in rows[i]]
+                algos = {rows[i][0].adapter: losses[i] for i in chosen}
+                out = self.backend.forward_backward(batch, algos, backward=not forward_only)
+                start = 0
+                for i in chosen:
+                    n = len(rows[i])
+                    for logp in out.logprobs[start : start + n]:
+                        outputs[i].append({"logprobs": logp.float().cpu().numpy()})
+                    totals[i] = float(sum(out.row_loss[start : start + n]))
+                    start += n
+        return [(outputs[i], {"loss:sum": totals[i]}) for i in range(len(items))]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         t = self.tenant(model_id)
-        for p, g in zip(t.params, t.grads or [None] * len(t.params), strict=True):
-            p.grad = g
-        t.grads = None
-        grads = [p.grad for p in t.params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
-        clip = float(adam.get("grad_clip_norm", 0.0))
-        if clip > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(t.params, clip)
-        for group in t.optim.param_groups:
-            group["lr"] = float(adam.get("learning_rate", 1e-4))
-            group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-            group["eps"] = float(adam.get("eps", 1e-12))
-            group["weight_decay"] = float(adam.get("weight_decay", 0.0))
-        t.optim.step()
-        for p in t.params:  # this tenant's buffer is spent; other tenants keep accumulating in theirs
-            p.grad = None
-        t.steps += 1
-        self.slots.record_client_step(t.name, t.steps)
-        return {"grad_norm": norm}
+        settings = _adam_settings(adam)
+        stepped, norm = self.backend.optim_step(t.name, settings)
+        self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
+        out = {"grad_norm": norm if norm is not None and np.isfinite(norm) else 0.0}
+        if not stepped:
+            out["skipped_nonfinite"] = 1.0
+        return out
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def save(self, model_id: str, name: str, key: str | None = None) -> str:
         """A checkpoint of the model labeled `name` (`CheckpointManager.save_labeled`): PEFT folder, AdamW state and
         step count. `key`: the request's id, so its replay after a restart finds this checkpoint."""
-        t = self.tenant(model_id)
         label = checkpoint_name("path", name)
+        self._save(model_id, label, key)
+        return f"tinker://{model_id}/weights/{label}"
+
+    def _save(self, model_id: str, label: str, key: str | None) -> Path:
+        t = self.tenant(model_id)
         snap = AdapterSnapshot(
-            tensors=self.model.adapter_state_dict(t.name),
-            peft_config=self.model.peft_config(t.name),
-            optimizer=t.optim.state_dict(),
+            tensors=self.backend.adapter_state_dict(t.name),
+            peft_config=self.backend.peft_config(t.name),
+            optimizer=self.backend.optimizer_state_dict(t.name),
             data_state={},  # no data source: the client holds its own data
             meta={
-                "adapter_step": t.steps,
+                "adapter_step": self.backend.adapter_step(t.name),
                 "state": "RUNNING",
                 "tinker": {"model_id": model_id, "rank": t.rank, "lora_config": t.lora_config, "seed": t.seed},
             },
         )
-        self.ckpt.save_labeled(t.name, snap, label, key)
-        return f"tinker://{model_id}/weights/{label}"
+        return self.ckpt.save_labeled(t.name, snap, label, key)
 
     def load(self, model_id: str, path: str, with_optimizer: bool) -> None:
         """Weights (and, `with_optimizer`, AdamW state and step count) of a checkpoint into the model, which is
@@ -374,11 +351,61 @@ class ClientOps:
         t = self.tenants[model_id]
         if t.rank != int(info["rank"]):
             raise UserError(f"checkpoint {path!r} has rank {info['rank']}; model {model_id!r} has rank {t.rank}")
-        self.model.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config)
+        self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=path)
         if with_optimizer:
-            t.optim.load_state_dict(snap.optimizer)
-            t.steps = snap.adapter_step
-            self.slots.record_client_step(t.name, t.steps)
+            state = snap.optimizer
+            if "scheduler" not in state:  # written before clients had a schedule: AdamW's state alone
+                scheduler = dict(self.backend.optimizer_state_dict(t.name)["scheduler"])
+                scheduler.update(last_epoch=snap.adapter_step, _step_count=snap.adapter_step + 1)
+                state = {"optimizer": state, "scheduler": scheduler}
+            self.backend.load_optimizer_state_dict(t.name, state)
+            self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
+
+    # -- journal snapshots -----------------------------------------------------------------------------------------
+    def snapshot(self, model_id: str, key: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """The model's state for the journal (`Journal.compact`): a run checkpoint of its weights, optimizer and step
+        count (written under request id `key`), how to rebuild it, and its live sampler versions' tensors. Taken
+        right after an optim_step of the model, so no gradient is pending."""
+        from safetensors.torch import save as tensors_to_bytes
+
+        t = self.tenant(model_id)
+        folder = self._save(model_id, SNAPSHOT_LABEL, key)
+        with self._samplers_lock:
+            live = [(path, self.samplers[path]) for path in t.sampler_paths]
+            blobs = {
+                path: tensors_to_bytes({k: v.contiguous() for k, v in (v.tensors or {}).items()}) for path, v in live
+            }
+            versions = [{"path": path, "engine_name": v.engine_name, "config": v.config} for path, v in live]
+        info = {
+            "folder": folder.name,
+            "name": t.name,
+            "rank": t.rank,
+            "lora_config": t.lora_config,
+            "seed": t.seed,
+            "sampler_versions": t.sampler_versions,
+            "samplers": versions,
+        }
+        return info, blobs
+
+    def restore(self, model_id: str, info: dict[str, Any], samplers: dict[str, bytes]) -> None:
+        """Rebuild a model from its journal snapshot: slot, weights, optimizer and step count from the checkpoint,
+        and its sampler versions (loaded into the engine when first sampled)."""
+        from safetensors.torch import load as tensors_from_bytes
+
+        t = self.create(model_id, int(info["rank"]), info.get("seed"), info.get("lora_config") or {})
+        folder = self.ckpt.adapter_dir(t.name) / info["folder"]
+        meta = json.loads((folder / "checkpoint.json").read_text())
+        snap = self.ckpt.read_snapshot(folder, meta)
+        self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(folder))
+        self.backend.load_optimizer_state_dict(t.name, snap.optimizer)
+        self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
+        t.sampler_versions = int(info.get("sampler_versions", 0))
+        with self._samplers_lock:
+            for v in info.get("samplers", []):
+                tensors = tensors_from_bytes(samplers[v["path"]])
+                self.samplers[v["path"]] = SamplerVersion(v["engine_name"], tensors, v["config"], v["path"])
+                self.freed.pop(v["path"], None)
+                t.sampler_paths[v["path"]] = None
 
     def _checkpoint(self, path: str) -> AdapterSnapshot:
         """The checkpoint `tinker://<model_id>/weights/<name>` names: that model's newest labeled <name>."""
@@ -399,7 +426,7 @@ class ClientOps:
         t.sampler_versions = n
         engine_name = f"{t.name}.s{n}"
         version = SamplerVersion(
-            engine_name, self.model.adapter_state_dict(t.name), self.model.peft_config(t.name), path
+            engine_name, self.backend.adapter_state_dict(t.name), self.backend.peft_config(t.name), path
         )
         with self._samplers_lock:
             if path in t.sampler_paths:  # the same name again: the new weights replace the old version
@@ -453,7 +480,7 @@ class ClientOps:
             if v.engine_name in self._loaded:
                 self._loaded.move_to_end(v.engine_name)
                 return
-            room = len(self.tenants) if self.shared_engine else self.model.max_loras
+            room = len(self.tenants) if self.shared_engine else self.backend.max_loras
             if room < 1:
                 raise UserError(f"sampler weights {v.path!r} cannot be served: its model was unloaded")
             while len(self._loaded) >= room:
@@ -502,27 +529,51 @@ class ClientOps:
         raise RuntimeError("sampling was aborted four times in a row")
 
 
-def _row_loss(item: FwdBwdItem, d: Datum, logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the row's summed loss, its per-token log-probs of target_tokens); logp_all: (N, V) of this row."""
+def _datum_row(name: str, loss_fn: str, d: Datum) -> Row:
+    """A datum as a training row of tenant `name`: position i of `model_input` predicts `target_tokens[i]`, so its
+    targets are positions 1..N with their ids given; the loss's inputs per token (a UserError names one that is
+    missing or has the wrong length)."""
     n = len(d.tokens)
 
-    def vec(name: str, dtype: torch.dtype) -> torch.Tensor:
-        if name not in d.inputs:
-            raise UserError(f"loss_fn {item.loss_fn!r} needs loss_fn_inputs[{name!r}]; got {sorted(d.inputs)}")
-        t = torch.from_numpy(np.array(d.inputs[name])).to(dtype).to(logp_all.device).reshape(-1)
-        if t.shape[0] != n:
-            raise UserError(f"loss_fn_inputs[{name!r}] has {t.shape[0]} values for {n} model_input tokens")
-        return t
+    def vec(key: str) -> list[float] | None:
+        if key not in d.inputs:
+            return None
+        values = np.asarray(d.inputs[key]).reshape(-1)
+        if values.shape[0] != n:
+            raise UserError(f"loss_fn_inputs[{key!r}] has {values.shape[0]} values for {n} model_input tokens")
+        return values.tolist()
 
-    targets = vec("target_tokens", torch.long)
-    logp = logp_all.gather(-1, targets[:, None])[:, 0]  # (N,)
-    if item.loss_fn == "cross_entropy":
-        weights = vec("weights", torch.float32) if "weights" in d.inputs else torch.ones_like(logp)
-        return -(weights * logp).sum(), logp
-    advantages = vec("advantages", torch.float32)
-    ratio = torch.exp(logp - vec("logprobs", torch.float32))
-    if item.loss_fn == "importance_sampling":
-        return -(ratio * advantages).sum(), logp
-    low = float(item.config.get("clip_low_threshold", 0.8))
-    high = float(item.config.get("clip_high_threshold", 1.2))
-    return -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages).sum(), logp
+    definition = REGISTRY[loss_fn]
+    for key in ("target_tokens", *definition.inputs):
+        if key not in d.inputs:
+            raise UserError(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]; got {sorted(d.inputs)}")
+    targets = [int(x) for x in vec("target_tokens")]
+    weights = next((vec(k) for k in definition.optional_inputs if k in d.inputs), None)
+    return Row(
+        adapter=name,
+        input_ids=[int(x) for x in d.tokens],
+        targets=list(range(1, n + 1)),
+        advantage=0.0,
+        rollout_logprobs=None,
+        target_ids=targets,
+        advantages=vec("advantages"),
+        old_logprobs=vec("logprobs"),
+        loss_weights=weights,
+    )
+
+
+def _adam_settings(adam: dict[str, Any]) -> AdamSettings:
+    """The request's `adam_params` as settings, each a finite number in its range (a UserError names the field)."""
+    defaults = AdamSettings()
+    low = {"learning_rate": 0.0, "beta1": 0.0, "beta2": 0.0, "eps": 0.0, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    values: dict[str, float] = {}
+    for key, lowest in low.items():
+        value = adam.get(key, getattr(defaults, key))
+        try:
+            values[key] = finite_number(f"adam_params.{key}", value, low=lowest)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    for key in ("beta1", "beta2"):
+        if values[key] >= 1.0:
+            raise UserError(f"adam_params.{key}={values[key]!r} is not allowed; allowed: a number in [0, 1)")
+    return AdamSettings(**values)

@@ -99,7 +99,17 @@ class TinkerServer:
         poll_s: float = 20.0,
         batch_wait_s: float = 0.02,
         turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        snapshot_every: int = 50,
     ) -> None:
+        if type(snapshot_every) is not int or snapshot_every < 1:
+            raise ValueError(
+                f"snapshot_every={snapshot_every!r} is not allowed; allowed: an int >= 1 (a model's optimizer steps "
+                "between journal snapshots)"
+            )
+        self.snapshot_every = snapshot_every
+        self._model_keys: dict[str, list[tuple[str, int | None]]] = {}  # model -> (request id, seq) in the journal
+        self._snapped_at: dict[str, int] = {}  # model -> its step count at its last snapshot
+        self._snap_folder: dict[str, str] = {}  # model -> checkpoint folder of its last snapshot
         self.ops = ops
         self.turn = turn  # held while requests run on the model (the service's FIFO lock; nothing standalone)
         self.batch_wait_s = batch_wait_s
@@ -147,8 +157,16 @@ class TinkerServer:
 
     async def _on_startup(self, _app) -> None:
         self.loop = asyncio.get_running_loop()
-        for key, kind, body in self.journal.replay():
-            self._dispatch(key, kind, json.loads(body) if kind != "forward_backward" else body, replay=True)
+        for key, value in self.journal.done():  # compacted requests: their results, not their work
+            self.state.results[key] = Result(asyncio.Event(), value)
+            self.state.results[key].event.set()
+        for snap in self.journal.snapshots():  # each model from its snapshot, before the requests after it
+            key = f"restore.{snap.model_id}"
+            self._dispatch(key, "restore", snap, replay=True)
+            self._replayed.append(self.state.results[key])
+        for key, kind, body, model_id, seq in self.journal.replay():
+            decoded = json.loads(body) if kind != "forward_backward" else body
+            self._dispatch(key, kind, decoded, replay=True, model_id=model_id, seq=seq)
             if kind not in ("create_session", "create_sampling_session", "sample"):
                 self._replayed.append(self.state.results[key])
         self._worker.start()
@@ -220,50 +238,68 @@ class TinkerServer:
         return self._json({"sampler_id": sid, "base_model": self.base_model, "model_path": self.state.sampling[sid]})
 
     # -- acknowledged requests -------------------------------------------------------------------------------------
-    async def _ack(self, key: str, kind: str, body: dict[str, Any] | bytes, extra: dict[str, Any] | None = None):
+    async def _ack(
+        self,
+        key: str,
+        kind: str,
+        body: dict[str, Any] | bytes,
+        extra: dict[str, Any] | None = None,
+        model_id: str | None = None,
+        seq: int | None = None,
+    ):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         if key not in self.state.results:
-            self.journal.append(key, kind, raw)
-            self._dispatch(key, kind, body)
+            self.journal.append(key, kind, raw, model_id, seq)
+            self._dispatch(key, kind, body, model_id=model_id, seq=seq)
         return self._json({"request_id": key, **(extra or {})})
 
     async def create_model(self, r: web.Request) -> web.Response:
         body = await r.json()
         self._check_base(body.get("base_model"))
         key = f"{body['session_id']}.create.{body['model_seq_id']}"
-        return await self._ack(
-            key, "create_model", body, {"model_id": model_id_of(body["session_id"], body["model_seq_id"])}
-        )
+        model_id = model_id_of(body["session_id"], body["model_seq_id"])
+        return await self._ack(key, "create_model", body, {"model_id": model_id}, model_id, 0)
+
+    @staticmethod
+    def _model_request(body: dict[str, Any]) -> tuple[str, str, int]:
+        """(request id, model id, seq_id) of a model's request."""
+        model_id, seq = body["model_id"], int(body["seq_id"])
+        return f"{model_id}.{seq}", model_id, seq
 
     async def forward_backward(self, r: web.Request) -> web.Response:
         raw = await r.read()
         fb = wire.decode_forward_backward(raw)
-        return await self._ack(f"{fb.model_id}.{fb.seq_id}", "forward_backward", raw, {"model_id": fb.model_id})
+        return await self._ack(
+            f"{fb.model_id}.{fb.seq_id}", "forward_backward", raw, {"model_id": fb.model_id}, fb.model_id, fb.seq_id
+        )
 
     async def optim_step(self, r: web.Request) -> web.Response:
         body = await r.json()
-        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "optim_step", body)
+        key, model_id, seq = self._model_request(body)
+        return await self._ack(key, "optim_step", body, None, model_id, seq)
 
     async def save_weights(self, r: web.Request) -> web.Response:
         body = await r.json()
-        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "save_weights", body)
+        key, model_id, seq = self._model_request(body)
+        return await self._ack(key, "save_weights", body, None, model_id, seq)
 
     async def save_weights_for_sampler(self, r: web.Request) -> web.Response:
         body = await r.json()
-        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "save_weights_for_sampler", body)
+        key, model_id, seq = self._model_request(body)
+        return await self._ack(key, "save_weights_for_sampler", body, None, model_id, seq)
 
     async def load_weights(self, r: web.Request) -> web.Response:
         body = await r.json()
         if body.get("model_id") is None:  # create-via-load: the load is the new model's request 0
             self._check_base(body.get("base_model"))
             body["model_id"], body["seq_id"] = model_id_of(body["session_id"], body["model_seq_id"]), 0
-        return await self._ack(f"{body['model_id']}.{body['seq_id']}", "load_weights", body,
-                               {"model_id": body["model_id"]})  # fmt: skip
+        key, model_id, seq = self._model_request(body)
+        return await self._ack(key, "load_weights", body, {"model_id": model_id}, model_id, seq)
 
     async def unload_model(self, r: web.Request) -> web.Response:
         model_id = (await r.json())["model_id"]
         slot_name(model_id)
-        return await self._ack(f"{model_id}.unload", "unload_model", {"model_id": model_id})
+        return await self._ack(f"{model_id}.unload", "unload_model", {"model_id": model_id}, None, model_id)
 
     async def create_sampling_session(self, r: web.Request) -> web.Response:
         body = await r.json()
@@ -289,7 +325,10 @@ class TinkerServer:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = int(body.get("num_samples", 1))
-        return await self._ack(key, "sample", body, {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]})
+        path = self.state.sampling.get(sid) if sid in self.state.sampling else body.get("model_path")
+        owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
+        extra = {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]}
+        return await self._ack(key, "sample", body, extra, owner if owner in self.ops.tenants else None)
 
     async def retrieve_future(self, r: web.Request) -> web.Response:
         key = (await r.json())["request_id"]
@@ -318,10 +357,16 @@ class TinkerServer:
             raise UserError(f"base_model={name!r} is not served here; allowed: {self.base_model!r}")
 
     # -- scheduling --------------------------------------------------------------------------------------------------
-    def _dispatch(self, key: str, kind: str, body: Any, replay: bool = False) -> None:
-        """Register the future of an acknowledged (or replayed) request and queue its work."""
+    def _dispatch(
+        self, key: str, kind: str, body: Any, replay: bool = False, model_id: str | None = None, seq: int | None = None
+    ) -> None:
+        """Register the future of an acknowledged (or replayed) request and queue its work. `model_id` / `seq`: the
+        model the journal files it under (what a snapshot of that model compacts)."""
         res = Result(asyncio.Event())
         self.state.results[key] = res
+        if model_id is not None:
+            with self.lock:
+                self._model_keys.setdefault(model_id, []).append((key, seq))
         if kind == "create_session":
             self.state.sessions.add(body["session_id"])
             self._resolve(res, {})
@@ -331,6 +376,12 @@ class TinkerServer:
         elif kind == "sample":
             assert self.loop is not None
             self.loop.create_task(self._sample(key, body, res))
+        elif kind == "restore":
+            with self.lock:
+                self.state.creates.append(Op(key, kind, body.model_id, 0, body))
+                self.state.next_seq[body.model_id] = body.next_seq
+                self._snap_folder[body.model_id] = body.info["folder"]
+                self.lock.notify_all()
         else:
             if kind == "forward_backward":
                 fb = wire.decode_forward_backward(body)
@@ -350,8 +401,9 @@ class TinkerServer:
                 self.lock.notify_all()
 
     def _resolve(self, res: Result, value: dict[str, Any] | bytes) -> None:
+        res.value = value  # at once: a snapshot taken later in this turn keeps it (`_compact`)
+
         def done() -> None:
-            res.value = value
             res.event.set()
 
         try:
@@ -414,12 +466,13 @@ class TinkerServer:
                     self._run_one(op)
                 if fwd:
                     self._run_batch(fwd)
+                self._compact_after(ready)
                 if first:  # every replayed create ran in this turn (creates and loads at seq 0 are ready at once)
                     self.ops.slots.end_client_reservations()
                     first = False
             with self.lock:
                 for op in ready:
-                    if op.kind not in ("create_model", "unload_model"):
+                    if op.kind not in ("create_model", "unload_model", "restore"):
                         self.state.next_seq[op.model_id] = op.seq_id + 1
 
     def _run_batch(self, ops: list[Op]) -> None:
@@ -461,7 +514,7 @@ class TinkerServer:
                     raise UserError(f"optimizer {params['type']!r} is not supported; allowed: Adam")
                 value = {"metrics": self.ops.optim_step(op.model_id, params)}
             elif op.kind == "save_weights":
-                name = b.get("path") or f"step{self.ops.tenant(op.model_id).steps}"
+                name = b.get("path") or f"step{self.ops.steps(op.model_id)}"
                 value = {"type": "save_weights", "path": self.ops.save(op.model_id, name, key=op.request_id)}
             elif op.kind == "save_weights_for_sampler":
                 path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
@@ -477,6 +530,10 @@ class TinkerServer:
             elif op.kind == "unload_model":
                 self.ops.unload(op.model_id)
                 value = {"type": "unload_model", "model_id": op.model_id}
+            elif op.kind == "restore":
+                self.ops.restore(op.model_id, b.info, b.samplers)
+                self._snapped_at[op.model_id] = self.ops.steps(op.model_id)
+                value = {"type": "restore", "model_id": op.model_id}
             else:
                 raise UserError(f"unknown request kind {op.kind!r}")
         except Exception:  # noqa: BLE001 - the failure is the request's result
@@ -485,6 +542,55 @@ class TinkerServer:
             return
         self._record_live(op)
         self._resolve(self.state.results[op.request_id], value)
+
+    # -- the bounded journal ----------------------------------------------------------------------------------------
+    def _compact_after(self, ran: list[Op]) -> None:
+        """Snapshot the models whose request of this turn calls for it (an optim_step `snapshot_every` steps after
+        the last snapshot, a save_state) and compact their journal; forget an unloaded model's requests. A failed
+        snapshot leaves the journal as it was (the restart replays more)."""
+        for op in ran:
+            m = op.model_id
+            try:
+                if op.kind == "unload_model" and m not in self.ops.tenants:
+                    self._compact(m, None)
+                elif op.kind in ("optim_step", "save_weights") and m in self.ops.tenants:
+                    if (
+                        op.kind == "save_weights"
+                        or self.ops.steps(m) - self._snapped_at.get(m, 0) >= self.snapshot_every
+                    ):
+                        self._compact(m, op.seq_id + 1)
+            except Exception:  # noqa: BLE001 - the journal still holds every request: nothing is lost
+                log.exception("journal snapshot of %s failed; its requests stay in the journal", m)
+
+    def _compact(self, model_id: str, next_seq: int | None) -> None:
+        """Swap the model's finished requests before `next_seq` (None: all, the model is gone) for a snapshot."""
+        steps = self.ops.steps(model_id) if next_seq is not None else 0
+        info, blobs = (
+            self.ops.snapshot(model_id, f"snapshot.{model_id}.{next_seq}") if next_seq is not None else (None, {})
+        )
+        with self.lock:
+            keys = list(self._model_keys.get(model_id, []))
+        results: dict[str, dict[str, Any] | bytes] = {}
+        samples = []
+        for key, seq in keys:
+            res = self.state.results.get(key)
+            if res is None or res.value is None:
+                continue  # still running (a sample in flight): it stays in the journal
+            if seq is None and not key.endswith(".unload"):
+                samples.append(key)
+                results[key] = res.value
+            elif next_seq is None or (seq is not None and seq < next_seq):
+                results[key] = res.value
+        self.journal.compact(model_id, next_seq if next_seq is not None else 2**62, info, blobs, results, samples)
+        with self.lock:
+            self._model_keys[model_id] = [(k, q) for k, q in self._model_keys.get(model_id, []) if k not in results]
+        old = self._snap_folder.pop(model_id, None)
+        if info is not None:
+            self._snap_folder[model_id] = info["folder"]
+            self._snapped_at[model_id] = steps
+        if old is not None and old != (info or {}).get("folder"):
+            name = slot_name(model_id)
+            self.ops.ckpt.discard(self.ops.ckpt.adapter_dir(name) / old)
 
     def _record_live(self, op: Op) -> None:
         """Who holds a slot, for a restart's order (`Journal.live_models`); before the client hears of it."""
@@ -526,26 +632,27 @@ def build_server(
     seed: int = 0,
     batch_wait_s: float = 0.02,
     max_sampler_versions: int = 4,
+    snapshot_every: int = 50,
 ) -> TinkerServer:
-    from transformers import AutoTokenizer
-
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
-    from rl_multilora.lora import MultiLoRAModel
+    from rl_multilora.config import GRPOSettings, ModelConfig
     from rollout.engines.embedded import EmbeddedEngine
 
     _check_token(token)
     torch.manual_seed(seed)
-    model = MultiLoRAModel.from_pretrained(model_path, max_loras=max_loras, max_rank=max_rank)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engine = EmbeddedEngine(model, tokenizer, seed=seed)
+    m = ModelConfig(path=model_path, max_loras=max_loras, max_rank=max_rank)
+    tokenizer = components.build_tokenizer(m)
+    pad = components.pad_token_id(tokenizer)
+    backend = components.build_local_backend(m, GRPOSettings(), pad)  # clients name their own loss per call
+    engine = EmbeddedEngine(backend.shared_model, tokenizer, seed=seed)
     ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
     for p in ckpt.remove_stale_temps():
         log.info("removed %s, left by an interrupted write", p)
-    ops = ClientOps(model, engine, components.pad_token_id(tokenizer), ckpt, max_sampler_versions)
-    return TinkerServer(
-        ops, Journal(state_dir / "requests.sqlite"), token, base_model or model_path, poll_s, batch_wait_s
-    )
+    ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions)
+    journal = Journal(state_dir / "requests.sqlite")
+    name = base_model or model_path
+    return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every)
 
 
 def service_problems(cfg: Any) -> list[str]:
@@ -572,6 +679,7 @@ def build_service_server(
     poll_s: float = 20.0,
     batch_wait_s: float = 0.02,
     max_sampler_versions: int = 4,
+    snapshot_every: int = 50,
 ) -> TinkerServer:
     """The Tinker app on a GRPO service's Runtime (`core`: a `rl_multilora.service.ServiceCore`): its model,
     engine and TenantManager, its FIFO model lock, its checkpoints (`RUN_DIR/adapters/`); the journal under
@@ -596,7 +704,7 @@ def build_service_server(
     if held:
         log.info("holding %d slot(s) for the Tinker clients the journal replays: %s", len(held), ", ".join(held))
     ops = ClientOps(
-        rt.backend.shared_model,
+        rt.backend,
         rt.engine,
         components.pad_token_id(rt.tokenizer),
         rt.ckpt,
@@ -605,7 +713,7 @@ def build_service_server(
         shared_engine=True,
     )
     return TinkerServer(ops, journal, token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
-                        turn=core.tinker_turn)  # fmt: skip
+                        turn=core.tinker_turn, snapshot_every=snapshot_every)  # fmt: skip
 
 
 class BackgroundApp:
@@ -650,12 +758,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rank", type=int, default=32)
     p.add_argument("--max-sampler-versions", type=int, default=4,
                    help="in-memory sampler versions kept per model; the least recently used beyond it is freed")  # fmt: skip
+    p.add_argument("--snapshot-every", type=int, default=50,
+                   help="a model's optimizer steps between journal snapshots: a restart replays at most this many "
+                   "steps' requests per model (default 50)")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     token = resolve_token(args.state_dir)
     server = build_server(
         args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
-        max_sampler_versions=args.max_sampler_versions,
+        max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
     )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip

@@ -1,0 +1,322 @@
+"""The backend's operations, per tenant: the Tinker primitives that both front doors call, on the multi-LoRA model
+of this process (this rank's shard of it on a sharded model).
+
+- `forward_backward(rows, ...)`: one mixed micro-batch of several tenants' rows. One forward routed by each row's
+  adapter; each token's loss under its own tenant's settings (the loss registry, `rl_multilora.losses`, through
+  `rl_multilora.grpo.token_loss`); one backward of the finite tenants' summed losses. Right after it each tenant's
+  part of the stacked LoRA grads is added into the tenant's own buffer and the stacked grads are dropped, so a
+  tenant's gradient accumulates across calls (micro-batches, a client's several requests) until its own
+  `optim_step`, and no other call (another tenant's step, a GRPO step between a client's requests) can touch it.
+  Returns each row's log-probs (and the base model's, when asked) and each tenant's loss sums.
+- `optim_step(name, ...)`: clips the tenant's accumulated gradient by its norm over every rank, skips the step when
+  the norm or the loss was not finite (the adapter stays bit-identical), steps its AdamW and empties its buffer.
+  `adam` (a Tinker client's `AdamParams`) sets this step's learning rate and Adam settings; without it the
+  tenant's own LR schedule applies (a GRPO tenant).
+- One tenant record (`TenantTrainState`) for both kinds of tenant: its slot, optimizer + schedule + step count
+  (`rl_multilora.tenant_optim.TenantOptimizer`), loss settings (`TenantAlgo`; None = the run's `grpo` section) and
+  gradient buffer. `rl_multilora.trainer` (GRPO) and `rl_multilora.tinker.ops` (the Tinker API) are its clients.
+
+Forwards run with the model in eval mode (dropout off) so that old, new and reference log-probs come from the same
+deterministic function; autograd is unaffected. Log-probs of half-precision models are computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from rl_multilora.config import GRPOSettings, OptimSettings
+from rl_multilora.errors import bad_value
+from rl_multilora.grpo import TokenSettings, per_adapter_sum, token_loss
+from rl_multilora.losses import TenantAlgo
+from rl_multilora.ranks import RankCoordinator
+from rl_multilora.rows import Row, TokenIndex, pad
+from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
+
+if TYPE_CHECKING:
+    from rl_multilora.lora import MultiLoRAModel
+
+# What `forward_backward` sums per tenant (reported; the GRPO client adds them over micro-batches and ranks).
+SUM_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clipped",
+    "tokens",
+    "gap",
+    "gap_tokens",
+    "tis_w",
+    "tis_n",
+    "tis_capped",
+)
+
+
+@dataclass
+class TenantTrainState:
+    """One tenant on the trainer side, whichever door drives it."""
+
+    slot: int  # the model slot its optimizer's parameters belong to (to catch a caller that re-slotted the name)
+    optim: TenantOptimizer
+    algo: TenantAlgo | None = None  # its own loss settings; None: the run's GRPOSettings
+    grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, `optim.params` order
+
+
+@dataclass
+class FwdBwdOut:
+    """What one `forward_backward` computed."""
+
+    logprobs: list[torch.Tensor]  # per row, (n_targets,), detached: each target token's log-prob
+    ref_logprobs: list[torch.Tensor] | None  # per row, the base model's (`want_ref`)
+    row_loss: list[float]  # per row, sum over its tokens of weight * loss
+    sums: dict[str, dict[str, float]] = field(default_factory=dict)  # per tenant, SUM_KEYS
+    nonfinite: set[str] = field(default_factory=set)  # tenants whose loss here was not finite (left out)
+    backwarded: set[str] = field(default_factory=set)  # tenants whose loss went into the backward
+
+
+class TrainOps:
+    """The per-tenant primitives over one `MultiLoRAModel` (see the module docstring)."""
+
+    def __init__(self, model: MultiLoRAModel, cfg: GRPOSettings, pad_token_id: int, temperature: float = 1.0):
+        """`cfg`: the loss settings of tenants without their own (`TenantAlgo`); `temperature`: theirs too (the
+        rollouts' sampling temperature: logits are divided by it, so log-probs are those the engine sampled from)."""
+        if not isinstance(cfg, GRPOSettings):
+            raise TypeError(bad_value("cfg", type(cfg).__name__, "a rl_multilora.config.GRPOSettings"))
+        if not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(bad_value("pad_token_id", pad_token_id, "a non-negative token id"))
+        if not temperature > 0.0:
+            raise ValueError(bad_value("temperature", temperature, "a number > 0"))
+        self.model = model
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        self.tenants: dict[str, TenantTrainState] = {}
+        self.ranks = RankCoordinator.of(model)
+
+    # ----- tenants -----
+
+    def add_tenant(
+        self, name: str, optim: OptimSettings, lr: float, max_steps: int | None = None, algo: TenantAlgo | None = None
+    ) -> None:
+        """Create `name`'s AdamW (over its own slot's parameters only) and LR schedule; the model must hold it.
+        `lr` is the peak learning rate, `max_steps` the budget in optimizer steps (what a cosine schedule decays
+        over)."""
+        if name in self.tenants:
+            raise ValueError(
+                bad_value("name", name, "a new adapter; it already has an optimizer (remove_adapter it first)")
+            )
+        if name not in self.model.adapters:
+            raise ValueError(bad_value("name", name, f"an adapter of the model ({sorted(self.model.adapters)})"))
+        optimizer = TenantOptimizer(name, list(self.model.adapter_parameters(name)), optim, lr, max_steps)
+        self.tenants[name] = TenantTrainState(slot=self.model.adapters[name].slot, optim=optimizer, algo=algo)
+
+    def remove_tenant(self, name: str) -> None:
+        """Drop `name`'s optimizer, schedule, step counter and gradient buffer (its slot is the caller's to free)."""
+        self.tenant(name).optim.drop_grads()
+        del self.tenants[name]
+
+    def tenant(self, name: str) -> TenantTrainState:
+        if name not in self.tenants:
+            raise KeyError(bad_value("adapter", name, f"an adapter with an optimizer ({sorted(self.tenants)})"))
+        return self.tenants[name]
+
+    def check_slot(self, name: str) -> None:
+        """The tenant still sits in the slot its optimizer was made for: stepping it after the model re-slotted the
+        name (or gave the slot to another tenant) would move someone else's weights."""
+        tenant = self.tenant(name)
+        info = self.model.adapters.get(name)
+        if info is None or info.slot != tenant.slot:
+            now = "is no longer in the model" if info is None else f"now sits in slot {info.slot}"
+            raise RuntimeError(
+                f"adapter {name!r} had slot {tenant.slot} when its optimizer was created but {now}; "
+                "call trainer.remove_adapter and trainer.add_adapter after changing the model's adapters"
+            )
+
+    # ----- the primitives -----
+
+    def forward_backward(
+        self,
+        rows: Sequence[Row],
+        weights: Mapping[int, float] | None = None,
+        *,
+        want_ref: bool = False,
+        backward: bool = True,
+        filler: bool = False,
+        algos: Mapping[str, TenantAlgo] | None = None,
+        collect: Sequence[str] | None = None,
+    ) -> FwdBwdOut:
+        """Forward + backward of one mixed micro-batch (see the module docstring).
+
+        `weights`: id(row) -> the aggregation weight of each of its tokens (None: 1, token sums). A row's old
+        log-probs are its `old_logprobs` when given, else this forward's own (detached: the policy before any step);
+        its reference log-probs (KL) its `ref_logprobs`, or the base model's forward when `want_ref`. `backward`
+        False: a forward only (no graph, no gradient). `filler`: a zero-weight stand-in on a rank short of rows,
+        which runs the same forwards and backward as the other ranks (their FSDP collectives). `algos`: this call's
+        loss per tenant (a Tinker client's `loss_fn`), instead of the tenant's own settings. `collect`: the tenants
+        whose slot gradients to keep after the backward (default: those whose loss went into it); on a sharded model
+        the reduce-scatter hands this rank gradients of rows other ranks ran, so the GRPO client names every tenant
+        of the step on every rank, filler calls included."""
+        for name in {r.adapter for r in rows}:
+            self.check_slot(name)
+        self.model.eval()  # never flipped back: an engine sharing the base may be generating (async runs)
+        device = next(self.model.parameters()).device
+        names = sorted({r.adapter for r in rows})
+        slot_of = {n: i for i, n in enumerate(names)}
+        input_ids, attention_mask = pad(rows, self.pad_token_id, device)  # (B, T), (B, T)
+        tok = TokenIndex.build(rows, slot_of, weights, device)
+        adapter_names: list[str | None] = [r.adapter for r in rows]
+        own = [(algos or {}).get(n, self.tenants[n].algo) for n in names]
+        settings = TokenSettings.of(own, self.cfg, self.temperature, tok.adapter)
+        need_ref, temp_tok = settings.need_ref, settings.temperature
+
+        ref_logp = None
+        if want_ref:
+            with torch.no_grad():
+                ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(rows), tok, temp_tok)  # (N,)
+        with torch.set_grad_enabled(backward):
+            logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok, temp_tok)  # (N,), (N,)
+        if tok.given_old is None or filler:
+            old_logp = logp.detach()  # no optimizer step since this forward's weights: it IS the old policy
+        elif tok.has_old is None:
+            old_logp = tok.given_old
+        else:  # some rows bring their sampler's log-probs, the others use this forward's
+            old_logp = torch.where(tok.has_old, tok.given_old.to(logp.dtype), logp.detach())
+        if need_ref and ref_logp is None:
+            given = [r.ref_logprobs for r in rows]
+            ref_logp = torch.cat(given) if not filler and all(g is not None for g in given) else logp.detach()
+        out_ref = ref_logp
+        if not need_ref:
+            ref_logp = None  # no token here has a KL term (a 0 * inf term would still be NaN)
+        loss = token_loss(self.cfg, settings, tok, logp, old_logp, ref_logp, entropy, len(rows))
+
+        def per_adapter(values: torch.Tensor) -> torch.Tensor:
+            return per_adapter_sum(values, tok.adapter, len(names))  # (N,) -> (n_adapters,)
+
+        weighted = tok.weight * loss.total  # (N,)
+        loss_a = per_adapter(weighted)  # (n_adapters,)
+        finite = torch.isfinite(loss_a)  # (n_adapters,)
+        # Only finite terms enter the backward; a non-finite tenant is reported by name. Sharded, every rank runs the
+        # backward even with nothing finite here: it holds the FSDP reduce-scatters the others wait in.
+        finite_list = finite.tolist()
+        backwarded = {n for n, ok in zip(names, finite_list, strict=True) if ok} if backward else set()
+        if backward and (bool(finite.any()) or self.ranks.world > 1):
+            loss_a[finite].sum().backward()
+            self._take_grads(set(collect) if collect is not None else backwarded)
+
+        with torch.no_grad():
+            sums_a = {
+                "loss": loss_a.detach(),
+                "pg_loss": per_adapter(tok.weight * loss.pg.detach()),
+                "kl": per_adapter(tok.weight * loss.kl.detach()),
+                "entropy": per_adapter(tok.weight * entropy.detach()),
+                "clipped": per_adapter(loss.clipped.float()),
+                "tokens": per_adapter(torch.ones_like(logp)),
+                "gap": per_adapter(
+                    torch.where(tok.has_rollout, (tok.rollout_logp - old_logp).abs(), torch.zeros_like(old_logp))
+                ),
+                "gap_tokens": per_adapter(tok.has_rollout.float()),
+            }
+            if loss.tis is not None:  # (weights, applied, capped), each (N,)
+                w, applied, capped = loss.tis
+                sums_a["tis_w"] = per_adapter(torch.where(applied, w, torch.zeros_like(w)))
+                sums_a["tis_n"] = per_adapter(applied.float())
+                sums_a["tis_capped"] = per_adapter(capped.float())
+            lists = {k: v.tolist() for k, v in sums_a.items()}
+            row_loss = torch.zeros(len(rows), dtype=weighted.dtype, device=device).index_add_(
+                0, tok.row, weighted.detach()
+            )
+        detached = logp.detach()
+        return FwdBwdOut(
+            logprobs=list(detached.split(tok.counts)),
+            ref_logprobs=list(out_ref.split(tok.counts)) if out_ref is not None else None,
+            row_loss=row_loss.tolist(),
+            sums={n: {k: v[i] for k, v in lists.items()} for n, i in slot_of.items()},
+            nonfinite={n for n, ok in zip(names, finite_list, strict=True) if not ok},
+            backwarded=backwarded,
+        )
+
+    def optim_step(
+        self, name: str, skip: bool = False, reached: bool | None = None, adam: AdamSettings | None = None
+    ) -> tuple[bool, float | None]:
+        """Clip, check and apply `name`'s accumulated gradient, then empty its buffer; returns (stepped, pre-clip
+        grad norm: None without a gradient). `skip`: its loss was not finite somewhere (the step is dropped);
+        `reached`: whether any rank's backward reached the tenant (the GRPO client agrees it over ranks; default:
+        whether this process has a gradient). `adam`: this step's settings instead of the tenant's schedule."""
+        t = self.tenant(name)
+        grads = t.grads
+        t.grads = None
+        for p, g in zip(t.optim.params, grads or [None] * len(t.optim.params), strict=True):
+            p.grad = g
+        if adam is not None:
+            t.optim.set_adam(adam)
+        reached = grads is not None if reached is None else reached
+        grad_norm = self.ranks.grad_norm(t.optim.grads(), reached=reached)  # every rank, same tenant order
+        return t.optim.step(grad_norm, skip)
+
+    def _take_grads(self, names: set[str]) -> None:
+        """Add each tenant's slot part of the stacked grads into its own buffer, then drop the stacked grads."""
+        for name in sorted(names):
+            t = self.tenants[name]
+            fresh = self.model.adapter_grads(name)
+            if not fresh:  # a slot another rank holds
+                continue
+            if t.grads is None:
+                t.grads = [None if g is None else g.clone() for g in fresh]
+            else:
+                t.grads = [
+                    old if g is None else (g.clone() if old is None else old.add_(g))
+                    for old, g in zip(t.grads, fresh, strict=True)
+                ]
+        self.model.zero_lora_grads()
+
+    def _forward_logp(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        adapter_names: list[str | None],
+        tok: TokenIndex,
+        temperature: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32."""
+        width = input_ids.shape[1]
+        # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
+        # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
+        keep = width - tok.first_pos + 1
+        out = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names, logits_to_keep=keep)
+        logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
+        offset = width - logits.shape[1]
+        # gathering before the softmax keeps it at (N, V), not (B, K, V)
+        picked = logits[tok.row, tok.pos - 1 - offset]  # (N, V)
+        # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
+        picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
+        # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).
+        picked = picked / (self.temperature if temperature is None else temperature.to(picked.dtype)[:, None])
+        logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
+        logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+        return logp, entropy
+
+    # ----- optimizer state -----
+
+    def optimizer_state_dict(self, name: str) -> dict[str, Any]:
+        """`name`'s optimizer and scheduler state, for checkpoints (the scheduler's `last_epoch` is its step count)."""
+        return self.tenant(name).optim.state_dict()
+
+    def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
+        """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings). A rank that
+        does not hold the slot (sharded model) takes the schedule and learning rate only."""
+        self.tenant(name).optim.load_state_dict(state, name)
+
+
+def finite_number(field_name: str, value: Any, low: float | None = None) -> float:
+    """`value` as a float when it is a finite number (>= `low` when given), else a ValueError naming the field."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or (low is not None and float(value) < low):
+        allowed = "a finite number" + (f" >= {low}" if low is not None else "")
+        raise ValueError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
+    return float(value)

@@ -1,0 +1,80 @@
+"""The bounded Tinker request journal: snapshots every `snapshot_every` optimizer steps (and at save_state) swap a
+model's finished requests for a run checkpoint of its state, so the log and a restart's replay follow the snapshot
+interval, not the client's history; a restart from a snapshot continues exactly as an uninterrupted server does,
+sampler versions and not-yet-fetched results included."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import tinker
+from aiohttp import web
+from tinker import types
+
+from rl_multilora.tinker.server import build_server
+from tests.test_tinker_server import BASE, MODEL, TOKEN, _datum, _free_port, _Running, _sft, tiny_model_folder  # noqa: F401
+
+TOKENS = list(range(5, 25))
+
+
+class _OnPort(_Running):
+    """A server on a given port: a restart the same clients reach again."""
+
+    def __init__(self, state_dir, port: int, **options) -> None:
+        self.server = build_server(str(MODEL), state_dir, TOKEN, base_model=BASE, poll_s=5, **options)
+        self.port = port
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(self.server.app())
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", port).start())
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+
+def _weights(server, tc) -> dict:
+    name = server.server.ops.tenants[tc.model_id].name
+    return {k: v.clone() for k, v in server.server.ops.backend.adapter_state_dict(name).items()}
+
+
+def test_the_journal_stays_bounded_and_a_restart_from_a_snapshot_continues_exactly(tmp_path):
+    reference = _Running(tmp_path / "ref", snapshot_every=1000)  # never snapshots: the plain replay-free run
+    sc = tinker.ServiceClient(base_url=reference.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+    expected = _sft(tc, 9, TOKENS)
+    expected_weights = _weights(reference, tc)
+    assert reference.server.journal.size() >= 1 + 2 * 9  # without snapshots every request stays
+    reference.close()
+
+    state = tmp_path / "state"
+    port = _free_port()
+    first = _OnPort(state, port, snapshot_every=3)
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+    losses = _sft(tc, 7, TOKENS)
+    path = tc.save_weights_for_sampler("s7").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    journal = first.server.journal
+    # 1 create + 2 requests per step: without snapshots 15 model requests; with them only those after step 6
+    assert journal.size() <= 1 + 2 * 3 + 2, journal.size()
+    [snap] = journal.snapshots()
+    assert snap.next_seq == 13  # after optim_step 6 (seq 12): the create is request 0
+    adapter_dir = first.server.ops.ckpt.adapter_dir(first.server.ops.tenants[tc.model_id].name)
+    snapshots_on_disk = [
+        d for d in adapter_dir.iterdir() if "_journal-snapshot" in (d / "checkpoint.json").read_text()
+    ]
+    assert len(snapshots_on_disk) == 1, "a superseded snapshot's checkpoint is removed"
+    sampled = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=1))
+    tokens_before = sampled.result().sequences[0].tokens
+    first.close()
+
+    second = _OnPort(state, port, snapshot_every=3)  # the same state dir: restore the snapshot, replay the rest
+    losses += _sft(tc, 2, TOKENS)
+    np.testing.assert_array_equal(np.array(losses), np.array(expected))  # bit for bit: same math, same order
+    for key, value in _weights(second, tc).items():
+        assert np.array_equal(value.numpy(), expected_weights[key].numpy()), key
+    again = sc.create_sampling_client(model_path=path).result()
+    resampled = again.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=1))
+    assert resampled.result().sequences[0].tokens == tokens_before  # the sampler version came back from the snapshot
+    second.close()
