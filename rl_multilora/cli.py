@@ -118,7 +118,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_engine_serve(args) -> int:
-    from rollout.server.serve import main as serve_main
+    from rl_multilora.engine_serve import main as serve_main
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     return serve_main(rest) or 0
@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1", help="address the Tinker API binds (with --tinker-port)")
     s.add_argument("--tinker-base-model", default=None, help="name clients pass as base_model (default: model.path)")
+    s.add_argument(
+        "--tinker-snapshot-every",
+        type=int,
+        default=50,
+        help="a Tinker client's optimizer steps between journal snapshots (a restart replays at most this many)",
+    )
     s.set_defaults(fn=cmd_service)
     for verb, helptext in [("submit", "submit ADAPTER.yaml to the service"), ("remove", "drain adapter NAME")]:
         s = sub.add_parser(verb, help=helptext)

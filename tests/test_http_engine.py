@@ -416,7 +416,7 @@ def test_abort_message_is_the_engines_reason_not_the_pause():
 def test_embedded_engine_abort_reason_reaches_the_http_response(tmp_path):
     """The real engine aborts a row whose adapter was reloaded mid-request (no pause) when no free slot can keep its
     version running; the response says so."""
-    from rollout.server.serve import build_embedded_engine
+    from rl_multilora.engine_serve import build_embedded_engine
     from tests.tiny_models import EOS_ID, save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "base")
@@ -536,7 +536,7 @@ def test_embedded_engine_served_over_http_matches_peft_generate(tmp_path):
     """`engine-serve`'s engine behind the server: adapters pushed over HTTP give PEFT's greedy output."""
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-    from rollout.server.serve import build_embedded_engine
+    from rl_multilora.engine_serve import build_embedded_engine
     from tests.tiny_models import save_tiny_model, tiny_model
 
     model_dir = save_tiny_model(tmp_path / "base")
@@ -580,7 +580,7 @@ def test_expert_lora_served_over_http_matches_peft_generate(tmp_path):
     target_parameters layout gives PEFT's greedy output."""
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-    from rollout.server.serve import build_embedded_engine
+    from rl_multilora.engine_serve import build_embedded_engine
     from tests.tiny_models import MOE_EXPERTS, save_tiny_model, tiny_model
 
     model_dir = save_tiny_model(tmp_path / "base", family="qwen3_moe")
@@ -617,7 +617,7 @@ def test_expert_lora_served_over_http_matches_peft_generate(tmp_path):
 
 
 def test_engine_serve_cli_rejects_bad_arguments(tmp_path, capsys):
-    from rollout.server.serve import main
+    from rl_multilora.engine_serve import main
 
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "missing")])

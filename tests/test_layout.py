@@ -132,14 +132,17 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def project_imports(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[str, str | None, int]]:
+def project_imports(
+    source: str, module: str, is_package: bool, known: set[str], type_checking: bool = True
+) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import of a project module in `source`, nested ones
-    included; imports under `if TYPE_CHECKING:` are left out (they never run)."""
+    included, and those under `if TYPE_CHECKING:` unless `type_checking` is False (a cycle hidden behind it is
+    still a cycle of design)."""
     package = module if is_package else module.rpartition(".")[0]
     found = []
 
     def visit(node: ast.AST) -> None:
-        if _is_type_checking(node):
+        if not type_checking and _is_type_checking(node):
             return
         if isinstance(node, ast.Import):
             found.extend((a.name, None, node.lineno) for a in node.names if a.name in known)
@@ -208,7 +211,7 @@ def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def test_the_project_has_no_import_cycles():
     # A package's __init__ re-exporting its submodules is not a cycle of design: leave the package-to-own-child
-    # edges out, keep everything else (nested imports too).
+    # edges out, keep everything else (nested imports and TYPE_CHECKING ones too).
     graph = {
         m: {t: line for t, line in targets.items() if not t.startswith(m + ".")}
         for m, targets in _import_graph().items()
@@ -229,3 +232,62 @@ def test_no_module_imports_another_modules_underscored_names():
             if name is not None and name.startswith("_") and not name.startswith("__") and target != module:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: from {target} import {name}")
     assert not problems, problems
+
+
+def test_type_checking_imports_count_for_cycles():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_multilora.batch import Row\n"
+    known = {"rl_multilora.batch"}
+    assert project_imports(source, "rl_multilora.grpo", False, known) == [("rl_multilora.batch", "Row", 3)]
+    assert project_imports(source, "rl_multilora.grpo", False, known, type_checking=False) == []
+
+
+# Modules of `rl_multilora` that `rollout` may import: the leaves that import nothing of `rollout` back.
+ROLLOUT_MAY_IMPORT = ("rl_multilora.lora", "rl_multilora.errors")
+
+
+def rollout_problems(graph: dict[str, dict[str, int]]) -> list[str]:
+    """`module:line -> target` for every import in `rollout` of an `rl_multilora` module other than its leaves."""
+    return [
+        f"{module}:{line} -> {target}"
+        for module, targets in graph.items()
+        if _inside(module, "rollout")
+        for target, line in targets.items()
+        if _inside(target, "rl_multilora") and not any(_inside(target, leaf) for leaf in ROLLOUT_MAY_IMPORT)
+    ]
+
+
+def test_rollout_imports_only_the_leaves_of_rl_multilora():
+    assert not rollout_problems(_import_graph())
+
+
+def test_the_rollout_check_flags_what_imports_rollout_back():
+    graph = {"rollout.x": {"rl_multilora.components": 3, "rl_multilora.lora.peft_io": 4, "rl_multilora.errors": 5}}
+    assert rollout_problems(graph) == ["rollout.x:3 -> rl_multilora.components"]
+
+
+# Where the multi-LoRA model is built from a config: `components` (one process, engines) and the sharded build.
+MODEL_BUILDERS = ("rl_multilora.components", "rl_multilora.backends.fsdp")
+
+
+def model_builds(source: str) -> list[int]:
+    """Lines that build a multi-LoRA model (`MultiLoRAModel.from_pretrained` / `.from_model`)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("from_pretrained", "from_model")
+        and "MultiLoRAModel" in ast.unparse(node.func.value)
+    ]
+
+
+def test_only_components_and_the_sharded_build_make_the_model():
+    found = {
+        module: lines
+        for module, (path, _) in _project_modules().items()
+        if module not in MODEL_BUILDERS and not _inside(module, LEAF)
+        for lines in [model_builds(path.read_text())]
+        if lines
+    }
+    assert not found, f"the model is built only in {MODEL_BUILDERS}: {found}"
+    assert model_builds("m = MultiLoRAModel.from_pretrained(p)\nx = lora.MultiLoRAModel.from_model(b)") == [1, 2]

@@ -166,8 +166,8 @@ def test_engine_serve_no_api_key_serves_open_with_a_warning(tiny_model_dir, tmp_
 def test_engine_serve_key_sources_and_conflicts(tmp_path, monkeypatch, capsys):
     """--api-key / RL_MULTILORA_API_KEY are used as given (no file); --key-file moves the generated key; a key and
     --no-api-key together are refused in the project's grammar, and no message ever shows a key."""
+    import rl_multilora.engine_serve as serve_module
     import rollout.server.http_server as http_server
-    import rollout.server.serve as serve_module
 
     served: list[str | None] = []
     monkeypatch.setattr(serve_module, "build_embedded_engine", lambda *a, **k: (_Closable(), None))

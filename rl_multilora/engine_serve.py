@@ -2,7 +2,8 @@
 
 Design choices:
 - Heavy imports (transformers, the model, the engine, the aiohttp server) happen inside the functions, so the
-  CLI can import this module cheaply; `http_server.py` re-exports `main` without an import cycle.
+  CLI can import this module cheaply. It lives with the CLI, not in `rollout/`: it builds components from a config
+  (`rl_multilora.components`), and `rollout` imports only `rl_multilora`'s leaves.
 - Arguments are checked before the model loads, with one message per bad value in the project's grammar.
 - Binds 127.0.0.1 unless told otherwise, and is never open by default: a key protects every endpoint but
   `/health*` (and SGLang's other exempt prefixes), as SGLang's `--api-key` does. The key is `--api-key` (or env
