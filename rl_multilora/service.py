@@ -631,7 +631,7 @@ def serve(
 
         problems = service_problems(cfg)
         if problems:
-            raise ServiceError("--tinker-port needs one in-process model and engine: " + "; ".join(problems))
+            raise ServiceError("--tinker-port needs the embedded engine: " + "; ".join(problems))
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
     check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
     # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,

@@ -358,9 +358,6 @@ class TenantManager:
     def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
         """A slot of the shared model for a Tinker client tenant, now or a TenantError saying why not. A GRPO tenant
         already waiting (PENDING) keeps its claim on the next free slot."""
-        model = self.backend.shared_model
-        if model is None:
-            raise TenantError("Tinker client tenants need the local training backend (trainer.world_size: 1)")
         old = self.tenants.get(name)
         live = self.table.clients.get(name)
         if (old is not None and old.state in LIVE | {TenantState.DRAINED}) or (

@@ -65,6 +65,7 @@ class TenantTrainState:
     optim: TenantOptimizer
     algo: TenantAlgo | None = None  # its own loss settings; None: the run's GRPOSettings
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, `optim.params` order
+    nonfinite: bool = False  # some forward_backward since its last optim_step had a non-finite loss of it
 
 
 @dataclass
@@ -204,6 +205,9 @@ class TrainOps:
         # backward even with nothing finite here: it holds the FSDP reduce-scatters the others wait in.
         finite_list = finite.tolist()
         backwarded = {n for n, ok in zip(names, finite_list, strict=True) if ok} if backward else set()
+        for n in names:
+            if backward and not finite_list[slot_of[n]]:
+                self.tenants[n].nonfinite = True  # its optim_step is skipped: the adapter stays as it was
         if backward and (bool(finite.any()) or self.ranks.world > 1):
             loss_a[finite].sum().backward()
             self._take_grads(set(collect) if collect is not None else backwarded)
@@ -244,12 +248,18 @@ class TrainOps:
         self, name: str, skip: bool = False, reached: bool | None = None, adam: AdamSettings | None = None
     ) -> tuple[bool, float | None]:
         """Clip, check and apply `name`'s accumulated gradient, then empty its buffer; returns (stepped, pre-clip
-        grad norm: None without a gradient). `skip`: its loss was not finite somewhere (the step is dropped);
-        `reached`: whether any rank's backward reached the tenant (the GRPO client agrees it over ranks; default:
-        whether this process has a gradient). `adam`: this step's settings instead of the tenant's schedule."""
+        grad norm: None without a gradient). `skip`: its loss was not finite somewhere (the step is dropped; also
+        when a forward_backward since its last step saw a non-finite loss of it); `reached`: whether any rank's
+        backward reached the tenant (the GRPO client agrees it over ranks itself; default: agreed here from whether
+        each rank has a gradient). `adam`: this step's settings instead of the tenant's schedule."""
         t = self.tenant(name)
         grads = t.grads
         t.grads = None
+        skip = skip or t.nonfinite
+        t.nonfinite = False
+        if reached is None and self.ranks.world > 1:  # every rank the same flags, or the norm's collective hangs
+            bad, good = self.ranks.agree([name], {name} if skip else set(), {name} if grads is not None else set())
+            skip, reached = name in bad, name in good
         for p, g in zip(t.optim.params, grads or [None] * len(t.optim.params), strict=True):
             p.grad = g
         if adam is not None:

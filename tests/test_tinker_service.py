@@ -229,7 +229,9 @@ def test_restarted_service_gives_replayed_clients_their_slots_first(workspace, t
         core.stop(timeout=60)
 
 
-def test_a_service_that_cannot_share_its_model_is_refused_naming_each_setting(workspace):
+def test_the_tinker_api_is_served_on_every_trainer_and_engine_placement_but_server_engines(workspace):
+    """Trainer ranks, engine actors, several engines and async rollouts serve clients as they serve GRPO tenants (one
+    trainer behind both doors); a server engine (SGLang, http) is refused, naming the setting."""
     from rl_multilora.tinker.server import service_problems
 
     def cfg(**over):
@@ -243,10 +245,10 @@ def test_a_service_that_cannot_share_its_model_is_refused_naming_each_setting(wo
         )
 
     assert service_problems(cfg()) == []
-    problems = service_problems(cfg(rollout={"engine_actors": True, "num_engines": 2}))
-    assert len(problems) == 2
-    assert problems[0].startswith("rollout.engine_actors=True is not allowed; allowed: false")
-    assert problems[1].startswith("rollout.num_engines=2 is not allowed; allowed: 1")
+    scaled = cfg(rollout={"engine_actors": True, "num_engines": 2, "mode": "async"}, trainer={"world_size": 2})
+    assert service_problems(scaled) == []
+    problems = service_problems(cfg(rollout={"engine": "http", "url": "http://127.0.0.1:1"}))
+    assert len(problems) == 1 and problems[0].startswith("rollout.engine='http' is not allowed; allowed: 'embedded'")
 
 
 # -- `rl-multilora serve CONFIG --tinker-port PORT` as a user runs it --------------------------------------------------
@@ -375,20 +377,63 @@ def test_serve_with_tinker_port_survives_kill_9(workspace, tmp_path):
         served.kill_9()
 
 
-def test_serve_refuses_the_tinker_port_on_configs_without_one_in_process_model(workspace, tmp_path):
-    """The Ray paths that do not share one in-process model and engine (engine actors, several engines, trainer
-    ranks) are refused before a cluster starts: exit 2, each setting named, no traceback."""
+def test_serve_refuses_the_tinker_port_on_a_server_engine(workspace, tmp_path):
+    """A server engine (http / SGLang) is refused for the Tinker API before a cluster starts: exit 2, the setting
+    named, no traceback."""
     config = tmp_path / "service.yaml"
     data = _service_config(workspace, tmp_path / "run", ["t1"])
-    data["rollout"].update(engine_actors=True, num_engines=2)
-    data["trainer"] = {"world_size": 2}
+    data["rollout"].update(engine="http", url="http://127.0.0.1:1")
     config.write_text(yaml.safe_dump(data))
     out = subprocess.run([sys.executable, "-m", "rl_multilora.cli", "serve", str(config), "--tinker-port",
                           str(_free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2, out.stderr
-    assert out.stderr.startswith("error: --tinker-port needs one in-process model and engine: ")
-    for setting in ("trainer.world_size=2 is not allowed; allowed: 1", "rollout.engine_actors=True is not allowed",
-                    "rollout.num_engines=2 is not allowed; allowed: 1"):  # fmt: skip
-        assert setting in out.stderr
+    assert out.stderr.startswith("error: --tinker-port needs the embedded engine: ")
+    assert "rollout.engine='http' is not allowed; allowed: 'embedded'" in out.stderr
     assert "Traceback" not in out.stderr and "service ready" not in out.stdout
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def _sample(sc, path: str) -> tuple[list[int], list[float]]:
+    sampler = sc.create_sampling_client(model_path=path).result()
+    params = types.SamplingParams(max_tokens=6, temperature=0.0, seed=1)
+    seq = sampler.sample(types.ModelInput.from_ints(TOKENS[:5]), 1, params).result().sequences[0]
+    return list(seq.tokens), list(seq.logprobs)
+
+
+@pytest.mark.ray
+def test_serve_with_trainer_ranks_and_engine_actors_serves_a_client_like_one_process(workspace, tmp_path):
+    """One trainer behind both doors, at scale: `serve CONFIG --tinker-port P` with two FSDP2 trainer ranks on Ray,
+    two colocated engine actors and async rollouts, driven by the real SDK next to a GRPO tenant that keeps
+    training: the client's losses and sampled log-probs equal the single-process server's (rtol 1e-4)."""
+    ref = BackgroundApp(
+        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        "127.0.0.1",
+        ref_port := _free_port(),
+    )
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{ref_port}", api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        expected = _sft(tc, 3, TOKENS)
+        expected_sample = _sample(sc, tc.save_weights_for_sampler("s3").result().path)
+    finally:
+        ref.close()
+
+    run_dir, port = tmp_path / "run", _free_port()
+    data = _service_config(workspace, run_dir, ["t1"])
+    data["model"]["device"] = "cpu"
+    data["trainer"] = {"world_size": 2, "colocate_engines": True}
+    data["rollout"].update(engine_actors=True, num_engines=2, mode="async")  # 2 CPUs: ranks and engines share
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(data))
+    served = _Serve(config, port, tmp_path / "serve.log")
+    try:
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=10).result()
+        np.testing.assert_allclose(_sft(tc, 3, TOKENS), expected, rtol=1e-4)
+        tokens, logprobs = _sample(sc, tc.save_weights_for_sampler("s3").result().path)
+        assert tokens == expected_sample[0]
+        np.testing.assert_allclose(logprobs, expected_sample[1], rtol=1e-4, atol=1e-6)
+        _wait(lambda: len(_metrics(run_dir, "t1")) >= 2, timeout=180)  # the GRPO tenant trains next to it
+    finally:
+        served.kill_9()
+    assert "Traceback" not in served.log.read_text()

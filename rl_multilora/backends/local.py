@@ -91,7 +91,30 @@ class LocalBackend(TrainingBackend):
     def forward_backward(
         self, rows: Sequence[Row], losses: Mapping[str, TenantAlgo], backward: bool = True
     ) -> FwdBwdOut:
-        return self.trainer.ops.forward_backward(rows, None, algos=losses, backward=backward)
+        return self.forward_backward_share(rows, losses, backward)[1]
+
+    def forward_backward_share(
+        self, rows: Sequence[Row], losses: Mapping[str, TenantAlgo], backward: bool = True
+    ) -> tuple[list[int], FwdBwdOut]:
+        """This rank's share of one mixed batch (all of it in one process): (the indices of its rows, their outputs).
+        Every rank is handed the same rows and runs exactly one forward (and backward), on a zero-weight stand-in
+        when it has no rows, so the sharded model's collectives line up; every tenant of the batch collects the
+        gradient the reduce-scatter hands this rank."""
+        ops = self.trainer.ops
+        index = {id(r): i for i, r in enumerate(rows)}
+        mine = ops.ranks.split(list(rows))[ops.ranks.rank]
+        if ops.ranks.world == 1:
+            return [index[id(r)] for r in mine], ops.forward_backward(mine, None, algos=losses, backward=backward)
+        collect = sorted({r.adapter for r in rows})
+        if not mine:
+            filler = rows[0]
+            ops.forward_backward(
+                [filler], {id(filler): 0.0}, algos=losses, backward=backward, filler=True, collect=collect
+            )
+            return [], FwdBwdOut(logprobs=[], ref_logprobs=None, row_loss=[])
+        weights = {id(r): 1.0 for r in mine}
+        out = ops.forward_backward(mine, weights, algos=losses, backward=backward, collect=collect)
+        return [index[id(r)] for r in mine], out
 
     def optim_step(self, name: str, adam: AdamSettings) -> tuple[bool, float | None]:
         return self.trainer.ops.optim_step(name, adam=adam)

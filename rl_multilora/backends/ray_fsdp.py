@@ -33,6 +33,10 @@ from rl_multilora.backends.base import TrainingBackend
 from rl_multilora.backends.local import LocalBackend
 from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import AdapterConfig, RunConfig
+from rl_multilora.losses import TenantAlgo
+from rl_multilora.rows import Row
+from rl_multilora.tenant_optim import AdamSettings
+from rl_multilora.train_ops import FwdBwdOut
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the trainer ranks' placement group may wait for resources
 CLOSE_TIMEOUT_S = 30.0  # how long closing waits for the ranks to leave their process group before killing them
@@ -114,6 +118,21 @@ class _TrainerRank:
 
     def train_step(self, samples, current_versions, max_steps) -> dict[str, AdapterStepStats]:
         return self.local.train_step(samples, current_versions, max_steps)
+
+    def add_client(self, name: str, rank: int, alpha: float, seed: int | None, targets: list[str]) -> int:
+        return self.local.add_client(name, rank, alpha, seed, targets)
+
+    def forward_backward(self, rows, losses, backward: bool) -> tuple[list[int], FwdBwdOut]:
+        mine, out = self.local.forward_backward_share(rows, losses, backward)
+        out.logprobs = [t.cpu() for t in out.logprobs]
+        out.ref_logprobs = None
+        return mine, out
+
+    def optim_step(self, name: str, adam: AdamSettings) -> tuple[bool, float | None]:
+        return self.local.optim_step(name, adam)
+
+    def adapter_step(self, name: str) -> int:
+        return self.local.adapter_step(name)
 
     def adapter_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], int]:
         from rl_multilora.backends.fsdp import gather_adapter_state_dict
@@ -268,6 +287,42 @@ class RayFSDPBackend(TrainingBackend):
 
         batch = ray.put(list(samples))  # serialized once for all ranks (Ray resolves the ref in each)
         return self._all("train_step", batch, dict(current_versions), dict(max_steps))[0]
+
+    def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
+        return self._all("add_client", name, rank, alpha, seed, list(target_modules))[0]
+
+    def forward_backward(
+        self, rows: Sequence[Row], losses: Mapping[str, TenantAlgo], backward: bool = True
+    ) -> FwdBwdOut:
+        """Every rank gets the whole batch (one object in the store) and runs its token-balanced share; the rows'
+        outputs come back from the rank that ran them, in the batch's order."""
+        import ray
+
+        batch = ray.put(list(rows))
+        logprobs: list[torch.Tensor | None] = [None] * len(rows)
+        row_loss = [0.0] * len(rows)
+        merged = FwdBwdOut(logprobs=[], ref_logprobs=None, row_loss=[])
+        for mine, out in self._all("forward_backward", batch, dict(losses), backward):
+            for k, i in enumerate(mine):
+                logprobs[i], row_loss[i] = out.logprobs[k], out.row_loss[k]
+            for name, sums in out.sums.items():
+                into = merged.sums.setdefault(name, {})
+                for key, value in sums.items():
+                    into[key] = into.get(key, 0.0) + value
+            merged.nonfinite |= out.nonfinite
+            merged.backwarded |= out.backwarded
+        merged.logprobs, merged.row_loss = logprobs, row_loss
+        return merged
+
+    def optim_step(self, name: str, adam: AdamSettings) -> tuple[bool, float | None]:
+        return self._all("optim_step", name, adam)[0]  # every rank agrees on the flags and the norm
+
+    def adapter_step(self, name: str) -> int:
+        return self._all("adapter_step", name)[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.cfg.model.max_rank
 
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         state, received = self._all("adapter_state_dict", name)[0]

@@ -362,14 +362,21 @@ class ClientOps:
             self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
 
     # -- journal snapshots -----------------------------------------------------------------------------------------
-    def snapshot(self, model_id: str, key: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    def snapshot(self, model_id: str, key: str, saved: str | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
         """The model's state for the journal (`Journal.compact`): a run checkpoint of its weights, optimizer and step
-        count (written under request id `key`), how to rebuild it, and its live sampler versions' tensors. Taken
-        right after an optim_step of the model, so no gradient is pending."""
+        count (written under request id `key`, or the client's own checkpoint at `saved` when the model has not
+        changed since that save_state), how to rebuild it, and its live sampler versions' tensors. Taken right after
+        an optim_step or a save of the model, so no gradient is pending. `info["owned"]`: the journal wrote the
+        checkpoint (and removes it once a newer snapshot supersedes it); a client's own is never removed."""
         from safetensors.torch import save as tensors_to_bytes
 
         t = self.tenant(model_id)
-        folder = self._save(model_id, SNAPSHOT_LABEL, key)
+        if saved is not None:
+            found = self.ckpt.find_labeled(*checkpoint_ref(saved))
+            assert found is not None, f"{saved} was just written"
+            folder, owned = found[0], False
+        else:
+            folder, owned = self._save(model_id, SNAPSHOT_LABEL, key), True
         with self._samplers_lock:
             live = [(path, self.samplers[path]) for path in t.sampler_paths]
             blobs = {
@@ -378,6 +385,7 @@ class ClientOps:
             versions = [{"path": path, "engine_name": v.engine_name, "config": v.config} for path, v in live]
         info = {
             "folder": folder.name,
+            "owned": owned,
             "name": t.name,
             "rank": t.rank,
             "lora_config": t.lora_config,

@@ -380,7 +380,8 @@ class TinkerServer:
             with self.lock:
                 self.state.creates.append(Op(key, kind, body.model_id, 0, body))
                 self.state.next_seq[body.model_id] = body.next_seq
-                self._snap_folder[body.model_id] = body.info["folder"]
+                if body.info.get("owned", True):
+                    self._snap_folder[body.model_id] = body.info["folder"]
                 self.lock.notify_all()
         else:
             if kind == "forward_backward":
@@ -554,20 +555,22 @@ class TinkerServer:
                 if op.kind == "unload_model" and m not in self.ops.tenants:
                     self._compact(m, None)
                 elif op.kind in ("optim_step", "save_weights") and m in self.ops.tenants:
-                    if (
-                        op.kind == "save_weights"
-                        or self.ops.steps(m) - self._snapped_at.get(m, 0) >= self.snapshot_every
-                    ):
+                    value = self.state.results[op.request_id].value or {}
+                    if "error" in value:
+                        continue
+                    if op.kind == "save_weights":  # save_state: its own checkpoint is the snapshot
+                        self._compact(m, op.seq_id + 1, saved=value["path"])
+                    elif self.ops.steps(m) - self._snapped_at.get(m, 0) >= self.snapshot_every:
                         self._compact(m, op.seq_id + 1)
             except Exception:  # noqa: BLE001 - the journal still holds every request: nothing is lost
                 log.exception("journal snapshot of %s failed; its requests stay in the journal", m)
 
-    def _compact(self, model_id: str, next_seq: int | None) -> None:
-        """Swap the model's finished requests before `next_seq` (None: all, the model is gone) for a snapshot."""
+    def _compact(self, model_id: str, next_seq: int | None, saved: str | None = None) -> None:
+        """Swap the model's finished requests before `next_seq` (None: all, the model is gone) for a snapshot (the
+        client's checkpoint `saved` when one was just written)."""
         steps = self.ops.steps(model_id) if next_seq is not None else 0
-        info, blobs = (
-            self.ops.snapshot(model_id, f"snapshot.{model_id}.{next_seq}") if next_seq is not None else (None, {})
-        )
+        key = f"snapshot.{model_id}.{next_seq}"
+        info, blobs = self.ops.snapshot(model_id, key, saved) if next_seq is not None else (None, {})
         with self.lock:
             keys = list(self._model_keys.get(model_id, []))
         results: dict[str, dict[str, Any] | bytes] = {}
@@ -584,9 +587,10 @@ class TinkerServer:
         self.journal.compact(model_id, next_seq if next_seq is not None else 2**62, info, blobs, results, samples)
         with self.lock:
             self._model_keys[model_id] = [(k, q) for k, q in self._model_keys.get(model_id, []) if k not in results]
-        old = self._snap_folder.pop(model_id, None)
+        old = self._snap_folder.pop(model_id, None)  # a checkpoint the journal wrote for its last snapshot
         if info is not None:
-            self._snap_folder[model_id] = info["folder"]
+            if info["owned"]:
+                self._snap_folder[model_id] = info["folder"]
             self._snapped_at[model_id] = steps
         if old is not None and old != (info or {}).get("folder"):
             name = slot_name(model_id)
@@ -656,19 +660,15 @@ def build_server(
 
 
 def service_problems(cfg: Any) -> list[str]:
-    """What keeps a GRPO service config (`RunConfig`) from serving the Tinker API (one in-process model and engine),
-    each naming the setting, its value and what is allowed."""
+    """What keeps a GRPO service config (`RunConfig`) from serving the Tinker API, each naming the setting, its value
+    and what is allowed. Trainer ranks, engine actors, several engines and async rollouts serve clients as they serve
+    GRPO tenants; server engines (SGLang, http) are not served to clients yet."""
     from rl_multilora.errors import bad_value
 
     r = cfg.rollout
-    wanted = [
-        ("trainer.world_size", cfg.trainer.world_size, 1, "1 (the local training backend)"),
-        ("rollout.engine", r.engine, "embedded", "'embedded'"),
-        ("rollout.engine_actors", r.engine_actors, False, "false (the engine in the service's process)"),
-        ("rollout.num_engines", r.num_engines, 1, "1"),
-    ]
-    return [bad_value(field, value, f"{allowed} with the Tinker API") for field, value, ok, allowed in wanted
-            if value != ok]  # fmt: skip
+    if r.engine != "embedded":
+        return [bad_value("rollout.engine", r.engine, "'embedded' with the Tinker API (server engines are not yet)")]
+    return []
 
 
 def build_service_server(
@@ -694,10 +694,8 @@ def build_service_server(
     _check_token(token)
     rt = core.rt
     problems = service_problems(rt.cfg)
-    if rt.backend.shared_model is None:
-        problems.append("the training backend shares no in-process model -> the local backend")
     if problems:
-        raise ValueError("the Tinker API needs one in-process model and engine: " + "; ".join(problems))
+        raise ValueError("the Tinker API needs the embedded engine: " + "; ".join(problems))
     journal = Journal(state_dir / "requests.sqlite")
     with core.turn():  # the training thread may run already (a core started before this call)
         held = rt.tenants.reserve_client_slots([slot_name(m) for m in journal.live_models()])
