@@ -230,16 +230,20 @@ def tenant_policy_loss(
     get its own surrogate and clip range (rl_multilora.losses), times its TIS weight when it asks for one.
     Returns (loss, clipped, TIS (weight, applied, capped) or None), all (N,)."""
     device = logp.device
-    groups: dict[tuple[str, float, float, tuple[tuple[str, float], ...]], list[int]] = {}
+    groups: dict[tuple[str, float, float, tuple[tuple[str, float], ...], bool], list[int]] = {}
     for i, a in enumerate(algos):
-        key = (a.loss, a.eps_low, a.eps_high, a.config) if a else ("grpo", cfg.eps_clip, cfg.eps_clip_high, ())
+        key = (
+            (a.loss, a.eps_low, a.eps_high, a.config, a.sdk)
+            if a
+            else ("grpo", cfg.eps_clip, cfg.eps_clip_high, (), False)
+        )
         groups.setdefault(key, []).append(i)
     loss_weight = tok.loss_weight if tok.loss_weight is not None else torch.ones_like(logp)
     loss = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp, dtype=torch.bool)
-    for (kind, eps_low, eps_high, config), members in groups.items():
+    for (kind, eps_low, eps_high, config, sdk), members in groups.items():
         sel = torch.isin(tok.adapter, torch.tensor(members, device=device)).nonzero().squeeze(1)  # (M,)
-        if kind in REGISTRY and algos[members[0]].sdk:  # a client's loss, with its own config
+        if sdk:  # a client's loss, with its own loss_fn_config
             x = TokenBatch(logp[sel], old_logp[sel], tok.advantage[sel], loss_weight[sel], tok.row[sel], n_rows)
             part, part_clipped = REGISTRY[kind].fn(x, dict(config))
         else:

@@ -240,11 +240,7 @@ class TenantAlgo:
     tis_mode: str | None = None
     tis_cap: float = 2.0
     config: tuple[tuple[str, float], ...] = ()  # an SDK loss's resolved loss_fn_config, sorted by key
-
-    @property
-    def sdk(self) -> bool:
-        """Whether `loss` names a registry loss directly (a Tinker client's), not a GRPO tenant's loss."""
-        return self.loss not in GRPO_SURROGATE
+    sdk: bool = False  # `loss` names a registry loss with `config` (a Tinker client's), not a GRPO tenant's loss
 
 
 def client_algo(loss_fn: object, loss_fn_config: Mapping[str, float] | None) -> TenantAlgo:
@@ -262,4 +258,5 @@ def client_algo(loss_fn: object, loss_fn_config: Mapping[str, float] | None) -> 
         temperature=1.0,
         norm_len=1,
         config=tuple(sorted(cfg.items())),
+        sdk=True,
     )
