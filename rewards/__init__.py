@@ -2,7 +2,7 @@
 
 Every tenant's `RewardSpec` (rollout.types) names exactly one reward:
 
-- `name`: a built-in, one of `BUILTINS` (gsm8k, math, dapo, exact_match, f1, format);
+- `name`: a built-in, one of `BUILTINS` (gsm8k, math, dapo, exact_match, f1, format, reasoning_gym);
 - `path`: a custom function, `"package.module:function"`.
 
 The custom reward signature (the contract, checked by `validate` when an adapter is registered)::
@@ -32,6 +32,7 @@ Entry points:
 """
 
 from rewards import builtin as builtin
+from rewards import reasoning_gym as reasoning_gym
 from rewards.executor import RewardExecutor, RewardReport
 from rewards.registry import (
     BUILTINS,

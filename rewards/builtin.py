@@ -1,4 +1,4 @@
-"""Built-in rewards, registered by name: gsm8k, math, dapo, exact_match, f1, format.
+"""Built-in rewards, registered by name: gsm8k, math, dapo, exact_match, f1, format (reasoning_gym: its own module).
 
 Each is a plain function `fn(prompt, response, label, metadata, **kwargs) -> float` with a doctest, and declares
 its answer format (`format_check`) for `RewardSpec.format_bonus`.

@@ -219,6 +219,15 @@ class AdapterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _reasoning_gym_reward_needs_its_rows(self) -> AdapterConfig:
+        # The reward scores with the task stored in each row's metadata; rows of any other source have none.
+        if self.reward is not None and self.reward.name == "reasoning_gym" and self.dataset.source != "reasoning_gym":
+            raise ValueError(
+                bad_value("dataset.source", self.dataset.source, "reasoning_gym with reward.name: reasoning_gym")
+            )
+        return self
+
+    @model_validator(mode="after")
     def _budget(self) -> AdapterConfig:
         if self.max_steps is None and self.epochs is None:
             raise ValueError(

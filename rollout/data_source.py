@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import ConfigDict
@@ -67,9 +67,9 @@ class DatasetSpec:
 
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
-    path: str
+    path: str | None = None
     """`datasets.load_dataset` path: a builder name ("json", "csv", "parquet") used with `data_files`,
-    a local file or directory, or a Hub id."""
+    a local file or directory, or a Hub id. Required with source `datasets`."""
     name: str | None = None
     """Dataset configuration name (the `name` argument of `datasets.load_dataset`)."""
     data_files: str | list[str] | dict | None = None
@@ -91,10 +91,34 @@ class DatasetSpec:
     "{prompt}\\nPut the final answer in \\\\boxed{{}}."; other row columns are available by name."""
     max_prompt_tokens: int | None = None
     """Rows whose final prompt has more tokens than this are bad rows (skipped and counted)."""
+    source: Literal["datasets", "reasoning_gym"] = "datasets"
+    """Where the rows come from: `datasets` (path, name, data_files) or `reasoning_gym` (a task generated offline from
+    task, config, seed, size and test_size; rows are prompt / label / metadata, split `train` or `test`)."""
+    task: str | None = None
+    """Source reasoning_gym: the task name, e.g. "basic_arithmetic" (`reasoning_gym.factory.DATASETS`)."""
+    config: dict[str, Any] | None = None
+    """Source reasoning_gym: the task's config fields other than seed and size, e.g. {"max_terms": 3}."""
+    seed: int | None = None
+    """Source reasoning_gym: the generator's seed (default 0); the same seed gives the same rows."""
+    size: int | None = None
+    """Source reasoning_gym: rows in the train split (default 500)."""
+    test_size: int | None = None
+    """Source reasoning_gym: rows generated after the train rows for the test split (default 0; a test question that
+    is also a train question is dropped)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path:
+        if self.source == "reasoning_gym":
+            self._check_reasoning_gym()
+        elif not isinstance(self.path, str) or not self.path:
             raise DatasetError(bad_value("dataset.path", self.path, "a builder name, a local path or a Hub id"))
+        else:
+            for gym_field in _GYM_FIELDS:
+                if getattr(self, gym_field) is not None:
+                    raise DatasetError(
+                        bad_value(
+                            f"dataset.{gym_field}", getattr(self, gym_field), "null unless source: reasoning_gym"
+                        )
+                    )
         if not self.split:
             raise DatasetError(bad_value("dataset.split", self.split, "a split name such as 'train'"))
         for key_field in ("prompt_key", "label_key"):
@@ -109,6 +133,29 @@ class DatasetSpec:
             raise DatasetError(
                 bad_value("dataset.prompt_template", self.prompt_template, "a format string containing '{prompt}'")
             )
+
+    def _check_reasoning_gym(self) -> None:
+        for file_field in ("path", "name", "data_files", "metadata_key"):
+            if getattr(self, file_field) is not None:
+                value = getattr(self, file_field)
+                raise DatasetError(bad_value(f"dataset.{file_field}", value, "null with source: reasoning_gym"))
+        for key_field, column in (("prompt_key", "prompt"), ("label_key", "label")):
+            if getattr(self, key_field) != column:
+                value = getattr(self, key_field)
+                raise DatasetError(bad_value(f"dataset.{key_field}", value, f"{column!r} with source: reasoning_gym"))
+        if not isinstance(self.task, str) or not self.task:
+            raise DatasetError(
+                bad_value("dataset.task", self.task, "a reasoning-gym task name such as 'basic_arithmetic'")
+            )
+        if self.config is not None and not isinstance(self.config, Mapping):
+            raise DatasetError(bad_value("dataset.config", self.config, "a mapping of the task's config fields"))
+        for count_field, least in (("seed", 0), ("size", 1), ("test_size", 0)):
+            value = getattr(self, count_field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise DatasetError(bad_value(f"dataset.{count_field}", value, f"an integer >= {least} or null"))
+
+
+_GYM_FIELDS = ("task", "config", "seed", "size", "test_size")
 
 
 def _is_local_path(path: str) -> bool:
@@ -144,6 +191,8 @@ def load_dataset_rows(spec: DatasetSpec):
     """
     import datasets
 
+    if spec.source == "reasoning_gym":
+        return _reasoning_gym_rows(spec)
     path, data_files = os.path.expanduser(spec.path), spec.data_files
     if data_files is not None:
         _check_data_files_exist(data_files)
@@ -181,6 +230,20 @@ def load_dataset_rows(spec: DatasetSpec):
         raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     _check_columns(spec, list(rows.column_names))
     return rows
+
+
+def _reasoning_gym_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
+    """The generated rows of `spec.split` (rollout/reasoning_gym_source.py), a plain list: entries of different
+    tasks carry metadata of different shapes, which one Arrow schema would not hold."""
+    from rollout.reasoning_gym_source import generate_rows
+
+    size = 500 if spec.size is None else spec.size
+    test_size = 0 if spec.test_size is None else spec.test_size
+    seed = 0 if spec.seed is None else spec.seed
+    try:
+        return generate_rows(spec.task, spec.config, seed, size, test_size, spec.split)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from exc
 
 
 def read_row(rows, index: int) -> Mapping[str, Any] | str:
@@ -591,7 +654,8 @@ class MultiLoRADataSource:
             return "prompt_too_long"
         if self.context_len is not None and len(prompt_ids) >= self.context_len:
             return "prompt_exceeds_context"
-        raw_metadata = row.get(spec.metadata_key) if spec.metadata_key else None
+        metadata_key = "metadata" if spec.source == "reasoning_gym" else spec.metadata_key
+        raw_metadata = row.get(metadata_key) if metadata_key else None
         if raw_metadata is None:
             metadata: dict[str, Any] = {}
         elif isinstance(raw_metadata, Mapping):

@@ -39,7 +39,7 @@ class RewardSpec:
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     name: str | None = None
-    """Built-in reward: gsm8k, math, dapo, exact_match, f1, format."""
+    """Built-in reward: gsm8k, math, dapo, exact_match, f1, format, reasoning_gym."""
     path: str | None = None
     """Custom reward `module:function` (signature: docs/guides/rewards.md)."""
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)

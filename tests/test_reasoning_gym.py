@@ -1,0 +1,251 @@
+"""reasoning-gym tasks as tenants: the generated rows and the reward equal the library's own, by seed.
+
+The rows of `dataset: {source: reasoning_gym}` must be the library's entries (`reasoning_gym.create_dataset`), the
+reward must be the task's own `score_answer` (right answer 1, wrong answer what the library gives, no answer 0),
+and the same seed must give the same rows. reasoning-gym is in the `dev` extra; without it this module is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+reasoning_gym = pytest.importorskip(
+    "reasoning_gym", reason="reasoning-gym is not installed (pip install -e '.[envs]')"
+)
+
+import rewards  # noqa: E402
+from rewards.reasoning_gym import extract_answer  # noqa: E402
+from rl_multilora import cli  # noqa: E402
+from rl_multilora.config import ConfigError, ModelConfig, parse_adapter_config  # noqa: E402
+from rollout.data_source import DatasetError, DatasetSpec, MultiLoRADataSource, load_dataset_rows  # noqa: E402
+from rollout.reasoning_gym_source import NO_ORACLE  # noqa: E402
+from rollout.types import AdapterRef, RewardSpec  # noqa: E402
+from tests.tiny_models import save_tiny_model, tiny_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD = RewardSpec(name="reasoning_gym")
+# Tasks with different scorers: the default one (exact, partial credit for a containing answer), their own numeric
+# ones, a string one, and one without a single oracle answer (graph_color: any proper colouring scores 1).
+TASKS = [
+    ("basic_arithmetic", {"max_terms": 3, "max_digits": 2}),
+    ("chain_sum", {"min_terms": 2, "max_terms": 2}),
+    ("count_bits", {}),
+    ("spell_backward", {}),
+    ("decimal_arithmetic", {}),
+    ("graph_color", {}),
+]
+
+
+def _spec(task: str = "basic_arithmetic", config=None, seed: int = 3, size: int = 12, test_size: int = 6, **kw):
+    return DatasetSpec(
+        source="reasoning_gym", task=task, config=config, seed=seed, size=size, test_size=test_size, **kw
+    )
+
+
+def _score(row: dict, response: str) -> float:
+    return rewards.score(REWARD, row["prompt"], response, row["label"], row["metadata"])
+
+
+@pytest.mark.parametrize(("task", "config"), TASKS, ids=[t for t, _ in TASKS])
+def test_rows_and_scores_equal_the_librarys(task, config):
+    spec = _spec(task, config)
+    library = reasoning_gym.create_dataset(task, seed=3, size=12 + 6, **config)
+    train = load_dataset_rows(spec)
+    test = load_dataset_rows(dataclasses.replace(spec, split="test"))
+    assert len(train) == 12 and 1 <= len(test) <= 6
+    train_questions = {row["prompt"] for row in train}
+    for rows in (train, test):
+        for row in rows:
+            meta = row["metadata"]["reasoning_gym"]
+            entry = library[meta["index"]]  # the library's own entry for this row
+            assert row["prompt"] == entry["question"]
+            assert row["label"] == (NO_ORACLE if entry["answer"] is None else entry["answer"])
+            assert meta["index"] < 12 if rows is train else meta["index"] >= 12
+            # right answer: 1, as the library scores it; wrong answer and no answer: what the library gives, < 1
+            if entry["answer"] is not None:
+                assert _score(row, f"Thinking... <answer>{entry['answer']}</answer>") == 1.0
+                assert library.score_answer(entry["answer"], entry) == 1.0
+            wrong = "certainly not the answer 0"
+            assert _score(row, f"<answer>{wrong}</answer>") == library.score_answer(wrong, entry) < 1.0
+            assert _score(row, "no tag") == library.score_answer(None, entry) == 0.0
+    assert not any(row["prompt"] in train_questions for row in test)  # held out means held out
+
+
+def test_a_task_without_one_answer_scores_a_valid_answer_one():
+    row = load_dataset_rows(_spec("graph_color", size=1, test_size=0))[0]
+    entry = row["metadata"]["reasoning_gym"]["entry"]
+    colors = _greedy_coloring(entry["metadata"])
+    import json
+
+    assert _score(row, f"<answer>{json.dumps(colors)}</answer>") == 1.0
+    assert _score(row, "<answer>{}</answer>") < 1.0
+
+
+def _greedy_coloring(meta: dict) -> dict[str, int]:
+    """A proper colouring of graph_color's puzzle (its metadata: the vertices, edges and colours allowed)."""
+    puzzle = meta["puzzle"]
+    edges = [tuple(e) for e in puzzle["edges"]]
+    colors: dict[str, int] = {}
+    for v in puzzle["vertices"]:
+        used = {colors.get(str(u)) for a, b in edges for u in (a, b) if v in (a, b) and u != v}
+        colors[str(v)] = next(c for c in puzzle["color_options"] if c not in used)
+    return colors
+
+
+def test_same_seed_same_rows_and_prompts_other_seed_other_rows():
+    assert load_dataset_rows(_spec(seed=5)) == load_dataset_rows(_spec(seed=5))
+    assert [r["prompt"] for r in load_dataset_rows(_spec(seed=5))] != [r["prompt"] for r in load_dataset_rows(_spec())]
+
+    def drawn(adapter_seed: int) -> list[str]:
+        source = MultiLoRADataSource(tiny_tokenizer())
+        spec = _spec(apply_chat_template=False)
+        source.add_adapter(
+            AdapterRef("a", 0), spec, REWARD, seed=adapter_seed, prompts_per_step=4, n_samples_per_prompt=2
+        )
+        return [g[0].prompt for g in source.next_groups(["a"])["a"]]
+
+    assert drawn(1) == drawn(1)
+    assert drawn(1) != drawn(2)
+
+
+def test_samples_from_the_data_source_carry_what_the_reward_needs():
+    source = MultiLoRADataSource(tiny_tokenizer())
+    source.add_adapter(
+        AdapterRef("a", 0),
+        _spec(apply_chat_template=False),
+        REWARD,
+        seed=0,
+        prompts_per_step=3,
+        n_samples_per_prompt=2,
+    )
+    for group in source.next_groups(["a"])["a"]:
+        for s in group:
+            assert s.metadata["reasoning_gym"]["task"] == "basic_arithmetic"
+            assert rewards.score(s.reward_spec, s.prompt, f"<answer>{s.label}</answer>", s.label, s.metadata) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "<answer>4</answer>",
+        "a <answer> 4 </answer> b <answer>\n5\n</answer>",
+        "<answer></answer>",
+        "none",
+        "<answer>x",
+    ],
+)
+def test_answer_extraction_is_the_librarys(response):
+    from reasoning_gym.utils import extract_answer as library_extract
+
+    assert extract_answer(response) == library_extract(response)
+
+
+def test_reward_kwargs_and_rows_without_task_metadata_are_refused():
+    with pytest.raises(rewards.RewardConfigError, match="extract='tag'"):
+        rewards.validate(RewardSpec(name="reasoning_gym", kwargs={"extract": "tag"}))
+    with pytest.raises(ValueError, match="metadata\\['reasoning_gym'\\] is missing"):
+        rewards.BUILTINS["reasoning_gym"]("p", "<answer>1</answer>", "1", {})
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"task": "basic_arithmetc"}, "dataset.task='basic_arithmetc' is not allowed; allowed: a reasoning-gym task"),
+        ({"task": "basic_arithmetc"}, "did you mean 'basic_arithmetic'"),
+        (
+            {"config": {"max_term": 3}},
+            "dataset.config.max_term=3 is not allowed; allowed: a field of basic_arithmetic",
+        ),
+        ({"config": {"seed": 1}}, "dataset.config.seed=1 is not allowed; allowed: dataset.seed instead"),
+        ({"config": {"min_terms": 0}}, "min_terms must be positive"),
+        ({"split": "validation"}, "dataset.split='validation' is not allowed; allowed: train or test"),
+        ({"split": "test", "test_size": 0}, "set dataset.test_size >= 1"),
+        ({"task": "arc_agi", "size": 1}, "dataset.task='arc_agi' is not allowed"),  # its scorer needs tuples
+    ],
+)
+def test_load_errors_name_the_field_the_value_and_what_is_allowed(fields, fragment):
+    with pytest.raises(DatasetError) as info:
+        load_dataset_rows(_spec(**{"test_size": 2, **fields}))
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"source": "reasoning_gym"}, "dataset.task=None is not allowed"),
+        (
+            {"source": "reasoning_gym", "task": "x", "path": "json"},
+            "dataset.path='json' is not allowed; allowed: null",
+        ),
+        ({"source": "reasoning_gym", "task": "x", "label_key": "a"}, "dataset.label_key='a' is not allowed"),
+        (
+            {"source": "reasoning_gym", "task": "x", "size": 0},
+            "dataset.size=0 is not allowed; allowed: an integer >= 1",
+        ),
+        ({"source": "reasoning_gym", "task": "x", "seed": -1}, "dataset.seed=-1 is not allowed"),
+        (
+            {"path": "json", "task": "chain_sum"},
+            "dataset.task='chain_sum' is not allowed; allowed: null unless source",
+        ),
+    ],
+)
+def test_spec_errors_name_the_field_the_value_and_what_is_allowed(fields, fragment):
+    with pytest.raises(DatasetError) as info:
+        DatasetSpec(**fields)
+    assert fragment in str(info.value)
+
+
+def test_config_refuses_the_reward_on_rows_of_another_source_and_bad_sources():
+    model = ModelConfig(path="m", max_rank=8)
+
+    def adapter(dataset: dict, reward: dict) -> dict:
+        return {"name": "a", "rank": 4, "dataset": dataset, "reward": reward, "max_steps": 1}
+
+    with pytest.raises(ConfigError, match="dataset.source='datasets' is not allowed; allowed: reasoning_gym"):
+        parse_adapter_config(adapter({"path": "json"}, {"name": "reasoning_gym"}), model)
+    with pytest.raises(ConfigError, match="dataset.source"):
+        parse_adapter_config(adapter({"source": "gym", "task": "x"}, {"name": "reasoning_gym"}), model)
+    a = parse_adapter_config(
+        adapter({"source": "reasoning_gym", "task": "chain_sum"}, {"name": "reasoning_gym"}), model
+    )
+    assert a.dataset.task == "chain_sum" and a.dataset.source == "reasoning_gym"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("rg") / "model", hidden=32, layers=2)
+
+
+def _example(model_dir: Path, run_dir: Path) -> dict:
+    data = yaml.safe_load((ROOT / "examples" / "multi_lora" / "configs" / "reasoning_gym.yaml").read_text())
+    data["model"]["path"] = str(model_dir)
+    data["run_dir"] = str(run_dir)
+    return data
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    return code, "\n".join(line for line in err.splitlines() if line.startswith(("error:", "  - ", "Traceback")))
+
+
+def test_the_shipped_example_passes_the_dry_run_and_a_bad_task_does_not(model_dir, tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_example(model_dir, tmp_path / "run")))
+    code, err = _cli(["run", str(good), "--dry-run"], capsys)
+    assert code == 0, err
+
+    data = _example(model_dir, tmp_path / "run")
+    data["adapters"][0]["dataset"]["task"] = "chain_summ"
+    data["adapters"][1]["dataset"]["config"] = {"max_term": 2}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    code, err = _cli(["run", str(bad), "--dry-run"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"adapters.{data['adapters'][0]['name']}.dataset: dataset.task='chain_summ' is not allowed" in err
+    assert f"adapters.{data['adapters'][1]['name']}.dataset: dataset.config.max_term=2 is not allowed" in err
+    assert not (tmp_path / "run" / "run_state.json").exists()
