@@ -1,4 +1,4 @@
-"""Every security statement of the README, checked against what really runs.
+"""Every security statement of the docs (guides/engines.md, guides/service.md), checked against what really runs.
 
 `engine-serve` (no Ray): it is never open by default (a key is generated and written to an owner-only file when none
 is given), binds 127.0.0.1, keeps `/health*` open as SGLang does, and `--no-api-key` opens it only with a warning.
@@ -8,7 +8,7 @@ The service (`-m ray`): `rl-multilora serve` in a subprocess starts its own loca
 an empty folder so Ray's first start (token generation) is what is tested and the user's own ~/.ray is never touched.
 Every process of that cluster is found from the serve process down (psutil), every port they listen on is probed
 without the token: a gRPC call (each Ray gRPC service checks the token per method, so the probe uses a read-only
-method each service has) and an HTTP GET. What answers is compared with what the README says answers.
+method each service has) and an HTTP GET. What answers is compared with what the service guide says answers.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def readme_paragraph(start: str) -> str:
-    """The README paragraph that begins with `start`, whitespace-normalised."""
-    text = (REPO / "README.md").read_text()
+def docs_paragraph(page: str, start: str) -> str:
+    """The paragraph of docs/`page` that begins with `start`, whitespace-normalised: the security claims the guides
+    make are checked here."""
+    text = (REPO / "docs" / page).read_text()
     i = text.index(start)
     j = text.find("\n\n", i)
     return " ".join(text[i : j if j != -1 else None].split())
@@ -127,7 +128,7 @@ PROTECTED = [
 
 
 def test_engine_serve_without_a_key_generates_one_in_an_owner_only_file(tiny_model_dir, tmp_path):
-    """README: engine-serve is never open by default; the generated key's file is the only place it appears."""
+    """The engines guide: engine-serve is never open by default; the generated key's file is the only place it appears."""
     server = EngineServe(tiny_model_dir, tmp_path)
     try:
         key_file = server.cache / "rl-multilora" / f"engine-serve-{server.port}.key"
@@ -148,9 +149,9 @@ def test_engine_serve_without_a_key_generates_one_in_an_owner_only_file(tiny_mod
     finally:
         out = server.stop()
     assert str(key_file) in out and key not in out  # says where the key is, never the key
-    engine_serve = readme_paragraph("`engine-serve` has SGLang's endpoints")
+    engine_serve = docs_paragraph("guides/engines.md", "`engine-serve` has SGLang's endpoints")
     assert "engine-serve-<port>.key" in engine_serve and "--no-api-key" in engine_serve
-    assert "127.0.0.1" in readme_paragraph("```bash\nrl-multilora engine-serve")
+    assert "127.0.0.1" in docs_paragraph("guides/engines.md", "```bash\nrl-multilora engine-serve")
 
 
 def test_engine_serve_no_api_key_serves_open_with_a_warning(tiny_model_dir, tmp_path):
@@ -405,9 +406,9 @@ def loopback(port: int) -> Any:
 
 @pytest.mark.ray
 def test_ray_grpc_ports_refuse_calls_without_the_token(cluster):
-    """README: token authentication stays on. Every gRPC server of the cluster (GCS, raylet, object manager, the
+    """The service guide: token authentication stays on. Every gRPC server of the cluster (GCS, raylet, object manager, the
     serve driver's and every worker's core worker, the dashboard agent) answers UNAUTHENTICATED without the token,
-    and OK with it. They listen on every interface (README), so the token is what keeps other machines out."""
+    and OK with it. They listen on every interface (the guide says so), so the token is what keeps other machines out."""
     grpc_ports = [p for p in probe(cluster) if p.answer.startswith("grpc ")]
     for p in grpc_ports:
         assert p.answer == "grpc UNAUTHENTICATED", p
@@ -422,7 +423,7 @@ def test_ray_grpc_ports_refuse_calls_without_the_token(cluster):
 
 @pytest.mark.ray
 def test_token_file_is_generated_and_owner_only(cluster):
-    """README: on the first start Ray writes a random token to ~/.ray/auth_token and serve makes it 0600 (Ray itself
+    """The service guide: on the first start Ray writes a random token to ~/.ray/auth_token and serve makes it 0600 (Ray itself
     writes it with the umask's mode, 0644 here)."""
     token_file = cluster.home / ".ray" / "auth_token"
     assert token_file.is_file() and len(token_file.read_text().strip()) >= 32
@@ -432,7 +433,7 @@ def test_token_file_is_generated_and_owner_only(cluster):
 
 @pytest.mark.ray
 def test_only_the_three_metrics_exporters_answer_without_the_token(cluster):
-    """README names every port that answers without the token, and why: three Prometheus exporters (read-only
+    """The service guide names every port that answers without the token, and why: three Prometheus exporters (read-only
     metrics over plain HTTP, on every interface). Every other port is gRPC or HTTP that answers 401."""
     from ray.autoscaler._private import constants as autoscaler_consts
     from ray.dashboard import consts as dashboard_consts
@@ -450,16 +451,16 @@ def test_only_the_three_metrics_exporters_answer_without_the_token(cluster):
     assert [p.role for p in open_ports].count("DashboardAgent") == 1, ports
     # The agents' HTTP servers are token-protected: the dashboard agent's (52365 by default) and the runtime env's.
     assert {"DashboardAgent", "RuntimeEnvAgent"} <= {p.role for p in ports if p.answer == "http 401"}, ports
-    # The README names them, by their default ports and the variables that move them.
+    # The service guide names them, by their default ports and the variables that move them.
     assert autoscaler_consts.AUTOSCALER_METRIC_PORT == 44217 and dashboard_consts.DASHBOARD_METRIC_PORT == 44227
-    security = readme_paragraph("**Security.**")
+    security = docs_paragraph("guides/service.md", "**Security.**")
     for needle in ("44217", "44227", "AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT", "metrics export port"):
         assert needle in security, needle
 
 
 @pytest.mark.ray
 def test_agent_metrics_exporter_closes_with_metrics_collection_off(service_root, tmp_path):
-    """README: RAY_enable_metrics_collection=0 in serve's environment closes the dashboard agent's exporter; the
+    """The service guide: RAY_enable_metrics_collection=0 in serve's environment closes the dashboard agent's exporter; the
     other two stay (nothing in Ray 2.60 turns them off)."""
     served = ServeCluster(service_root, tmp_path / "home", RAY_enable_metrics_collection="0")
     try:
@@ -468,12 +469,12 @@ def test_agent_metrics_exporter_closes_with_metrics_collection_off(service_root,
     finally:
         served.stop()
     assert {p.role for p in open_ports} <= {"autoscaler monitor", "dashboard"}, open_ports
-    assert "RAY_enable_metrics_collection=0" in readme_paragraph("**Security.**")
+    assert "RAY_enable_metrics_collection=0" in docs_paragraph("guides/service.md", "**Security.**")
 
 
 @pytest.mark.ray
 def test_dashboard_process_runs_without_ui_or_http_api(cluster):
-    """README: Ray 2.60 starts dashboard.py even with include_dashboard=False (nothing turns it off), but only with
+    """The service guide: Ray 2.60 starts dashboard.py even with include_dashboard=False (nothing turns it off), but only with
     its usage-stats module and no web server: no UI, no REST/Jobs API answers on any port of the cluster."""
     dashboards = [p for p in cluster.processes() if role(p) == "dashboard"]
     assert len(dashboards) == 1, [role(p) for p in cluster.processes()]
@@ -484,14 +485,14 @@ def test_dashboard_process_runs_without_ui_or_http_api(cluster):
             got = http_get(addr, path)
             if got is not None:
                 assert got[0] == 401 or b"# TYPE " in got[1], (role(proc), addr, path, got)
-    security = readme_paragraph("**Security.**")
+    security = docs_paragraph("guides/service.md", "**Security.**")
     assert "dashboard is not started" not in security.lower()
     assert "dashboard.py" in security and "no web UI" in security
 
 
 @pytest.mark.ray
 def test_clients_read_the_token_file_and_are_refused_without_a_token(cluster, tmp_path):
-    """README: clients on the same machine read ~/.ray/auth_token; RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH
+    """The service guide: clients on the same machine read ~/.ray/auth_token; RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH
     override it (with RAY_AUTH_MODE=token for an explicit --address); a client without the token is refused."""
     token_file = cluster.home / ".ray" / "auth_token"
     empty_home = tmp_path / "nobody"
@@ -516,7 +517,7 @@ def test_clients_read_the_token_file_and_are_refused_without_a_token(cluster, tm
 
 @pytest.mark.ray
 def test_auth_mode_disabled_is_honoured_with_a_warning(service_root, tmp_path):
-    """README: an explicit RAY_AUTH_MODE=disabled is honoured, with a warning (and the banner says so)."""
+    """The service guide: an explicit RAY_AUTH_MODE=disabled is honoured, with a warning (and the banner says so)."""
     served = ServeCluster(service_root, tmp_path / "home", RAY_AUTH_MODE="disabled")
     try:
         out = served.output()

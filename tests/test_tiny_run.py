@@ -16,7 +16,7 @@ import pytest
 from rl_multilora.loop import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-# Measured on three 2-core CPU machines (torch 2.13.0+cpu): held-out gains of +0.51 to +0.92 over the base (README);
+# Measured on three 2-core CPU machines (torch 2.13.0+cpu): held-out gains of +0.51 to +0.92 over the base (docs/getting-started.md);
 # the margin leaves room for another CPU's different (deterministic per machine) trajectory.
 HELD_OUT_MARGIN = 0.1
 
