@@ -249,3 +249,27 @@ def test_the_shipped_example_passes_the_dry_run_and_a_bad_task_does_not(model_di
     assert f"adapters.{data['adapters'][0]['name']}.dataset: dataset.task='chain_summ' is not allowed" in err
     assert f"adapters.{data['adapters'][1]['name']}.dataset: dataset.config.max_term=2 is not allowed" in err
     assert not (tmp_path / "run" / "run_state.json").exists()
+
+
+def test_a_run_scores_both_tenants_in_the_reward_workers(model_dir, tmp_path, capsys):
+    """Two steps of the shipped example on a tiny model: the rows reach the reward worker processes and every
+    sample is scored by its task (no reward errors), for both tenants."""
+    import json
+
+    data = _example(model_dir, tmp_path / "run")
+    data["rollout"].update(n_samples_per_prompt=2, max_new_tokens=4)
+    data["eval"]["enabled"] = False
+    data["logging"] = {"plot": False, "progress": False}
+    data["rewards"] = {"num_workers": 1}
+    for a in data["adapters"]:
+        a.update(max_steps=2, prompts_per_step=2)
+        a["dataset"].update(size=8, test_size=0, apply_chat_template=False)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, err = _cli(["run", str(path)], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    names = {a["name"] for a in data["adapters"]}
+    scored = [r for r in rows if r.get("adapter") in names and "reward_errors" in r]
+    assert {r["adapter"] for r in scored} == names
+    assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 and r["n_samples"] == 4 for r in scored)
