@@ -10,6 +10,10 @@ Design choices:
 - One clipping path (`clip_grads_`) for one process and for ranks: the grad norm comes from the rank coordinator
   (`rl_multilora.ranks.RankCoordinator.grad_norm`), one process being world 1. A non-finite norm or loss skips the
   step (counted by the caller, nobody else affected); the grads are dropped either way.
+- A Tinker client's step (`guard`) is checked after it is taken: one that made any parameter non-finite (a finite
+  but huge learning rate overflows the dtype, or torch refuses it part way) is undone, weights and Adam moments
+  restored from a copy taken just before, and reported as skipped, so the adapter stays bit-identical. GRPO steps are not copied: their learning
+  rates come from a validated config and the copy would cost two adapter-sized buffers per step.
 - A tenant with no rows is not stepped at all: AdamW with weight decay would otherwise still move it, and its schedule
   and step counter would drift from the data it saw. The scheduler's `last_epoch` is the tenant's step count.
 - Warmup is (step + 1) / warmup_steps (`rl_multilora.grpo.lr_multiplier`), so the first step already learns.
@@ -19,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,10 +113,16 @@ class TenantOptimizer:
             group["weight_decay"] = adam.weight_decay
         self._clip_once = adam.grad_clip_norm
 
-    def step(self, grad_norm: torch.Tensor | float | None, skip: bool) -> tuple[bool, float | None]:
+    def step(
+        self,
+        grad_norm: torch.Tensor | float | None,
+        skip: bool,
+        guard: Callable[[bool], bool] | None = None,
+    ) -> tuple[bool, float | None]:
         """Clip the grads by `grad_norm` (over all ranks, from the rank coordinator; None when no backward reached
         the tenant) and step, unless `skip` (its loss was not finite) or the norm is not finite; drop the grads
-        either way. Returns (stepped, the pre-clip grad norm or None)."""
+        either way. `guard`: undo a step that left a parameter non-finite; it maps this rank's "all finite" to
+        every rank's (so all ranks undo together). Returns (stepped, the pre-clip grad norm or None)."""
         norm = None if grad_norm is None else float(grad_norm)
         max_norm = self.settings.max_grad_norm if self._clip_once is None else (self._clip_once or None)
         self._clip_once = None
@@ -119,10 +130,33 @@ class TenantOptimizer:
             clip_grads_(self.grads(), grad_norm, max_norm)
         ok = not skip and (norm is None or math.isfinite(norm))
         if ok:
-            self.optimizer.step()
-            self.scheduler.step()
+            if guard is None:
+                self.optimizer.step()
+                self.scheduler.step()
+            elif self._guarded_step(guard):
+                self.scheduler.step()
+            else:
+                ok = False
         self.optimizer.zero_grad(set_to_none=True)
         return ok, norm
+
+    def _guarded_step(self, guard: Callable[[bool], bool]) -> bool:
+        """Step AdamW from a copy of the weights and moments; put the copy back when `guard` says some rank's result
+        is not finite. Returns whether the step stands."""
+        weights = [p.detach().clone() for p in self.params]
+        state = copy.deepcopy(self.optimizer.state_dict())
+        try:
+            self.optimizer.step()
+            finite = all(bool(torch.isfinite(p).all()) for p in self.params)
+        except RuntimeError:  # "value cannot be converted to type float without overflow", after some params
+            finite = False
+        if guard(finite):
+            return True
+        with torch.no_grad():
+            for p, w in zip(self.params, weights, strict=True):
+                p.copy_(w)
+        self.optimizer.load_state_dict(state)
+        return False
 
     def drop_grads(self) -> None:
         for p in self.params:

@@ -11,7 +11,7 @@ of this process (this rank's shard of it on a sharded model).
 - `optim_step(name, ...)`: clips the tenant's accumulated gradient by its norm over every rank, skips the step when
   the norm or the loss was not finite (the adapter stays bit-identical), steps its AdamW and empties its buffer.
   `adam` (a Tinker client's `AdamParams`) sets this step's learning rate and Adam settings; without it the
-  tenant's own LR schedule applies (a GRPO tenant).
+  tenant's own LR schedule applies (a GRPO tenant). A client's step that left the adapter non-finite is undone.
 - One tenant record (`TenantTrainState`) for both kinds of tenant: its slot, optimizer + schedule + step count
   (`rl_multilora.tenant_optim.TenantOptimizer`), loss settings (`TenantAlgo`; None = the run's `grpo` section) and
   gradient buffer. `rl_multilora.trainer` (GRPO) and `rl_multilora.tinker.ops` (the Tinker API) are its clients.
@@ -266,7 +266,13 @@ class TrainOps:
             t.optim.set_adam(adam)
         reached = grads is not None if reached is None else reached
         grad_norm = self.ranks.grad_norm(t.optim.grads(), reached=reached)  # every rank, same tenant order
-        return t.optim.step(grad_norm, skip)
+        guard = None
+        if adam is not None:  # a client's step: undone on every rank when it left any rank's shard non-finite
+
+            def guard(finite: bool) -> bool:
+                return name not in self.ranks.agree([name], set() if finite else {name}, set())[0]
+
+        return t.optim.step(grad_norm, skip, guard)
 
     def _take_grads(self, names: set[str]) -> None:
         """Add each tenant's slot part of the stacked grads into its own buffer, then drop the stacked grads."""

@@ -192,7 +192,7 @@ def test_a_grpo_tenant_and_a_client_with_the_same_loss_and_data_get_the_same_gra
         data.append(Datum(np.array(full[:-1]), {"target_tokens": np.array(full[1:]), "advantages": np.array(adv)}))
     # the sampler's log-probs: the client's own before any step (as the GRPO tenant's first epoch uses its own), in
     # float64 straight from the backend (the wire would round them to float32)
-    rows = [tinker_ops._datum_row("c", "cross_entropy", d) for d in data]
+    rows = [tinker_ops._datum_row("c", "cross_entropy", d, ops.limits.vocab_size) for d in data]
     fwd = backend.forward_backward(rows, {"c": client_algo("cross_entropy", None)}, backward=False)
     for d, logp in zip(data, fwd.logprobs, strict=True):
         d.inputs["logprobs"] = logp.numpy()

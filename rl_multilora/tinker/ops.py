@@ -162,6 +162,60 @@ class SamplerVersion:
     path: str | None = None
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request may ask of the served model: token ids below `vocab_size` (the model config's, the rows of
+    its embedding), a prompt plus its new tokens within `context_length`, at most `max_tokens_cap` new tokens (the
+    server's `--max-tokens-cap`; None: the context length)."""
+
+    vocab_size: int
+    context_length: int
+    max_tokens_cap: int | None = None
+
+    @classmethod
+    def of_config(cls, config: Any, max_tokens_cap: int | None = None) -> ModelLimits:
+        """From a HF model config (a multimodal one's `text_config`); 2048 tokens of context when it names none."""
+        c = getattr(config, "text_config", None) or config
+        context = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 2048
+        if max_tokens_cap is not None and (type(max_tokens_cap) is not int or max_tokens_cap < 1):
+            raise ValueError(f"max_tokens_cap={max_tokens_cap!r} is not allowed; allowed: an int >= 1 or None")
+        return cls(int(c.vocab_size), int(context), max_tokens_cap)
+
+    @classmethod
+    def of_path(cls, model_path: str, max_tokens_cap: int | None = None) -> ModelLimits:
+        from transformers import AutoConfig
+
+        return cls.of_config(AutoConfig.from_pretrained(model_path), max_tokens_cap)
+
+    def new_tokens(self, prompt_len: int, max_tokens: Any) -> int:
+        """How many tokens a sample of a `prompt_len`-token prompt may generate for the client's `max_tokens` (None:
+        as many as the cap and the context allow; 0: none), else a UserError naming the limit.
+
+        >>> ModelLimits(100, 32, 16).new_tokens(10, None), ModelLimits(100, 32).new_tokens(10, None)
+        (16, 22)
+        >>> ModelLimits(100, 32).new_tokens(10, 10**9)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        rl_multilora.tinker.ops.UserError: sampling_params.max_tokens=1000000000 is not allowed; allowed: ...
+        """
+        cap = self.max_tokens_cap if self.max_tokens_cap is not None else self.context_length
+        room = self.context_length - prompt_len
+        if prompt_len < 1 or room < 1:
+            raise UserError(
+                f"prompt has {prompt_len} tokens; allowed: 1 to {self.context_length - 1} (the model's context is "
+                f"{self.context_length} tokens)"
+            )
+        if max_tokens is None:
+            return min(cap, room)
+        if type(max_tokens) is not int or max_tokens < 0 or max_tokens > min(cap, room):
+            limit = "the server's --max-tokens-cap" if cap < room else "the model's context minus the prompt"
+            raise UserError(
+                f"sampling_params.max_tokens={max_tokens!r} is not allowed; allowed: an int in [0, {min(cap, room)}] "
+                f"({limit}: context {self.context_length}, prompt {prompt_len} tokens, cap {cap})"
+            )
+        return max_tokens
+
+
 @dataclass
 class FwdBwdItem:
     """One forward_backward request of one tenant inside a mixed batch."""
@@ -208,13 +262,20 @@ class ClientOps:
         max_sampler_versions: int = 4,
         slots: Any = None,
         shared_engine: bool = False,
+        limits: ModelLimits | None = None,
     ) -> None:
+        """`limits`: what requests may ask of the model (default: the backend's in-process model's config)."""
         if type(max_sampler_versions) is not int or max_sampler_versions < 1:  # bool is refused too
             raise ValueError(
                 f"max_sampler_versions={max_sampler_versions!r} is not allowed; allowed: an int >= 1 "
                 "(in-memory sampler versions kept per model)"
             )
         self.backend = backend
+        if limits is None:
+            if backend.shared_model is None:
+                raise ValueError("limits=None needs a backend with an in-process model; pass ModelLimits.of_path(...)")
+            limits = ModelLimits.of_config(backend.shared_model.config)
+        self.limits = limits
         self.slots = slots if slots is not None else BackendSlots(backend)
         self.shared_engine = shared_engine  # GRPO tenants use the engine too: one engine slot per client tenant
         self.engine = engine
@@ -268,6 +329,12 @@ class ClientOps:
         self.slots.release_client(t.name)
         del self.tenants[model_id]
 
+    def check_sample(self, prompt: list[int], params: dict[str, Any]) -> int:
+        """The new tokens a sample of `prompt` with sampling `params` may generate; a UserError for a token id out
+        of the vocabulary, a prompt or `max_tokens` beyond the context or the cap."""
+        check_tokens("prompt", prompt, self.limits.vocab_size)
+        return self.limits.new_tokens(len(prompt), params.get("max_tokens"))
+
     # -- training --------------------------------------------------------------------------------------------------
     def forward_backward(self, items: list[FwdBwdItem]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
         """The items' datums as one mixed batch of the backend's `forward_backward` (forward-only items in a forward
@@ -282,7 +349,7 @@ class ClientOps:
             except ValueError as e:
                 raise UserError(str(e)) from None
             losses.append(algo)
-            rows.append([_datum_row(t.name, item.loss_fn, d) for d in item.data])
+            rows.append([_datum_row(t.name, item.loss_fn, d, self.limits.vocab_size) for d in item.data])
         outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in items]
         totals = [0.0] * len(items)
         # One call per (forward only?, wave): a call holds each tenant once, with its own loss.
@@ -507,6 +574,11 @@ class ClientOps:
     async def sample(
         self, v: SamplerVersion, prompt: list[int], n: int, params: dict[str, Any], seed: int
     ) -> list[tuple[list[int], list[float], str]]:
+        """`n` samples of `prompt` from version `v`: (tokens, their log-probs, "stop" | "length") each. The prompt and
+        `max_tokens` are checked against the model's limits (`check_sample`); `max_tokens` 0 is `n` empty answers."""
+        max_new = self.check_sample(prompt, params)
+        if max_new == 0:
+            return [([], [], "length") for _ in range(n)]
         stop = params.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         base = params.get("seed")
@@ -518,7 +590,7 @@ class ClientOps:
                     temperature=float(params.get("temperature", 1.0)),
                     top_p=float(params.get("top_p", 1.0)),
                     top_k=int(params.get("top_k", -1)),
-                    max_new_tokens=int(params.get("max_tokens") or 64),
+                    max_new_tokens=max_new,
                     stop=[s for s in stop if isinstance(s, str)],
                     stop_token_ids=[s for s in stop if isinstance(s, int)],
                     seed=(int(base) if base is not None else seed) + i,
@@ -537,10 +609,34 @@ class ClientOps:
         raise RuntimeError("sampling was aborted four times in a row")
 
 
-def _datum_row(name: str, loss_fn: str, d: Datum) -> Row:
+def check_tokens(field_name: str, tokens: Any, vocab_size: int) -> list[int]:
+    """`tokens` as ids when each is in [0, vocab_size), else a UserError naming the field, the first bad id and
+    its position.
+
+    >>> check_tokens("prompt", [1, 2], 10)
+    [1, 2]
+    >>> check_tokens("prompt", [1, 12], 10)
+    Traceback (most recent call last):
+    ...
+    rl_multilora.tinker.ops.UserError: prompt[1]=12 is not allowed; allowed: a token id in [0, 10) (the model's vocabulary)
+    """
+    ids = np.asarray(tokens).reshape(-1)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"{field_name} holds {ids.dtype} values; allowed: integer token ids")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise UserError(
+            f"{field_name}[{i}]={int(ids[i])} is not allowed; allowed: a token id in [0, {vocab_size}) "
+            "(the model's vocabulary)"
+        )
+    return [int(x) for x in ids]
+
+
+def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int) -> Row:
     """A datum as a training row of tenant `name`: position i of `model_input` predicts `target_tokens[i]`, so its
-    targets are positions 1..N with their ids given; the loss's inputs per token (a UserError names one that is
-    missing or has the wrong length)."""
+    targets are positions 1..N with their ids given; the loss's inputs per token. A UserError names an input that
+    is missing, has the wrong length or a non-finite value, and a token id outside the vocabulary."""
     n = len(d.tokens)
 
     def vec(key: str) -> list[float] | None:
@@ -549,17 +645,26 @@ def _datum_row(name: str, loss_fn: str, d: Datum) -> Row:
         values = np.asarray(d.inputs[key]).reshape(-1)
         if values.shape[0] != n:
             raise UserError(f"loss_fn_inputs[{key!r}] has {values.shape[0]} values for {n} model_input tokens")
+        bad = np.flatnonzero(~np.isfinite(values.astype(np.float64)))
+        if bad.size:
+            i = int(bad[0])
+            raise UserError(
+                f"loss_fn_inputs[{key!r}][{i}]={float(values[i])} is not allowed; allowed: finite numbers "
+                f"({bad.size} of its {n} values are not)"
+            )
         return values.tolist()
 
     definition = REGISTRY[loss_fn]
     for key in ("target_tokens", *definition.inputs):
         if key not in d.inputs:
             raise UserError(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]; got {sorted(d.inputs)}")
-    targets = [int(x) for x in vec("target_tokens")]
+    input_ids = check_tokens("model_input", d.tokens, vocab_size)
+    vec("target_tokens")  # its length
+    targets = check_tokens("loss_fn_inputs['target_tokens']", d.inputs["target_tokens"], vocab_size)
     weights = next((vec(k) for k in definition.optional_inputs if k in d.inputs), None)
     return Row(
         adapter=name,
-        input_ids=[int(x) for x in d.tokens],
+        input_ids=input_ids,
         targets=list(range(1, n + 1)),
         advantage=0.0,
         rollout_logprobs=None,

@@ -25,6 +25,14 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   replayed requests have run (they republish them) instead of failing with "names no sampler weights".
 - `retrieve_future` long-polls (up to `poll_s`) instead of answering "try_again" at once: the SDK re-polls a
   try_again immediately, so an instant answer would be a busy loop.
+- Limits: every input is checked before it touches a tenant: loss inputs finite, token ids inside the model's
+  vocabulary, a sample's prompt and `max_tokens` inside the context and `--max-tokens-cap` (a sample is refused at
+  once, before it is acknowledged; a model's request fails in its turn, so its seq_id order goes on). JSON answers
+  never hold a bare NaN (non-finite numbers are null), which the SDK could not parse.
+- Sessions expire: a session that sent no heartbeat (nor any request) for `session_timeout_s` has its queued
+  requests failed, its samples in flight cancelled, and its models unloaded (slots, optimizer state and sampler
+  versions freed; checkpoints kept) and compacted out of the journal; its later heartbeats get 410, which stops
+  the SDK's heartbeat loop.
 - Errors: HTTP errors are `{"detail": ...}` with the status the SDK maps to its exception classes; a request that
   fails while running resolves its future to `{"error": ..., "category": "user" | "server"}` (RequestFailedError).
 """
@@ -34,8 +42,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -51,7 +61,7 @@ from aiohttp import web
 
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
-from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, UserError, model_id_of, slot_name
+from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, ModelLimits, UserError, model_id_of, slot_name
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
@@ -100,7 +110,17 @@ class TinkerServer:
         batch_wait_s: float = 0.02,
         turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         snapshot_every: int = 50,
+        session_timeout_s: float = 120.0,
     ) -> None:
+        if not (isinstance(session_timeout_s, int | float) and session_timeout_s > 0):
+            raise ValueError(
+                f"session_timeout_s={session_timeout_s!r} is not allowed; allowed: seconds > 0 (a session without "
+                "heartbeats for this long is ended and its models unloaded; the SDK beats every 10 s)"
+            )
+        self.session_timeout_s = float(session_timeout_s)
+        self._last_seen: dict[str, float] = {}  # session -> time.monotonic() of its last heartbeat or request
+        self._expired: set[str] = set()
+        self._samples: dict[str, asyncio.Task] = {}  # sample request id -> its task, while it runs
         if type(snapshot_every) is not int or snapshot_every < 1:
             raise ValueError(
                 f"snapshot_every={snapshot_every!r} is not allowed; allowed: an int >= 1 (a model's optimizer steps "
@@ -155,7 +175,7 @@ class TinkerServer:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
-    async def _on_startup(self, _app) -> None:
+    async def _on_startup(self, app) -> None:
         self.loop = asyncio.get_running_loop()
         for key, value in self.journal.done():  # compacted requests: their results, not their work
             self.state.results[key] = Result(asyncio.Event(), value)
@@ -170,8 +190,10 @@ class TinkerServer:
             if kind not in ("create_session", "create_sampling_session", "sample"):
                 self._replayed.append(self.state.results[key])
         self._worker.start()
+        app[_REAPER] = self.loop.create_task(self._reap_sessions())
 
-    async def _on_cleanup(self, _app) -> None:
+    async def _on_cleanup(self, app) -> None:
+        app[_REAPER].cancel()
         with self.lock:
             self._stop = True
             self.lock.notify_all()
@@ -195,7 +217,7 @@ class TinkerServer:
 
     @staticmethod
     def _json(d: dict[str, Any]) -> web.Response:
-        return web.json_response(d)
+        return web.json_response(_finite(d), dumps=_STRICT_DUMPS)
 
     # -- plain endpoints -------------------------------------------------------------------------------------------
     async def healthz(self, _r) -> web.Response:
@@ -215,7 +237,14 @@ class TinkerServer:
     async def telemetry(self, _r) -> web.Response:
         return self._json({"status": "accepted"})
 
-    async def heartbeat(self, _r) -> web.Response:
+    async def heartbeat(self, r: web.Request) -> web.Response:
+        sid = (await r.json()).get("session_id")
+        if sid in self._expired:
+            return web.json_response({"detail": f"session {sid!r} expired: no heartbeat for "
+                                      f"{self.session_timeout_s:g} s; create a new ServiceClient"}, status=410)  # fmt: skip
+        if sid not in self.state.sessions:
+            return web.json_response({"detail": f"unknown session_id {sid!r}"}, status=404)
+        self._last_seen[sid] = time.monotonic()
         return self._json({"type": "session_heartbeat"})
 
     async def create_session(self, _r) -> web.Response:
@@ -248,6 +277,12 @@ class TinkerServer:
         seq: int | None = None,
     ):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        session = (model_id or key).split(":")[0].split(".")[0]
+        if session in self._expired:
+            raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
+                            "models were unloaded; create a new ServiceClient")  # fmt: skip
+        if session in self._last_seen:
+            self._last_seen[session] = time.monotonic()
         if key not in self.state.results:
             self.journal.append(key, kind, raw, model_id, seq)
             self._dispatch(key, kind, body, model_id=model_id, seq=seq)
@@ -324,7 +359,11 @@ class TinkerServer:
         elif sid not in self.state.sampling:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
-        n = int(body.get("num_samples", 1))
+        n = body.get("num_samples", 1)
+        if type(n) is not int or n < 1:
+            raise UserError(f"num_samples={n!r} is not allowed; allowed: an int >= 1")
+        if key not in self.state.results:  # refused at once, not acknowledged: nothing waits on a sample's order
+            self.ops.check_sample(_prompt_tokens(body), body["sampling_params"])
         path = self.state.sampling.get(sid) if sid in self.state.sampling else body.get("model_path")
         owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
         extra = {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]}
@@ -356,6 +395,52 @@ class TinkerServer:
         if name is not None and name != self.base_model:
             raise UserError(f"base_model={name!r} is not served here; allowed: {self.base_model!r}")
 
+    # -- session expiry ----------------------------------------------------------------------------------------------
+    async def _reap_sessions(self) -> None:
+        """End the sessions whose last heartbeat (or request) is older than `session_timeout_s`."""
+        while True:
+            await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))
+            now = time.monotonic()
+            for sid in [s for s, seen in self._last_seen.items() if now - seen > self.session_timeout_s]:
+                try:
+                    self._expire(sid)
+                except Exception:  # noqa: BLE001 - one session's clean-up must not stop the others'
+                    log.exception("ending session %s failed", sid)
+
+    def _expire(self, sid: str) -> None:
+        """Fail the session's queued requests, cancel its samples in flight and queue an unload of each of its
+        models (run by the worker in its next turn, before anything else of theirs; `_compact_after` then drops
+        them from the journal). Its checkpoints stay."""
+        log.info("session %s sent no heartbeat for %g s: ending it and unloading its models", sid,
+                 self.session_timeout_s)  # fmt: skip
+        self._last_seen.pop(sid, None)
+        self._expired.add(sid)
+        why = {"error": f"session {sid!r} expired: no heartbeat for {self.session_timeout_s:g} s", "category": "user"}
+        prefix = f"{sid}:train:"
+        with self.lock:
+            self.state.sessions.discard(sid)
+            models = {m for m in [*self.ops.tenants, *self.state.queues, *(op.model_id for op in self.state.creates)]
+                      if m.startswith(prefix)}  # fmt: skip
+            dropped = [op for m in models for op in self.state.queues.pop(m, {}).values()]
+            dropped += [op for op in self.state.creates if op.model_id in models]
+            dropped += [op for _, op in self.state.unloads if op.model_id in models]
+            self.state.creates = [op for op in self.state.creates if op.model_id not in models]
+            self.state.unloads = [(a, op) for a, op in self.state.unloads if op.model_id not in models]
+            for m in sorted(models):
+                key = f"{m}.expire"
+                self.state.results[key] = Result(asyncio.Event())
+                self.state.unloads.append((-1, Op(key, "unload_model", m, 0, {"model_id": m})))
+            self.lock.notify_all()
+        for op in dropped:
+            self._resolve(self.state.results[op.request_id], why)
+        for key, task in list(self._samples.items()):
+            if key.startswith(f"{sid}.") or key.startswith(f"tinker://{prefix}"):
+                task.cancel()
+                self._resolve(self.state.results[key], why)
+        for name in [k for k, path in self.state.sampling.items() if k.startswith(f"{sid}.") or
+                     (path or "").startswith(f"tinker://{prefix}")]:  # fmt: skip
+            del self.state.sampling[name]
+
     # -- scheduling --------------------------------------------------------------------------------------------------
     def _dispatch(
         self, key: str, kind: str, body: Any, replay: bool = False, model_id: str | None = None, seq: int | None = None
@@ -369,13 +454,16 @@ class TinkerServer:
                 self._model_keys.setdefault(model_id, []).append((key, seq))
         if kind == "create_session":
             self.state.sessions.add(body["session_id"])
+            self._last_seen[body["session_id"]] = time.monotonic()
             self._resolve(res, {})
         elif kind == "create_sampling_session":
             self.state.sampling[body["sid"]] = body["path"]
             self._resolve(res, {})
         elif kind == "sample":
             assert self.loop is not None
-            self.loop.create_task(self._sample(key, body, res))
+            task = self.loop.create_task(self._sample(key, body, res))
+            self._samples[key] = task
+            task.add_done_callback(lambda _t: self._samples.pop(key, None))
         elif kind == "restore":
             with self.lock:
                 self.state.creates.append(Op(key, kind, body.model_id, 0, body))
@@ -607,7 +695,7 @@ class TinkerServer:
             await self._replay_done(None, sid)
             path = self.state.sampling.get(sid) if sid is not None else body.get("model_path")
             await self._replay_done(path)
-            prompt = [t for chunk in body["prompt"]["chunks"] for t in chunk.get("tokens", [])]
+            prompt = _prompt_tokens(body)
             seed = int.from_bytes(key.encode()[-8:], "little") % (2**31)  # replay samples the same tokens
             seqs = await self.ops.sample(
                 self.ops.sampler(path), prompt, int(body.get("num_samples", 1)), body["sampling_params"], seed
@@ -618,6 +706,35 @@ class TinkerServer:
             if category == "server":
                 log.exception("sample %s failed", key)
             self._resolve(res, {"error": f"{type(e).__name__}: {e}", "category": category})
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float as None: JSON has no NaN, and the SDK's parser refuses a bare one.
+
+    >>> _finite({"loss": float("nan"), "xs": [1.0, float("inf")]})
+    {'loss': None, 'xs': [1.0, None]}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+_REAPER = web.AppKey("reaper", asyncio.Task)
+_STRICT_DUMPS = functools.partial(json.dumps, allow_nan=False)
+
+
+def _prompt_tokens(body: dict[str, Any]) -> list[int]:
+    """A sample request's prompt as token ids (its encoded-text chunks; other chunk types are refused)."""
+    tokens: list[int] = []
+    for chunk in body["prompt"]["chunks"]:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError(f"prompt chunk type {chunk.get('type')!r} is not supported; allowed: encoded_text")
+        tokens += chunk.get("tokens", [])
+    return tokens
 
 
 def _check_token(token: str) -> None:
@@ -637,6 +754,8 @@ def build_server(
     batch_wait_s: float = 0.02,
     max_sampler_versions: int = 4,
     snapshot_every: int = 50,
+    max_tokens_cap: int | None = None,
+    session_timeout_s: float = 120.0,
 ) -> TinkerServer:
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
@@ -653,10 +772,12 @@ def build_server(
     ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
     for p in ckpt.remove_stale_temps():
         log.info("removed %s, left by an interrupted write", p)
-    ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions)
+    limits = ModelLimits.of_config(backend.shared_model.config, max_tokens_cap)
+    ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions, limits=limits)
     journal = Journal(state_dir / "requests.sqlite")
     name = base_model or model_path
-    return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every)
+    return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
+                        session_timeout_s=session_timeout_s)  # fmt: skip
 
 
 def service_problems(cfg: Any) -> list[str]:
@@ -680,6 +801,8 @@ def build_service_server(
     batch_wait_s: float = 0.02,
     max_sampler_versions: int = 4,
     snapshot_every: int = 50,
+    max_tokens_cap: int | None = None,
+    session_timeout_s: float = 120.0,
 ) -> TinkerServer:
     """The Tinker app on a GRPO service's Runtime (`core`: a `rl_multilora.service.ServiceCore`): its model,
     engine and TenantManager, its FIFO model lock, its checkpoints (`RUN_DIR/adapters/`); the journal under
@@ -709,9 +832,11 @@ def build_service_server(
         max_sampler_versions,
         slots=rt.tenants,
         shared_engine=True,
+        limits=ModelLimits.of_path(rt.cfg.model.path, max_tokens_cap),  # the trainer ranks' model is not here
     )
     return TinkerServer(ops, journal, token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
-                        turn=core.tinker_turn, snapshot_every=snapshot_every)  # fmt: skip
+                        turn=core.tinker_turn, snapshot_every=snapshot_every,
+                        session_timeout_s=session_timeout_s)  # fmt: skip
 
 
 class BackgroundApp:
@@ -759,12 +884,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--snapshot-every", type=int, default=50,
                    help="a model's optimizer steps between journal snapshots: a restart replays at most this many "
                    "steps' requests per model (default 50)")  # fmt: skip
+    p.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="the most tokens one sample may generate (default: the model's context length)")  # fmt: skip
+    p.add_argument("--session-timeout-s", type=float, default=120.0,
+                   help="a session without heartbeats for this long is ended: its queued requests fail and its "
+                   "models are unloaded, checkpoints kept (the SDK beats every 10 s; default 120)")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     token = resolve_token(args.state_dir)
     server = build_server(
         args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
         max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
+        max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
     )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip

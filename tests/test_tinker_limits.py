@@ -1,0 +1,170 @@
+"""Limits of the Tinker door driven by the real `tinker` SDK: no input a client sends can make an adapter
+non-finite, reach outside the vocabulary or the context, or hold a slot after the client is gone."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from tests.test_tinker_server import BASE, TOKEN, _datum, _Running, _sft, tiny_model_folder  # noqa: F401
+
+HEADERS = {"X-API-Key": TOKEN}
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = _Running(tmp_path / "state", max_tokens_cap=8)
+    yield s
+    s.close()
+
+
+def _weights(ops, model_id: str) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in ops.backend.adapter_state_dict(ops.tenants[model_id].name).items()}
+
+
+def _assert_identical(ops, model_id: str, before: dict[str, torch.Tensor]) -> None:
+    after = ops.backend.adapter_state_dict(ops.tenants[model_id].name)
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+
+
+def _rl_datum(tokens: list[int], advantages: np.ndarray, logprobs: np.ndarray) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "logprobs": logprobs.astype(np.float32),
+            "advantages": advantages.astype(np.float32),
+        },
+    )
+
+
+def test_bad_inputs_and_learning_rates_leave_the_adapter_bit_identical(server):
+    ops = server.server.ops
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    tokens = list(range(5, 17))
+    _sft(tc, 1, tokens)  # B is no longer zero: a NaN update would show everywhere
+    before, step = _weights(ops, tc.model_id), ops.steps(tc.model_id)
+    name = ops.tenants[tc.model_id].name
+    moments = {i: {k: v.clone() for k, v in m.items()}
+               for i, m in ops.backend.optimizer_state_dict(name)["optimizer"]["state"].items()}  # fmt: skip
+    n = len(tokens) - 1
+    adv, logp = np.ones(n), np.full(n, -1.0)
+    refused = {
+        r"loss_fn_inputs\['advantages'\]\[2\]=nan": _rl_datum(tokens, np.where(np.arange(n) == 2, np.nan, adv), logp),
+        r"loss_fn_inputs\['logprobs'\]\[0\]=inf": _rl_datum(tokens, adv, np.where(np.arange(n) == 0, np.inf, logp)),
+        r"model_input\[4\]=100000 is not allowed": _rl_datum(tokens[:4] + [100000] + tokens[5:], adv, logp),
+        r"loss_fn_inputs\['target_tokens'\]\[10\]=-1 is not allowed": _rl_datum(tokens[:-1] + [-1], adv, logp),
+    }
+    for why, datum in refused.items():
+        with pytest.raises(tinker.RequestFailedError, match=why) as err:
+            tc.forward_backward([datum], "importance_sampling").result()
+        assert err.value.category == types.RequestErrorCategory.User
+    weights = _datum(tokens)
+    weights.loss_fn_inputs["weights"] = types.TensorData.from_numpy(np.full(n, np.nan, dtype=np.float32))
+    with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_inputs\['weights'\]\[0\]=nan"):
+        tc.forward_backward([weights], "cross_entropy").result()
+
+    # a gradient is pending; refused Adam settings leave it and the adapter alone
+    tc.forward_backward([_datum(tokens)], "cross_entropy").result()
+    for lr, why in ((float("nan"), "learning_rate=None"), (-1.0, "learning_rate=-1.0")):  # the SDK sends NaN as null
+        with pytest.raises(tinker.RequestFailedError, match=f"adam_params.{why} is not allowed"):
+            tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+    # a finite learning rate whose update overflows float32: the step is undone and reported
+    for lr in (1e39, 3e38):  # torch refuses the first part way through the step; the second overflows to inf
+        tc.forward_backward([_datum(tokens)], "cross_entropy").result()
+        metrics = tc.optim_step(types.AdamParams(learning_rate=lr)).result().metrics
+        assert metrics["skipped_nonfinite"] == 1.0 and np.isfinite(metrics["grad_norm"]), (lr, metrics)
+    # a finite input whose loss is not finite (ratio exp(+1e30)): the forward answers, the next step is skipped
+    tc.forward_backward([_rl_datum(tokens, adv, np.full(n, -1e30))], "importance_sampling").result()
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["skipped_nonfinite"] == 1.0
+    _assert_identical(ops, tc.model_id, before)
+    assert ops.steps(tc.model_id) == step
+    state = ops.backend.optimizer_state_dict(name)["optimizer"]["state"]
+    for i, m in moments.items():
+        for k, v in m.items():
+            assert torch.equal(state[i][k], v), (i, k)
+    _sft(tc, 1, tokens)  # still trains, to finite weights
+    after = ops.backend.adapter_state_dict(name)
+    assert ops.steps(tc.model_id) == step + 1 and all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_sample_limits_answer_at_once(server):
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    sampler = sc.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    context = server.server.ops.limits.context_length
+
+    def sample(max_tokens, tokens=(1, 2, 3)):
+        params = types.SamplingParams(max_tokens=max_tokens, seed=0, stop=[])
+        return sampler.sample(types.ModelInput.from_ints(list(tokens)), 2, params).result().sequences
+
+    start = time.monotonic()
+    for max_tokens, why in ((10**9, "max_tokens=1000000000 is not allowed"), (9, "--max-tokens-cap"),
+                            (-1, "max_tokens=-1 is not allowed")):  # fmt: skip
+        with pytest.raises(tinker.BadRequestError, match=why):
+            sample(max_tokens)
+    for tokens, why in (([1, 100000], r"prompt\[1\]=100000"), ([-3, 1], r"prompt\[0\]=-3"),
+                        ([1] * context, f"prompt has {context} tokens")):  # fmt: skip
+        with pytest.raises(tinker.BadRequestError, match=why):
+            sample(4, tokens)
+    assert time.monotonic() - start < 10
+    assert [s.tokens for s in sample(0)] == [[], []]
+    assert [len(s.tokens) for s in sample(None)] == [8, 8]  # no max_tokens: the server's cap
+    assert all(len(s.tokens) == 3 for s in sample(3))
+    with pytest.raises(tinker.BadRequestError, match="max_tokens"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10**9)).result()
+
+
+def test_a_session_without_heartbeats_frees_its_slot(tmp_path):
+    """A client that stops (here: raw HTTP that never beats) loses its models after session_timeout_s: its queued
+    requests fail, its slot, optimizer and sampler versions are freed, its checkpoint stays, the journal forgets it,
+    and a new client gets the slot."""
+    s = _Running(tmp_path / "state", max_loras=1, session_timeout_s=1.0)
+    try:
+        ops, url = s.server.ops, s.url + "/api/v1/"
+
+        def call(route: str, body: dict) -> dict:
+            r = httpx.post(url + route, json=body, headers=HEADERS, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def result(key: str) -> dict:
+            return call("retrieve_future", {"request_id": key})
+
+        sid = call("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38"})["session_id"]
+        body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
+        model_id = result(call("create_model", body)["request_id"])["model_id"]
+        saved = result(call("save_weights", {"model_id": model_id, "seq_id": 1, "path": "kept"})["request_id"])
+        result(call("save_weights_for_sampler", {"model_id": model_id, "seq_id": 2, "path": "v1"})["request_id"])
+        stuck = call("optim_step", {"model_id": model_id, "seq_id": 9, "adam_params": {}})["request_id"]
+        name = ops.tenants[model_id].name
+        assert ops.backend.adapters == [name] and len(ops.samplers) == 1
+        sc = tinker.ServiceClient(base_url=s.url, api_key=TOKEN)
+        with pytest.raises(tinker.RequestFailedError, match="no free LoRA slot"):
+            sc.create_lora_training_client(base_model=BASE, rank=4).result()
+
+        start = time.monotonic()
+        while model_id in ops.tenants and time.monotonic() - start < 10:
+            time.sleep(0.05)
+        assert time.monotonic() - start < 3.0  # timeout 1 s, checked every 0.25 s
+        assert ops.backend.adapters == [] and not ops.samplers and name not in ops.backend.trainer.adapters
+        assert "expired" in result(stuck)["error"]
+        r = httpx.post(url + "session_heartbeat", json={"session_id": sid}, headers=HEADERS)
+        assert r.status_code == 410 and "expired" in r.json()["detail"]
+        assert ops.ckpt.find_labeled(name, saved["path"].split("/")[-1]) is not None  # its checkpoint stays
+        assert model_id not in s.server.journal.live_models()
+        assert not [k for k, *_ in s.server.journal.replay() if k.startswith(model_id)]
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()  # the freed slot
+        assert len(_sft(tc, 1, list(range(5, 15)))) == 1
+    finally:
+        s.close()
