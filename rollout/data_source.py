@@ -19,6 +19,8 @@ Design choices:
   adapter seed and sample index, it is the only input of the per-sample `sampling_seed`.
 - `Sample.index` is the sample's position in the flattened result of one `next_groups` call (in
   the order of `names`); it is bookkeeping only and feeds no seed.
+- Rows are read with `datasets`, or generated (`source: reasoning_gym`, rollout/reasoning_gym_source.py) as a plain
+  list of row dicts, since different tasks' metadata has no common Arrow schema; the stream takes either.
 - One file: loading (`load_dataset_rows`), the per-tenant stream (order, budget,
   cursor, bad rows) and building a row into a prompt are one contract with the checkpointed state.
 """
