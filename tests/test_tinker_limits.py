@@ -164,7 +164,9 @@ def test_a_session_without_heartbeats_frees_its_slot(tmp_path):
         assert ops.ckpt.find_labeled(name, saved["path"].split("/")[-1]) is not None  # its checkpoint stays
         assert model_id not in s.server.journal.live_models()
         assert not [k for k, *_ in s.server.journal.replay() if k.startswith(model_id)]
-        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()  # the freed slot
+        sc = tinker.ServiceClient(base_url=s.url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()  # the freed slot (a new session: the
+        # first one was quiet for the timeout too)
         assert len(_sft(tc, 1, list(range(5, 15)))) == 1
     finally:
         s.close()

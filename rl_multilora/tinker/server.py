@@ -29,7 +29,7 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   vocabulary, a sample's prompt and `max_tokens` inside the context and `--max-tokens-cap` (a sample is refused at
   once, before it is acknowledged; a model's request fails in its turn, so its seq_id order goes on). JSON answers
   never hold a bare NaN (non-finite numbers are null), which the SDK could not parse.
-- Sessions expire: a session that sent no heartbeat (nor any request) for `session_timeout_s` has its queued
+- Sessions expire: a session that sent no heartbeat (nor any request or poll) for `session_timeout_s` has its queued
   requests failed, its samples in flight cancelled, and its models unloaded (slots, optimizer state and sampler
   versions freed; checkpoints kept) and compacted out of the journal; its later heartbeats get 410, which stops
   the SDK's heartbeat loop.
@@ -277,12 +277,10 @@ class TinkerServer:
         seq: int | None = None,
     ):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        session = (model_id or key).split(":")[0].split(".")[0]
+        session = self._touch(model_id or key)
         if session in self._expired:
             raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
                             "models were unloaded; create a new ServiceClient")  # fmt: skip
-        if session in self._last_seen:
-            self._last_seen[session] = time.monotonic()
         if key not in self.state.results:
             self.journal.append(key, kind, raw, model_id, seq)
             self._dispatch(key, kind, body, model_id=model_id, seq=seq)
@@ -371,6 +369,7 @@ class TinkerServer:
 
     async def retrieve_future(self, r: web.Request) -> web.Response:
         key = (await r.json())["request_id"]
+        self._touch(key)  # a client polling for its results is alive
         res = self.state.results.get(key)
         if res is None:
             return web.json_response({"detail": f"unknown request_id {key!r}"}, status=404)
@@ -396,6 +395,13 @@ class TinkerServer:
             raise UserError(f"base_model={name!r} is not served here; allowed: {self.base_model!r}")
 
     # -- session expiry ----------------------------------------------------------------------------------------------
+    def _touch(self, key: str) -> str:
+        """The session a model id or request id belongs to (its first part), marked as seen now when it is live."""
+        session = key.split(":")[0].split(".")[0]
+        if session in self._last_seen:
+            self._last_seen[session] = time.monotonic()
+        return session
+
     async def _reap_sessions(self) -> None:
         """End the sessions whose last heartbeat (or request) is older than `session_timeout_s`."""
         while True:
