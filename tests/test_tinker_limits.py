@@ -170,3 +170,40 @@ def test_a_session_without_heartbeats_frees_its_slot(tmp_path):
         assert len(_sft(tc, 1, list(range(5, 15)))) == 1
     finally:
         s.close()
+
+
+def test_prompt_logprobs_are_the_sampler_versions(server):
+    """compute_logprobs and include_prompt_logprobs / topk_prompt_logprobs score the prompt with the sampler
+    version's frozen weights: equal to the trainer's log-probs when it was published, unchanged after the trainer
+    steps on; the first position (and those before prompt_logprobs_last_n) unscored; unsupported options refused."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+    tokens = list(range(5, 17))
+    _sft(tc, 2, tokens, lr=5e-2)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    trained = tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    prompt = types.ModelInput.from_ints(tokens)
+    got = sampler.compute_logprobs(prompt).result()
+    assert got[0] is None and len(got) == len(tokens)
+    np.testing.assert_allclose(got[1:], trained, rtol=1e-5, atol=1e-5)
+    last = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result()
+    assert last[:-3] == [None] * (len(tokens) - 3)
+    np.testing.assert_allclose(last[-3:], trained[-3:], rtol=1e-5, atol=1e-5)
+
+    _sft(tc, 1, tokens, lr=5e-2)  # the training slot moves on; the published version does not
+    res = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2, seed=0), include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3).result()  # fmt: skip
+    assert len(res.sequences) == 2 and res.prompt_logprobs[0] is None and res.topk_prompt_logprobs[0] is None
+    np.testing.assert_allclose(res.prompt_logprobs[1:], trained, rtol=1e-5, atol=1e-5)
+    for i, top in enumerate(res.topk_prompt_logprobs[1:], start=1):
+        ids, lps = zip(*top, strict=True)
+        assert len(top) == 3 and list(lps) == sorted(lps, reverse=True) and lps[0] >= res.prompt_logprobs[i] - 1e-6
+        if tokens[i] in ids:
+            assert lps[ids.index(tokens[i])] == pytest.approx(res.prompt_logprobs[i], abs=1e-5)
+    base = sc.create_sampling_client(base_model=BASE).result().compute_logprobs(prompt).result()
+    assert np.abs(np.array(base[1:]) - np.array(trained)).max() > 1e-3  # the base is not the trained version
+
+    for options, why in (({"topk_sample_logprobs": 2}, "topk_sample_logprobs is not supported"),
+                         ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k is not supported")):  # fmt: skip
+        with pytest.raises(tinker.BadRequestError, match=why):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), **options).result()

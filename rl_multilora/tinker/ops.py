@@ -31,6 +31,10 @@ Design choices:
   (`shared_engine`), client versions hold at most one engine slot per client tenant, so the engine always has room
   for every GRPO tenant's push.
 - Engine log-probs are those of the raw logits (temperature 1), as the engine documents.
+- Prompt log-probs (`compute_logprobs`, `include_prompt_logprobs`, `topk_prompt_logprobs`) come from one forward of
+  the backend's in-process model through a one-slot LoRA bank of this server's own, holding the sampler version's
+  frozen tensors (the training slot may have moved on since it was published); raw logits, like the engine's. A
+  backend whose model lives in other processes (trainer ranks) has none: such requests are refused, saying so.
 """
 
 from __future__ import annotations
@@ -249,6 +253,20 @@ class BackendSlots:
         """Nothing is reserved here: no other kind of tenant competes for these slots."""
 
 
+MASK_LOGPROB = -99999.0  # an empty cell of the SDK's top-k matrices (tinker.types.topk_logprobs)
+
+
+@dataclass
+class PromptScores:
+    """A prompt's log-probs under one sampler version: `logprobs` (N,) float32, NaN where not scored (position 0,
+    positions before `prompt_logprobs_last_n`); `topk_ids` / `topk_logprobs` (N, k) int32 / float32, the k most
+    likely tokens at each scored position (0 / MASK_LOGPROB elsewhere), None without top-k."""
+
+    logprobs: np.ndarray
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
 class ClientOps:
     """Everything the server does to the model and the engine. Training calls come from one worker thread;
     sampling calls may come from any thread (the engine has its own worker and bank)."""
@@ -288,6 +306,8 @@ class ClientOps:
         self._samplers_lock = threading.RLock()  # samplers, freed, sampler_paths: publish (worker) vs sample (loop)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # engine names in the bank, least recently used first
         self._engine_lock = threading.Lock()
+        self._score_bank: Any = None  # a one-slot LoRABank for prompt log-probs, made on first use
+        self._score_lock = threading.Lock()
         self.batch_sizes: list[int] = []  # requests per mixed forward_backward batch, in order (tests, bench)
 
     # -- tenants ---------------------------------------------------------------------------------------------------
@@ -328,6 +348,49 @@ class ClientOps:
             self._trim_engine(len(self.tenants) - 1)
         self.slots.release_client(t.name)
         del self.tenants[model_id]
+
+    def score_prompt(self, v: SamplerVersion, prompt: list[int], last_n: int | None, topk: int) -> PromptScores:
+        """Log-probs of `prompt`'s tokens under version `v` (the last `last_n` of them; None: all but the first) and,
+        `topk` > 0, the top-k tokens at each scored position: one forward through the scoring bank."""
+        from rl_multilora.lora.bank import LoRABank
+
+        model = self.backend.shared_model
+        if model is None:
+            raise UserError(
+                "prompt log-probs are not supported with this trainer placement (its model lives in trainer ranks); "
+                "sample without include_prompt_logprobs / topk_prompt_logprobs"
+            )
+        n = len(prompt)
+        first = 1 if last_n is None else n - last_n  # the first scored position
+        with self._score_lock, torch.no_grad():
+            if v.engine_name is not None and self._score_bank is None:
+                device = next(model.parameters()).device
+                self._score_bank = LoRABank(model.layer_shapes, 1, model.max_rank, model.lora_dtype, device,
+                                            expert_shapes=getattr(model, "_expert_shapes", None))  # fmt: skip
+            if v.engine_name is not None:
+                if v.tensors is None:
+                    raise UserError(self.freed.get(v.path or "", f"sampler weights {v.path!r} were freed"))
+                self._score_bank.set_adapter(0, v.tensors, v.config)
+            device = next(model.parameters()).device
+            ids = torch.tensor([prompt], device=device)  # (1, N)
+            slots = torch.tensor([0 if v.engine_name is not None else -1], device=device)
+            model.eval()  # as the trainer leaves it (see rl_multilora.train_ops)
+            out = model(ids, adapter_slots=slots, lora_bank=self._score_bank, logits_to_keep=n - first + 1)
+            # positions first-1 .. N-2 predict tokens first .. N-1 (a model that ignores logits_to_keep gives all N)
+            logits = out.logits[0, -(n - first + 1) : -1].float()  # (N - first, V)
+            logp_all = torch.log_softmax(logits, dim=-1)  # (N - first, V)
+            target = torch.tensor(prompt[first:], device=device)  # (N - first,)
+            scored = logp_all.gather(-1, target[:, None]).squeeze(-1)  # (N - first,)
+            logprobs = np.full(n, np.nan, dtype=np.float32)
+            logprobs[first:] = scored.cpu().numpy()
+            if not topk:
+                return PromptScores(logprobs)
+            k = min(topk, logp_all.shape[-1])
+            values, index = logp_all.topk(k, dim=-1)  # (N - first, k) each
+            top_ids = np.zeros((n, k), dtype=np.int32)
+            top_lp = np.full((n, k), MASK_LOGPROB, dtype=np.float32)
+            top_ids[first:], top_lp[first:] = index.cpu().numpy(), values.cpu().numpy()
+            return PromptScores(logprobs, top_ids, top_lp)
 
     def check_sample(self, prompt: list[int], params: dict[str, Any]) -> int:
         """The new tokens a sample of `prompt` with sampling `params` may generate; a UserError for a token id out

@@ -361,7 +361,9 @@ class TinkerServer:
         if type(n) is not int or n < 1:
             raise UserError(f"num_samples={n!r} is not allowed; allowed: an int >= 1")
         if key not in self.state.results:  # refused at once, not acknowledged: nothing waits on a sample's order
-            self.ops.check_sample(_prompt_tokens(body), body["sampling_params"])
+            prompt = _prompt_tokens(body)
+            self.ops.check_sample(prompt, body["sampling_params"])
+            _prompt_scoring(body, len(prompt))
         path = self.state.sampling.get(sid) if sid in self.state.sampling else body.get("model_path")
         owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
         extra = {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]}
@@ -703,10 +705,22 @@ class TinkerServer:
             await self._replay_done(path)
             prompt = _prompt_tokens(body)
             seed = int.from_bytes(key.encode()[-8:], "little") % (2**31)  # replay samples the same tokens
+            version = self.ops.sampler(path)
+            want_logprobs, last_n, topk = _prompt_scoring(body, len(prompt))
+            scores = None
+            if want_logprobs or topk:
+                scores = await asyncio.to_thread(self.ops.score_prompt, version, prompt, last_n, topk)
             seqs = await self.ops.sample(
-                self.ops.sampler(path), prompt, int(body.get("num_samples", 1)), body["sampling_params"], seed
+                version, prompt, int(body.get("num_samples", 1)), body["sampling_params"], seed
             )
-            self._resolve(res, wire.encode_sample_response(seqs))
+            self._resolve(
+                res,
+                wire.encode_sample_response(
+                    seqs,
+                    scores.logprobs if scores is not None and want_logprobs else None,
+                    (scores.topk_ids, scores.topk_logprobs) if scores is not None and topk else None,
+                ),
+            )
         except Exception as e:  # noqa: BLE001
             category = "user" if isinstance(e, UserError) else "server"
             if category == "server":
@@ -741,6 +755,32 @@ def _prompt_tokens(body: dict[str, Any]) -> list[int]:
             raise UserError(f"prompt chunk type {chunk.get('type')!r} is not supported; allowed: encoded_text")
         tokens += chunk.get("tokens", [])
     return tokens
+
+
+def _prompt_scoring(body: dict[str, Any], n_prompt: int) -> tuple[bool, int | None, int]:
+    """(prompt log-probs wanted, `prompt_logprobs_last_n`, `topk_prompt_logprobs`) of a sample request; a UserError
+    for a value out of range or a scoring option this server does not serve."""
+    unsupported = {
+        "target_prompt_logprobs": body.get("target_prompt_logprobs") is not None,
+        "prompt_alt_tokens_k": bool(body.get("prompt_alt_tokens_k")),
+        "topk_sample_logprobs": bool(body.get("topk_sample_logprobs")),
+        "record_stability_info": bool(body.get("record_stability_info")),
+    }
+    for name, asked in unsupported.items():
+        if asked:
+            raise UserError(f"{name} is not supported by this server; sample without it")
+    want = bool(body.get("prompt_logprobs"))
+    topk, last_n = body.get("topk_prompt_logprobs") or 0, body.get("prompt_logprobs_last_n")
+    if type(topk) is not int or not 0 <= topk <= 1024:
+        raise UserError(f"topk_prompt_logprobs={topk!r} is not allowed; allowed: an int in [0, 1024]")
+    if last_n is not None and (type(last_n) is not int or not 1 <= last_n <= n_prompt - 1 or not (want or topk)):
+        raise UserError(
+            f"prompt_logprobs_last_n={last_n!r} is not allowed; allowed: an int in [1, {n_prompt - 1}] (the prompt's "
+            "length - 1), with prompt_logprobs or topk_prompt_logprobs"
+        )
+    if (want or topk) and n_prompt < 2:
+        raise UserError("prompt log-probs need a prompt of at least 2 tokens (the first has no context)")
+    return want, last_n, topk
 
 
 def _check_token(token: str) -> None:

@@ -79,9 +79,21 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
     return out.SerializeToString()
 
 
-def encode_sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
-    """(tokens, logprobs, stop_reason "stop" | "length") per sampled sequence."""
+def encode_sample_response(
+    sequences: list[tuple[list[int], list[float], str]],
+    prompt_logprobs: np.ndarray | None = None,
+    topk: tuple[np.ndarray, np.ndarray] | None = None,
+) -> bytes:
+    """(tokens, logprobs, stop_reason "stop" | "length") per sampled sequence; the prompt's log-probs (N,) float32
+    (NaN where not scored) and its top-k (ids, log-probs), each (N, k), when asked for."""
     out = pb.SampleResponse()
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, logprobs = topk
+        out.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        out.topk_prompt_logprobs.logprobs = np.ascontiguousarray(logprobs, dtype=np.float32).tobytes()
+        out.topk_prompt_logprobs.length, out.topk_prompt_logprobs.k = ids.shape
     for tokens, logprobs, stop in sequences:
         seq = out.sequences.add()
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
