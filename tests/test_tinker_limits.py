@@ -207,3 +207,47 @@ def test_prompt_logprobs_are_the_sampler_versions(server):
                          ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k is not supported")):  # fmt: skip
         with pytest.raises(tinker.BadRequestError, match=why):
             sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), **options).result()
+
+
+def test_rest_client_lists_inspects_and_deletes_checkpoints(server):
+    """The SDK's RestClient on the run's checkpoints: list a model's saved names, its training run, its weights
+    info, delete a name (gone from disk and from the list); the routes need the token; capabilities name the
+    served model, its context and the losses."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    rest = tinker.RestClient(base_url=server.url, api_key=TOKEN)
+    caps = rest.get_server_capabilities().result()
+    assert [(m.model_name, m.max_context_length) for m in caps.supported_models] == [
+        (BASE, server.server.ops.limits.context_length)
+    ]
+    body = httpx.get(server.url + "/api/v1/get_server_capabilities", headers=HEADERS).json()
+    assert {"cross_entropy", "importance_sampling", "ppo", "cispo"} <= set(body["loss_fns"])
+    assert body["max_tokens_cap"] == 8 and body["prompt_logprobs"] is True
+
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0, train_mlp=False).result()
+    _sft(tc, 1, list(range(5, 15)))
+    first = tc.save_state("first").result().path
+    second = tc.save_state("second").result().path
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.tinker_path, c.checkpoint_type) for c in listed] == [
+        ("weights/first", first, "training"), ("weights/second", second, "training")]  # fmt: skip
+    assert all(c.size_bytes > 0 for c in listed)
+    run = rest.get_training_run(tc.model_id).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank, run.is_lora) == (tc.model_id, BASE, 4, True)
+    assert run.last_checkpoint.tinker_path == second
+    assert [r.training_run_id for r in rest.list_training_runs().result().training_runs] == [tc.model_id]
+    info = rest.get_weights_info_by_tinker_path(first).result()
+    assert (info.lora_rank, info.train_mlp, info.train_attn) == (4, False, True)
+
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [second]
+    name = server.server.ops.tenants[tc.model_id].name
+    assert server.server.ops.ckpt.find_labeled(name, "first") is None
+    with pytest.raises(tinker.RequestFailedError, match="does not exist"):
+        sc.create_training_client_from_state(first).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.delete_checkpoint_from_tinker_path(first).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run("s0:train:7").result()
+    r = httpx.get(f"{server.url}/api/v1/training_runs/{tc.model_id}/checkpoints", headers={"X-API-Key": "tml-no"})
+    assert r.status_code == 401
+    assert httpx.get(f"{server.url}/api/v1/training_runs/..%2Fx/checkpoints", headers=HEADERS).status_code == 400

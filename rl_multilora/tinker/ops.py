@@ -491,6 +491,67 @@ class ClientOps:
             self.backend.load_optimizer_state_dict(t.name, state)
             self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
 
+    # -- the REST checkpoint routes -------------------------------------------------------------------------------
+    def training_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        """The model's client checkpoints (`save_state` names; journal snapshots are not a client's), oldest first,
+        as the SDK's `Checkpoint`: for each name the checkpoint it now resolves to (its newest save)."""
+        from datetime import UTC, datetime
+
+        name = slot_name(model_id)
+        out = []
+        for label in self.ckpt.labels(name):
+            found = self.ckpt.find_labeled(name, label)
+            if found is None or "tinker" not in found[1] or label == SNAPSHOT_LABEL:
+                continue
+            folder = found[0]
+            stamp = (folder / "checkpoint.json").stat().st_mtime
+            out.append({
+                "checkpoint_id": f"weights/{label}",
+                "checkpoint_type": "training",
+                "time": datetime.fromtimestamp(stamp, UTC).isoformat(),
+                "tinker_path": f"tinker://{model_id}/weights/{label}",
+                "size_bytes": sum(f.stat().st_size for f in folder.iterdir() if f.is_file()),
+                "public": False,
+            })  # fmt: skip
+        return out
+
+    def training_runs(self) -> list[str]:
+        """Model ids that hold a slot or have a client checkpoint on disk, sorted."""
+        runs = set(self.tenants)
+        adapters = self.ckpt.run_dir / "adapters"
+        for folder in adapters.iterdir() if adapters.is_dir() else []:
+            if MODEL_ID_PATTERN.fullmatch(folder.name.replace(".", ":")) and self.training_checkpoints(
+                folder.name.replace(".", ":")
+            ):
+                runs.add(folder.name.replace(".", ":"))
+        return sorted(runs)
+
+    def run_info(self, model_id: str) -> dict[str, Any]:
+        """Rank and layers of a model: its live tenant's, else its newest client checkpoint's; a UserError when
+        neither exists."""
+        if model_id in self.tenants:
+            t = self.tenants[model_id]
+            return {"rank": t.rank, "lora_config": t.lora_config}
+        saved = self.training_checkpoints(model_id)
+        if not saved:
+            raise UserError(f"unknown training run {model_id!r}: it holds no slot and has no checkpoint")
+        _, meta = self.ckpt.find_labeled(slot_name(model_id), saved[-1]["checkpoint_id"].split("/", 1)[1])
+        return {"rank": meta["tinker"]["rank"], "lora_config": meta["tinker"].get("lora_config", {})}
+
+    def delete_checkpoint(self, model_id: str, label: str, protected: set[str]) -> int:
+        """Remove every checkpoint of the model labeled `label` (a name saved several times has several); returns
+        how many. `protected`: folder names a journal snapshot needs (a restart rebuilds the model from them)."""
+        name, label = slot_name(model_id), checkpoint_name("checkpoint_id", label)
+        doomed = []
+        while (found := self.ckpt.find_labeled(name, label)) is not None and "tinker" in found[1]:
+            if found[0].name in protected:
+                raise UserError(
+                    f"checkpoint tinker://{model_id}/weights/{label} is the request journal's snapshot of the model "
+                    "(a restart rebuilds it from there); save_state again first, then delete it"
+                )
+            doomed.append(self.ckpt.discard(found[0]))
+        return len(doomed)
+
     # -- journal snapshots -----------------------------------------------------------------------------------------
     def snapshot(self, model_id: str, key: str, saved: str | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
         """The model's state for the journal (`Journal.compact`): a run checkpoint of its weights, optimizer and step

@@ -171,6 +171,11 @@ class TinkerServer:
         for name, handler in post.items():
             app.router.add_post(f"{API}/{name}", handler)
         app.router.add_get(API + "/samplers/{sid}", self.get_sampler)
+        app.router.add_get(API + "/training_runs", self.list_training_runs)
+        app.router.add_get(API + "/training_runs/{run}", self.get_training_run)
+        app.router.add_get(API + "/training_runs/{run}/checkpoints", self.list_checkpoints)
+        app.router.add_delete(API + "/training_runs/{run}/checkpoints/{checkpoint_id:.+}", self.delete_checkpoint)
+        app.router.add_post(API + "/weights_info", self.weights_info)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -224,8 +229,95 @@ class TinkerServer:
         return self._json({"status": "ok"})
 
     async def capabilities(self, _r) -> web.Response:
-        model = {"model_name": self.base_model, "trainable": True, "sampleable": True}
-        return self._json({"supported_models": [model]})
+        """The served base model and its context length; beyond the SDK's fields, the losses this server computes
+        (`rl_multilora.losses.SDK_LOSSES`) and its sample limits (the SDK ignores unknown fields)."""
+        from rl_multilora.losses import SDK_LOSSES
+
+        limits = self.ops.limits
+        model = {"model_name": self.base_model, "max_context_length": limits.context_length, "trainable": True,
+                 "sampleable": True}  # fmt: skip
+        return self._json({
+            "supported_models": [model],
+            "loss_fns": sorted(SDK_LOSSES),
+            "max_tokens_cap": limits.max_tokens_cap or limits.context_length,
+            "prompt_logprobs": self.ops.backend.shared_model is not None,
+            "session_timeout_s": self.session_timeout_s,
+        })  # fmt: skip
+
+    # -- REST: training runs and their checkpoints (the SDK's RestClient) ------------------------------------------
+    def _run(self, r: web.Request) -> str:
+        run = r.match_info["run"]
+        slot_name(run)  # a UserError for an id that is not <session>:train:<n>
+        return run
+
+    def _training_run(self, model_id: str) -> dict[str, Any]:
+        from datetime import UTC, datetime
+
+        info = self.ops.run_info(model_id)
+        saved = self.ops.training_checkpoints(model_id)
+        return {
+            "training_run_id": model_id,
+            "base_model": self.base_model,
+            "model_owner": "local",
+            "is_lora": True,
+            "lora_rank": info["rank"],
+            "last_request_time": saved[-1]["time"] if saved else datetime.now(UTC).isoformat(),
+            "last_checkpoint": max(saved, key=lambda c: c["time"]) if saved else None,
+            "last_sampler_checkpoint": None,  # sampler weights are in-memory versions, not checkpoints
+        }
+
+    async def list_training_runs(self, r: web.Request) -> web.Response:
+        """Models that hold a slot or have a client checkpoint, a page (`limit`, `offset`) as the SDK's `TrainingRunsResponse`."""
+        try:
+            limit, offset = int(r.query.get("limit", 20)), int(r.query.get("offset", 0))
+        except ValueError:
+            raise UserError("limit and offset must be integers") from None
+        if limit < 1 or offset < 0:
+            raise UserError(f"limit={limit}, offset={offset} are not allowed; allowed: limit >= 1, offset >= 0")
+        runs = await asyncio.to_thread(self.ops.training_runs)
+        page = [await asyncio.to_thread(self._training_run, m) for m in runs[offset : offset + limit]]
+        cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
+        return self._json({"training_runs": page, "cursor": cursor})
+
+    async def get_training_run(self, r: web.Request) -> web.Response:
+        """One model as the SDK's `TrainingRun` (rank, newest checkpoint); 404 for a model with neither slot nor checkpoint."""
+        run = self._run(r)
+        try:
+            return self._json(await asyncio.to_thread(self._training_run, run))
+        except UserError as e:
+            return web.json_response({"detail": str(e)}, status=404)
+
+    async def list_checkpoints(self, r: web.Request) -> web.Response:
+        """The model's `save_state` checkpoints, oldest first, as the SDK's `CheckpointsListResponse`."""
+        run = self._run(r)
+        return self._json({"checkpoints": await asyncio.to_thread(self.ops.training_checkpoints, run)})
+
+    async def delete_checkpoint(self, r: web.Request) -> web.Response:
+        """Remove the checkpoints `weights/<name>` of the model (not one a journal snapshot needs); 404 when none."""
+        run, checkpoint_id = self._run(r), r.match_info["checkpoint_id"]
+        kind, _, label = checkpoint_id.partition("/")
+        if kind != "weights":
+            raise UserError(f"checkpoint_id={checkpoint_id!r} is not allowed; allowed: weights/<name> (sampler "
+                            "weights are in-memory versions, not checkpoints)")  # fmt: skip
+        protected = {snap.info.get("folder") for snap in self.journal.snapshots() if snap.model_id == run}
+        with self.lock:  # a snapshot being written now names its folder only once it is in the journal
+            protected |= {self._snap_folder.get(run)} - {None}
+        if not await asyncio.to_thread(self.ops.delete_checkpoint, run, label, protected):
+            return web.json_response({"detail": f"checkpoint tinker://{run}/weights/{label} does not exist"},
+                                     status=404)  # fmt: skip
+        return self._json({})
+
+    async def weights_info(self, r: web.Request) -> web.Response:
+        """Rank and trained layers of the model a `tinker_path` names, as the SDK's `WeightsInfoResponse`."""
+        path = (await r.json())["tinker_path"]
+        model_id = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
+        if model_id is None or not isinstance(path, str) or not path.startswith("tinker://"):
+            raise UserError(f"tinker_path={path!r} is not allowed; allowed: tinker://<model_id>/...")
+        info = await asyncio.to_thread(self.ops.run_info, model_id)
+        layers = info["lora_config"]
+        return self._json({"base_model": self.base_model, "is_lora": True, "lora_rank": info["rank"],
+                           "train_unembed": layers.get("train_unembed", False),
+                           "train_mlp": layers.get("train_mlp", True), "train_attn": layers.get("train_attn", True)})  # fmt: skip
 
     async def client_config(self, _r) -> web.Response:
         # API keys only (no JWT exchange), plain httpx transport, per-request future polling.
