@@ -206,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="a Tinker client's optimizer steps between journal snapshots (a restart replays at most this many)",
     )
+    s.add_argument(
+        "--tinker-max-tokens-cap",
+        type=int,
+        default=None,
+        help="the most tokens one Tinker sample may generate (default: the model's context length)",
+    )
+    s.add_argument(
+        "--tinker-session-timeout-s",
+        type=float,
+        default=120.0,
+        help="a Tinker session without heartbeats for this long is ended and its models unloaded (default 120)",
+    )
     s.set_defaults(fn=cmd_service)
     for verb, helptext in [("submit", "submit ADAPTER.yaml to the service"), ("remove", "drain adapter NAME")]:
         s = sub.add_parser(verb, help=helptext)

@@ -412,6 +412,8 @@ class ServiceActor:
                 resolve_token(state_dir),
                 tinker.get("base_model"),
                 snapshot_every=tinker.get("snapshot_every", 50),
+                max_tokens_cap=tinker.get("max_tokens_cap"),
+                session_timeout_s=tinker.get("session_timeout_s", 120.0),
             )
         self.core.start()
         if server is not None:
@@ -621,7 +623,8 @@ def serve(
 ) -> int:
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code.
 
-    `tinker`: {"host", "port", "base_model", "snapshot_every"} to serve the Tinker API from the same process as the GRPO tenants."""
+    `tinker`: {"host", "port", "base_model", "snapshot_every", "max_tokens_cap", "session_timeout_s"} to serve the
+    Tinker API from the same process as the GRPO tenants."""
     import ray
 
     from rl_multilora.validate import check_run
@@ -737,6 +740,8 @@ def cli(args) -> int:
                 "port": args.tinker_port,
                 "base_model": args.tinker_base_model,
                 "snapshot_every": getattr(args, "tinker_snapshot_every", 50),
+                "max_tokens_cap": getattr(args, "tinker_max_tokens_cap", None),
+                "session_timeout_s": getattr(args, "tinker_session_timeout_s", 120.0),
             }
         cfg = load_run_config(args.config, args.set)
         if args.fresh:
