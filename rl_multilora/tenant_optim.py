@@ -12,8 +12,9 @@ Design choices:
   step (counted by the caller, nobody else affected); the grads are dropped either way.
 - A Tinker client's step (`guard`) is checked after it is taken: one that made any parameter non-finite (a finite
   but huge learning rate overflows the dtype, or torch refuses it part way) is undone, weights and Adam moments
-  restored from a copy taken just before, and reported as skipped, so the adapter stays bit-identical. GRPO steps are not copied: their learning
-  rates come from a validated config and the copy would cost two adapter-sized buffers per step.
+  restored from a copy taken just before, and reported as skipped, so the adapter stays bit-identical. GRPO steps
+  are not copied: their learning rates come from a validated config and the copy would cost two adapter-sized
+  buffers per step.
 - A tenant with no rows is not stepped at all: AdamW with weight decay would otherwise still move it, and its schedule
   and step counter would drift from the data it saw. The scheduler's `last_epoch` is the tenant's step count.
 - Warmup is (step + 1) / warmup_steps (`rl_multilora.grpo.lr_multiplier`), so the first step already learns.

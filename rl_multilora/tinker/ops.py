@@ -739,10 +739,10 @@ def check_tokens(field_name: str, tokens: Any, vocab_size: int) -> list[int]:
 
     >>> check_tokens("prompt", [1, 2], 10)
     [1, 2]
-    >>> check_tokens("prompt", [1, 12], 10)
+    >>> check_tokens("prompt", [1, 12], 10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rl_multilora.tinker.ops.UserError: prompt[1]=12 is not allowed; allowed: a token id in [0, 10) (the model's vocabulary)
+    rl_multilora.tinker.ops.UserError: prompt[1]=12 is not allowed; allowed: a token id in [0, 10) ...
     """
     ids = np.asarray(tokens).reshape(-1)
     if ids.size and not np.issubdtype(ids.dtype, np.integer):

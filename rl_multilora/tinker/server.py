@@ -267,7 +267,8 @@ class TinkerServer:
         }
 
     async def list_training_runs(self, r: web.Request) -> web.Response:
-        """Models that hold a slot or have a client checkpoint, a page (`limit`, `offset`) as the SDK's `TrainingRunsResponse`."""
+        """Models that hold a slot or have a client checkpoint: a page (`limit`, `offset`), the SDK's
+        `TrainingRunsResponse`."""
         try:
             limit, offset = int(r.query.get("limit", 20)), int(r.query.get("offset", 0))
         except ValueError:
@@ -280,7 +281,8 @@ class TinkerServer:
         return self._json({"training_runs": page, "cursor": cursor})
 
     async def get_training_run(self, r: web.Request) -> web.Response:
-        """One model as the SDK's `TrainingRun` (rank, newest checkpoint); 404 for a model with neither slot nor checkpoint."""
+        """One model as the SDK's `TrainingRun` (rank, newest checkpoint); 404 for a model with neither slot nor
+        checkpoint."""
         run = self._run(r)
         try:
             return self._json(await asyncio.to_thread(self._training_run, run))
@@ -315,9 +317,10 @@ class TinkerServer:
             raise UserError(f"tinker_path={path!r} is not allowed; allowed: tinker://<model_id>/...")
         info = await asyncio.to_thread(self.ops.run_info, model_id)
         layers = info["lora_config"]
-        return self._json({"base_model": self.base_model, "is_lora": True, "lora_rank": info["rank"],
-                           "train_unembed": layers.get("train_unembed", False),
-                           "train_mlp": layers.get("train_mlp", True), "train_attn": layers.get("train_attn", True)})  # fmt: skip
+        trained = {
+            key: layers.get(key, key != "train_unembed") for key in ("train_unembed", "train_mlp", "train_attn")
+        }
+        return self._json({"base_model": self.base_model, "is_lora": True, "lora_rank": info["rank"], **trained})
 
     async def client_config(self, _r) -> web.Response:
         # API keys only (no JWT exchange), plain httpx transport, per-request future polling.
@@ -332,8 +335,8 @@ class TinkerServer:
     async def heartbeat(self, r: web.Request) -> web.Response:
         sid = (await r.json()).get("session_id")
         if sid in self._expired:
-            return web.json_response({"detail": f"session {sid!r} expired: no heartbeat for "
-                                      f"{self.session_timeout_s:g} s; create a new ServiceClient"}, status=410)  # fmt: skip
+            why = f"session {sid!r} expired: no heartbeat for {self.session_timeout_s:g} s; create a new ServiceClient"
+            return web.json_response({"detail": why}, status=410)
         if sid not in self.state.sessions:
             return web.json_response({"detail": f"unknown session_id {sid!r}"}, status=404)
         self._last_seen[sid] = time.monotonic()
