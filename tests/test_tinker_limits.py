@@ -251,3 +251,34 @@ def test_rest_client_lists_inspects_and_deletes_checkpoints(server):
     r = httpx.get(f"{server.url}/api/v1/training_runs/{tc.model_id}/checkpoints", headers={"X-API-Key": "tml-no"})
     assert r.status_code == 401
     assert httpx.get(f"{server.url}/api/v1/training_runs/..%2Fx/checkpoints", headers=HEADERS).status_code == 400
+
+
+def test_unreadable_forward_backward_fails_in_its_turn_and_the_model_goes_on(server):
+    """A forward_backward whose data the server does not serve (here a bfloat16 tensor) is acknowledged and fails
+    with a user error in its turn, so the model's next seq_id still runs (refusing it at once would leave a gap)."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    url = server.url + "/api/v1/"
+
+    def call(route: str, headers: dict = HEADERS, **kwargs) -> dict:
+        r = httpx.post(url + route, headers=headers, timeout=30, **kwargs)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def result(key: str) -> httpx.Response:
+        return httpx.post(url + "retrieve_future", json={"request_id": key}, headers=HEADERS, timeout=30)
+
+    sid = call("create_session", json={})["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
+    model_id = result(call("create_model", json=body)["request_id"]).json()["model_id"]
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.arange(5, 9, dtype=np.int32).tobytes()
+    for name in ("target_tokens", "weights"):
+        datum.loss_fn_inputs[name].CopyFrom(pb.Tensor(dtype=pb.DTYPE_BFLOAT16, shape=[4], dense=b"\0" * 8))
+    key = call("forward_backward", content=msg.SerializeToString(),
+               headers={**HEADERS, "Content-Type": "application/x-protobuf"})["request_id"]  # fmt: skip
+    failed = result(key).json()
+    assert failed["category"] == "user" and "dtype 4 is not supported" in failed["error"], failed
+    step = result(call("optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}})["request_id"])
+    assert step.json()["metrics"]["grad_norm"] == 0.0  # ran: no gradient, nothing stepped

@@ -668,6 +668,13 @@ class TinkerServer:
                         self.state.next_seq[op.model_id] = op.seq_id + 1
 
     def _run_batch(self, ops: list[Op]) -> None:
+        for op in ops:  # data the wire format allows but this server does not serve (a sparse tensor, an image)
+            if op.body.error is not None:
+                self._resolve(self.state.results[op.request_id], {"error": f"UserError: {op.body.error}",
+                                                                  "category": "user"})  # fmt: skip
+        ops = [op for op in ops if op.body.error is None]
+        if not ops:
+            return
         items = [FwdBwdItem(op.model_id, op.body.loss_fn, op.body.loss_fn_config, op.body.data, op.body.forward_only)
                  for op in ops]  # fmt: skip
         try:

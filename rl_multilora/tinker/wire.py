@@ -34,6 +34,7 @@ class FwdBwdBody:
     loss_fn_config: dict[str, float | str]
     forward_only: bool
     data: list[Datum]
+    error: str | None = None  # why its data cannot be read (failed in the request's turn, so later seq_ids still run)
 
 
 def _tensor(msg: pb.Tensor) -> np.ndarray:
@@ -52,14 +53,19 @@ def decode_forward_backward(body: bytes) -> FwdBwdBody:
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     data = []
-    for d in msg.data:
-        parts = []
-        for chunk in d.model_input:
-            if chunk.WhichOneof("chunk") != "encoded_text":
-                raise ValueError(f"model_input chunk {chunk.WhichOneof('chunk')!r} is not supported; allowed: text")
-            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
-        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        data.append(Datum(tokens, {name: _tensor(t) for name, t in d.loss_fn_inputs.items()}))
+    try:
+        for d in msg.data:
+            parts = []
+            for chunk in d.model_input:
+                if chunk.WhichOneof("chunk") != "encoded_text":
+                    raise ValueError(
+                        f"model_input chunk {chunk.WhichOneof('chunk')!r} is not supported; allowed: text"
+                    )
+                parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+            tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+            data.append(Datum(tokens, {name: _tensor(t) for name, t in d.loss_fn_inputs.items()}))
+    except ValueError as e:  # the request is still acknowledged: refusing it at once would leave a gap in seq_ids
+        return FwdBwdBody(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, [], str(e))
     return FwdBwdBody(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
 
 
