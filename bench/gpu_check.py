@@ -1,0 +1,485 @@
+"""GPU check: the CUDA-relevant checks and benches in one process, sized to fit a short GPU lease.
+
+    python bench/gpu_check.py --out gpu_check            # on a CUDA GPU, about 8 minutes at most
+    python bench/gpu_check.py --device cpu --small --out tmp   # the same code at tiny sizes (the default suite)
+
+Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `OUT/gpu_check.md`. Sections:
+
+- `cpu_oracle_tests`: the CPU oracle tests themselves (PEFT parity, grouped vs loop, engine vs HF generate), run by
+  pytest in a subprocess: they pin the math on CPU; the sections below re-run the same oracles on the device.
+- `peft_parity_bf16`: a bf16 base with an fp32 adapter against PEFT's LoRA on the same weights (logits).
+- `grouped_vs_loop`: the fast LoRA paths against the model's float32 per-row loop (`reference=True`), values and
+  grads, over adapter mixes (distinct, uniform, skewed, one adapter, base rows mixed in).
+- `engine_greedy_vs_peft`: the embedded engine's greedy tokens for a mixed batch = HF `generate` with PEFT, per row.
+- `lora_overhead` / `decode_64_vs_1`: train-step (forward+backward) cost of base / 1 / 64 adapters, and engine decode
+  tokens/s for 64 tenants mixed vs one adapter vs base, at SmolLM2-135M's shape and a Qwen3-shaped model (hidden
+  2048), random bf16 weights built from a config (nothing downloaded).
+- `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, if present) for learning: reward first -> last.
+- `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
+  generated tokens/s and peak CUDA memory.
+
+Every section is guarded: a failure is recorded (with its traceback's last line) and the next section runs. Times
+are medians over interleaved repeats (CUDA synchronized around each), never one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's packages (and tests.tiny_models) when run as a script
+
+from bench.bench_rollout import median_seconds, random_adapter  # noqa: E402
+from rl_multilora.lora import MultiLoRAModel  # noqa: E402
+from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
+from rollout.types import GenerateRequest, SamplingParams  # noqa: E402
+from tests.tiny_models import sum_task_adapter, tiny_tokenizer, write_sum_task  # noqa: E402
+
+CPU_ORACLE_TESTS = (
+    "tests/test_lora.py::test_bf16_base_matches_peft_with_fp32_scale",
+    "tests/test_grouped_lora.py::test_fast_path_equals_reference_loop_values_and_grads",
+    "tests/test_embedded_engine.py::test_greedy_mixed_batch_matches_peft_generate",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's shape; weights are random (built with `from_config`)."""
+
+    name: str
+    family: str  # "llama" or "qwen3"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    def build(self, dtype: torch.dtype, device: str, seed: int = 0):
+        common = dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=2048,
+            tie_word_embeddings=self.family == "llama",  # SmolLM2 ties, Qwen3-1.7B-class models do too at 2048
+        )
+        config = LlamaConfig(**common) if self.family == "llama" else Qwen3Config(head_dim=128, **common)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.to(device).eval()
+
+
+SMOLLM2 = Shape("smollm2-135m", "llama", 576, 1536, 30, 9, 3, 49152)
+QWEN3_2048 = Shape("qwen3-h2048", "qwen3", 2048, 6144, 28, 16, 8, 151936)
+TINY = Shape("tiny", "qwen3", 64, 128, 2, 4, 2, 256)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each section runs: the GPU sizes, or `--small` for the CPU smoke run."""
+
+    bench_shapes: tuple[Shape, ...]
+    train_rows: int
+    train_seq: int
+    decode_rows: int
+    prompt_len: int
+    new_tokens: int
+    runs: int
+    grpo_shape: Shape
+    grpo_steps: int
+    grpo_new_tokens: int
+    tiny_steps: int
+    oracle_tests: tuple[str, ...]
+
+
+FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
+SMALL = Sizes((TINY,), 4, 8, 64, 4, 3, 2, TINY, 2, 8, 2, CPU_ORACLE_TESTS[:1])
+N_TENANTS = 64
+RANK = 8
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": "all-linear"}
+
+
+def synced_clock(device: str) -> Callable[[], float]:
+    def clock() -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return clock
+
+
+def randomize(m: MultiLoRAModel, name: str, seed: int) -> None:
+    """Non-zero A and B at the adapter's true rank, padding left zero (PEFT's B = 0 init would make every
+    comparison trivially pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    s, r = m.slot_of(name), m.adapters[name].rank
+    with torch.no_grad():
+        for layer in m.base_model.modules():
+            if hasattr(layer, "lora_A"):
+                a, b = layer.lora_A[s], layer.lora_B[s]
+                a[:r].copy_(torch.randn(a[:r].shape, generator=gen) * 0.05)
+                b[:, :r].copy_(torch.randn(b[:, :r].shape, generator=gen) * 0.05)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections: each takes (device, sizes, workdir) and returns a JSON-able dict; "ok" in it is the verdict
+
+
+def cpu_oracle_tests(device: str, sizes: Sizes, workdir: Path) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu", *sizes.oracle_tests]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    return {"ok": proc.returncode == 0, "tests": list(sizes.oracle_tests), "summary": tail[0],
+            "pytest_s": round(time.perf_counter() - start, 2)}  # fmt: skip
+
+
+def peft_parity_bf16(device: str, sizes: Sizes, workdir: Path) -> dict:
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    m = MultiLoRAModel.from_model(TINY.build(torch.bfloat16, device), max_loras=2, max_rank=24)
+    m.add_adapter("a", rank=24, alpha=32, seed=0)
+    randomize(m, "a", seed=1)
+    peft_model = get_peft_model(
+        TINY.build(torch.bfloat16, device), LoraConfig(r=24, lora_alpha=32, target_modules="all-linear")
+    )
+    set_peft_model_state_dict(peft_model, m.adapter_state_dict("a"))
+    ids = torch.randint(3, TINY.vocab, (6, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        got = m(ids, adapter_names=["a"] * 6).logits
+        expected = peft_model(input_ids=ids).logits
+    diff = max_diff(got, expected)
+    # bf16 logits: exact on CPU (the test); on CUDA kernels may differ by a bf16 ulp of the logit scale
+    return {"ok": diff <= 2e-2 * expected.float().abs().max().item(), "max_abs_diff": diff, "exact": diff == 0.0}
+
+
+MIXES = {
+    "distinct": ["r1", "r3", "r8", "r5"],
+    "uniform": ["r1", "r3", "r8", "r5"] * 2,
+    "skewed": ["r8", "r8", "r8", "r1", "r8", "r8"],
+    "one_adapter": ["r3"] * 5,
+    "base_rows_mixed_in": [None, "r1", None, "r8", "r8", None],
+}
+
+
+def grouped_vs_loop(device: str, sizes: Sizes, workdir: Path) -> dict:
+    m = MultiLoRAModel.from_model(TINY.build(torch.float32, device), max_loras=6, max_rank=8)
+    for i, (name, (rank, alpha)) in enumerate({"r1": (1, 0.7), "r3": (3, 7), "r5": (5, 9), "r8": (8, 12.3)}.items()):
+        m.add_adapter(name, rank=rank, alpha=alpha, seed=i)
+        randomize(m, name, seed=100 + i)
+    out, ok = {}, True
+    for mix, names in MIXES.items():
+        ids = torch.randint(3, TINY.vocab, (len(names), 12), generator=torch.Generator().manual_seed(1)).to(device)
+        results = []
+        for reference in (False, True):
+            m.zero_lora_grads()
+            logits = m(ids, adapter_names=names, reference=reference).logits
+            logits.float().logsumexp(-1).mean().backward()
+            grads = [g.clone() for n in m.adapters for g in m.adapter_grads(n) if g is not None]
+            results.append((logits.detach(), grads))
+        (fast, fast_g), (ref, ref_g) = results
+        value = max_diff(fast, ref)
+        grad = max((max_diff(a, b) for a, b in zip(fast_g, ref_g, strict=True)), default=0.0)
+        passed = value <= 1e-4 and grad <= 1e-4 and len(fast_g) == len(ref_g)
+        ok &= passed
+        out[mix] = {"ok": passed, "max_abs_diff": value, "grad_max_abs_diff": grad}
+    return {"ok": ok, "mixes": out}
+
+
+def engine_greedy_vs_peft(device: str, sizes: Sizes, workdir: Path) -> dict:
+    from peft import PeftModel
+
+    m = MultiLoRAModel.from_model(TINY.build(torch.float32, device), max_loras=4, max_rank=RANK)
+    engine = EmbeddedEngine(m, None, max_batch_size=8, eos_token_ids=[])
+    names = ["t0", "t1", "t2"]
+    for i, name in enumerate(names):
+        tensors, config = random_adapter(m, RANK, seed=10 + i)
+        m.load_adapter_state_dict(name, tensors, config)
+        m.export_adapter(name, workdir / "peft" / name)
+        engine.load_adapter(name, tensors, config)
+    gen = torch.Generator().manual_seed(2)
+    rows = [(torch.randint(3, TINY.vocab, (5 + i,), generator=gen).tolist(), names[i % 3]) for i in range(6)]
+    rows.append((rows[0][0], None))  # a base row in the same batch
+    params = SamplingParams(temperature=0.0, max_new_tokens=sizes.new_tokens + 5)
+    try:
+        got = [
+            r.output_ids for r in engine.generate([GenerateRequest(p, adapter=a, sampling=params) for p, a in rows])
+        ]
+    finally:
+        engine.close()
+    peft_model = PeftModel.from_pretrained(
+        TINY.build(torch.float32, device), workdir / "peft" / "t0", adapter_name="t0"
+    )
+    for name in names[1:]:
+        peft_model.load_adapter(workdir / "peft" / name, adapter_name=name)
+    peft_model.eval()
+    mismatched = []
+    for i, (prompt, adapter) in enumerate(rows):
+        ids = torch.tensor([prompt], device=device)
+        if adapter is not None:
+            peft_model.set_adapter(adapter)
+        with torch.no_grad(), peft_model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            ref = peft_model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=params.max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        if ref != got[i]:
+            mismatched.append(i)
+    return {"ok": not mismatched, "rows": len(rows), "mismatched_rows": mismatched}
+
+
+def _tenants(shape: Shape, device: str, n: int) -> tuple[MultiLoRAModel, list[str]]:
+    m = MultiLoRAModel.from_model(shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK)
+    names = [f"t{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        m.add_adapter(name, rank=RANK, alpha=2 * RANK, seed=i)
+        randomize(m, name, seed=100 + i)
+    return m, names
+
+
+def lora_overhead(device: str, sizes: Sizes, workdir: Path) -> dict:
+    return {"ok": True, "shapes": {shape.name: _overhead(shape, device, sizes) for shape in sizes.bench_shapes}}
+
+
+def _overhead(shape: Shape, device: str, sizes: Sizes) -> dict:
+    """Forward+backward ms of one batch on the base, on one adapter, and spread over 64 adapters."""
+    m, names = _tenants(shape, device, N_TENANTS)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+    with torch.no_grad():  # embeddings that require grad: the base floor pays the same activation backward
+        embeds = m.base_model.get_input_embeddings()(ids)
+
+    def step(adapters):
+        def run():
+            m.zero_lora_grads()
+            x = embeds.detach().requires_grad_()
+            m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
+
+        return run
+
+    fns = {
+        "base": step([None] * sizes.train_rows),
+        "one": step([names[0]] * sizes.train_rows),
+        "mixed64": step([names[i % N_TENANTS] for i in range(sizes.train_rows)]),
+    }
+    ms = {k: 1e3 * s for k, s in median_seconds(fns, sizes.runs, synced_clock(device)).items()}
+    _free(device)
+    return {"rows": sizes.train_rows, "seq_len": sizes.train_seq, "fwd_bwd_ms": ms,
+            "one_over_base": ms["one"] / ms["base"], "mixed64_over_one": ms["mixed64"] / ms["one"]}  # fmt: skip
+
+
+def decode_64_vs_1(device: str, sizes: Sizes, workdir: Path) -> dict:
+    return {"ok": True, "shapes": {shape.name: _decode(shape, device, sizes) for shape in sizes.bench_shapes}}
+
+
+def _decode(shape: Shape, device: str, sizes: Sizes) -> dict:
+    """Engine greedy decode tokens/s of one batch on the base, on one adapter, and spread over 64 adapters."""
+    m, names = _tenants(shape, device, N_TENANTS)
+    engine = EmbeddedEngine(m, None, max_batch_size=sizes.decode_rows, eos_token_ids=[])
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, shape.vocab, (sizes.prompt_len,), generator=gen).tolist() for _ in range(sizes.decode_rows)
+    ]
+    params = SamplingParams(temperature=0.0, max_new_tokens=sizes.new_tokens)
+
+    def call(adapters):
+        requests = [GenerateRequest(p, adapter=a, sampling=params) for p, a in zip(prompts, adapters, strict=True)]
+        return lambda: engine.generate(requests)
+
+    try:
+        for name in names:
+            engine.load_adapter(name, m.adapter_state_dict(name), ADAPTER_CONFIG)
+        fns = {
+            "base": call([None] * sizes.decode_rows),
+            "one": call([names[0]] * sizes.decode_rows),
+            "mixed64": call([names[i % N_TENANTS] for i in range(sizes.decode_rows)]),
+        }
+        seconds = median_seconds(fns, sizes.runs, synced_clock(device))
+    finally:
+        engine.close()
+    _free(device)
+    rate = {k: sizes.decode_rows * sizes.new_tokens / s for k, s in seconds.items()}
+    return {"rows": sizes.decode_rows, "new_tokens": sizes.new_tokens, "tokens_per_s": rate,
+            "mixed64_over_one": rate["mixed64"] / rate["one"]}  # fmt: skip
+
+
+def _free(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _run_steps(cfg_data: dict, steps: int, device: str) -> tuple[list, list[dict]]:
+    """Step a Runtime built from `cfg_data`; returns every step's records and per-step timings."""
+    from rl_multilora.config import RunConfig
+    from rl_multilora.loop import Runtime
+
+    rt = Runtime.build(RunConfig.model_validate(cfg_data))
+    records, timings = [], []
+    try:
+        rt.start()
+        clock = synced_clock(device)
+        for _ in range(steps):
+            t0 = clock()
+            res = rt.step()
+            wall = clock() - t0
+            records.append(res.records)
+            tokens = sum(r.response_len_mean * r.n_samples for r in res.records if r.n_samples)
+            timings.append({"step_s": wall, "tokens": tokens, **res.timings})
+    finally:
+        rt.close()
+    return records, timings
+
+
+QUIET = {
+    "eval": {"enabled": False},
+    "checkpoint": {"save_every": 10_000, "resume": "never"},
+    "logging": {"plot": False, "progress": False},
+}
+
+
+def grpo_tiny(device: str, sizes: Sizes, workdir: Path) -> dict:
+    from rl_multilora.config import load_run_config
+
+    config = ROOT / "examples/multi_lora/configs/tiny.yaml"
+    if not (ROOT / "artifacts/tiny/model").exists():
+        return {"ok": True, "skipped": "artifacts/tiny is absent (examples/multi_lora/provision.sh makes it)"}
+    data = load_run_config(config).model_dump(mode="json")
+    data.update(QUIET, run_dir=str(workdir / "tiny"), max_global_steps=sizes.tiny_steps)
+    data["model"]["device"] = device
+    for a in data["adapters"]:
+        for split, path in a["dataset"].get("data_files", {}).items():
+            a["dataset"]["data_files"][split] = str(ROOT / path)
+    data["model"]["path"] = str(ROOT / data["model"]["path"])
+    records, timings = _run_steps(data, sizes.tiny_steps, device)
+    rewards: dict[str, list[float]] = {}
+    for step in records:
+        for r in step:
+            if r.reward_mean is not None:
+                rewards.setdefault(r.adapter, []).append(r.reward_mean)
+    k = max(1, sizes.tiny_steps // 5)  # reward first -> last fifth of the steps
+    return {"ok": True, "steps": sizes.tiny_steps, "step_s_median": statistics.median(t["step_s"] for t in timings),
+            "reward_first_last": {a: [statistics.mean(v[:k]), statistics.mean(v[-k:])] for a, v in rewards.items()}}  # fmt: skip
+
+
+def grpo_smollm2_shape(device: str, sizes: Sizes, workdir: Path) -> dict:
+    shape = sizes.grpo_shape
+    model_dir = workdir / "grpo_model"
+    shape.build(torch.bfloat16, "cpu").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)  # character-level: ids < 100 fit any vocab here
+    adapters = []
+    for i, task in enumerate(("s0", "s1", "s2", "s3")):
+        write_sum_task(workdir / "data" / f"{task}.jsonl", 64, offset=i)
+        adapters.append(sum_task_adapter(workdir / "data", task, seed=i, prompts_per_step=4, max_steps=1000))
+    data = {
+        **QUIET,
+        "run_dir": str(workdir / "grpo"),
+        "model": {"path": str(model_dir), "max_loras": 4, "max_rank": 8, "dtype": "bfloat16", "device": device},
+        "rollout": {"engine": "embedded", "n_samples_per_prompt": 8, "max_new_tokens": sizes.grpo_new_tokens},
+        "adapters": adapters,
+    }
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _, timings = _run_steps(data, 1 + sizes.grpo_steps, device)
+    timed = timings[1:]  # the first step pays lazy inits and kernel autotuning
+    phases = sorted({k for t in timed for k in t if k.endswith("_s")})
+    out = {k: statistics.median(t.get(k, 0.0) for t in timed) for k in phases}
+    out["tokens_per_s"] = statistics.median(t["tokens"] / t["step_s"] for t in timed)
+    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    return {"ok": out["tokens_per_s"] > 0, "shape": shape.name, "timed_steps": len(timed), "median": out}
+
+
+SECTIONS: dict[str, Callable[[str, Sizes, Path], dict]] = {
+    "cpu_oracle_tests": cpu_oracle_tests,
+    "peft_parity_bf16": peft_parity_bf16,
+    "grouped_vs_loop": grouped_vs_loop,
+    "engine_greedy_vs_peft": engine_greedy_vs_peft,
+    "lora_overhead": lora_overhead,
+    "decode_64_vs_1": decode_64_vs_1,
+    "grpo_tiny": grpo_tiny,
+    "grpo_smollm2_shape": grpo_smollm2_shape,
+}
+
+
+def run_section(name: str, fn, device: str, sizes: Sizes, workdir: Path) -> dict:
+    start = time.perf_counter()
+    (workdir / name).mkdir()
+    try:
+        result = fn(device, sizes, workdir / name)
+        entry = {"ok": bool(result.pop("ok")), "result": result}
+    except Exception as exc:  # noqa: BLE001 - a failed section is a result; the next one still runs
+        entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "where": traceback.format_exc(limit=-1)}
+    entry["seconds"] = round(time.perf_counter() - start, 2)
+    print(f"{name:<22} {'ok' if entry['ok'] else 'FAILED':<7} {entry['seconds']:>7.1f}s", flush=True)
+    return entry
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# GPU check ({report['device_name']}, {report['date']})", "", "| section | ok | s | result |",
+             "|---|---|---|---|"]  # fmt: skip
+    for name, e in report["sections"].items():
+        detail = json.dumps(e.get("result", e.get("error")), default=str)
+        lines.append(f"| {name} | {'yes' if e['ok'] else '**no**'} | {e['seconds']} | `{detail}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (the smoke run)")
+    p.add_argument("--small", action="store_true", help="tiny sizes: every section in well under a minute on CPU")
+    p.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    sizes = SMALL if args.small else FULL
+    cuda = args.device.startswith("cuda")
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if cuda and torch.cuda.is_available() else platform.processor(),
+        "small": args.small,
+        "torch": torch.__version__,
+        "sizes": asdict(sizes),
+        "sections": {},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in SECTIONS.items():
+            if args.only and name not in args.only:
+                continue
+            report["sections"][name] = run_section(name, fn, args.device, sizes, Path(tmp))
+            (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))  # partial results survive
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+
+
+if __name__ == "__main__":
+    main()

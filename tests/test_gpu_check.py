@@ -1,0 +1,51 @@
+"""The GPU check and its wheelhouse script run in the default suite at tiny sizes on CPU, so they cannot rot
+between the rare sessions that are lent a GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_small_on_cpu_writes_every_section(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import SECTIONS
+
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--small", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(report["sections"]) == list(SECTIONS)
+    for name, entry in report["sections"].items():
+        assert entry["ok"], (name, entry)
+        assert entry["result"], name
+        assert entry["seconds"] >= 0
+    assert "| grouped_vs_loop | yes |" in (tmp_path / "gpu_check.md").read_text()
+    greedy = report["sections"]["engine_greedy_vs_peft"]["result"]
+    assert greedy["rows"] > 1 and greedy["mismatched_rows"] == []
+    assert all(m["max_abs_diff"] <= 1e-4 for m in report["sections"]["grouped_vs_loop"]["result"]["mixes"].values())
+
+
+def test_wheelhouse_list_names_the_project_and_the_pure_deps_without_downloading():
+    out = subprocess.run(
+        [sys.executable, "bench/build_wheelhouse.py", "--list", "--dir", "wh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    assert out[0].startswith("rl-multilora")
+    for needed in ("datasets", "pydantic", "pandas", "pytest"):
+        assert needed in out
+    for absent in ("ray", "sglang", "torch", "transformers"):
+        assert absent not in out
+    assert out[-1].startswith("pip install --no-index --find-links wh --no-deps rl-multilora datasets")
+    assert not (ROOT / "wh").exists()
