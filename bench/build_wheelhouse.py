@@ -1,19 +1,18 @@
 """Build the wheelhouse the GPU check installs from: the project wheel plus what the GPU machine lacks.
 
-    python bench/build_wheelhouse.py [--dir wheelhouse]     # needs a package index (here, not on the GPU machine)
-    python bench/build_wheelhouse.py --list                 # the packages and the install line; downloads nothing
+    python bench/build_wheelhouse.py [--dir wheelhouse] [--with-data]   # needs a package index (here, not there)
+    python bench/build_wheelhouse.py --list [--with-data]               # the packages and install line; no download
 
 The GPU machine has torch, triton, transformers (with tokenizers, huggingface_hub, tqdm), peft, safetensors, aiohttp
-and pyyaml, and no package index. `bench/gpu_check.py` imports, beyond those, the project itself and `EXTRA`
-below: found by running the check with each candidate hidden from the import system (the list is what failed
-without it). Ray, SGLang, matplotlib and math-verify are not imported by the check (its rewards fall back without
-math-verify), so they stay out; requests and its deps are in as a precaution (cheap, pure Python).
+and pyyaml, and no package index. Beyond those, `bench/gpu_check.py` imports the project, `CORE` and, for its two
+GRPO sections only, `DATA` below: found by running the check with each candidate hidden from the import system as if
+not installed. Ray, SGLang, matplotlib, math-verify and requests are not imported by the check, so they stay out.
 
-`pip download --no-deps` fetches exactly these wheels (pure Python, any platform), and dependencies the GPU machine
-lacks are listed by name rather than resolved, so the index is never asked to pick a different torch. On the GPU
-machine:
+`pip download --no-deps` fetches exactly these wheels at the versions installed here (binary ones for the GPU
+machine's Python and platform: `--python-version`, `--platform`); nothing is resolved against the index, so it is
+never asked to pick a different torch. On the GPU machine:
 
-    pip install --no-index --find-links wheelhouse --no-deps rl-multilora <EXTRA...>
+    pip install --no-index --find-links wheelhouse --no-deps rl-multilora <the names --list prints>
 
 The folder is kept out of git (.gitignore).
 """
@@ -23,48 +22,53 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the check imports that the GPU machine lacks, with the pure-Python deps each one pulls in.
-EXTRA = (
-    "datasets",  # the tenants' data sources (rollout.data_source)
-    "pyarrow",  # datasets' storage (a binary wheel: fetched for the GPU machine's platform, see --platform)
+# What the check imports that the GPU machine lacks, with the deps each pulls in. CORE is what every section but the
+# two GRPO ones needs (pydantic: the run config, imported by the library at module level; pytest: the
+# cpu_oracle_tests section), about 3 MB. DATA is what the GRPO sections add (the tenants' datasets): about 70 MB,
+# pyarrow alone 55 MB, more than the 64 MiB the device tool carries with the working tree, hence opt-in.
+CORE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pytest", "pluggy", "iniconfig")
+DATA = (
+    "datasets",
+    "pyarrow",
+    "pandas",
     "dill",
     "multiprocess",
     "xxhash",
     "fsspec",
-    "pandas",  # the check fails at import without it (datasets imports it at module level)
     "python-dateutil",
     "pytz",
     "tzdata",
     "six",
-    "requests",  # datasets' downloads module imports it even for local files
-    "charset-normalizer",
-    "idna",
-    "urllib3",
-    "certifi",
-    "pydantic",  # the run config (rl_multilora.config)
-    "pydantic-core",
-    "annotated-types",
-    "typing-inspection",
-    "pytest",  # the check's cpu_oracle_tests section
-    "pluggy",
-    "iniconfig",
 )
 
 
-def install_line(folder: str) -> str:
-    return f"pip install --no-index --find-links {folder} --no-deps rl-multilora {' '.join(EXTRA)}"
+def pinned(names: tuple[str, ...]) -> list[str]:
+    """`names` at the versions installed here (the set the test suite runs with: datasets pins dill and multiprocess
+    tightly, so the newest of each alone may not import together)."""
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
 
 
-def build(folder: Path, python_version: str, platform: str) -> None:
+def install_line(folder: str, names: tuple[str, ...]) -> str:
+    return f"pip install --no-index --find-links {folder} --no-deps rl-multilora {' '.join(names)}"
+
+
+def build(folder: Path, names: tuple[str, ...], python_version: str, platforms: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "wheel", "--no-deps", "--wheel-dir", str(folder), str(ROOT)], check=True)
     subprocess.run(
         [*pip, "download", "--no-deps", "--only-binary=:all:", "--dest", str(folder),
-         "--python-version", python_version, "--platform", platform, *EXTRA],
+         "--python-version", python_version, *(a for p in platforms for a in ("--platform", p)), *pinned(names)],
         check=True,
     )  # fmt: skip
 
@@ -75,15 +79,22 @@ def main() -> None:
     p.add_argument("--list", action="store_true", help="print the packages and the install line; download nothing")
     p.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
                    help="the GPU machine's Python (binary wheels are fetched for it)")  # fmt: skip
-    p.add_argument("--platform", default="manylinux2014_x86_64", help="the GPU machine's wheel platform tag")
+    p.add_argument(
+        "--platform",
+        action="append",
+        help="the GPU machine's wheel platform tags (repeatable; default manylinux_2_28_x86_64 and manylinux2014_x86_64)",
+    )
+    p.add_argument("--with-data", action="store_true", help="add datasets and its deps (the GRPO sections; ~70 MB)")
     args = p.parse_args()
+    names = CORE + DATA if args.with_data else CORE
     if args.list:
         print("rl-multilora (pip wheel --no-deps of this checkout)")
-        print("\n".join(EXTRA))
-        print(install_line(args.dir))
+        print("\n".join(pinned(names)))
+        print(install_line(args.dir, names))
         return
-    build(Path(args.dir), args.python_version, args.platform)
-    print(install_line(args.dir))
+    platforms = args.platform or ["manylinux_2_28_x86_64", "manylinux2014_x86_64"]
+    build(Path(args.dir), names, args.python_version, platforms)
+    print(install_line(args.dir, names))
 
 
 if __name__ == "__main__":

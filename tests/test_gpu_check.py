@@ -33,19 +33,24 @@ def test_gpu_check_small_on_cpu_writes_every_section(tmp_path):
     assert all(m["max_abs_diff"] <= 1e-4 for m in report["sections"]["grouped_vs_loop"]["result"]["mixes"].values())
 
 
-def test_wheelhouse_list_names_the_project_and_the_pure_deps_without_downloading():
-    out = subprocess.run(
-        [sys.executable, "bench/build_wheelhouse.py", "--list", "--dir", "wh"],
+def wheelhouse_list(*flags: str) -> list[str]:
+    return subprocess.run(
+        [sys.executable, "bench/build_wheelhouse.py", "--list", "--dir", "wh", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
     ).stdout.splitlines()
-    assert out[0].startswith("rl-multilora")
-    for needed in ("datasets", "pydantic", "pandas", "pytest"):
-        assert needed in out
-    for absent in ("ray", "sglang", "torch", "transformers"):
-        assert absent not in out
-    assert out[-1].startswith("pip install --no-index --find-links wh --no-deps rl-multilora datasets")
+
+
+def test_wheelhouse_list_names_the_project_and_what_the_gpu_machine_lacks_without_downloading():
+    core, full = wheelhouse_list(), wheelhouse_list("--with-data")
+    assert core[0].startswith("rl-multilora") and full[0] == core[0]
+    names = {line.split("==")[0] for line in full[1:-1]}
+    assert {"pydantic", "pytest"} <= {line.split("==")[0] for line in core[1:-1]}
+    assert {"datasets", "pyarrow", "pandas", "pydantic"} <= names
+    assert not names & {"ray", "sglang", "torch", "transformers", "peft", "safetensors", "aiohttp", "pyyaml"}
+    assert core[-1].startswith("pip install --no-index --find-links wh --no-deps rl-multilora pydantic")
+    assert "datasets" not in core[-1] and "datasets" in full[-1]
     assert not (ROOT / "wh").exists()
