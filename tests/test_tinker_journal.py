@@ -13,7 +13,7 @@ import tinker
 from aiohttp import web
 from tinker import types
 
-from rl_multilora.tinker.server import build_server
+from rl_multilora.tinker.server import SHUTDOWN_S, build_server
 from tests.test_tinker_server import BASE, MODEL, TOKEN, _datum, _free_port, _Running, _sft, tiny_model_folder  # noqa: F401
 
 TOKENS = list(range(5, 25))
@@ -26,7 +26,7 @@ class _OnPort(_Running):
         self.server = build_server(str(MODEL), state_dir, TOKEN, base_model=BASE, poll_s=5, **options)
         self.port = port
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(self.server.app())
+        self.runner = web.AppRunner(self.server.app(), shutdown_timeout=SHUTDOWN_S)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", port).start())
         threading.Thread(target=self.loop.run_forever, daemon=True).start()

@@ -27,7 +27,7 @@ import torch
 from aiohttp import web
 from tinker import types
 
-from rl_multilora.tinker.server import build_server
+from rl_multilora.tinker.server import SHUTDOWN_S, build_server
 from tests.tiny_models import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ class _Running:
         self.server = build_server(str(model), state_dir, TOKEN, base_model=BASE, poll_s=5, **options)
         self.port = _free_port()
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(self.server.app())
+        self.runner = web.AppRunner(self.server.app(), shutdown_timeout=SHUTDOWN_S)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
         threading.Thread(target=self.loop.run_forever, daemon=True).start()

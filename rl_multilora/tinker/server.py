@@ -987,13 +987,18 @@ def build_service_server(
                         session_timeout_s=session_timeout_s)  # fmt: skip
 
 
+# On close, requests still in flight (a client's long-poll of `retrieve_future`, which a keep-alive connection renews
+# every poll) get this long before they are cancelled; aiohttp's default (60 s) outlasts the callers' own waits.
+SHUTDOWN_S = 5.0
+
+
 class BackgroundApp:
     """A TinkerServer's app on its own event-loop thread (inside the service's process)."""
 
     def __init__(self, server: TinkerServer, host: str, port: int) -> None:
         self.server = server
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(server.app())
+        self.runner = web.AppRunner(server.app(), shutdown_timeout=SHUTDOWN_S)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, host, port).start())
         self._thread = threading.Thread(target=self.loop.run_forever, name="tinker-http", daemon=True)
