@@ -40,6 +40,7 @@ Yao et al. (2025, "Your efficient RL framework secretly brings you off-policy RL
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -82,11 +83,7 @@ class LossDef:
             raise ValueError(f"loss_fn_config {unknown} is not allowed for loss_fn {self.name!r}; allowed: {allowed}")
         out = dict(self.config)
         for key, value in got.items():
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not torch.isfinite(torch.tensor(float(value), dtype=torch.float64))
-            ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"loss_fn_config[{key!r}]={value!r} is not allowed; allowed: a finite number")
             out[key] = float(value)
         return out

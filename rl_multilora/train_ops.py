@@ -22,7 +22,6 @@ deterministic function; autograd is unaffected. Log-probs of half-precision mode
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -327,12 +326,3 @@ class TrainOps:
         """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings). A rank that
         does not hold the slot (sharded model) takes the schedule and learning rate only."""
         self.tenant(name).optim.load_state_dict(state, name)
-
-
-def finite_number(field_name: str, value: Any, low: float | None = None) -> float:
-    """`value` as a float when it is a finite number (>= `low` when given), else a ValueError naming the field."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value))
-    if not ok or (low is not None and float(value) < low):
-        allowed = "a finite number" + (f" >= {low}" if low is not None else "")
-        raise ValueError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
-    return float(value)

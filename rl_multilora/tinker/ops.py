@@ -40,6 +40,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -57,7 +58,6 @@ from rl_multilora.rows import Row
 from rl_multilora.tenant_optim import AdamSettings
 from rl_multilora.tenants import TenantError
 from rl_multilora.tinker.wire import Datum
-from rl_multilora.train_ops import finite_number
 from rollout.types import GenerateRequest, SamplingParams
 
 LORA_ALPHA = 32.0
@@ -814,3 +814,12 @@ def _adam_settings(adam: dict[str, Any]) -> AdamSettings:
         if values[key] >= 1.0:
             raise UserError(f"adam_params.{key}={values[key]!r} is not allowed; allowed: a number in [0, 1)")
     return AdamSettings(**values)
+
+
+def finite_number(field_name: str, value: Any, low: float | None = None) -> float:
+    """`value` as a float when it is a finite number (>= `low` when given), else a ValueError naming the field."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or (low is not None and float(value) < low):
+        allowed = "a finite number" + (f" >= {low}" if low is not None else "")
+        raise ValueError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
+    return float(value)
