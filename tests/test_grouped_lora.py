@@ -456,3 +456,32 @@ def test_attach_slot_grads_refuses_parameters_of_another_slot_even_before_any_ba
     with pytest.raises(ValueError, match="do not alias its slot"):
         m.attach_slot_grads("a", m.adapter_parameters("b"))
     m.attach_slot_grads("a", m.adapter_parameters("a"))  # its own views: fine, no grads yet
+
+
+def test_a_model_wholly_in_bf16_runs_the_grouped_path_and_tracks_the_fp32_loop():
+    """A base *and* LoRA in bf16 (`model.to(torch.bfloat16)`): the fp32 per-row scales must not promote the product
+    to fp32 (bmm refuses mixed dtypes; first seen on an H100 in the expert test). Values and grads track the same
+    model's float32 loop to bf16 tolerance; every grad stays bf16."""
+    names = ["a", None, "b", "c", "a", "c"]
+    m = make_model()
+    add(m, {"a": (3, 5), "b": (8, 12.3), "c": (5, 7)})
+    ids, mask = batch(rows=len(names))
+    m.zero_lora_grads()
+    want = m(ids, attention_mask=mask, adapter_names=names, reference=True).logits
+    mixed_loss(want, ids, names).backward()
+    want_grads = cloned_grads(m, ["a", "b", "c"])
+    m.base_model.to(torch.bfloat16)
+    m.zero_lora_grads()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            got = m(ids, attention_mask=mask, adapter_names=names).logits
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+        if grad:
+            mixed_loss(got.float(), ids, names).backward()
+    for name, grads in cloned_grads(m, ["a", "b", "c"]).items():
+        for g, w in zip(grads, want_grads[name], strict=True):
+            if w is None:
+                continue
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=0.1)

@@ -147,7 +147,8 @@ def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_sl
     a_slots = slots if a_slots is None else a_slots
     a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, a_slots)  # (n, r, in)
     b = (lora_b if r == lora_b.shape[2] else lora_b.narrow(2, 0, r)).index_select(0, slots)  # (n, out, r)
-    xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # (n, L, r)
+    # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
+    xa = (torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)).to(x3.dtype)  # (n, L, r)
     y3.baddbmm_(xa, b.transpose(1, 2))
 
 
@@ -170,6 +171,7 @@ class _GroupedLoRA(torch.autograd.Function):
         a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
         bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
         xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
+        xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
         y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
         ctx.mark_dirty(y3)
         ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
@@ -182,6 +184,7 @@ class _GroupedLoRA(torch.autograd.Function):
         shape_a, shape_b, r = ctx.stacked
         grad = grad.contiguous()
         g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
+        g_xa = g_xa.to(grad.dtype)
         grad_x = torch.bmm(g_xa, a) if ctx.needs_input_grad[1] else None  # (n, L, in)
         grad_a = grad_b = None
         if ctx.needs_input_grad[2]:
