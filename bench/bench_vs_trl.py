@@ -152,7 +152,9 @@ def make_tenants(n: int, preset: Preset) -> list[Tenant]:
 class ProcStats:
     wall_s: float
     cpu_s: float
-    peak_rss_mib: float
+    peak_rss_mib: float  # the larger of the two below
+    maxrss_mib: float  # ru_maxrss: the largest single process of the tree
+    sampled_tree_mib: float  # the process and its children together, sampled
 
 
 def pinned_env(threads: int) -> dict[str, str]:
@@ -202,8 +204,10 @@ def run_measured(cmd: list[str], threads: int, log: Path) -> ProcStats:
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}):\n{log.read_text()[-4000:]}")
-    peak_bytes = max(peak[0], usage.ru_maxrss * 1024)
-    return ProcStats(wall, usage.ru_utime + usage.ru_stime, peak_bytes / 2**20)
+    maxrss = usage.ru_maxrss * 1024
+    return ProcStats(
+        wall, usage.ru_utime + usage.ru_stime, max(peak[0], maxrss) / 2**20, maxrss / 2**20, peak[0] / 2**20
+    )
 
 
 # --- the two sides ---------------------------------------------------------------------------------------------------
@@ -493,6 +497,7 @@ def summarize(s: Settings, tenants: list[Tenant], sides: dict[str, SideResult], 
             "steps_logged": min(len(c) for c in curves),
             "threads": sorted(set(res.threads)),
             "heldout_final": statistics.fmean(held[side][t.name] for t in tenants) if held else None,
+            "procs": [asdict(p) for p in res.procs],
         }
     if held:
         out["heldout_base"] = statistics.fmean(held["base"][t.task.name] for t in tenants)
