@@ -97,6 +97,8 @@ class TrainOps:
         self.temperature = temperature
         self.tenants: dict[str, TenantTrainState] = {}
         self.ranks = RankCoordinator.of(model)
+        if self.ranks.world == 1:  # sharded, the reduce-scatter needs the stacked grads
+            model.use_slot_grads()  # a backward allocates gradients for the slots that hold rows only
 
     # ----- tenants -----
 

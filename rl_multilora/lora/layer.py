@@ -103,15 +103,16 @@ class LoRALinear(nn.Module):
             xa = F.linear(x[g.start : g.stop].to(lora_a.dtype), lora_a[g.slot, : g.rank])  # x[g] @ A[s, :r].T
             out[g.start : g.stop].add_(F.linear(xa, lora_b[g.slot, :, : g.rank]) * g.scale)  # += scale * xa @ B.T
             return out.to(y.dtype)
+        sink = routing.grad_sink if routing.bank is None else None
         xs = x if routing.active is None else x.index_select(0, routing.active)  # (n, ..., in), n active rows
         n = xs.shape[0]
         x3 = (xs if xs.dtype == lora_a.dtype else xs.to(lora_a.dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
-            grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
+            grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink)
         else:
             delta = out.new_zeros(n, x3.shape[1], self.out_features)
-            grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad)
+            grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink)
             delta = delta.view(*xs.shape[:-1], self.out_features)
             if routing.active is None:
                 out.add_(delta)
@@ -133,16 +134,17 @@ class LoRALinear(nn.Module):
         return torch.stack(out).to(y.dtype)
 
 
-def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None) -> None:
+def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None, sink=None) -> None:
     """`y3[i] += scale[i] * (x3[i] @ A[a_slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i
     (`a_slots` defaults to `slots`; expert LoRA with a shared A indexes A by slot and B by (slot, expert)).
 
     With autograd (training) through `_GroupedLoRA`; without (rollout, eval) as plain ops that gather B in its
     stored layout (an index_select of the transposed B costs 2-4x more than of B as stored, which only the backward
-    repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer.
+    repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer. `sink`
+    (`routing.SlotGradSink`, Linear LoRA only): the backward's A and B gradients go there, for the used slots only.
     """
     if grad:
-        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
+        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, sink)
         return
     a_slots = slots if a_slots is None else a_slots
     a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, a_slots)  # (n, r, in)
@@ -164,7 +166,7 @@ class _GroupedLoRA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None):
+    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None, sink=None):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
         # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
         a_slots = slots if a_slots is None else a_slots
@@ -176,6 +178,7 @@ class _GroupedLoRA(torch.autograd.Function):
         ctx.mark_dirty(y3)
         ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
+        ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         return y3
 
     @staticmethod
@@ -187,6 +190,21 @@ class _GroupedLoRA(torch.autograd.Function):
         g_xa = g_xa.to(grad.dtype)
         grad_x = torch.bmm(g_xa, a) if ctx.needs_input_grad[1] else None  # (n, L, in)
         grad_a = grad_b = None
+        if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
+            sink, lora_a, lora_b = ctx.sink
+            used, inverse = torch.unique(slots, return_inverse=True)  # (U,), (n,)
+            if ctx.needs_input_grad[2]:
+                rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+                compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
+                compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
+                sink.add(lora_a, used, compact)
+            if ctx.needs_input_grad[3]:
+                rows = torch.bmm(xa.transpose(1, 2), grad)  # (n, r, out)
+                per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
+                compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
+                compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
+                sink.add(lora_b, used, compact)
+            return grad, grad_x, None, None, None, None, None, None, None
         if ctx.needs_input_grad[2]:
             rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
@@ -197,4 +215,4 @@ class _GroupedLoRA(torch.autograd.Function):
             per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
             grad_b = rows.new_zeros(shape_b)
             grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
-        return grad, grad_x, grad_a, grad_b, None, None, None, None
+        return grad, grad_x, grad_a, grad_b, None, None, None, None, None

@@ -64,7 +64,7 @@ from rl_multilora.lora.peft_io import (
     validate_adapter_name,
     write_peft_folder,
 )
-from rl_multilora.lora.routing import BASE_SLOT, SlotRouter, build_routing
+from rl_multilora.lora.routing import BASE_SLOT, SlotGradSink, SlotRouter, build_routing
 
 
 class UnknownAdapterError(KeyError):
@@ -154,6 +154,7 @@ class MultiLoRAModel(nn.Module):
         self._slots: list[_Slot | None] = [None] * max_loras
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
         self._routed_checkpointing = False
+        self._grad_sink: SlotGradSink | None = None  # `use_slot_grads`
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -290,12 +291,22 @@ class MultiLoRAModel(nn.Module):
                 raise ValueError(f"parameters given for adapter {name!r} do not alias its slot {s}")
             param.grad = None if stacked.grad is None else _local_slot(stacked.grad, s)
 
+    def use_slot_grads(self) -> None:
+        """From now on the backward keeps the Linear LoRA gradients of the slots that had rows only (a
+        `SlotGradSink`, read through `adapter_grads`) instead of zero-filled all-slots `.grad` tensors: what a trainer
+        that takes each tenant's gradient right after the backward wants (`rl_multilora.train_ops`). Not for a model
+        sharded over ranks, whose reduce-scatter needs the stacked grads."""
+        self._grad_sink = SlotGradSink()
+
     def adapter_grads(self, name: str) -> list[torch.Tensor | None]:
         """The slot's part of the stacked grads, in `adapter_parameters` order (views; None before any backward).
-        A slot without rows in the backward gets exactly zero here: the gather's backward adds only into the slots
-        that rows used."""
+        A slot without rows in the backward gets exactly zero here (None from a `use_slot_grads` sink): the gather's
+        backward adds only into the slots that rows used."""
+        sink = self._grad_sink
         return [
-            None if stacked.grad is None else _local_slot(stacked.grad, s)
+            sink.slot_grad(stacked, s)
+            if sink is not None and sink.holds(stacked)
+            else (None if stacked.grad is None else _local_slot(stacked.grad, s))
             for stacked, s in self._local_slot_tensors(name)
         ]
 
@@ -304,6 +315,8 @@ class MultiLoRAModel(nn.Module):
         for lora_a, lora_b in self._stacked_pairs():
             lora_a.grad = None
             lora_b.grad = None
+        if self._grad_sink is not None:
+            self._grad_sink.clear()
 
     # -- tenants come and go -----------------------------------------------------------------------------------
 
@@ -606,7 +619,8 @@ class MultiLoRAModel(nn.Module):
             }
         device = (input_ids if input_ids is not None else embeds).device
         dtype = lora_bank.dtype if lora_bank is not None else self.lora_dtype
-        routing = build_routing(slots, meta, device, lora_bank, reference, dtype)
+        sink = self._grad_sink if lora_bank is None and torch.is_grad_enabled() else None
+        routing = build_routing(slots, meta, device, lora_bank, reference, dtype, grad_sink=sink)
         grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
         with grad_context, self.router.route(routing):
             return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)

@@ -10,6 +10,8 @@ Design choices:
   O(rows), whatever the number of slots.
 - A routing also keeps one `_SlotGroup` per used slot (its rank, scale `alpha / r` as a Python float, covered
   modules, rows): the one-slot view path and the float32 reference loop read them.
+- `SlotGradSink`: a trainer that reads gradients per slot (`rl_multilora.train_ops`) puts one in the routing, and
+  the grouped backward writes only the used slots' gradients there instead of a zero-filled all-slots `.grad`.
 - Scales are per row and per module: a row whose adapter does not cover a module gets scale 0 there, and its
   slot's tensors in that module are zero anyway, so the delta is exactly zero.
 """
@@ -28,6 +30,45 @@ if TYPE_CHECKING:
     from rl_multilora.lora.bank import LoRABank
 
 BASE_SLOT = -1
+
+
+class SlotGradSink:
+    """Per-slot LoRA gradients of the backward, kept only for the slots that had rows in it.
+
+    With a sink in the routing, the grouped path's backward hands each stacked tensor's gradient here as one compact
+    `(U, ...)` tensor over the U slots its rows used (plus their slot ids), instead of returning a zero-filled
+    `(max_loras, ...)` gradient to autograd: a backward allocates and zeroes gradient memory for the slots that hold
+    rows only, whatever `max_loras` is. Values are those of the dense gradient's slot parts bit for bit (the same
+    `index_add_` over the same rows in the same order). Entries accumulate over backwards until `clear`.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._lists: dict[int, list[int]] = {}  # id(used tensor) -> its slot ids, read once
+
+    def add(self, stacked: torch.Tensor, used: torch.Tensor, compact: torch.Tensor) -> None:
+        """`compact[i]` is the gradient of `stacked[used[i]]`; used: (U,) slot ids, compact: (U, *stacked.shape[1:])."""
+        self._entries.setdefault(id(stacked), (stacked, []))[1].append((used, compact))
+
+    def holds(self, stacked: torch.Tensor) -> bool:
+        """Whether a backward handed gradients of `stacked` here (its `.grad` stays None then)."""
+        return id(stacked) in self._entries
+
+    def slot_grad(self, stacked: torch.Tensor, slot: int) -> torch.Tensor | None:
+        """The accumulated gradient of `stacked[slot]`; None when no row of that slot reached `stacked`."""
+        total = None
+        for used, compact in self._entries.get(id(stacked), (None, []))[1]:
+            ids = self._lists.get(id(used))
+            if ids is None:
+                ids = self._lists[id(used)] = used.tolist()
+            if slot in ids:
+                part = compact[ids.index(slot)]
+                total = part if total is None else total + part
+        return total
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lists.clear()
 
 
 @dataclass(frozen=True)
@@ -59,6 +100,7 @@ class Routing:
     common_modules: frozenset[str]  # the modules every used adapter covers
     _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
     _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
+    grad_sink: SlotGradSink | None = None  # where the grouped backward puts slot gradients (None: into `.grad`)
 
     @property
     def single(self) -> _SlotGroup | None:
@@ -113,6 +155,7 @@ def build_routing(
     bank: LoRABank | None,
     reference: bool,
     dtype: torch.dtype = torch.float32,
+    grad_sink: SlotGradSink | None = None,
 ) -> Routing:
     """The routing of one forward. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row."""
     by_slot: dict[int, list[int]] = {}
@@ -131,5 +174,5 @@ def build_routing(
     common = frozenset.intersection(*(g.modules for g in groups)) if groups else frozenset()
     return Routing(
         len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, frozenset(by_slot),
-        common, {}, {},
+        common, {}, {}, grad_sink,
     )  # fmt: skip
