@@ -6,7 +6,7 @@
 The GPU machine has torch, triton, transformers (with tokenizers, huggingface_hub, tqdm), peft, safetensors, aiohttp
 and pyyaml, and no package index. Beyond those, `bench/gpu_check.py` imports the project, `CORE` and, for its two
 GRPO sections only, `DATA` below: found by running the check with each candidate hidden from the import system as if
-not installed. Ray, SGLang, matplotlib, math-verify and requests are not imported by the check, so they stay out.
+not installed. Ray, SGLang, matplotlib and requests are not imported by the check, so they stay out.
 
 `pip download --no-deps` fetches exactly these wheels at the versions installed here (binary ones for the GPU
 machine's Python and platform: `--python-version`, `--platform`); nothing is resolved against the index, so it is
@@ -28,13 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # What the check imports that the GPU machine lacks, with the deps each pulls in. CORE is what every section but the
 # two GRPO ones needs (pydantic: the run config, imported by the library at module level; pytest: the
-# cpu_oracle_tests section), about 3 MB. DATA is what the GRPO sections add (the tenants' datasets): `datasets` and
-# the two packages it pins tightly, about 1 MB. Its other deps (pyarrow, pandas, xxhash, fsspec, huggingface_hub) are
+# cpu_oracle_tests section), about 3 MB. DATA is what the GRPO sections add: `datasets` (the tenants' datasets) and
+# the two packages it pins tightly, and math-verify with its parser (the tiny preset's arith reward, imported in the
+# reward workers: without it that tenant fails every step, as the first H100 run on 2026-11-26 showed), about 1.3 MB. Its other deps (pyarrow, pandas, xxhash, fsspec, huggingface_hub) are
 # in the GPU image (the device's KINDS.md package list, read 2026-11-17); pyarrow alone is 55 MB, more than the 64 MiB
 # the device tool carries with the working tree, so it is not carried. datasets here needs pyarrow >= 24: where the
 # image's is older, the GRPO sections record the import error and the rest of the check runs.
 CORE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pytest", "pluggy", "iniconfig")
-DATA = ("datasets", "dill", "multiprocess")
+DATA = ("datasets", "dill", "multiprocess", "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime")
 
 
 def pinned(names: tuple[str, ...]) -> list[str]:
@@ -75,7 +76,7 @@ def main() -> None:
         action="append",
         help="the GPU machine's wheel platform tags (repeatable; default manylinux_2_28_x86_64 and manylinux2014_x86_64)",
     )
-    p.add_argument("--with-data", action="store_true", help="add datasets, dill and multiprocess (the GRPO sections; ~1 MB)")
+    p.add_argument("--with-data", action="store_true", help="add datasets and math-verify with their pinned deps (the GRPO sections; ~1.3 MB)")
     args = p.parse_args()
     names = CORE + DATA if args.with_data else CORE
     if args.list:

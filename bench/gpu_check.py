@@ -386,8 +386,15 @@ def grpo_tiny(device: str, sizes: Sizes, workdir: Path) -> dict:
             if r.reward_mean is not None:
                 rewards.setdefault(r.adapter, []).append(r.reward_mean)
     k = max(1, sizes.tiny_steps // 5)  # reward first -> last fifth of the steps
-    return {"ok": True, "steps": sizes.tiny_steps, "step_s_median": statistics.median(t["step_s"] for t in timings),
-            "reward_first_last": {a: [statistics.mean(v[:k]), statistics.mean(v[-k:])] for a, v in rewards.items()}}  # fmt: skip
+    first_last = {a: [statistics.mean(v[:k]), statistics.mean(v[-k:])] for a, v in rewards.items()}
+    # the verdict: every tenant scored without a reward error (a reward that cannot import fails every sample and
+    # would read as a flat 0.0), and, in a run long enough to learn (10+ steps: not --small), every tenant's reward rose
+    errors = {a: sum(r.reward_errors for step in records for r in step if r.adapter == a) for a in rewards}
+    names = [a["name"] for a in data["adapters"]]
+    learned = sizes.tiny_steps < 10 or all(first_last.get(a, [0, 0])[1] > first_last.get(a, [0, 0])[0] for a in names)
+    ok = set(names) <= set(rewards) and not any(errors.values()) and learned
+    return {"ok": ok, "steps": sizes.tiny_steps, "step_s_median": statistics.median(t["step_s"] for t in timings),
+            "reward_first_last": first_last, "reward_errors": errors}  # fmt: skip
 
 
 def grpo_smollm2_shape(device: str, sizes: Sizes, workdir: Path) -> dict:
