@@ -402,10 +402,25 @@ def _provision_smollm2_dir(out: str | Path, seed: int, force: bool, config) -> P
     return _build(out, recipe, force, lambda out: _provision_smollm2(out, seed, cfg), SMOL_TASKS, None)
 
 
+def provision_lock(out: str | Path):
+    """An exclusive lock on provisioning `out` (a sibling `<out>.lock` file): a second provisioning of the same
+    directory, in another process (two tests side by side, two shells), waits for the first and then finds it done
+    instead of clearing and rewriting the folder under it."""
+    from filelock import FileLock
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(out.with_name(out.name + ".lock")))
+
+
 def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
     """The part every preset shares: the marker check, clearing what provisioning writes, the atomic marker."""
+    with provision_lock(out):
+        return _build_locked(Path(out), recipe, force, build, tasks, offline)
+
+
+def _build_locked(out: Path, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
     preset, seed = recipe["preset"], recipe["seed"]
-    out = Path(out)
     marker = out / MARKER
     if marker.exists():
         previous = json.loads(marker.read_text())

@@ -5,7 +5,14 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (CI runs the slow tests side by side, `-n 2`) the cores are split between the workers, and the
+# runs a test starts as subprocesses (`rl-multilora run`) inherit the same share through OMP_NUM_THREADS: two
+# workers with two threads each on two cores lose more to barrier waits than they gain.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, os.cpu_count() or 1) // _workers)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+torch.set_num_threads(_threads)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -345,3 +345,28 @@ def test_full_tiny_preset_base_stats_in_target_range(tmp_path, preset):
         assert stats["correct_rate"] >= 0.35, (task, stats)
         assert stats["eos_rate"] >= 0.9 and stats["mean_response_tokens"] <= 40, (task, stats)
     assert record["timings"]["total_s"] < 600
+
+
+def test_two_provisionings_of_one_directory_at_once_build_it_once(tmp_path):
+    """Two provisionings of the same folder at the same time (CI's side-by-side slow tests, two shells): the second
+    waits on `<out>.lock` and then finds the first's marker, instead of clearing the folder under it."""
+    import threading
+
+    from rl_multilora.provision import _build
+
+    calls, out = [], tmp_path / "preset"
+
+    def build(folder: Path) -> dict:
+        calls.append(threading.get_ident())
+        (folder / "model").mkdir()
+        time.sleep(0.5)  # the other thread arrives while this one is building
+        return {"timings": {}}
+
+    recipe = {"preset": "fake", "seed": 0}
+    threads = [threading.Thread(target=_build, args=(out, recipe, False, build, (), True)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1
+    assert json.loads((out / MARKER).read_text())["preset"] == "fake" and (out / "model").is_dir()

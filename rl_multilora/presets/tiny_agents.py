@@ -540,7 +540,17 @@ def provision_agents(
     config: AgentsPresetConfig | None = None,
 ) -> Path:
     """Write the tiny-agents base and its five datasets into `out` (from the tiny base in `tiny`, provisioned
-    there first when missing); nothing is done when `out` already holds this recipe, unless `force`."""
+    there first when missing); nothing is done when `out` already holds this recipe, unless `force`. Under
+    `provision_lock(out)`: a second provisioning of `out` at the same time waits, then finds it done."""
+    from rl_multilora.provision import provision_lock
+
+    with provision_lock(out):
+        return _provision_agents(out, tiny, seed, force, config)
+
+
+def _provision_agents(
+    out: str | Path, tiny: str | Path, seed: int, force: bool, config: AgentsPresetConfig | None
+) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
