@@ -228,6 +228,20 @@ class AdapterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _verifiers_rows_and_episodes_together(self) -> AdapterConfig:
+        # The environment plays the episode its row names; the rows are the environment's own prompts.
+        from rollout.verifiers_env import ENVIRONMENT_PATH
+
+        rows = self.dataset.source == "verifiers"
+        episodes = self.environment is not None and self.environment.path == ENVIRONMENT_PATH
+        if rows and not episodes:
+            path = None if self.environment is None else self.environment.path
+            raise ValueError(bad_value("environment.path", path, f"{ENVIRONMENT_PATH} with dataset.source: verifiers"))
+        if episodes and not rows:
+            raise ValueError(bad_value("dataset.source", self.dataset.source, f"verifiers with {ENVIRONMENT_PATH}"))
+        return self
+
+    @model_validator(mode="after")
     def _budget(self) -> AdapterConfig:
         if self.max_steps is None and self.epochs is None:
             raise ValueError(

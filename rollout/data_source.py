@@ -93,24 +93,29 @@ class DatasetSpec:
     "{prompt}\\nPut the final answer in \\\\boxed{{}}."; other row columns are available by name."""
     max_prompt_tokens: int | None = None
     """Rows whose final prompt has more tokens than this are bad rows (skipped and counted)."""
-    source: Literal["datasets", "reasoning_gym"] = "datasets"
-    """Where the rows come from: `datasets` (path, name, data_files) or `reasoning_gym` (a task generated offline from
-    task, config, seed, size and test_size; rows are prompt / label / metadata, split `train` or `test`)."""
+    source: Literal["datasets", "reasoning_gym", "verifiers"] = "datasets"
+    """Where the rows come from: `datasets` (path, name, data_files), `reasoning_gym` (a task generated offline from
+    task, config, seed, size and test_size; rows are prompt / label / metadata, split `train` or `test`) or
+    `verifiers` (a verifiers environment's own rows, rollout/verifiers_env.py: task, config, size; split `train` or
+    `test`)."""
     task: str | None = None
-    """Source reasoning_gym: the task name, e.g. "basic_arithmetic" (`reasoning_gym.factory.DATASETS`)."""
+    """Source reasoning_gym: the task name, e.g. "basic_arithmetic" (`reasoning_gym.factory.DATASETS`). Source
+    verifiers: the environment, an installed package's id or `module:attr`."""
     config: dict[str, Any] | None = None
-    """Source reasoning_gym: the task's config fields other than seed and size, e.g. {"max_terms": 3}."""
+    """Source reasoning_gym: the task's config fields other than seed and size, e.g. {"max_terms": 3}. Source
+    verifiers: the environment's `load_environment` arguments."""
     seed: int | None = None
     """Source reasoning_gym: the generator's seed (default 0); the same seed gives the same rows."""
     size: int | None = None
-    """Source reasoning_gym: rows in the train split (default 500)."""
+    """Source reasoning_gym: rows in the train split (default 500). Source verifiers: the first `size` rows of the
+    split (default all)."""
     test_size: int | None = None
     """Source reasoning_gym: rows generated after the train rows for the test split (default 0; a test question that
     is also a train question is dropped)."""
 
     def __post_init__(self) -> None:
-        if self.source == "reasoning_gym":
-            self._check_reasoning_gym()
+        if self.source in ("reasoning_gym", "verifiers"):
+            self._check_generated()
         elif not isinstance(self.path, str) or not self.path:
             raise DatasetError(bad_value("dataset.path", self.path, "a builder name, a local path or a Hub id"))
         else:
@@ -136,19 +141,29 @@ class DatasetSpec:
                 bad_value("dataset.prompt_template", self.prompt_template, "a format string containing '{prompt}'")
             )
 
-    def _check_reasoning_gym(self) -> None:
+    def _check_generated(self) -> None:
+        source = self.source
         for file_field in ("path", "name", "data_files", "metadata_key"):
             if getattr(self, file_field) is not None:
                 value = getattr(self, file_field)
-                raise DatasetError(bad_value(f"dataset.{file_field}", value, "null with source: reasoning_gym"))
+                raise DatasetError(bad_value(f"dataset.{file_field}", value, f"null with source: {source}"))
         for key_field, column in (("prompt_key", "prompt"), ("label_key", "label")):
             if getattr(self, key_field) != column:
                 value = getattr(self, key_field)
-                raise DatasetError(bad_value(f"dataset.{key_field}", value, f"{column!r} with source: reasoning_gym"))
+                raise DatasetError(bad_value(f"dataset.{key_field}", value, f"{column!r} with source: {source}"))
         if not isinstance(self.task, str) or not self.task:
-            raise DatasetError(
-                bad_value("dataset.task", self.task, "a reasoning-gym task name such as 'basic_arithmetic'")
-            )
+            what = {
+                "reasoning_gym": "a reasoning-gym task name such as 'basic_arithmetic'",
+                "verifiers": "a verifiers environment: an installed package's id or 'module:attr'",
+            }[source]
+            raise DatasetError(bad_value("dataset.task", self.task, what))
+        if source == "verifiers":  # the rows are the environment's prompts as its episodes will ask for them
+            for unused in ("seed", "test_size", "system_prompt", "prompt_template"):
+                if getattr(self, unused) is not None:
+                    value = getattr(self, unused)
+                    raise DatasetError(bad_value(f"dataset.{unused}", value, "null with source: verifiers"))
+            if not self.apply_chat_template:
+                raise DatasetError(bad_value("dataset.apply_chat_template", False, "true with source: verifiers"))
         if self.config is not None and not isinstance(self.config, Mapping):
             raise DatasetError(bad_value("dataset.config", self.config, "a mapping of the task's config fields"))
         for count_field, least in (("seed", 0), ("size", 1), ("test_size", 0)):
@@ -195,6 +210,13 @@ def load_dataset_rows(spec: DatasetSpec):
 
     if spec.source == "reasoning_gym":
         return _reasoning_gym_rows(spec)
+    if spec.source == "verifiers":
+        from rollout.verifiers_env import generate_rows
+
+        try:
+            return generate_rows(spec.task, spec.config, spec.split, spec.size)
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from exc
     path, data_files = os.path.expanduser(spec.path), spec.data_files
     if data_files is not None:
         _check_data_files_exist(data_files)
@@ -642,7 +664,11 @@ class MultiLoRADataSource:
         if spec.apply_chat_template:
             if spec.system_prompt is not None and messages[0].get("role") != "system":
                 messages = [{"role": "system", "content": spec.system_prompt}, *messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # Generated rows may name tools (a verifiers environment's): the template shows them to the model.
+            tools = row.get("tools") if spec.source != "datasets" else None
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
             # The template already holds BOS/role tokens; letting the tokenizer add them again would double them.
             prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -656,7 +682,7 @@ class MultiLoRADataSource:
             return "prompt_too_long"
         if self.context_len is not None and len(prompt_ids) >= self.context_len:
             return "prompt_exceeds_context"
-        metadata_key = "metadata" if spec.source == "reasoning_gym" else spec.metadata_key
+        metadata_key = "metadata" if spec.source != "datasets" else spec.metadata_key
         raw_metadata = row.get(metadata_key) if metadata_key else None
         if raw_metadata is None:
             metadata: dict[str, Any] = {}
