@@ -158,19 +158,35 @@ def build_backend(cfg: RunConfig, pad: int) -> TrainingBackend:
 
         return RayFSDPBackend(cfg, pad_token_id=pad)
     r = cfg.rollout
-    return build_local_backend(cfg.model, cfg.grpo, pad, temperature=r.logit_temperature, norm_len=r.max_new_tokens)
+    spill = cfg.model.spill_dir or str(Path(cfg.run_dir) / "paged")
+    return build_local_backend(
+        cfg.model, cfg.grpo, pad, temperature=r.logit_temperature, norm_len=r.max_new_tokens, spill_dir=spill
+    )
 
 
 def build_local_backend(
-    m: ModelConfig, grpo: GRPOSettings, pad: int, temperature: float = 1.0, norm_len: int | None = None
+    m: ModelConfig,
+    grpo: GRPOSettings,
+    pad: int,
+    temperature: float = 1.0,
+    norm_len: int | None = None,
+    spill_dir: str | None = None,
 ) -> TrainingBackend:
     """The model of `m` and the trainer's per-tenant operations over it, in this process: the GRPO run's backend
-    and the standalone Tinker server's (`grpo` then only gives the defaults nobody uses: clients name their loss)."""
+    and the standalone Tinker server's (`grpo` then only gives the defaults nobody uses: clients name their loss).
+    With `m.max_tenants` > `m.max_loras` the trainer pages tenants through a host `TenantStore` (spilling to
+    `m.spill_dir`, else `spill_dir`, else a temporary folder)."""
     from rl_multilora.backends.local import LocalBackend
+    from rl_multilora.tenant_store import TenantStore
     from rl_multilora.trainer import MultiLoRATrainer
 
     model = build_model(m)
-    return LocalBackend(model, MultiLoRATrainer(model, grpo, pad, temperature=temperature, norm_len=norm_len))
+    store = None
+    if m.paging:
+        budget = None if m.host_budget_gb is None else int(m.host_budget_gb * 2**30)
+        store = TenantStore(budget, m.spill_dir or spill_dir)
+    trainer = MultiLoRATrainer(model, grpo, pad, temperature=temperature, norm_len=norm_len, store=store)
+    return LocalBackend(model, trainer, max_tenants=m.max_tenants)
 
 
 # ------------------------------------------------------------------------------------------------ rollout side

@@ -81,6 +81,30 @@ class ModelConfig(_Strict):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the frozen base.")
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
+    max_tenants: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Tenants (GRPO and Tinker clients) that may be live at once. More than max_loras turns on "
+        "paging: max_loras slots stay resident and every other tenant's true-rank adapter and Adam state waits in a "
+        "host store, paged into a slot (least recently used evicted) when it is scheduled or called; engines page "
+        "their banks the same way. null: max_loras (no paging). Local backend and embedded engine only.",
+    )
+    host_budget_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Paging: host memory for the paged-out tenants' states; past it the least recently paged-out "
+        "spill to disk (spill_dir). null: no limit. An idle tenant takes 3x its true-rank adapter bytes "
+        "(weights + two Adam moments).",
+    )
+    spill_dir: str | None = Field(
+        None, description="Paging: where tenants past host_budget_gb are written (null: run_dir/paged)."
+    )
+
+    @property
+    def paging(self) -> bool:
+        """More tenants than slots: a host tenant store pages adapters and optimizer states between them."""
+        return self.max_tenants is not None and self.max_tenants > self.max_loras
 
 
 class OptimSettings(_Strict):
@@ -228,17 +252,21 @@ class AdapterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _verifiers_rows_and_episodes_together(self) -> AdapterConfig:
-        # The environment plays the episode its row names; the rows are the environment's own prompts.
-        from rollout.verifiers_env import ENVIRONMENT_PATH
+    def _library_rows_and_episodes_together(self) -> AdapterConfig:
+        # A verifiers environment or a textarena game plays the episode its row names; the rows are its own prompts.
+        from rollout import textarena_env, verifiers_env
 
-        rows = self.dataset.source == "verifiers"
-        episodes = self.environment is not None and self.environment.path == ENVIRONMENT_PATH
-        if rows and not episodes:
-            path = None if self.environment is None else self.environment.path
-            raise ValueError(bad_value("environment.path", path, f"{ENVIRONMENT_PATH} with dataset.source: verifiers"))
-        if episodes and not rows:
-            raise ValueError(bad_value("dataset.source", self.dataset.source, f"verifiers with {ENVIRONMENT_PATH}"))
+        for source, path in (
+            ("verifiers", verifiers_env.ENVIRONMENT_PATH),
+            ("textarena", textarena_env.ENVIRONMENT_PATH),
+        ):
+            rows = self.dataset.source == source
+            episodes = self.environment is not None and self.environment.path == path
+            if rows and not episodes:
+                where = None if self.environment is None else self.environment.path
+                raise ValueError(bad_value("environment.path", where, f"{path} with dataset.source: {source}"))
+            if episodes and not rows:
+                raise ValueError(bad_value("dataset.source", self.dataset.source, f"{source} with {path}"))
         return self
 
     @model_validator(mode="after")
@@ -295,6 +323,13 @@ class RolloutConfig(_Strict):
         ge=0,
         description="mode async: versions a sample may lag behind its adapter's current one (adapters may set their "
         "own); older samples are dropped and counted as stale. 0 makes every tenant wait for its own training.",
+    )
+    max_tenants_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Most RUNNING tenants one step rolls out and trains (at most model.max_loras, the resident "
+        "slots); when more are running, each step takes those furthest behind in weighted fair share (adapter "
+        "`weight`), so every tenant gets its turn. null: model.max_loras.",
     )
     max_rows_per_step: int | None = Field(
         None,
@@ -524,6 +559,45 @@ def staleness_problems(a: AdapterConfig, rollout: RolloutConfig, where: str = ""
     return []
 
 
+def paging_problems(cfg: RunConfig) -> list[str]:
+    """More tenants than slots runs on the local backend with in-process embedded engines (their banks page too)."""
+    m, problems = cfg.model, []
+    if m.max_tenants is not None and m.max_tenants < m.max_loras:
+        problems.append(bad_value("model.max_tenants", m.max_tenants, f"null or >= model.max_loras ({m.max_loras})"))
+    if not m.paging:
+        for key in ("host_budget_gb", "spill_dir"):
+            if getattr(m, key) is not None:
+                problems.append(
+                    bad_value(f"model.{key}", getattr(m, key), "null unless model.max_tenants > max_loras")
+                )
+        return problems
+    if cfg.trainer.world_size > 1:
+        problems.append(
+            bad_value(
+                "model.max_tenants",
+                m.max_tenants,
+                f"null or <= model.max_loras ({m.max_loras}) with trainer.world_size > 1: paging tenants between "
+                "slots and host memory is served by the local backend only (trainer.world_size 1)",
+            )
+        )
+    if cfg.rollout.engine != "embedded" or cfg.rollout.engine_actors:
+        problems.append(
+            bad_value(
+                "model.max_tenants",
+                m.max_tenants,
+                f"null or <= model.max_loras ({m.max_loras}) unless rollout.engine is 'embedded' in this process "
+                "(engine_actors false): only the embedded engine pages its adapter bank on demand (an SGLang "
+                "adapter loaded from tensors cannot be reloaded after eviction)",
+            )
+        )
+    cap = cfg.rollout.max_tenants_per_step
+    if cap is not None and cap > m.max_loras:
+        problems.append(
+            bad_value("rollout.max_tenants_per_step", cap, f"null or <= model.max_loras ({m.max_loras}) with paging")
+        )
+    return problems
+
+
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
     seen: set[str] = set()
@@ -538,6 +612,7 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
             problems.append(bad_value(f"{where}name", a.name, "a name no other adapter of this config has"))
         seen.add(a.name)
     r = cfg.rollout
+    problems += paging_problems(cfg)
     if r.engine == "http" and r.num_engines == 1 and not r.url:
         problems.append(
             bad_value("rollout.url", None, "the server URL with engine 'http' (e.g. http://127.0.0.1:30000)")

@@ -159,6 +159,27 @@ class TenantOptimizer:
         self.optimizer.load_state_dict(state)
         return False
 
+    def release(self) -> list[dict[str, torch.Tensor]]:
+        """Let go of the slot (its tenant is paged out): returns each parameter's AdamW state, in `params` order;
+        the schedule, step count and param-group settings stay here. `attach` takes the slot back."""
+        states = [self.optimizer.state.pop(p, {}) for p in self.params]
+        self.optimizer.param_groups[0]["params"] = []
+        self.params = []
+        return states
+
+    def attach(self, params: list[torch.nn.Parameter], states: list[dict[str, torch.Tensor]]) -> None:
+        """Step `params` (the tenant's slot views, after a page-in) from now on, with the AdamW state `release`
+        returned."""
+        if len(params) != len(states):
+            raise ValueError(f"{len(params)} parameters but {len(states)} optimizer states")
+        for p, state in zip(params, states, strict=True):
+            p.requires_grad_(True)
+            p.grad = None
+            if state:
+                self.optimizer.state[p] = state
+        self.optimizer.param_groups[0]["params"] = list(params)
+        self.params = list(params)
+
     def drop_grads(self) -> None:
         for p in self.params:
             p.grad = None

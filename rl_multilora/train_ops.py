@@ -15,6 +15,10 @@ of this process (this rank's shard of it on a sharded model).
 - One tenant record (`TenantTrainState`) for both kinds of tenant: its slot, optimizer + schedule + step count
   (`rl_multilora.tenant_optim.TenantOptimizer`), loss settings (`TenantAlgo`; None = the run's `grpo` section) and
   gradient buffer. `rl_multilora.trainer` (GRPO) and `rl_multilora.tinker.ops` (the Tinker API) are its clients.
+- Paging (`store`, more tenants than slots): a tenant without a slot waits in the host `TenantStore` with its
+  optimizer's moments (`rl_multilora.tenant_store`); `ensure_resident` pages in the tenants an operation needs,
+  evicting the least recently used others. Every primitive pages its tenants in first, so callers never see it;
+  `TenantTrainState.slot` is -1 while a tenant is paged out.
 
 Forwards run with the model in eval mode (dropout off) so that old, new and reference log-probs come from the same
 deterministic function; autograd is unaffected. Log-probs of half-precision models are computed in float32.
@@ -22,7 +26,9 @@ deterministic function; autograd is unaffected. Log-probs of half-precision mode
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +42,7 @@ from rl_multilora.losses import TenantAlgo
 from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
+from rl_multilora.tenant_store import PagedTenant, TenantStore
 
 if TYPE_CHECKING:
     from rl_multilora.lora import MultiLoRAModel
@@ -60,7 +67,7 @@ SUM_KEYS = (
 class TenantTrainState:
     """One tenant on the trainer side, whichever door drives it."""
 
-    slot: int  # the model slot its optimizer's parameters belong to (to catch a caller that re-slotted the name)
+    slot: int  # the model slot its optimizer's parameters belong to (-1: paged out to the tenant store)
     optim: TenantOptimizer
     algo: TenantAlgo | None = None  # its own loss settings; None: the run's GRPOSettings
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, `optim.params` order
@@ -82,9 +89,17 @@ class FwdBwdOut:
 class TrainOps:
     """The per-tenant primitives over one `MultiLoRAModel` (see the module docstring)."""
 
-    def __init__(self, model: MultiLoRAModel, cfg: GRPOSettings, pad_token_id: int, temperature: float = 1.0):
+    def __init__(
+        self,
+        model: MultiLoRAModel,
+        cfg: GRPOSettings,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        store: TenantStore | None = None,
+    ):
         """`cfg`: the loss settings of tenants without their own (`TenantAlgo`); `temperature`: theirs too (the
-        rollouts' sampling temperature: logits are divided by it, so log-probs are those the engine sampled from)."""
+        rollouts' sampling temperature: logits are divided by it, so log-probs are those the engine sampled from).
+        `store`: where tenants without a slot wait (paging on; None: every tenant holds a slot)."""
         if not isinstance(cfg, GRPOSettings):
             raise TypeError(bad_value("cfg", type(cfg).__name__, "a rl_multilora.config.GRPOSettings"))
         if not isinstance(pad_token_id, int) or pad_token_id < 0:
@@ -97,6 +112,10 @@ class TrainOps:
         self.temperature = temperature
         self.tenants: dict[str, TenantTrainState] = {}
         self.ranks = RankCoordinator.of(model)
+        self.store = store
+        self._resident: OrderedDict[str, None] = OrderedDict()  # tenants in a slot, least recently used first
+        if store is not None and self.ranks.world > 1:
+            raise ValueError(bad_value("store", "a TenantStore", "None on a model sharded over ranks"))
         if self.ranks.world == 1:  # sharded, the reduce-scatter needs the stacked grads
             model.use_slot_grads()  # a backward allocates gradients for the slots that hold rows only
 
@@ -116,11 +135,107 @@ class TrainOps:
             raise ValueError(bad_value("name", name, f"an adapter of the model ({sorted(self.model.adapters)})"))
         optimizer = TenantOptimizer(name, list(self.model.adapter_parameters(name)), optim, lr, max_steps)
         self.tenants[name] = TenantTrainState(slot=self.model.adapters[name].slot, optim=optimizer, algo=algo)
+        self._resident[name] = None
 
     def remove_tenant(self, name: str) -> None:
-        """Drop `name`'s optimizer, schedule, step counter and gradient buffer (its slot is the caller's to free)."""
+        """Drop `name`'s optimizer, schedule, step counter and gradient buffer (its slot is the caller's to free; a
+        paged-out tenant's stored state goes here)."""
         self.tenant(name).optim.drop_grads()
+        if self.store is not None and name in self.store:
+            self.store.drop(name)
+        self._resident.pop(name, None)
         del self.tenants[name]
+
+    # ----- paging (more tenants than slots) -----
+
+    def is_resident(self, name: str) -> bool:
+        return self.tenant(name).slot >= 0
+
+    @property
+    def resident(self) -> list[str]:
+        """Tenants in a slot, least recently used first."""
+        return list(self._resident)
+
+    def make_room(self, keep: Collection[str] = ()) -> None:
+        """With paging, free a model slot when none is: page out the least recently used resident tenant not in
+        `keep`. Without paging nothing happens (the model's own "no free slot" error says why)."""
+        if self.store is None or self.model.free_slots:
+            return
+        victim = next((n for n in self._resident if n not in keep), None)
+        if victim is None:
+            raise RuntimeError(
+                f"no LoRA slot to page a tenant into: all model.max_loras={self.model.max_loras} slots hold tenants "
+                f"this operation needs ({sorted(keep)}); give one call at most max_loras tenants"
+            )
+        self.page_out(victim)
+
+    def ensure_resident(self, names: Iterable[str]) -> None:
+        """Page every tenant of `names` into a slot (evicting least recently used others) and mark them the most
+        recently used. A no-op without paging."""
+        if self.store is None:
+            return
+        wanted = sorted(set(names))
+        if len(wanted) > self.model.max_loras:
+            raise RuntimeError(
+                f"{len(wanted)} tenants need a slot at once but model.max_loras is {self.model.max_loras}; a step or "
+                "call may hold at most max_loras tenants (the scheduler and LocalBackend.forward_backward split them)"
+            )
+        for name in wanted:
+            if self.is_resident(name):
+                self._resident.move_to_end(name)
+        for name in wanted:
+            if not self.is_resident(name):
+                self.page_in(name, keep=wanted)
+
+    def page_out(self, name: str) -> None:
+        """Move `name`'s slot (true rank), AdamW moments and pending gradient to the store; free its slot."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        t = self.tenant(name)
+        info = self.model.adapters[name]
+        weights = [_host(w) for w in self.model.adapter_slot_tensors(name)]
+        states = t.optim.release()
+        moments = [
+            {k: _host(v[_rank_part(i, info.rank)]) if v.dim() > 0 else v for k, v in state.items()}
+            for i, state in enumerate(states)
+        ]
+        grads = None if t.grads is None else [None if g is None else _host(g) for g in t.grads]
+        paged = PagedTenant(info.rank, info.alpha, self.model.adapter_modules(name), weights, moments, grads)
+        self.model.remove_adapter(name)
+        t.slot, t.grads = -1, None
+        del self._resident[name]
+        self.store.put(name, paged)
+        self.store.stats.page_outs += 1
+        self.store.stats.page_out_s += time.perf_counter() - t0
+
+    def page_in(self, name: str, keep: Collection[str] = ()) -> None:
+        """Bring `name` back into a free slot (made by evicting a tenant not in `keep`), bit for bit as it left."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        self.make_room(keep={*keep, name})
+        t = self.tenant(name)
+        paged = self.store.take(name)
+        device = self.model.lora_device
+        weights = [w.to(device) for w in paged.weights]
+        t.slot = self.model.place_adapter(name, paged.rank, paged.alpha, paged.modules, weights)
+        params = self.model.adapter_parameters(name)
+        states = []
+        for i, (p, state) in enumerate(zip(params, paged.moments, strict=True)):
+            full = {}
+            for k, v in state.items():
+                if v.dim() > 0:  # a moment at true rank: the ranks above it are exact zeros
+                    full[k] = torch.zeros_like(p)
+                    full[k][_rank_part(i, paged.rank)].copy_(v)
+                else:
+                    full[k] = v
+            states.append(full)
+        t.optim.attach(params, states)
+        t.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
+        self._resident[name] = None
+        stats = self.store.stats
+        stats.page_ins += 1
+        stats.by_tenant[name] = stats.by_tenant.get(name, 0) + 1
+        stats.page_in_s += time.perf_counter() - t0
 
     def tenant(self, name: str) -> TenantTrainState:
         if name not in self.tenants:
@@ -163,6 +278,7 @@ class TrainOps:
         whose slot gradients to keep after the backward (default: those whose loss went into it); on a sharded model
         the reduce-scatter hands this rank gradients of rows other ranks ran, so the GRPO client names every tenant
         of the step on every rank, filler calls included."""
+        self.ensure_resident(r.adapter for r in rows)
         for name in {r.adapter for r in rows}:
             self.check_slot(name)
         self.model.eval()  # never flipped back: an engine sharing the base may be generating (async runs)
@@ -253,6 +369,7 @@ class TrainOps:
         when a forward_backward since its last step saw a non-finite loss of it); `reached`: whether any rank's
         backward reached the tenant (the GRPO client agrees it over ranks itself; default: agreed here from whether
         each rank has a gradient). `adam`: this step's settings instead of the tenant's schedule."""
+        self.ensure_resident([name])
         t = self.tenant(name)
         grads = t.grads
         t.grads = None
@@ -322,9 +439,24 @@ class TrainOps:
 
     def optimizer_state_dict(self, name: str) -> dict[str, Any]:
         """`name`'s optimizer and scheduler state, for checkpoints (the scheduler's `last_epoch` is its step count)."""
+        self.ensure_resident([name])
         return self.tenant(name).optim.state_dict()
 
     def load_optimizer_state_dict(self, name: str, state: dict[str, Any]) -> None:
         """Restore what `optimizer_state_dict` returned into `name` (added with the same OptimSettings). A rank that
         does not hold the slot (sharded model) takes the schedule and learning rate only."""
+        self.ensure_resident([name])
         self.tenant(name).optim.load_state_dict(state, name)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A compact host-memory copy of `t` (never a view of a slot)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.copy_(t)
+    return out
+
+
+def _rank_part(i: int, rank: int) -> tuple:
+    """The first `rank` ranks of slot tensor `i` (`adapter_parameters` order: A then B per module): A's ranks are
+    its second-to-last dim, B's its last."""
+    return (Ellipsis, slice(0, rank)) if i % 2 else (Ellipsis, slice(0, rank), slice(None))

@@ -36,6 +36,7 @@ from rl_multilora.batch import AdapterStepStats, Batch, build_batch, micro_batch
 from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.grpo import TokenSettings, adapter_name_of
 from rl_multilora.losses import TenantAlgo
+from rl_multilora.tenant_store import TenantStore
 from rl_multilora.train_ops import SUM_KEYS, TrainOps
 from rollout.types import Sample
 
@@ -70,12 +71,14 @@ class MultiLoRATrainer:
         temperature: float = 1.0,
         norm_len: int | None = None,
         ops: TrainOps | None = None,
+        store: TenantStore | None = None,
     ):
         """`temperature`: the rollouts' sampling temperature; logits are divided by it before the softmax, so the
         trainer's log-probs are those of the distribution the engine sampled from (pass 1.0 for greedy rollouts).
         A tenant with its own algorithm (`add_adapter(..., algo=)`) has its own temperature, loss, KL, clip and TIS.
-        `norm_len`: unused by the run's own losses; kept for tenants' dr_grpo (their `TenantAlgo.norm_len`)."""
-        self.ops = ops if ops is not None else TrainOps(model, cfg, pad_token_id, temperature)
+        `norm_len`: unused by the run's own losses; kept for tenants' dr_grpo (their `TenantAlgo.norm_len`).
+        `store`: the host tenant store when there are more tenants than slots (`rl_multilora.tenant_store`)."""
+        self.ops = ops if ops is not None else TrainOps(model, cfg, pad_token_id, temperature, store=store)
         self.model = model
         self.cfg = cfg
         self.pad_token_id = pad_token_id
@@ -137,8 +140,12 @@ class MultiLoRATrainer:
         `weight_version` are excluded and counted as stale. `max_steps` caps the optimizer steps an adapter may take
         in this call (its remaining budget; default `ppo_epochs`).
         """
-        for s in samples:
-            self.ops.check_slot(adapter_name_of(s))  # unknown or re-slotted adapters are a caller bug: fail first
+        names = {adapter_name_of(s) for s in samples}
+        for name in sorted(names):
+            self.ops.tenant(name)  # unknown adapters are a caller bug: fail first
+        self.ops.ensure_resident(names)  # paging: the step's tenants stay in their slots for all its epochs
+        for name in names:
+            self.ops.check_slot(name)  # re-slotted adapters are a caller bug too
         tenants = self.ops.tenants
         own = {n: t.algo.normalize_std for n, t in tenants.items() if t.algo is not None}
         batch = build_batch(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,6 +31,21 @@ if TYPE_CHECKING:
     from rollout.types import Sample
 
 
+@dataclass(frozen=True)
+class PagingStats:
+    """Where a paging backend's tenants are (now) and what paging cost (totals since the start)."""
+
+    resident: int  # tenants in a model slot
+    paged: int  # tenants in the host store (spilled ones included)
+    spilled: int  # of those, on disk
+    host_bytes: int  # host memory the paged tenants' states take
+    disk_bytes: int
+    page_ins: int
+    page_outs: int
+    page_in_s: float  # wall time of the page-ins (evictions that made room included)
+    page_out_s: float
+
+
 class TrainingBackend(abc.ABC):
     """Where the trainable adapter slots live and how one GRPO step updates them."""
 
@@ -37,6 +53,20 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def max_loras(self) -> int:
         """Slots of the model (the most adapters that train at once)."""
+
+    @property
+    def max_tenants(self) -> int:
+        """Tenants that may hold a place at once: `max_loras` unless the backend pages tenants between its slots and
+        a host store (`model.max_tenants`)."""
+        return self.max_loras
+
+    def paging_stats(self) -> PagingStats | None:
+        """Resident vs paged tenants and the cost of paging so far; None when the backend does not page."""
+        return None
+
+    def resident(self, name: str) -> bool:
+        """Whether `name` sits in a model slot now (always, for a backend that does not page)."""
+        return True
 
     @property
     @abc.abstractmethod

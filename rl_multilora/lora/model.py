@@ -402,6 +402,47 @@ class MultiLoRAModel(nn.Module):
         self._reset_slot(slot)
         self._slots[slot] = None
 
+    # -- paging (a host tenant store holds the tenants without a slot: rl_multilora.tenant_store) ---------------
+
+    @property
+    def lora_device(self) -> torch.device:
+        """Where the LoRA slots live."""
+        return self._stacked_pairs()[0][0].device
+
+    def adapter_modules(self, name: str) -> frozenset[str]:
+        """The LoRA modules and expert Parameters `name`'s slot covers."""
+        return self._slot_record(name).modules
+
+    def adapter_slot_tensors(self, name: str) -> list[torch.Tensor]:
+        """`adapter_parameters(name)`' tensors at the adapter's true rank (views; A `(..., r, in)`, B
+        `(..., out, r)`): everything of the slot that is not an exact zero."""
+        r = self._slot_record(name).info.rank
+        return [
+            _local_slot(stacked.detach(), s)[_rank_index(stacked, r, "B" if i % 2 else "A")]
+            for i, (stacked, s) in enumerate(self._local_slot_tensors(name))
+        ]
+
+    def place_adapter(
+        self, name: str, rank: int, alpha: float, modules: frozenset[str], tensors: Sequence[torch.Tensor]
+    ) -> int:
+        """Put an adapter back into the lowest free slot from what `adapter_slot_tensors` returned (and
+        `adapter_modules`, its rank and alpha): the slot is zeroed, then those ranks written. Returns the slot."""
+        unknown = set(modules) - set(self._layers) - set(self._experts)
+        if unknown:
+            raise ValueError(bad_value("modules", sorted(unknown), "LoRA modules or expert Parameters of the model"))
+        check_rank(rank, self.max_rank)
+        slot = self._claim_slot(name)
+        self._reset_slot(slot)
+        self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), frozenset(modules))
+        pairs = self._local_slot_tensors(name)
+        if len(pairs) != len(tensors):
+            self._slots[slot] = None
+            raise ValueError(f"adapter {name!r} has {len(pairs)} slot tensors, got {len(tensors)}")
+        with torch.no_grad():
+            for i, ((stacked, s), t) in enumerate(zip(pairs, tensors, strict=True)):
+                _local_slot(stacked.detach(), s)[_rank_index(stacked, rank, "B" if i % 2 else "A")].copy_(t)
+        return slot
+
     # -- PEFT I/O ----------------------------------------------------------------------------------------------
 
     def adapter_state_dict(self, name: str, read_slot=None) -> dict[str, torch.Tensor]:
