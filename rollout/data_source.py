@@ -93,17 +93,18 @@ class DatasetSpec:
     "{prompt}\\nPut the final answer in \\\\boxed{{}}."; other row columns are available by name."""
     max_prompt_tokens: int | None = None
     """Rows whose final prompt has more tokens than this are bad rows (skipped and counted)."""
-    source: Literal["datasets", "reasoning_gym", "verifiers"] = "datasets"
+    source: Literal["datasets", "reasoning_gym", "verifiers", "textarena"] = "datasets"
     """Where the rows come from: `datasets` (path, name, data_files), `reasoning_gym` (a task generated offline from
     task, config, seed, size and test_size; rows are prompt / label / metadata, split `train` or `test`) or
     `verifiers` (a verifiers environment's own rows, rollout/verifiers_env.py: task, config, size; split `train` or
-    `test`)."""
+    `test`) or `textarena` (one game per seed, rollout/textarena_env.py: task, config, seed, size, test_size)."""
     task: str | None = None
     """Source reasoning_gym: the task name, e.g. "basic_arithmetic" (`reasoning_gym.factory.DATASETS`). Source
-    verifiers: the environment, an installed package's id or `module:attr`."""
+    verifiers: the environment, an installed package's id or `module:attr`. Source textarena: the game's env id, e.g.
+    "GuessTheNumber-v0"."""
     config: dict[str, Any] | None = None
     """Source reasoning_gym: the task's config fields other than seed and size, e.g. {"max_terms": 3}. Source
-    verifiers: the environment's `load_environment` arguments."""
+    verifiers: the environment's `load_environment` arguments. Source textarena: the game's arguments."""
     seed: int | None = None
     """Source reasoning_gym: the generator's seed (default 0); the same seed gives the same rows."""
     size: int | None = None
@@ -114,7 +115,7 @@ class DatasetSpec:
     is also a train question is dropped)."""
 
     def __post_init__(self) -> None:
-        if self.source in ("reasoning_gym", "verifiers"):
+        if self.source in ("reasoning_gym", "verifiers", "textarena"):
             self._check_generated()
         elif not isinstance(self.path, str) or not self.path:
             raise DatasetError(bad_value("dataset.path", self.path, "a builder name, a local path or a Hub id"))
@@ -155,6 +156,7 @@ class DatasetSpec:
             what = {
                 "reasoning_gym": "a reasoning-gym task name such as 'basic_arithmetic'",
                 "verifiers": "a verifiers environment: an installed package's id or 'module:attr'",
+                "textarena": "a textarena env id such as 'GuessTheNumber-v0'",
             }[source]
             raise DatasetError(bad_value("dataset.task", self.task, what))
         if source == "verifiers":  # the rows are the environment's prompts as its episodes will ask for them
@@ -217,6 +219,8 @@ def load_dataset_rows(spec: DatasetSpec):
             return generate_rows(spec.task, spec.config, spec.split, spec.size)
         except ValueError as exc:
             raise DatasetError(str(exc)) from exc
+    if spec.source == "textarena":
+        return _textarena_rows(spec)
     path, data_files = os.path.expanduser(spec.path), spec.data_files
     if data_files is not None:
         _check_data_files_exist(data_files)
@@ -260,6 +264,19 @@ def _reasoning_gym_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
     """The generated rows of `spec.split` (rollout/reasoning_gym_source.py), a plain list: entries of different
     tasks carry metadata of different shapes, which one Arrow schema would not hold."""
     from rollout.reasoning_gym_source import generate_rows
+
+    size = 500 if spec.size is None else spec.size
+    test_size = 0 if spec.test_size is None else spec.test_size
+    seed = 0 if spec.seed is None else spec.seed
+    try:
+        return generate_rows(spec.task, spec.config, seed, size, test_size, spec.split)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from exc
+
+
+def _textarena_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
+    """One game per seed (rollout/textarena_env.py), the same defaults as reasoning_gym's."""
+    from rollout.textarena_env import generate_rows
 
     size = 500 if spec.size is None else spec.size
     test_size = 0 if spec.test_size is None else spec.test_size
