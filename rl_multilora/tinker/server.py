@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from google.protobuf.message import DecodeError
 
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
@@ -65,6 +66,7 @@ from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, ModelLimits, UserErro
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+MAX_NUM_SAMPLES = 1024  # sequences one sample request may ask for (each up to the max_tokens cap)
 
 
 @dataclass
@@ -215,10 +217,20 @@ class TinkerServer:
                 return web.json_response({"detail": "missing or wrong API key"}, status=401)
         try:
             return await handler(request)
+        except web.HTTPException as e:  # no such route or method, body too large: JSON, as every other answer
+            if e.status < 400:
+                raise
+            return web.json_response({"detail": f"{e.reason}: {request.method} {request.path}"}, status=e.status)
         except UserError as e:
             return web.json_response({"detail": str(e)}, status=400)
         except (KeyError, ValueError, json.JSONDecodeError) as e:
-            return web.json_response({"detail": f"bad request: {e}"}, status=400)
+            return web.json_response({"detail": f"bad request: {type(e).__name__}: {e}"}, status=400)
+        except (TypeError, AttributeError, OverflowError, RecursionError) as e:
+            # raised while a handler reads the body (a list for an object, a string for a number, an int past 64 bits,
+            # arrays nested 10,000 deep):
+            # the handlers run no model work, so these are the client's malformed fields
+            why = f"bad request: a field has the wrong type or size ({type(e).__name__}: {e}); allowed: the SDK's body"
+            return web.json_response({"detail": why}, status=400)
 
     @staticmethod
     def _json(d: dict[str, Any]) -> web.Response:
@@ -391,12 +403,19 @@ class TinkerServer:
     @staticmethod
     def _model_request(body: dict[str, Any]) -> tuple[str, str, int]:
         """(request id, model id, seq_id) of a model's request."""
-        model_id, seq = body["model_id"], int(body["seq_id"])
+        model_id, seq = body["model_id"], body["seq_id"]
+        slot_name(model_id)  # a UserError for an id that is not <session>:train:<n>
+        if type(seq) is not int or not 0 <= seq < 2**62:
+            raise UserError(f"seq_id={seq!r} is not allowed; allowed: an int in [0, 2**62)")
         return f"{model_id}.{seq}", model_id, seq
 
     async def forward_backward(self, r: web.Request) -> web.Response:
         raw = await r.read()
-        fb = wire.decode_forward_backward(raw)
+        try:
+            fb = wire.decode_forward_backward(raw)
+        except DecodeError as e:
+            raise UserError(f"forward_backward body is not a ForwardBackwardRequest protobuf ({e})") from None
+        slot_name(fb.model_id)  # a UserError for an id that is not <session>:train:<n>
         return await self._ack(
             f"{fb.model_id}.{fb.seq_id}", "forward_backward", raw, {"model_id": fb.model_id}, fb.model_id, fb.seq_id
         )
@@ -453,8 +472,8 @@ class TinkerServer:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = body.get("num_samples", 1)
-        if type(n) is not int or n < 1:
-            raise UserError(f"num_samples={n!r} is not allowed; allowed: an int >= 1")
+        if type(n) is not int or not 1 <= n <= MAX_NUM_SAMPLES:
+            raise UserError(f"num_samples={n!r} is not allowed; allowed: an int in [1, {MAX_NUM_SAMPLES}]")
         if key not in self.state.results:  # refused at once, not acknowledged: nothing waits on a sample's order
             prompt = _prompt_tokens(body)
             self.ops.check_sample(prompt, body["sampling_params"])
@@ -869,6 +888,12 @@ def _prompt_scoring(body: dict[str, Any], n_prompt: int) -> tuple[bool, int | No
         "record_stability_info": bool(body.get("record_stability_info")),
     }
     for name, asked in unsupported.items():
+        if asked and name == "record_stability_info":
+            raise UserError(
+                "record_stability_info is not supported by this server: it records provenance for the "
+                "stable_reinforce loss, whose objective Tinker does not publish (refused here); sample without it "
+                "and train with importance_sampling, ppo, cispo or gspo (tinker-cookbook: loss_fn=importance_sampling)"
+            )
         if asked:
             raise UserError(f"{name} is not supported by this server; sample without it")
     want = bool(body.get("prompt_logprobs"))
