@@ -211,7 +211,10 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
         if r.engine_actors:
             return _one_or_many(_ray_engines(cfg, backend)), None
         model = backend.shared_model or build_model(cfg.model)
-        engines = [EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size) for _ in range(r.num_engines)]
+        engines = [
+            EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size, page_adapters=cfg.model.paging)
+            for _ in range(r.num_engines)
+        ]
         return _one_or_many(engines), None
     from rollout.sglang.client import SGLangEngine
     from rollout.sglang.launcher import SGLangLauncher

@@ -223,7 +223,12 @@ class AdapterConfig(_Strict):
     )
     epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
     seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
-    weight: float = Field(1.0, gt=0, description="Fair-share weight when a step's rows are capped.")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Fair-share weight when a step's rows are capped, and of turns when more tenants run than a step "
+        "holds (rollout.max_tenants_per_step, paging).",
+    )
     priority: int = Field(0, description="Waiting adapters with a higher priority get a free slot first.")
     eval: EvalOverride | None = Field(None, description="Changes to the run-level eval section for this adapter.")
 
@@ -562,6 +567,15 @@ def staleness_problems(a: AdapterConfig, rollout: RolloutConfig, where: str = ""
 def paging_problems(cfg: RunConfig) -> list[str]:
     """More tenants than slots runs on the local backend with in-process embedded engines (their banks page too)."""
     m, problems = cfg.model, []
+    if (m.paging or cfg.rollout.max_tenants_per_step is not None) and cfg.rollout.mode == "async":
+        problems.append(
+            bad_value(
+                "rollout.mode",
+                "async",
+                "'sync' with turns (model.max_tenants > max_loras or rollout.max_tenants_per_step): the step ahead "
+                "would draw prompts for tenants whose turn it is not",
+            )
+        )
     if m.max_tenants is not None and m.max_tenants < m.max_loras:
         problems.append(bad_value("model.max_tenants", m.max_tenants, f"null or >= model.max_loras ({m.max_loras})"))
     if not m.paging:

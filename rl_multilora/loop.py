@@ -162,7 +162,8 @@ class Runtime:
         tenants = self.tenants
         res = StepResult(step=tenants.global_step)
         clock = _Clock(res.timings)
-        names = [t.name for t in tenants.running()]
+        names = tenants.scheduled()  # every running tenant, or this step's turns when more run than a step holds
+        paging_before = self.backend.paging_stats()
         with clock("rollout_s"):
             # Async: the groups generated during the previous step's training (for tenants still running).
             ready, covered = self._take_ahead(names)
@@ -191,7 +192,9 @@ class Runtime:
             self._save_due_checkpoints(names, stats)
         with clock("sync_s"):
             res.sync = self.sync_now()
+        paging = _paging_row(paging_before, self.backend.paging_stats(), self.engine)
         for rec in res.records:
+            rec.paging = paging
             rec.pause_s = res.sync.pause_s
             rec.bytes_pushed = res.sync.bytes_pushed
             rec.bytes_gathered = res.sync.bytes_gathered
@@ -411,6 +414,28 @@ class Runtime:
         self.backend.close()
         if self.launcher is not None:
             self.launcher.stop()
+
+
+def _paging_row(before, after, engine) -> dict[str, float] | None:
+    """This step's paging, for every metrics row of the step: tenants resident vs paged now, page-ins (trainer
+    slots) and their time, host memory of the paged states, and the engine bank's page-ins."""
+    if after is None:
+        return None
+    n = after.page_ins - before.page_ins
+    seconds = after.page_in_s - before.page_in_s
+    row = {
+        "tenants_resident": after.resident,
+        "tenants_paged": after.paged,
+        "tenants_spilled": after.spilled,
+        "page_ins": n,
+        "page_in_s": round(seconds, 4),
+        "page_in_ms_per_adapter": round(1000 * seconds / n, 3) if n else None,
+        "paged_host_mb": round(after.host_bytes / 2**20, 3),
+    }
+    bank = getattr(engine, "bank_page_ins", None)
+    if bank is not None:
+        row["engine_page_ins"] = bank
+    return row
 
 
 def _reward_stats(mine: list[Sample]) -> tuple[float | None, float | None]:

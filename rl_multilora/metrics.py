@@ -49,6 +49,7 @@ class StepRecord:
     bytes_gathered: int = 0  # LoRA bytes moved between trainer ranks for the sync (0 with one rank)
     adapters_pushed: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_s, train_s, checkpoint_s, sync_s
+    paging: dict[str, float] | None = None  # more tenants than slots: resident vs paged, page-ins and their time
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -91,6 +92,8 @@ class StepRecord:
         row.update(pause_s=self.pause_s, bytes_pushed=self.bytes_pushed, adapters_pushed=self.adapters_pushed)
         row.update(bytes_gathered=self.bytes_gathered)
         row.update({k: round(v, 4) for k, v in self.timings.items()})
+        if self.paging is not None:
+            row.update(self.paging)
         return row
 
 

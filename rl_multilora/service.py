@@ -91,6 +91,7 @@ class AdapterStatus:
     last_reward: float | None
     last_checkpoint: str | None
     reason: str | None = None
+    resident: bool | None = None  # paging: whether it sits in a model slot now (None: no paging)
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> AdapterStatus:
@@ -107,6 +108,7 @@ class ServiceStatus:
     error: str | None = None
     engines: int = 1  # rollout engines (rollout.num_engines)
     trainer_ranks: int = 1  # training processes (the backend's world size)
+    paging: dict[str, float] | None = None  # more tenants than slots: max_tenants, resident, paged, page-ins
 
     def get(self, name: str) -> AdapterStatus | None:
         return next((a for a in self.adapters if a.name == name), None)
@@ -122,6 +124,13 @@ class ServiceStatus:
             f"trainer ranks {self.trainer_ranks} | engines {self.engines} | {self.run_dir}"
         )
         lines = [head]
+        if self.paging is not None:
+            p = self.paging
+            lines.append(
+                f"paging: {p['resident']} resident in {self.max_loras} slots, {p['paged']} paged "
+                f"({p['spilled']} on disk, {p['host_mb']:.1f} MB in host memory) of {p['max_tenants']} places | "
+                f"page-ins {p['page_ins']} ({p['page_in_s']:.2f} s)"
+            )
         if self.error:
             lines.append(f"error: {self.error}")
         if not self.adapters:
@@ -130,11 +139,12 @@ class ServiceStatus:
         rows = [("NAME", "STATE", "SLOT", "STEPS", "LAST REWARD", "CHECKPOINT", "REASON")]
         for a in self.adapters:
             steps = f"{a.adapter_step}/{a.max_steps}" if a.max_steps is not None else str(a.adapter_step)
+            paged = " (paged)" if a.resident is False and a.slot is not None else ""
             rows.append(
                 (
                     a.name,
                     a.state,
-                    "-" if a.slot is None else str(a.slot),
+                    ("-" if a.slot is None else str(a.slot)) + paged,
                     steps,
                     "-" if a.last_reward is None else f"{a.last_reward:.3f}",
                     a.last_checkpoint or "-",
@@ -144,6 +154,21 @@ class ServiceStatus:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join(lines)
+
+
+def _paging_status(backend) -> dict[str, float] | None:
+    st = backend.paging_stats()
+    if st is None:
+        return None
+    return {
+        "max_tenants": backend.max_tenants,
+        "resident": st.resident,
+        "paged": st.paged,
+        "spilled": st.spilled,
+        "host_mb": st.host_bytes / 2**20,
+        "page_ins": st.page_ins,
+        "page_in_s": st.page_in_s,
+    }
 
 
 @dataclass(frozen=True)
@@ -345,6 +370,7 @@ class ServiceCore:
             error=self.error,
             engines=self.rt.cfg.rollout.num_engines,
             trainer_ranks=self.rt.backend.world_size,
+            paging=_paging_status(self.rt.backend),
         )
         with self._lock:
             self._status = snap

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
 from rl_multilora.config import AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
+from rl_multilora.turns import TurnScheduler
 from rollout.types import AdapterRef
 
 if TYPE_CHECKING:
@@ -265,6 +266,12 @@ class TenantManager:
         self.data = data
         self.ckpt = ckpt
         self.reserved_clients: list[str] = []  # client tenants a restart's journal replay recreates (see below)
+        # More running tenants than a step holds (paging, or rollout.max_tenants_per_step): whose turn each step is.
+        self.turns: TurnScheduler | None = None
+        if cfg is not None and (cfg.model.paging or cfg.rollout.max_tenants_per_step):
+            self.turns = TurnScheduler(
+                min(cfg.model.max_loras, cfg.rollout.max_tenants_per_step or cfg.model.max_loras)
+            )
 
     # -- views (read-only for everyone else) -----------------------------------------------------------------------
     @property
@@ -291,11 +298,24 @@ class TenantManager:
         return self.table.all_done()
 
     def status(self) -> list[dict[str, Any]]:
-        return self.table.status()
+        """Every tenant's status; with paging each live one also says whether it sits in a slot (`resident`)."""
+        rows = self.table.status()
+        if self.backend.paging_stats() is not None:
+            for row in rows:
+                row["resident"] = row["slot"] is not None and self.backend.resident(row["name"])
+        return rows
 
     @property
     def max_loras(self) -> int:
         return self.backend.max_loras
+
+    def scheduled(self) -> list[str]:
+        """The RUNNING tenants this step takes: all of them, or their turns (`rl_multilora.turns`) when more are
+        running than a step holds. Advances the turns: call once per step."""
+        names = [t.name for t in self.running()]
+        if self.turns is None:
+            return names
+        return self.turns.pick(names, {n: self.get(n).cfg.weight for n in names})
 
     def free_slots(self) -> list[int]:
         """Slots a new tenant may take: the backend's free ones, less those held for replayed client tenants."""
@@ -369,8 +389,13 @@ class TenantManager:
             self.reserved_clients.remove(name)
         free, waiting = len(self.free_slots()), 0 if reserved else len(self.pending_in_order())
         if free <= waiting:
+            room = (
+                f"all {self.backend.max_tenants} places (model.max_tenants)"
+                if self.backend.max_tenants > self.max_loras
+                else f"all {self.max_loras} (model.max_loras)"
+            )
             raise TenantError(
-                f"no free LoRA slot: all {self.max_loras} (model.max_loras) are held by GRPO and Tinker tenants"
+                f"no free LoRA slot: {room} are held by GRPO and Tinker tenants"
                 + (f" or promised to {waiting} waiting GRPO tenant(s)" if waiting else "")
                 + "; unload a model or remove an adapter first"
             )
@@ -670,7 +695,10 @@ class TenantManager:
 
     # -- run state ------------------------------------------------------------------------------------------------
     def save_run_state(self) -> None:
-        self.ckpt.write_run_state(self.table.state_dict())
+        state = self.table.state_dict()
+        if self.turns is not None:
+            state["turns"] = self.turns.state_dict()
+        self.ckpt.write_run_state(state)
 
     def restore_run_state(self) -> bool:
         """Bring back the global step and the adapters that already finished (so they are not retrained).
@@ -697,6 +725,8 @@ class TenantManager:
         if state is None:
             return False
         self.table.global_step = int(state["global_step"])
+        if self.turns is not None and "turns" in state:
+            self.turns.load_state_dict(state["turns"])
         configured = {a.name: a for a in self.cfg.adapters}
         for name, s in state["adapters"].items():
             st = TenantState(s["state"])

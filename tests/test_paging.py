@@ -169,3 +169,138 @@ def test_places_resident_and_removal():
         assert "model.max_tenants=6" in str(e)
     else:
         raise AssertionError("a 7th tenant got a place of 6")
+
+
+def test_engine_bank_pages_adapters_on_demand_with_the_outputs_of_a_bank_that_holds_them_all():
+    from rollout.engines.embedded import EmbeddedEngine
+    from rollout.types import GenerateRequest, SamplingParams
+    from tests.tiny_models import tiny_tokenizer
+
+    names = [f"a{i}" for i in range(6)]
+    trainer_model = MultiLoRAModel.from_model(tiny_model(seed=0, vocab=VOCAB), max_loras=6, max_rank=16)
+    for i, n in enumerate(names):
+        trainer_model.add_adapter(n, rank=8, alpha=16, seed=i)
+        with torch.no_grad():  # B = 0 at init: give every adapter an effect of its own
+            for k, p in enumerate(trainer_model.adapter_parameters(n)):
+                if k % 2:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(10 * i + k))
+    weights = {n: (trainer_model.adapter_state_dict(n), trainer_model.peft_config(n)) for n in names}
+    engines = {}
+    for slots, page in ((6, False), (2, True)):
+        model = MultiLoRAModel.from_model(tiny_model(seed=0, vocab=VOCAB), max_loras=slots, max_rank=16)
+        eng = EmbeddedEngine(model, tiny_tokenizer(), eos_token_ids=[], page_adapters=page)
+        for n in names:
+            eng.load_adapter(n, *weights[n])  # 4 of them are parked in the 2-slot engine: no "slots in use" error
+        engines[slots] = eng
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+    requests = [GenerateRequest(input_ids=[5 + i, 9, 11], adapter=n, sampling=greedy) for i, n in enumerate(names)]
+    requests += [GenerateRequest(input_ids=[7, 8], adapter=None, sampling=greedy)]
+    try:
+        outs = {k: e.generate(requests * 2) for k, e in engines.items()}
+        assert all(r.error is None and r.finish_reason == "length" for r in outs[2])
+        assert [r.output_ids for r in outs[2]] == [r.output_ids for r in outs[6]]
+        assert len({tuple(r.output_ids) for r in outs[6][:6]}) > 1  # the adapters differ
+        assert engines[2].bank_page_ins >= 4 and engines[6].bank_page_ins == 0
+        engines[2].unload_adapter("a0")  # parked or resident, it goes
+        assert engines[2].generate(requests[:1])[0].finish_reason == "error"
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+# -- a whole run: 6 GRPO tenants on 2 slots vs the same turns on 6 slots, and a kill -9 + resume ----------------------
+
+RUN_NAMES = tuple(f"g{i}" for i in range(6))
+
+
+def _run_config(root, run_dir, max_loras: int, max_tenants: int | None) -> dict:
+    from tests.tiny_models import sum_task_adapter
+
+    ranks = (2, 4, 8)
+    adapters = [
+        sum_task_adapter(root / "data", n, 7 + i, rank=ranks[i % 3], alpha=2 * ranks[i % 3], max_steps=3)
+        for i, n in enumerate(RUN_NAMES)
+    ]
+    adapters[1]["weight"] = 2.0  # turns in proportion to weight
+    return {
+        "run_dir": str(run_dir),
+        "model": {"path": str(root / "model"), "max_loras": max_loras, "max_rank": 8, "max_tenants": max_tenants},
+        "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6, "max_tenants_per_step": 2},
+        "grpo": {"micro_batch_size": 8, "drop_uniform_groups": False},
+        "checkpoint": {"save_every": 1, "keep_last": 2},
+        "logging": {"plot": False, "progress": False},
+        "rewards": {"num_workers": 1},
+        "adapters": adapters,
+    }
+
+
+def _final(run_dir) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    from rl_multilora.checkpoint import CheckpointManager
+
+    out = {}
+    for n in RUN_NAMES:
+        d = CheckpointManager(run_dir).latest(n)
+        out[n] = {
+            f"{f}/{k}": v
+            for f in ("adapter_model", "optimizer")
+            for k, v in load_file(str(d / f"{f}.safetensors")).items()
+        }
+        out[n]["json"] = [(d / f).read_text() for f in ("optimizer.json", "data_state.json")]
+    return out
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
+    for n in RUN_NAMES:
+        assert a[n]["json"] == b[n]["json"], n
+        keys = sorted(k for k in a[n] if k != "json")
+        assert keys == sorted(k for k in b[n] if k != "json") and keys
+        assert all(torch.equal(a[n][k], b[n][k]) for k in keys), n
+
+
+def test_grpo_run_on_fewer_slots_ends_bit_identical_including_a_kill_and_resume(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from rl_multilora.config import parse_run_config
+    from rl_multilora.loop import run
+    from rl_multilora.metrics import read_metrics
+    from tests.tiny_models import save_tiny_model, write_sum_task
+
+    save_tiny_model(tmp_path / "model", hidden=32, layers=2)
+    for i, n in enumerate(RUN_NAMES):
+        write_sum_task(tmp_path / "data" / f"{n}.jsonl", 40, 1 + i)
+    slots6 = run(parse_run_config(_run_config(tmp_path, tmp_path / "six", 6, None)))
+    paged = run(parse_run_config(_run_config(tmp_path, tmp_path / "two", 2, 6)))
+    assert paged.tenants.global_step == slots6.tenants.global_step
+    _assert_same_run(_final(tmp_path / "six"), _final(tmp_path / "two"))
+    rows = read_metrics(tmp_path / "two")
+    assert {(r["step"], r["adapter"]) for r in rows} == {
+        (r["step"], r["adapter"]) for r in read_metrics(tmp_path / "six")
+    }
+    assert all(len([r for r in rows if r["step"] == s]) <= 2 for s in {r["step"] for r in rows})  # 2 per step
+    assert sum(r["page_ins"] for r in rows if r.get("page_ins")) > 0 and all("tenants_resident" in r for r in rows)
+    assert all(r.get("engine_page_ins") is not None for r in rows)
+
+    # the paged run again, SIGKILLed in the middle of an optimizer step, then resumed in this process
+    cfg = _run_config(tmp_path, tmp_path / "killed", 2, 6)
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fault_plugins", "train:9", "run", str(path)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    state = json.loads((tmp_path / "killed" / "run_state.json").read_text())
+    assert 0 < state["global_step"] and state["turns"]["passes"]  # the turns are run state
+    run(parse_run_config(cfg))
+    _assert_same_run(_final(tmp_path / "six"), _final(tmp_path / "killed"))

@@ -45,6 +45,11 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   (one decode step). With no free slot the new version overwrites the old one in place, and the old
   version's running rows come back "abort" (resubmit them), as they do when their adapter is
   unloaded; a new adapter that needs a slot only an older version still holds takes it the same way.
+- Bank paging (`page_adapters=True`, a run with more tenants than slots): the engine holds a host copy of every
+  loaded adapter and its bank slots are a cache of them. A load with no free slot evicts the least recently used
+  adapter that has no running row (parking it: slot -1, its tensors kept); a request for a parked adapter pages it
+  back in before its prefill, evicting the same way, and when every slot is busy with running rows it waits in the
+  queue until a row finishes (never an error, never another tenant's slot). `bank_page_ins` counts page-ins.
 - Pause: `pause(mode="abort")` (default) aborts in-flight rows at the next step boundary (they
   come back with finish_reason "abort" and no output: resubmit them); `pause(mode="wait")` lets
   the running wave finish on the weights it started with. Either way `pause()` returns only once
@@ -74,7 +79,7 @@ import math
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +89,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rl_multilora.lora import validate_adapter_name
+from rl_multilora.lora.peft_io import parse_peft_adapter
 from rollout.engines.base import RolloutEngine
 from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
@@ -229,6 +235,7 @@ class EmbeddedEngine(RolloutEngine):
         batch_wait_s: float = 0.002,
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        page_adapters: bool = False,
     ) -> None:
         self.publishes_without_pause = True
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -263,6 +270,13 @@ class EmbeddedEngine(RolloutEngine):
         self._slots_lock = threading.Lock()
         self._slot_rows: dict[int, int] = {}
         self._retiring: dict[int, tuple[str, int]] = {}
+        # Bank paging: every loaded adapter's tensors (name -> (tensors, config)) and the bank-resident ones, least
+        # recently used first. Guarded like the adapter table (`_weights_lock`, then `_slots_lock`).
+        self._page = page_adapters
+        self._host: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self.bank_page_ins = 0
+        self.bank_page_in_s = 0.0
 
         # `_cond` guards the queue, the pause flags and `_busy`; `_weights_lock` is held by the
         # worker around each model call and by load/unload, so weights never change mid-forward.
@@ -299,6 +313,8 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"version={version!r} is not allowed; allowed: an int or None (adapter {name!r})")
         with self._weights_lock, self._slots_lock:
             entry = self._adapters.get(name)
+            if self._page:
+                return self._load_paged(name, tensors, config, version, entry)
             used = {e.slot for e in self._adapters.values()} | set(self._retiring)
             free = [s for s in range(self._max_loras) if s not in used]
             retire = entry is not None and self._slot_rows.get(entry.slot, 0) > 0 and bool(free)
@@ -333,11 +349,77 @@ class EmbeddedEngine(RolloutEngine):
             self._last_version[name] = new_version
         return new_version
 
+    def _free_bank_slots(self) -> list[int]:
+        used = {e.slot for e in self._adapters.values()} | set(self._retiring)
+        return [s for s in range(self._max_loras) if s not in used]
+
+    def _evict_one(self, keep: str | None = None) -> int | None:
+        """Bank paging: park the least recently used adapter that has no running row (and is not `keep`); its slot,
+        now empty, or None when every resident adapter has rows running. Caller holds both locks."""
+        for name in self._lru:
+            entry = self._adapters[name]
+            if name != keep and entry.slot >= 0 and self._slot_rows.get(entry.slot, 0) == 0:
+                self._bank.clear(entry.slot)
+                slot, entry.slot = entry.slot, -1
+                del self._lru[name]
+                return slot
+        return None
+
+    def _load_paged(
+        self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int | None, entry
+    ) -> int:
+        """`load_adapter` with bank paging (caller holds both locks): overwrite its slot when nothing of it runs, a
+        free or evicted slot otherwise, or park it (validated, tensors kept) when every slot has rows running."""
+        if entry is not None and entry.slot >= 0 and self._slot_rows.get(entry.slot, 0) == 0:
+            slot = entry.slot  # resident and idle: in place
+        else:
+            free = self._free_bank_slots()
+            slot = free[0] if free else self._evict_one(keep=name)
+        try:
+            if slot is None:  # validate now: a bad adapter must fail at load, not when a request pages it in
+                parse_peft_adapter(
+                    tensors, config, self._bank.layer_shapes, self._max_rank, f"for {name!r}", self._bank.expert_shapes
+                )
+            else:
+                self._bank.set_adapter(slot, tensors, config)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"cannot load adapter {name!r} into the engine: {err}") from err
+        new_version = version if version is not None else self._last_version.get(name, -1) + 1
+        if entry is not None and entry.slot >= 0 and entry.slot != slot:  # its running rows finish on the old slot
+            self._retiring[entry.slot] = (name, entry.version)
+        self._adapters[name] = _AdapterEntry(slot=-1 if slot is None else slot, version=new_version)
+        self._last_version[name] = new_version
+        self._host[name] = (tensors, config)
+        self._lru.pop(name, None)
+        if slot is not None:
+            self._lru[name] = None
+        return new_version
+
+    def _page_in(self, name: str, entry: _AdapterEntry) -> bool:
+        """Bring parked adapter `name` into a bank slot (caller holds `_weights_lock`); False when every slot has
+        rows running (the request waits)."""
+        t0 = time.perf_counter()
+        with self._slots_lock:
+            free = self._free_bank_slots()
+            slot = free[0] if free else self._evict_one(keep=name)
+            if slot is None:
+                return False
+            self._bank.set_adapter(slot, *self._host[name])
+            entry.slot = slot
+            self._lru[name] = None
+        self.bank_page_ins += 1
+        self.bank_page_in_s += time.perf_counter() - t0
+        return True
+
     def unload_adapter(self, name: str) -> None:
         with self._weights_lock, self._slots_lock:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise KeyError(f"adapter {name!r} is not loaded in the engine; loaded: {sorted(self._adapters)}")
+            self._host.pop(name, None)
+            self._lru.pop(name, None)
+            if entry.slot < 0:  # parked: nothing in the bank
+                return
             self._bank.clear(entry.slot)
             # Its older versions' rows stop too (they come back "abort"); their slots free when those rows finish.
 
@@ -671,6 +753,7 @@ class EmbeddedEngine(RolloutEngine):
     def _resolve_adapters(self, rows: list[_Row]) -> list[_Row]:
         """Give each row its adapter's slot and current version; error rows whose adapter is gone."""
         active = []
+        waiting: list[_Row] = []  # bank paging: every slot has rows running; these wait in the queue
         for row in rows:
             name = row.request.adapter
             if row.job.cancelled:
@@ -681,6 +764,11 @@ class EmbeddedEngine(RolloutEngine):
                 if entry is None:
                     self._finish(row, "error", error=self._unknown_adapter(name))
                     continue
+                if entry.slot < 0 and not self._page_in(name, entry):
+                    waiting.append(row)
+                    continue
+                if self._page:
+                    self._lru.move_to_end(name)
                 row.slot, row.version = entry.slot, entry.version
                 with self._slots_lock:
                     self._slot_rows[row.slot] = self._slot_rows.get(row.slot, 0) + 1
@@ -691,6 +779,11 @@ class EmbeddedEngine(RolloutEngine):
             if row.params.temperature > 0:
                 row.generator = torch.Generator().manual_seed(row.seed)
             active.append(row)
+        if waiting:
+            ids = {id(r) for r in waiting}
+            self._in_flight = [r for r in self._in_flight if id(r) not in ids]
+            with self._cond:
+                self._queue.extendleft(reversed(waiting))
         return active
 
     def _abort(self, rows: list[_Row], error: str) -> None:

@@ -105,6 +105,12 @@ class MultiEngine(RolloutEngine):
             raise RuntimeError(f"engines loaded adapter {name!r} at different versions {versions}; pass version=")
         return versions[0]
 
+    @property
+    def bank_page_ins(self) -> int | None:
+        """Adapters the engines paged into their banks (None when none of them pages)."""
+        counts = [getattr(e, "bank_page_ins", None) for e in self.engines]
+        return None if all(c is None for c in counts) else sum(c or 0 for c in counts)
+
     def unload_adapter(self, name: str) -> None:
         for engine in self.engines:
             engine.unload_adapter(name)
