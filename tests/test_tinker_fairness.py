@@ -1,0 +1,38 @@
+"""Queue fairness of the Tinker server: one client's long queue cannot delay another client's request by more than
+one batch. The worker takes the next request of every model into each batch, so a request of client B that arrives
+behind 12 queued requests of client A runs in the batch after the one in flight, not after A's queue."""
+
+from __future__ import annotations
+
+import tinker
+
+from tests.test_tinker_server import BASE, TOKEN, _datum, _Running, tiny_model_folder  # noqa: F401
+
+
+def _done(server, model_id: str) -> int:
+    results = server.server.state.results
+    return sum(1 for key, res in list(results.items()) if key.startswith(model_id + ".") and res.event.is_set())
+
+
+def test_a_long_queue_delays_another_client_by_at_most_one_batch(tmp_path):
+    server = _Running(tmp_path / "state")
+    try:
+        sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+        a = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+        b = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+        long = [_datum(list(range(5, 60)))] * 4  # A's requests are 4 sequences each: each takes a while
+        queued = [a.forward_backward(long, "cross_entropy") for _ in range(12)]
+        queued[0].result()  # A's queue is being worked through
+        before = _done(server, a.model_id)
+        b.forward_backward([_datum(list(range(5, 12)))], "cross_entropy").result()
+        after = _done(server, a.model_id)
+        print(f"A done when B was sent: {before}, when B was answered: {after}")
+        assert before < 8, f"A's queue was nearly done before B arrived ({before}); the test measured nothing"
+        # one of A's batches may end between reading `before` and B's arrival, then the batch in flight when B
+        # arrived, then the batch that holds B (and A's next request beside it): 3 at most, where a FIFO would be 11
+        assert after - before <= 3, (before, after)
+        for f in queued:
+            f.result()
+        assert _done(server, a.model_id) == 12  # all of A's queue ran, after B
+    finally:
+        server.close()
