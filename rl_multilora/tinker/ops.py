@@ -239,8 +239,11 @@ class BackendSlots:
         self.backend = backend
 
     def add_client(self, name: str, rank: int, alpha: float, seed: int | None, target_modules: list[str]) -> int:
-        if not self.backend.free_slots():
-            raise TenantError(f"no free LoRA slot: all {self.backend.max_loras} are in use; unload a model first")
+        if not self.backend.free_slots():  # with paging, free places (model.max_tenants), not resident slots
+            raise TenantError(
+                f"no free LoRA slot: all {self.backend.max_tenants} places are in use (max_tenants; max_loras "
+                f"{self.backend.max_loras}); unload a model first"
+            )
         return self.backend.add_client(name, rank, alpha, seed, target_modules)
 
     def record_client_step(self, name: str, adapter_step: int) -> None:

@@ -929,7 +929,11 @@ def build_server(
     snapshot_every: int = 50,
     max_tokens_cap: int | None = None,
     session_timeout_s: float = 120.0,
+    max_tenants: int | None = None,
+    host_budget_gb: float | None = None,
 ) -> TinkerServer:
+    """`max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
+    `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`."""
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import GRPOSettings, ModelConfig
@@ -937,10 +941,13 @@ def build_server(
 
     _check_token(token)
     torch.manual_seed(seed)
-    m = ModelConfig(path=model_path, max_loras=max_loras, max_rank=max_rank)
+    m = ModelConfig(
+        path=model_path, max_loras=max_loras, max_rank=max_rank, max_tenants=max_tenants, host_budget_gb=host_budget_gb
+    )
     tokenizer = components.build_tokenizer(m)
     pad = components.pad_token_id(tokenizer)
-    backend = components.build_local_backend(m, GRPOSettings(), pad)  # clients name their own loss per call
+    # clients name their own loss per call
+    backend = components.build_local_backend(m, GRPOSettings(), pad, spill_dir=str(state_dir / "paged"))
     engine = EmbeddedEngine(backend.shared_model, tokenizer, seed=seed)
     ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
     for p in ckpt.remove_stale_temps():
@@ -1057,6 +1064,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-rank", type=int, default=32)
+    p.add_argument("--max-tenants", type=int, default=None,
+                   help="models that may be live at once; more than --max-loras pages them between the slots and "
+                   "host memory instead of refusing (default: --max-loras)")  # fmt: skip
+    p.add_argument("--host-budget-gb", type=float, default=None,
+                   help="with --max-tenants: host memory for paged-out models, the rest spills to state-dir/paged")  # fmt: skip
     p.add_argument("--max-sampler-versions", type=int, default=4,
                    help="in-memory sampler versions kept per model; the least recently used beyond it is freed")  # fmt: skip
     p.add_argument("--snapshot-every", type=int, default=50,
@@ -1074,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
         max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
         max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
+        max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb,
     )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip
