@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl_multilora import components, validate
-from rl_multilora.backends.base import TrainingBackend
+from rl_multilora.backends.base import TrainingBackend, paging_stats_of
 from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
@@ -163,7 +163,7 @@ class Runtime:
         res = StepResult(step=tenants.global_step)
         clock = _Clock(res.timings)
         names = tenants.scheduled()  # every running tenant, or this step's turns when more run than a step holds
-        paging_before = self.backend.paging_stats()
+        paging_before = paging_stats_of(self.backend)
         with clock("rollout_s"):
             # Async: the groups generated during the previous step's training (for tenants still running).
             ready, covered = self._take_ahead(names)
@@ -192,7 +192,7 @@ class Runtime:
             self._save_due_checkpoints(names, stats)
         with clock("sync_s"):
             res.sync = self.sync_now()
-        paging = _paging_row(paging_before, self.backend.paging_stats(), self.engine)
+        paging = _paging_row(paging_before, paging_stats_of(self.backend), self.engine)
         for rec in res.records:
             rec.paging = paging
             rec.pause_s = res.sync.pause_s

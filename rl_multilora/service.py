@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl_multilora.backends.base import paging_stats_of
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import (
     AdapterConfig,
@@ -157,7 +158,7 @@ class ServiceStatus:
 
 
 def _paging_status(backend) -> dict[str, float] | None:
-    st = backend.paging_stats()
+    st = paging_stats_of(backend)
     if st is None:
         return None
     return {

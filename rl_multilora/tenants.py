@@ -46,6 +46,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rl_multilora.backends.base import paging_stats_of
 from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
 from rl_multilora.config import AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
@@ -300,7 +301,7 @@ class TenantManager:
     def status(self) -> list[dict[str, Any]]:
         """Every tenant's status; with paging each live one also says whether it sits in a slot (`resident`)."""
         rows = self.table.status()
-        if self.backend.paging_stats() is not None:
+        if paging_stats_of(self.backend) is not None:
             for row in rows:
                 row["resident"] = row["slot"] is not None and self.backend.resident(row["name"])
         return rows

@@ -46,6 +46,12 @@ class PagingStats:
     page_out_s: float
 
 
+def paging_stats_of(backend: Any) -> PagingStats | None:
+    """`backend.paging_stats()`, or None for an object that serves as a backend without it (a test's stand-in)."""
+    stats = getattr(backend, "paging_stats", None)
+    return stats() if stats is not None else None
+
+
 class TrainingBackend(abc.ABC):
     """Where the trainable adapter slots live and how one GRPO step updates them."""
 
