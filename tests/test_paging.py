@@ -304,3 +304,51 @@ def test_grpo_run_on_fewer_slots_ends_bit_identical_including_a_kill_and_resume(
     assert 0 < state["global_step"] and state["turns"]["passes"]  # the turns are run state
     run(parse_run_config(cfg))
     _assert_same_run(_final(tmp_path / "six"), _final(tmp_path / "killed"))
+
+
+def test_turns_give_every_tenant_turns_in_proportion_to_its_weight_and_survive_a_restart():
+    from rl_multilora.turns import TurnScheduler
+
+    names = [f"t{i}" for i in range(10)]
+    weights = {n: 2.0 if n == "t3" else 1.0 for n in names}
+    turns = TurnScheduler(cap=3)
+    counts = dict.fromkeys(names, 0)
+    for _ in range(33):
+        chosen = turns.pick(names, weights)
+        assert len(chosen) == 3
+        for n in chosen:
+            counts[n] += 1
+    assert counts["t3"] == 2 * min(counts.values()) and max(c for n, c in counts.items() if n != "t3") == 9
+    restored = TurnScheduler(cap=3)
+    restored.load_state_dict(turns.state_dict())
+    assert restored.pick(names, weights) == turns.pick(names, weights)
+    # a newcomer starts at the smallest pass: its turn comes within one round of the others, and it gets no backlog
+    # of turns that would starve them
+    rounds = [turns.pick([*names, "new"], weights) for _ in range(8)]
+    assert "new" in [n for r in rounds[:4] for n in r]
+    assert sum("new" in r for r in rounds) <= 3
+
+
+def test_paging_config_errors_name_the_field_value_and_what_is_allowed():
+    import pytest
+
+    from rl_multilora.config import ConfigError, parse_run_config
+
+    def problems(**over) -> str:
+        cfg = {"model": {"path": "m", "max_loras": 4}, **over}
+        with pytest.raises(ConfigError) as e:
+            parse_run_config(cfg)
+        return str(e.value)
+
+    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 2})
+    assert "model.max_tenants=2 is not allowed; allowed: null or >= model.max_loras (4)" in msg
+    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, trainer={"world_size": 2})
+    assert "model.max_tenants=8 is not allowed" in msg and "trainer.world_size 1" in msg
+    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"engine": "sglang"})
+    assert "model.max_tenants=8 is not allowed" in msg and "rollout.engine is 'embedded'" in msg
+    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"mode": "async"})
+    assert "rollout.mode='async' is not allowed; allowed: 'sync' with turns" in msg
+    msg = problems(model={"path": "m", "max_loras": 4, "host_budget_gb": 1.0})
+    assert "model.host_budget_gb=1.0 is not allowed; allowed: null unless model.max_tenants > max_loras" in msg
+    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"max_tenants_per_step": 5})
+    assert "rollout.max_tenants_per_step=5 is not allowed; allowed: null or <= model.max_loras (4)" in msg
