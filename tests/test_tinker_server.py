@@ -202,7 +202,9 @@ def test_two_clients_batched_equal_alone(tmp_path):
         train(s.url, k, alone)
     s.close()
     together: dict[int, list[float]] = {}
-    s = _Running(tmp_path / "together")
+    # a coalescing window wide enough that the two clients' calls meet on a loaded machine too (20 ms, the
+    # default, missed every time in one run beside other jobs on 2 cores)
+    s = _Running(tmp_path / "together", batch_wait_s=0.5)
     threads = [threading.Thread(target=train, args=(s.url, k, together)) for k in (0, 1)]
     for t in threads:
         t.start()
