@@ -27,7 +27,11 @@ Design choices:
   least recently used version is unloaded from the bank; its tensors stay in memory and are loaded again on its next
   sample. Memory stays bounded: a model keeps at most `max_sampler_versions` versions (publishing or sampling one
   makes it the most recently used); an older one's tensors are freed, and so are all of a model's on `unload`. A
-  sample of a freed version is a user error that says why. With an engine shared with GRPO tenants
+  sample of a freed version is a user error that says why. Versions count against the host budget
+  (`host_budget_bytes`, the `--host-budget-gb` paged tenants use): while the tenant store's host bytes plus the live
+  versions' host tensors exceed it, the least recently used versions' tensors are written to `spill_dir` and read
+  back on their next use (a sample, a prompt score, a journal snapshot), so a server's host memory does not grow with
+  its client count past the budget. With an engine shared with GRPO tenants
   (`shared_engine`), client versions hold at most one engine slot per client tenant, so the engine always has room
   for every GRPO tenant's push.
 - Engine log-probs are those of the raw logits (temperature 1), as the engine documents.
@@ -157,13 +161,23 @@ class ClientTenant:
 
 @dataclass
 class SamplerVersion:
-    """Frozen weights a sampling session serves; `engine_name` None means the base model. A freed version has
-    `tensors` None and its `path` is in `ClientOps.freed`."""
+    """Frozen weights a sampling session serves; `engine_name` None means the base model. A spilled version has
+    `tensors` None and its file at `spilled`; a freed one has neither, `live` False and its `path` in
+    `ClientOps.freed`."""
 
     engine_name: str | None
     tensors: dict[str, torch.Tensor] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
+    spilled: Path | None = None
+    live: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tensors or {}).values())
+
+
+MAX_FREED_PATHS = 100_000  # freed versions whose samples get "freed: <why>"; older ones get "names no sampler weights"
 
 
 @dataclass(frozen=True)
@@ -284,8 +298,17 @@ class ClientOps:
         slots: Any = None,
         shared_engine: bool = False,
         limits: ModelLimits | None = None,
+        host_budget_bytes: int | None = None,
+        spill_dir: str | Path | None = None,
     ) -> None:
-        """`limits`: what requests may ask of the model (default: the backend's in-process model's config)."""
+        """`limits`: what requests may ask of the model (default: the backend's in-process model's config).
+        `host_budget_bytes`: host bytes for paged tenants and sampler versions together (None: no limit); the
+        versions past it are spilled to `spill_dir` (a temporary folder when None)."""
+        if host_budget_bytes is not None and (type(host_budget_bytes) is not int or host_budget_bytes < 0):
+            raise ValueError(
+                f"host_budget_bytes={host_budget_bytes!r} is not allowed; allowed: an int >= 0 or None (host bytes "
+                "of paged tenants and sampler versions)"
+            )
         if type(max_sampler_versions) is not int or max_sampler_versions < 1:  # bool is refused too
             raise ValueError(
                 f"max_sampler_versions={max_sampler_versions!r} is not allowed; allowed: an int >= 1 "
@@ -305,7 +328,14 @@ class ClientOps:
         self.max_sampler_versions = max_sampler_versions
         self.tenants: dict[str, ClientTenant] = {}
         self.samplers: dict[str, SamplerVersion] = {}  # live versions by tinker:// path
-        self.freed: dict[str, str] = {}  # path of a freed version -> why (the error its samples get)
+        self.freed: OrderedDict[str, str] = OrderedDict()  # path of a freed version -> why (its samples' error)
+        self.host_budget_bytes = host_budget_bytes
+        self._spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self._in_host: OrderedDict[str, None] = OrderedDict()  # versions with host tensors, least recently used first
+        self.sampler_host_bytes = 0  # tensors of live versions in host memory
+        self.sampler_disk_bytes = 0  # spill files of live versions
+        self.sampler_spills = 0
+        self.sampler_loads = 0
         self._samplers_lock = threading.RLock()  # samplers, freed, sampler_paths: publish (worker) vs sample (loop)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # engine names in the bank, least recently used first
         self._engine_lock = threading.Lock()
@@ -337,6 +367,7 @@ class ClientOps:
         lora_config = {key: any(leaf in leaves for leaf in group) for key, group in _LAYER_GROUPS.items()}
         tenant = ClientTenant(model_id, name, rank, lora_config, seed)
         self.tenants[model_id] = tenant
+        self.spill_over_budget()  # the create may have paged a tenant out into the store
         return tenant
 
     def steps(self, model_id: str) -> int:
@@ -377,9 +408,7 @@ class ClientOps:
                 self._score_bank = LoRABank(model.layer_shapes, 1, model.max_rank, model.lora_dtype, device,
                                             expert_shapes=getattr(model, "_expert_shapes", None))  # fmt: skip
             if v.engine_name is not None:
-                if v.tensors is None:
-                    raise UserError(self.freed.get(v.path or "", f"sampler weights {v.path!r} were freed"))
-                self._score_bank.set_adapter(0, v.tensors, v.config)
+                self._score_bank.set_adapter(0, self._tensors(v), v.config)
             device = next(model.parameters()).device
             ids = torch.tensor([prompt], device=device)  # (1, N)
             slots = torch.tensor([0 if v.engine_name is not None else -1], device=device)
@@ -445,6 +474,7 @@ class ClientOps:
                         outputs[i].append({"logprobs": logp.float().cpu().numpy()})
                     totals[i] = float(sum(out.row_loss[start : start + n]))
                     start += n
+        self.spill_over_budget()  # paging the batch's tenants in may have paged others out
         return [(outputs[i], {"loss:sum": totals[i]}) for i in range(len(items))]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
@@ -455,6 +485,7 @@ class ClientOps:
         out = {"grad_norm": norm if norm is not None and np.isfinite(norm) else 0.0}
         if not stepped:
             out["skipped_nonfinite"] = 1.0
+        self.spill_over_budget()
         return out
 
     # -- weights ---------------------------------------------------------------------------------------------------
@@ -580,7 +611,7 @@ class ClientOps:
         with self._samplers_lock:
             live = [(path, self.samplers[path]) for path in t.sampler_paths]
             blobs = {
-                path: tensors_to_bytes({k: v.contiguous() for k, v in (v.tensors or {}).items()}) for path, v in live
+                path: tensors_to_bytes({k: t.contiguous() for k, t in self._tensors(v).items()}) for path, v in live
             }
             versions = [{"path": path, "engine_name": v.engine_name, "config": v.config} for path, v in live]
         info = {
@@ -614,6 +645,8 @@ class ClientOps:
                 self.samplers[v["path"]] = SamplerVersion(v["engine_name"], tensors, v["config"], v["path"])
                 self.freed.pop(v["path"], None)
                 t.sampler_paths[v["path"]] = None
+                self._hold(self.samplers[v["path"]])
+            self.spill_over_budget()
 
     def _checkpoint(self, path: str) -> AdapterSnapshot:
         """The checkpoint `tinker://<model_id>/weights/<name>` names: that model's newest labeled <name>."""
@@ -642,6 +675,7 @@ class ClientOps:
             self.samplers[path] = version
             self.freed.pop(path, None)
             t.sampler_paths[path] = None
+            self._hold(version)
             while len(t.sampler_paths) > self.max_sampler_versions:
                 old = next(iter(t.sampler_paths))
                 self._free_sampler(
@@ -652,6 +686,7 @@ class ClientOps:
                     "used first; call save_weights_for_sampler again",
                 )
         self._ensure_loaded(version)
+        self.spill_over_budget()
         return path, engine_name
 
     def _free_sampler(self, t: ClientTenant, path: str, why: str) -> None:
@@ -660,7 +695,10 @@ class ClientOps:
             v = self.samplers.pop(path)
             del t.sampler_paths[path]
             self.freed[path] = why
-            v.tensors = None
+            while len(self.freed) > MAX_FREED_PATHS:
+                self.freed.popitem(last=False)
+            self._drop(v)
+            v.live = False
         with self._engine_lock:
             if v.engine_name in self._loaded:
                 del self._loaded[v.engine_name]
@@ -679,11 +717,85 @@ class ClientOps:
             self.tenants[model_id].sampler_paths.move_to_end(path)
             return self.samplers[path]
 
+    # -- sampler versions in host memory or spilled --------------------------------------------------------------------
+    def _hold(self, v: SamplerVersion) -> None:
+        """Count `v`'s host tensors (caller holds `_samplers_lock`); it is now the most recently used."""
+        if v.path in self._in_host:
+            self._in_host.move_to_end(v.path)
+            return
+        self._in_host[v.path] = None
+        self.sampler_host_bytes += v.nbytes
+
+    def _drop(self, v: SamplerVersion) -> None:
+        """Forget `v`'s tensors and spill file (caller holds `_samplers_lock`)."""
+        if v.path in self._in_host:
+            del self._in_host[v.path]
+            self.sampler_host_bytes -= v.nbytes
+        if v.spilled is not None:
+            self.sampler_disk_bytes -= v.spilled.stat().st_size
+            v.spilled.unlink()
+            v.spilled = None
+        v.tensors = None
+
+    def _tensors(self, v: SamplerVersion) -> dict[str, torch.Tensor]:
+        """`v`'s tensors, read back into host memory when it was spilled (it becomes the most recently used; others
+        may spill to make room); a UserError when it was freed."""
+        from safetensors.torch import load_file
+
+        with self._samplers_lock:
+            if not v.live:
+                raise UserError(self.freed.get(v.path or "", f"sampler weights {v.path!r} were freed"))
+            if v.tensors is None:
+                assert v.spilled is not None, f"{v.path}: neither in memory nor spilled"
+                path, v.spilled = v.spilled, None
+                v.tensors = load_file(path)
+                self.sampler_disk_bytes -= path.stat().st_size
+                path.unlink()
+                self.sampler_loads += 1
+            self._hold(v)
+            tensors = v.tensors
+            self.spill_over_budget(keep=v.path)
+            return tensors
+
+    def spill_over_budget(self, keep: str | None = None) -> None:
+        """Spill the least recently used versions' tensors (not `keep`'s) while the paged tenants' host bytes plus
+        the versions' exceed `host_budget_bytes`."""
+        if self.host_budget_bytes is None:
+            return
+        from safetensors.torch import save_file
+
+        with self._samplers_lock:
+            store = getattr(getattr(getattr(self.backend, "trainer", None), "ops", None), "store", None)
+            paged = store.host_bytes if store is not None else 0
+            for path in list(self._in_host):
+                if paged + self.sampler_host_bytes <= self.host_budget_bytes:
+                    return
+                if path == keep:
+                    continue
+                v = self.samplers[path]
+                if self._spill_dir is None:
+                    import tempfile
+
+                    self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-samplers-"))
+                self._spill_dir.mkdir(parents=True, exist_ok=True)
+                file = self._spill_dir / f"{v.engine_name}.safetensors"
+                save_file({k: t.contiguous() for k, t in (v.tensors or {}).items()}, file)
+                del self._in_host[path]
+                self.sampler_host_bytes -= v.nbytes
+                v.tensors, v.spilled = None, file
+                self.sampler_disk_bytes += file.stat().st_size
+                self.sampler_spills += 1
+
     def _ensure_loaded(self, v: SamplerVersion) -> None:
         if v.engine_name is None:
             return
         with self._engine_lock:
-            if v.tensors is None:  # freed while a sample of it was on its way
+            if v.engine_name in self._loaded:
+                self._loaded.move_to_end(v.engine_name)
+                return
+        tensors = self._tensors(v)  # outside the engine lock: publish takes the samplers lock, then the engine's
+        with self._engine_lock:
+            if not v.live:  # freed while a sample of it was on its way
                 raise UserError(self.freed.get(v.path or "", f"sampler weights {v.path!r} were freed"))
             if v.engine_name in self._loaded:
                 self._loaded.move_to_end(v.engine_name)
@@ -694,7 +806,7 @@ class ClientOps:
             while len(self._loaded) >= room:
                 old, _ = self._loaded.popitem(last=False)
                 self.engine.unload_adapter(old)
-            self.engine.load_adapter(v.engine_name, v.tensors, v.config)
+            self.engine.load_adapter(v.engine_name, tensors, v.config)
             self._loaded[v.engine_name] = None
 
     def _trim_engine(self, room: int) -> None:

@@ -149,7 +149,7 @@ class TinkerServer:
     # -- app -------------------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=256 * 1024 * 1024)
-        get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities}
+        get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities, "memory": self.memory}
         post = {
             "client/config": self.client_config,
             "client/dynamic_config": self.dynamic_config,
@@ -255,6 +255,14 @@ class TinkerServer:
             "prompt_logprobs": self.ops.backend.shared_model is not None,
             "session_timeout_s": self.session_timeout_s,
         })  # fmt: skip
+
+    async def memory(self, _r) -> web.Response:
+        """Bytes held by component and the process's RSS (`rl_multilora.tinker.memory`; not an SDK route)."""
+        from rl_multilora.tinker.memory import server_memory
+
+        with self.lock:
+            results = dict(self.state.results)
+        return self._json(await asyncio.to_thread(server_memory, self.ops, results))
 
     # -- REST: training runs and their checkpoints (the SDK's RestClient) ------------------------------------------
     def _run(self, r: web.Request) -> str:
@@ -933,7 +941,8 @@ def build_server(
     host_budget_gb: float | None = None,
 ) -> TinkerServer:
     """`max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
-    `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`."""
+    `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`. The budget counts the
+    in-memory sampler versions too: past it the least recently used ones spill to `state_dir/paged/samplers`."""
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import GRPOSettings, ModelConfig
@@ -952,8 +961,12 @@ def build_server(
     ckpt = CheckpointManager(state_dir)  # the run dir layout: adapters/<name>/step_<k>/
     for p in ckpt.remove_stale_temps():
         log.info("removed %s, left by an interrupted write", p)
+    for p in sorted((state_dir / "paged" / "samplers").glob("*.safetensors")):  # a cache: the journal restores them
+        p.unlink()
     limits = ModelLimits.of_config(backend.shared_model.config, max_tokens_cap)
-    ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions, limits=limits)
+    budget = None if host_budget_gb is None else int(host_budget_gb * 2**30)  # as the tenant store's (components)
+    ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions, limits=limits, host_budget_bytes=budget,
+                    spill_dir=state_dir / "paged" / "samplers")  # fmt: skip
     journal = Journal(state_dir / "requests.sqlite")
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
