@@ -115,6 +115,9 @@ def test_client_and_grpo_tenant_share_one_service(workspace, tmp_path):
         assert core.status().get("t1").adapter_step > 0
 
         name = slot_name(tc.model_id)
+        # the status is a snapshot published after each GRPO step: on a loaded machine both steps above can end
+        # before the client's third optimizer step, so wait for a snapshot taken after it
+        _wait(lambda: getattr(core.status().get(name), "adapter_step", None) == 3)
         st = core.status()
         client = st.get(name)
         assert client is not None and client.state == "RUNNING" and client.adapter_step == 3
