@@ -65,6 +65,8 @@ def build_model(m: ModelConfig, device: str | torch.device | None = None) -> Mul
         target_parameters=m.target_parameters or [],
         expert_lora=m.expert_lora,
     )
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     return model.to(resolve_device(m.device) if device is None else torch.device(device))
 
 

@@ -80,6 +80,12 @@ class ModelConfig(_Strict):
         description="Expert LoRA layout: an A and a B per expert, or one A per slot shared by all experts (ModelOpt).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the frozen base.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Training forwards keep only each decoder layer's input and recompute the layer in the backward "
+        "(its LoRA routing replayed): the activations of a micro-batch shrink to about one layer's, for about a "
+        "third more training compute. Local backend (trainer.world_size 1).",
+    )
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
     max_tenants: int | None = Field(
         None,
@@ -627,6 +633,10 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         seen.add(a.name)
     r = cfg.rollout
     problems += paging_problems(cfg)
+    if cfg.model.gradient_checkpointing and cfg.trainer.world_size > 1:
+        problems.append(
+            bad_value("model.gradient_checkpointing", True, "false with trainer.world_size > 1 (local backend only)")
+        )
     if r.engine == "http" and r.num_engines == 1 and not r.url:
         problems.append(
             bad_value("rollout.url", None, "the server URL with engine 'http' (e.g. http://127.0.0.1:30000)")

@@ -42,6 +42,7 @@ from rl_multilora.backends.base import TrainingBackend, paging_stats_of
 from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
+from rl_multilora.host_memory import release_freed_memory
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.shares import fair_quotas
@@ -64,7 +65,12 @@ class _Clock:
         try:
             yield
         finally:
+            if key in _TRIM_AFTER:  # phases that free much of what they allocated (rl_multilora.host_memory)
+                release_freed_memory()
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+_TRIM_AFTER = frozenset({"rollout_s", "eval_s", "train_s"})
 
 
 @dataclass

@@ -43,6 +43,7 @@ from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
 from rl_multilora.tenant_store import PagedTenant, TenantStore
+from rl_multilora.token_logprobs import token_logp_entropy
 
 if TYPE_CHECKING:
     from rl_multilora.lora import MultiLoRAModel
@@ -416,7 +417,17 @@ class TrainOps:
         tok: TokenIndex,
         temperature: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32."""
+        """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32.
+
+        With a plain output head (`MultiLoRAModel.output_head`), from the decoder's hidden states at the loss
+        positions through `token_logp_entropy`: chunks of tokens, no full-vocabulary logits kept for the backward.
+        Otherwise from the model's logits at the kept positions."""
+        head = self.model.output_head()
+        if head is not None:
+            hidden = self.model.forward_hidden(input_ids, attention_mask=attention_mask, adapter_names=adapter_names)
+            picked = hidden[tok.row, tok.pos - 1]  # (N, H): the state before each loss token
+            inv_t = 1.0 / (self.temperature if temperature is None else temperature)
+            return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t)
         width = input_ids.shape[1]
         # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
         # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.

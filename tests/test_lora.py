@@ -551,6 +551,39 @@ def test_peft_folder_mismatch_errors(tmp_path):
         bank.set_adapter(1, sd, {**config, "r": 2})
 
 
+def test_gradient_checkpointing_recomputes_in_eval_mode_too_with_the_same_grads():
+    """The trainer runs its forwards in eval mode (dropout off); HF checkpoints a layer only while the layer is in
+    training mode, so with routed checkpointing on the decoder layers keep that flag: each layer's forward runs again
+    in the backward (counted by a hook), the grads equal the plain backward's, and the submodules stay in eval."""
+    m = make_model("qwen2")
+    add_three(m)
+    m.eval()
+    ids, mask = batch()
+    names = ["a", "b", None, "a", "c", "b"]
+    layer = m.base_model.get_decoder().layers[0]
+    calls = []
+    layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # (the recompute calls the layer's forward)
+
+    def grads():
+        m.zero_grad(set_to_none=True)
+        m.zero_lora_grads()
+        logits = m(ids, attention_mask=mask, adapter_names=names).logits
+        sum(per_adapter_loss(logits, ids, names, n) for n in ("a", "b", "c")).backward()
+        return [g.clone() for n in ("a", "b", "c") for g in m.adapter_grads(n)]
+
+    plain = grads()
+    assert len(calls) == 1
+    m.gradient_checkpointing_enable()
+    calls.clear()
+    checkpointed = grads()
+    assert len(calls) == 2  # the forward, then its recompute in the backward
+    assert layer.training and not layer.self_attn.training and not m.training
+    for g_ckpt, g_plain in zip(checkpointed, plain, strict=True):
+        torch.testing.assert_close(g_ckpt, g_plain, atol=1e-6, rtol=1e-5)
+    m.gradient_checkpointing_disable()
+    assert not layer.training
+
+
 def test_gradient_checkpointing_replays_routing_and_direct_enable_is_refused():
     m = make_model("qwen2")
     add_three(m)

@@ -576,6 +576,7 @@ class MultiLoRAModel(nn.Module):
         else:
             self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self._routed_checkpointing = True
+        self.train(self.training)  # the layer flags below, in whichever mode the model is
 
     def gradient_checkpointing_disable(self) -> None:
         if hasattr(self.base_model, "activation_checkpointing_disable"):
@@ -583,6 +584,19 @@ class MultiLoRAModel(nn.Module):
         else:
             self.base_model.gradient_checkpointing_disable()
         self._routed_checkpointing = False
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> MultiLoRAModel:
+        """`nn.Module.train`, plus: with routed checkpointing on, each checkpointing decoder layer module keeps
+        `training = True` in eval mode too. HF recomputes a layer only while the layer itself is in training mode,
+        and the trainer runs its forwards in eval mode (dropout off: old, new and reference log-probs are one
+        function); the layer's submodules (attention and its dropout, MLP) follow the model's mode as usual."""
+        super().train(mode)
+        if getattr(self, "_routed_checkpointing", False):  # (unset while __init__ runs)
+            for module in self.base_model.modules():
+                if getattr(module, "gradient_checkpointing", False):
+                    module.training = True
+        return self
 
     # -- forward -----------------------------------------------------------------------------------------------
 
@@ -628,6 +642,7 @@ class MultiLoRAModel(nn.Module):
         adapter_slots: torch.Tensor | Sequence[int] | None = None,
         lora_bank: LoRABank | None = None,
         reference: bool = False,
+        decoder_only: bool = False,
         **hf_kwargs: Any,
     ):
         """Run the base model with each row routed through its adapter slot.
@@ -635,6 +650,7 @@ class MultiLoRAModel(nn.Module):
         Rows: `adapter_names` (None = base) or `adapter_slots` (-1 = base); neither = every row on the base.
         `lora_bank`: use the bank's tensors (by slot) instead of the trainable slots, under no_grad.
         `reference`: slow float32 per-row loop instead of the grouped fast path (the test oracle).
+        `decoder_only`: run the decoder without the output head (`forward_hidden`).
         Other kwargs (past_key_values, position_ids, use_cache, labels, ...) go to the HF model as they are.
         """
         embeds = hf_kwargs.get("inputs_embeds")
@@ -663,8 +679,35 @@ class MultiLoRAModel(nn.Module):
         sink = self._grad_sink if lora_bank is None and torch.is_grad_enabled() else None
         routing = build_routing(slots, meta, device, lora_bank, reference, dtype, grad_sink=sink)
         grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
+        module = self.base_model.get_decoder() if decoder_only else self.base_model
         with grad_context, self.router.route(routing):
-            return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)
+            return module(input_ids=input_ids, attention_mask=attention_mask, **hf_kwargs)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        adapter_names: Sequence[str | None] | None = None,
+        **hf_kwargs: Any,
+    ) -> torch.Tensor:
+        """The decoder's last hidden states `(B, T, H)` under the same routing as `forward`, without the output
+        head: for a caller that applies `output_head()` itself to the positions it needs (the trainer's chunked
+        token log-probs, which never form the full-vocabulary logits of a batch)."""
+        out = self.forward(input_ids, attention_mask, adapter_names, decoder_only=True, **hf_kwargs)
+        return out.last_hidden_state
+
+    def output_head(self) -> nn.Linear | None:
+        """The output head when logits are exactly `lm_head(hidden)`: a plain (unsharded, LoRA-free) Linear and no
+        logit soft-capping or scaling in the model's config. None otherwise: callers then use `forward`'s logits."""
+        head = self.base_model.get_output_embeddings()
+        if type(head) is not nn.Linear or hasattr(head.weight, "placements"):  # a LoRA layer or an FSDP DTensor
+            return None
+        config = self.base_model.config
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+            value = getattr(config, key, None)
+            if value is not None and value != 1:
+                return None
+        return head
 
 
 def _checkpointing_on(model: nn.Module) -> bool:

@@ -1,0 +1,78 @@
+"""The chunked token log-prob / entropy path (rl_multilora.token_logprobs) against the plain one: lm_head over the
+positions, log_softmax, gather, -sum p log p, with autograd. Values and the hidden states' gradient, in float64
+(to 1e-12) and at the float32 the trainer uses; chunks smaller than, equal to and larger than the token count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_multilora.token_logprobs import token_logp_entropy
+
+
+def plain(hidden, weight, bias, targets, inv_t):
+    z = torch.nn.functional.linear(hidden, weight, bias) * inv_t[:, None]
+    logp_all = torch.log_softmax(z, dim=-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def case(dtype, n=13, h=24, v=97, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(v, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    inv_t = 1 / torch.empty(n, dtype=torch.float64).uniform_(0.5, 1.5, generator=g)  # per-token temperatures
+    # the loss mixes both outputs, as GRPO's does (surrogate on log-probs, an entropy bonus)
+    w_logp = torch.randn(n, generator=g, dtype=torch.float64)
+    w_ent = torch.randn(n, generator=g, dtype=torch.float64)
+    return hidden, weight, b, targets, inv_t, w_logp, w_ent
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_hidden_grads_equal_the_plain_path_in_float64(chunk, bias):
+    hidden, weight, b, targets, inv_t, w_logp, w_ent = case(torch.float64, bias=bias)
+    results = []
+    for fn in (plain, lambda *a: token_logp_entropy(*a, chunk=chunk)):
+        hidden.grad = None
+        logp, ent = fn(hidden, weight, b, targets, inv_t)
+        ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+        results.append((logp.detach(), ent.detach(), hidden.grad.clone()))
+    for want, got in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_only_the_logp_or_only_the_entropy_in_the_loss():
+    hidden, weight, b, targets, inv_t, _, _ = case(torch.float64)
+    for pick in (0, 1):
+        grads = []
+        for fn in (plain, lambda *a: token_logp_entropy(*a, chunk=5)):
+            hidden.grad = None
+            fn(hidden, weight, b, targets, inv_t)[pick].sum().backward()
+            grads.append(hidden.grad.clone())
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-12, rtol=1e-10)
+
+
+def test_float32_and_bf16_hidden_track_the_float64_result():
+    """A float32 head computes in float32; a bf16 one upcasts its logits (as the trainer always did)."""
+    hidden64, weight64, b64, targets, inv_t, w_logp, _ = case(torch.float64, n=32, v=500)
+    want_logp, want_ent = plain(hidden64, weight64, b64, targets, inv_t)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.15)):
+        hidden = hidden64.detach().to(dtype).requires_grad_()
+        logp, ent = token_logp_entropy(hidden, weight64.to(dtype), b64.to(dtype), targets, inv_t.float(), chunk=7)
+        assert logp.dtype == torch.float32 and ent.dtype == torch.float32
+        torch.testing.assert_close(logp.double(), want_logp.detach(), atol=tol, rtol=tol)
+        torch.testing.assert_close(ent.double(), want_ent.detach(), atol=tol, rtol=tol)
+        (logp * w_logp.float()).sum().backward()
+        assert hidden.grad.dtype == dtype and torch.isfinite(hidden.grad).all()
+
+
+def test_a_scalar_temperature_and_a_bad_chunk():
+    hidden, weight, b, targets, _, _, _ = case(torch.float64)
+    logp, ent = token_logp_entropy(hidden, weight, b, targets, 1 / 0.7, chunk=3)
+    want = plain(hidden, weight, b, targets, torch.full((hidden.shape[0],), 1 / 0.7, dtype=torch.float64))
+    torch.testing.assert_close(logp, want[0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(ent, want[1], atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="chunk=0"):
+        token_logp_entropy(hidden, weight, b, targets, 1.0, chunk=0)
