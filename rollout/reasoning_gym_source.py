@@ -12,6 +12,8 @@ Design choices:
   itself after a JSON round trip (rows travel to reward workers and into checkpoints as JSON-like data). The reward
   (`rewards.reasoning_gym`) scores that round-tripped entry with the task's own `score_answer`.
 - reasoning-gym is optional (the `envs` extra) and imported only when such a dataset is loaded.
+- `verifiers_env` is the other way in, for a verifiers tenant: verifiers' own `ReasoningGymEnv` (its rows, parser and
+  rubric) plus verifiers' `few_shot` turns, which that class does not pass on (docs/guides/reasoning-gym.md).
 """
 
 from __future__ import annotations
@@ -117,3 +119,59 @@ def _row(
     label = NO_ORACLE if entry["answer"] is None else entry["answer"]
     meta = {"task": task, "config": dict(config or {}), "seed": seed, "size": size, "index": index, "entry": entry}
     return {"prompt": entry["question"], "label": label, "metadata": {"reasoning_gym": meta}}
+
+
+_FEW_SHOT_ROLES = ("user", "assistant")
+
+
+def verifiers_env(few_shot: list[Mapping[str, Any]] | None = None, **env_args):
+    """verifiers' own `ReasoningGymEnv` (its rows, `XMLParser(["answer"])` parser and rubric, unchanged), built with
+    `env_args` (`gym`, `num_train_examples`, `num_eval_examples`, `system_prompt`, `seed`), with `few_shot` chat
+    turns between its system prompt and every question.
+
+    `few_shot` is verifiers' own `Environment(few_shot=...)` option (user / assistant messages, alternating, the last
+    one an assistant's), which `ReasoningGymEnv` does not pass on; a small model that never writes `<answer>` tags
+    when only told to (SmolLM2-135M: 0 of 32) writes them after two such turns. A verifiers tenant names it as
+    `dataset: {source: verifiers, task: "rollout.reasoning_gym_source:verifiers_env", config: {gym: ..., few_shot:
+    [...]}}`.
+    """
+    shots = _check_few_shot(few_shot)
+    try:
+        from verifiers.envs.integrations.reasoninggym_env import ReasoningGymEnv
+    except ImportError as exc:
+        raise ValueError(
+            bad_value("dataset.task", "verifiers_env", 'verifiers and reasoning-gym: pip install -e ".[verifiers]"')
+            + f" ({exc})"
+        ) from exc
+
+    class FewShotReasoningGymEnv(ReasoningGymEnv):
+        # verifiers formats each question as [system, *few_shot, user] in `_format_dataset_source`, reading
+        # `self.few_shot`; the base constructor sets that to None before it builds the datasets, so the turns are
+        # handed to the formatter directly.
+        def _format_dataset_source(self, dataset):
+            return self._format_dataset(dataset, self.system_prompt, shots, map_kwargs=self.map_kwargs)
+
+    env = FewShotReasoningGymEnv(**env_args)
+    env.few_shot = shots
+    return env
+
+
+def _check_few_shot(few_shot) -> list[dict[str, str]]:
+    if few_shot is None:
+        return []
+    allowed = "a list of {role, content} messages, roles user then assistant alternating, the last an assistant's"
+    if not isinstance(few_shot, list) or len(few_shot) % 2:
+        raise ValueError(bad_value("dataset.config.few_shot", few_shot, allowed))
+    shots = []
+    for i, message in enumerate(few_shot):
+        role = _FEW_SHOT_ROLES[i % 2]
+        if (
+            not isinstance(message, Mapping)
+            or set(message) != {"role", "content"}
+            or message["role"] != role
+            or not isinstance(message["content"], str)
+        ):
+            raise ValueError(bad_value(f"dataset.config.few_shot.{i}", message, f"{{role: {role}, content: text}}; "
+                                       + allowed))  # fmt: skip
+        shots.append({"role": role, "content": message["content"]})
+    return shots

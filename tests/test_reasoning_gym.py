@@ -273,3 +273,73 @@ def test_a_run_scores_both_tenants_in_the_reward_workers(model_dir, tmp_path, ca
     scored = [r for r in rows if r.get("adapter") in names and "reward_errors" in r]
     assert {r["adapter"] for r in scored} == names
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 and r["n_samples"] == 4 for r in scored)
+
+
+_VF_ARGS = {
+    "gym": [{"name": "spell_backward", "weight": 1, "config": {"max_word_len": 4}}],
+    "num_train_examples": 5,
+    "num_eval_examples": 3,
+    "seed": 2,
+    "system_prompt": "Reply with only the answer, as <answer>answer</answer>.",
+}
+_SHOTS = [
+    {"role": "user", "content": "Spell this word backward (example: sun -> nus): cat"},
+    {"role": "assistant", "content": "<answer>tac</answer>"},
+]
+
+
+def test_verifiers_env_is_verifiers_own_reasoning_gym_env_with_few_shot_turns():
+    """`rollout.reasoning_gym_source:verifiers_env` is verifiers' ReasoningGymEnv: the same rows with the few-shot
+    turns between the system prompt and the question, and the same parser and rubric (a tagged answer scores what
+    the library's score_answer gives, in both)."""
+    import asyncio
+
+    pytest.importorskip("verifiers", reason='verifiers is an optional extra: pip install -e ".[verifiers]"')
+    from verifiers.envs.integrations.reasoninggym_env import ReasoningGymEnv
+
+    from rollout.reasoning_gym_source import verifiers_env
+
+    env, own = verifiers_env(few_shot=_SHOTS, **_VF_ARGS), ReasoningGymEnv(**_VF_ARGS)
+    for mine, theirs in ((env.get_dataset(), own.get_dataset()), (env.get_eval_dataset(), own.get_eval_dataset())):
+        assert len(mine) == len(theirs) > 0
+        for a, b in zip(mine, theirs, strict=True):
+            assert a["prompt"] == [b["prompt"][0], *_SHOTS, *b["prompt"][1:]]
+            assert a["answer"] == b["answer"]
+    assert type(env.parser) is type(own.parser) and env.parser.answer_field == own.parser.answer_field == "answer"
+    assert env.rubric._get_reward_func_names() == own.rubric._get_reward_func_names()
+    scored = 0
+    for index in range(len(own.rg_dataset)):
+        entry = own.rg_dataset[index]
+        for response in (entry["answer"], entry["answer"][:-1] + "x"):
+            completion = [{"role": "assistant", "content": f"<answer>{response}</answer>"}]
+            expected = own.rg_dataset.score_answer(response, entry)
+            for e in (env, own):
+                got = asyncio.run(e.rubric.funcs[0](completion=completion, answer=str(index)))
+                assert got == pytest.approx(expected)
+            scored += expected < 1
+    assert scored > 0  # the wrong answers scored below full credit: the comparison saw more than one value
+
+
+@pytest.mark.parametrize(
+    ("few_shot", "fragments"),
+    [
+        ({"role": "user"}, ["dataset.config.few_shot={'role': 'user'} is not allowed", "alternating"]),
+        (_SHOTS[:1], ["dataset.config.few_shot=[{", "the last an assistant's"]),
+        ([_SHOTS[1], _SHOTS[0]], ["dataset.config.few_shot.0={", "allowed: {role: user, content: text}"]),
+        (
+            [_SHOTS[0], {"role": "assistant", "text": "x"}],
+            ["dataset.config.few_shot.1={", "'text': 'x'}", "{role: assistant"],
+        ),
+    ],
+)
+def test_verifiers_env_refuses_few_shot_turns_that_are_not_user_assistant_pairs(few_shot, fragments):
+    pytest.importorskip("verifiers", reason='verifiers is an optional extra: pip install -e ".[verifiers]"')
+    spec = DatasetSpec(
+        source="verifiers",
+        task="rollout.reasoning_gym_source:verifiers_env",
+        config={**_VF_ARGS, "few_shot": few_shot},
+    )
+    with pytest.raises(DatasetError) as ei:
+        load_dataset_rows(spec)
+    for fragment in fragments:
+        assert fragment in str(ei.value)
