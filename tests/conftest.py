@@ -1,6 +1,7 @@
 """Shared test setup: small thread pools (CI has 2 cores) and the GPU marker's skip rule."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ _threads = max(1, min(2, os.cpu_count() or 1) // _workers)
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 torch.set_num_threads(_threads)
+# The provisioning scripts the tests run (examples/multi_lora/provision*.sh) use this interpreter, not whichever
+# `rl-multilora` or `python` comes first on PATH (a shell without the venv activated).
+os.environ.setdefault("PYTHON", sys.executable)
 
 
 def pytest_collection_modifyitems(config, items):

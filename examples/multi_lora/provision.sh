@@ -9,6 +9,10 @@ set -euo pipefail
 out="${1:-artifacts/tiny}"
 shift || true
 
+# PYTHON (the tests set it to their interpreter) names the Python to run; else the console script, else `python`.
+if [ -n "${PYTHON:-}" ]; then
+  exec "$PYTHON" -m rl_multilora.provision --preset tiny --out "$out" "$@"
+fi
 if command -v rl-multilora >/dev/null 2>&1; then
   exec rl-multilora provision --preset tiny --out "$out" "$@"
 fi
