@@ -10,12 +10,11 @@ import pytest
 ta = pytest.importorskip("textarena", reason='textarena is an optional extra: pip install -e ".[textarena]"')
 
 from rollout.data_source import DatasetError, DatasetSpec, MultiLoRADataSource, load_dataset_rows  # noqa: E402
-from rollout.engines.base import RolloutEngine  # noqa: E402
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.generate_state import GenerateState, MultiLoRAHooks, observation_ids  # noqa: E402
 from rollout.textarena_env import ENVIRONMENT_PATH, generate_rows  # noqa: E402
-from rollout.types import AdapterRef, EnvironmentSpec, GenerateResult, SampleStatus, SamplingParams  # noqa: E402
-from tests.tiny_models import EOS_ID, tiny_config, tiny_tokenizer  # noqa: E402
+from rollout.types import AdapterRef, EnvironmentSpec, SampleStatus, SamplingParams  # noqa: E402
+from tests.tiny_models import EOS_ID, ScriptedEngine, tiny_config, tiny_tokenizer  # noqa: E402
 
 GAME, CONFIG = "GuessTheNumber-v0", {"max_turns": 3}
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
@@ -116,35 +115,13 @@ def test_a_game_on_the_engine_runs_to_its_end_with_the_librarys_reward():
     assert max(s.metadata["turns"] for s in samples) > 1  # feedback turns happened (an invalid move is one)
 
 
-class Scripted(RolloutEngine):
-    def __init__(self, tok, texts):
-        self.tok, self.texts, self.requests = tok, list(texts), []
-
-    def generate(self, requests):
-        out = []
-        for r in requests:
-            self.requests.append(r)
-            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [EOS_ID]
-            out.append(GenerateResult(output_ids=ids, output_logprobs=[-0.5] * len(ids), weight_version=1))
-        return out
-
-    def load_adapter(self, name, tensors, config, version=None):
-        return 1
-
-    def unload_adapter(self, name): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self):
-        return True
-
-
 def test_a_won_game_pays_the_games_reward_and_its_feedback_is_an_environment_turn():
     tok = tiny_tokenizer()
     (group, *_) = _groups(tok, prompts=1, n=1)
     seed = group[0].metadata["textarena"]["seed"]
     target = _library_game(seed).state.game_state["game_number"]
     first = 20 if target != 20 else 1
-    engine = Scripted(tok, [f"[{first}]", f"I guess [{target}]"])
+    engine = ScriptedEngine(tok, [f"[{first}]", f"I guess [{target}]"])
     (s,) = GenerateState(engine, tok, MultiLoRAHooks(), SAMPLING).run_sync([group])
     assert s.status == SampleStatus.COMPLETED and s.metadata["turns"] == 2
     assert s.reward == _library_play(seed, [f"[{first}]", f"I guess [{target}]"])[0] == 1.0

@@ -19,20 +19,18 @@ vf = pytest.importorskip("verifiers", reason='verifiers is an optional extra: pi
 from datasets import Dataset  # noqa: E402
 
 from rollout.data_source import DatasetError, DatasetSpec, MultiLoRADataSource  # noqa: E402
-from rollout.engines.base import RolloutEngine  # noqa: E402
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.generate_state import GenerateState, MultiLoRAHooks, observation_ids  # noqa: E402
 from rollout.types import (  # noqa: E402
     AdapterRef,
     EnvironmentSpec,
     GenerateRequest,
-    GenerateResult,
     RewardSpec,
     SampleStatus,
     SamplingParams,
 )
 from rollout.verifiers_env import ENVIRONMENT_PATH, generate_rows, load_verifiers_env  # noqa: E402
-from tests.tiny_models import CHAT_TEMPLATE, EOS_ID, tiny_model, tiny_tokenizer  # noqa: E402
+from tests.tiny_models import CHAT_TEMPLATE, EOS_ID, ScriptedEngine, tiny_model, tiny_tokenizer  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8)
 # The tiny template plus the tools, as Hermes-style templates render them (names only: the tiny vocabulary is ASCII)
@@ -326,37 +324,13 @@ def test_a_multi_turn_episode_runs_to_the_environments_end(setup):
         assert library["metrics"]["num_turns"] == 3
 
 
-class Scripted(RolloutEngine):
-    """Answers each request with the next scripted text (then EOS), log-prob -0.5 per token; keeps the requests."""
-
-    def __init__(self, tok, texts: list[str]):
-        self.tok, self.texts, self.requests = tok, list(texts), []
-
-    def generate(self, requests):
-        out = []
-        for r in requests:
-            self.requests.append(r)
-            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [EOS_ID]
-            out.append(GenerateResult(output_ids=ids, output_logprobs=[-0.5] * len(ids), weight_version=1))
-        return out
-
-    def load_adapter(self, name, tensors, config, version=None):
-        return 1
-
-    def unload_adapter(self, name): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self):
-        return True
-
-
 def test_a_tool_call_is_dispatched_by_the_environment_and_its_result_is_an_environment_turn():
     tok = _tools_tokenizer()
     (group, *_) = _groups(tok, "tools", prompts=1, n=1)
     a, b = (int(x) for x in group[0].metadata["verifiers"]["input"]["prompt"][-1]["content"].rstrip("=").split("+"))
     arguments = {"a": a, "b": b}
     call = f'<tool_call>{{"name": "add", "arguments": {json.dumps(arguments)}}}</tool_call>'
-    engine = Scripted(tok, [call, str(a + b)])  # the model calls the tool, then answers with its result
+    engine = ScriptedEngine(tok, [call, str(a + b)])  # the model calls the tool, then answers with its result
     (s,) = _run(engine, tok, [group])
     assert s.status == SampleStatus.COMPLETED and s.metadata["turns"] == 2
     first, second = engine.requests

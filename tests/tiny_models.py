@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+from rollout.engines.base import RolloutEngine
+from rollout.types import GenerateResult
+
 FAMILIES = ("qwen2", "qwen3", "llama")  # the dense families tests run over; "qwen3_moe" is asked for by name
 # The packed expert Parameters of the qwen3_moe family, as PEFT's target_parameters name them.
 MOE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -134,3 +137,28 @@ def sum_task_adapter(data_dir: str | Path, name: str, seed: int, **over) -> dict
         "seed": seed,
         **over,
     }
+
+
+class ScriptedEngine(RolloutEngine):
+    """An engine that answers each request with the next scripted text (then EOS), log-prob -0.5 per token, and keeps
+    the requests it got: environment tests drive a whole episode with known model turns."""
+
+    def __init__(self, tok, texts: list[str]):
+        self.tok, self.texts, self.requests = tok, list(texts), []
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [EOS_ID]
+            out.append(GenerateResult(output_ids=ids, output_logprobs=[-0.5] * len(ids), weight_version=1))
+        return out
+
+    def load_adapter(self, name, tensors, config, version=None):
+        return 1
+
+    def unload_adapter(self, name): ...
+    def pause(self): ...
+    def resume(self): ...
+    def health(self):
+        return True
