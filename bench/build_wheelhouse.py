@@ -76,7 +76,11 @@ def main() -> None:
         action="append",
         help="the GPU machine's wheel platform tags (repeatable; default manylinux_2_28_x86_64 and manylinux2014_x86_64)",
     )
-    p.add_argument("--with-data", action="store_true", help="add datasets and math-verify with their pinned deps (the GRPO sections; ~1.3 MB)")
+    p.add_argument(
+        "--with-data",
+        action="store_true",
+        help="add datasets and math-verify with their pinned deps (the GRPO sections; ~1.3 MB)",
+    )
     args = p.parse_args()
     names = CORE + DATA if args.with_data else CORE
     if args.list:

@@ -42,8 +42,8 @@ from rl_multilora.backends.base import TrainingBackend, paging_stats_of
 from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
-from rl_multilora.host_memory import release_freed_memory
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
+from rl_multilora.host_memory import release_freed_memory
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.shares import fair_quotas
 from rl_multilora.tenants import TenantManager, TenantState

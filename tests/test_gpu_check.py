@@ -51,7 +51,18 @@ def test_wheelhouse_list_names_the_project_and_what_the_gpu_machine_lacks_withou
     assert {"pydantic", "pytest"} <= {line.split("==")[0] for line in core[1:-1]}
     assert {"datasets", "dill", "multiprocess", "pydantic"} <= names
     # what the GPU image holds (pyarrow alone is 55 MB, over what the device tool carries) is not in the wheelhouse
-    assert not names & {"ray", "sglang", "torch", "transformers", "peft", "safetensors", "aiohttp", "pyyaml", "pyarrow", "pandas"}
+    assert not names & {
+        "ray",
+        "sglang",
+        "torch",
+        "transformers",
+        "peft",
+        "safetensors",
+        "aiohttp",
+        "pyyaml",
+        "pyarrow",
+        "pandas",
+    }
     assert core[-1].startswith("pip install --no-index --find-links wh --no-deps rl-multilora pydantic")
     assert "datasets" not in core[-1] and "datasets" in full[-1]
     assert not (ROOT / "wh").exists()
