@@ -265,19 +265,19 @@ def _reasoning_gym_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
     tasks carry metadata of different shapes, which one Arrow schema would not hold."""
     from rollout.reasoning_gym_source import generate_rows
 
-    size = 500 if spec.size is None else spec.size
-    test_size = 0 if spec.test_size is None else spec.test_size
-    seed = 0 if spec.seed is None else spec.seed
-    try:
-        return generate_rows(spec.task, spec.config, seed, size, test_size, spec.split)
-    except ValueError as exc:
-        raise DatasetError(str(exc)) from exc
+    return _generated_rows(spec, generate_rows)
 
 
 def _textarena_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
     """One game per seed (rollout/textarena_env.py), the same defaults as reasoning_gym's."""
     from rollout.textarena_env import generate_rows
 
+    return _generated_rows(spec, generate_rows)
+
+
+def _generated_rows(spec: DatasetSpec, generate_rows) -> list[dict[str, Any]]:
+    """`generate_rows(task, config, seed, size, test_size, split)` with the sources' shared defaults (500 train rows,
+    no test rows, seed 0); its ValueError becomes a DatasetError."""
     size = 500 if spec.size is None else spec.size
     test_size = 0 if spec.test_size is None else spec.test_size
     seed = 0 if spec.seed is None else spec.seed
