@@ -12,62 +12,139 @@ idea as fused linear + cross-entropy kernels such as Liger's, here in plain PyTo
 Gradients (z = logits / T of one token, p = softmax(z), H = entropy, lse = logsumexp(z)):
   d logp(t) / dz = onehot(t) - p
   d H / dz       = -p * (log p + H) = -p * (z - lse + H)
-and dz/dh = W / T. The head's weight is frozen (no LoRA on `lm_head`), so no gradient is formed for it.
+and dz/dh = W / T. The head's weight is frozen, so no gradient is formed for it.
+
+With a LoRA on `lm_head` (`MultiLoRAModel.head_lora`), each token's logits add its own slot's delta,
+  z = (h @ W.T + b + scale * (h @ A[s].T) @ B[s].T) / T,
+computed per used slot inside each chunk, so the full-vocabulary logits are still never kept. The backward forms the
+gradients of that slot's A (R, H) and B (V, R) from the same recomputed chunk: with g = dL/dz * (1/T) and u = scale *
+h @ A[s].T, dB[s] += g.T @ u, dA[s] += scale * (g @ B[s]).T @ h, and dh gets scale * (g @ B[s]) @ A[s] on top.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from rl_multilora.lora.model import HeadLoRA
 
 DEFAULT_CHUNK = 1024  # tokens per chunk: (chunk, V) float32 is 200 MB at V = 49,152; 4 KB per token-vocab row
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: torch.Tensor, dtype):
-    """z = (h @ W.T + b) / T for one chunk, in `dtype` (float32 at least: half-precision logits are upcast)."""
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: torch.Tensor, dtype,
+                  lora: _Lora | None = None, span: slice = slice(None)):  # fmt: skip
+    """z = (h @ W.T + b + LoRA delta) / T for one chunk (tokens `span`), in `dtype` (float32 at least: half-precision
+    logits are upcast)."""
     z = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (c, V)
+    if lora is not None:
+        for s, idx, scale in lora.groups(span):  # z[idx] += scale * (h[idx] @ A[s].T) @ B[s].T
+            u = (h[idx].to(lora.dtype) @ lora.a[s].T) * scale  # (k, r)
+            z[idx] += (u @ lora.b[s].T).to(dtype)
     return z * inv_t[:, None]
+
+
+class _Lora:
+    """The head LoRA of one call, at its rank: per slot A[s] (r, H) and B[s] (V, r), and per token its slot."""
+
+    def __init__(self, head: HeadLoRA):
+        self.a = head.lora_a.detach()[:, : head.rank]  # (S, r, H)
+        self.b = head.lora_b.detach()[:, :, : head.rank]  # (S, V, r)
+        self.dtype = self.a.dtype
+        self.head = head
+        self.slots = head.slots.tolist()
+        self.scales = head.scales.tolist()
+
+    def groups(self, span: slice):
+        """(slot, token indices within the span (k,), scale) of each used slot among the span's tokens."""
+        by_slot: dict[int, list[int]] = {}
+        for i, s in enumerate(self.slots[span]):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(i)
+        device = self.head.slots.device
+        for s, idx in sorted(by_slot.items()):
+            yield s, torch.tensor(idx, device=device), self.scales[span][idx[0]]
 
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, chunk: int, dtype):
-        # hidden: (N, H), weight: (V, H), bias: (V,) or None, targets: (N,), inv_t: (N,) 1 / temperature per token
+    def forward(ctx, hidden, weight, bias, targets, inv_t, chunk: int, dtype, lora_a, lora_b, lora: _Lora | None):
+        # hidden: (N, H), weight: (V, H), bias: (V,) or None, targets: (N,), inv_t: (N,) 1 / temperature per token;
+        # lora_a / lora_b: the head LoRA's stacked Parameters (only for autograd to see them) or None
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype)  # (c, V)
+            z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype, lora, slice(s, e))  # (c, V)
             l_se = torch.logsumexp(z, dim=-1)  # (c,)
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - l_se
             p = torch.exp(z - l_se[:, None])  # (c, V)
             entropy[s:e] = l_se - (p * z).sum(-1)  # H = lse - sum p z
             lse[s:e] = l_se
         ctx.save_for_backward(hidden, weight, bias, targets, inv_t, lse, entropy)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.lora = chunk, dtype, lora
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, targets, inv_t, lse, entropy = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None
+        lora: _Lora | None = ctx.lora
+        want_a, want_b = (ctx.needs_input_grad[7], ctx.needs_input_grad[8]) if lora is not None else (False, False)
+        if not (ctx.needs_input_grad[0] or want_a or want_b):
+            return (None,) * 10
         n, chunk, dtype = hidden.shape[0], ctx.chunk, ctx.dtype
         g_logp = torch.zeros(n, dtype=dtype, device=hidden.device) if g_logp is None else g_logp.to(dtype)
         g_entropy = torch.zeros(n, dtype=dtype, device=hidden.device) if g_entropy is None else g_entropy.to(dtype)
         grad_hidden = torch.empty_like(hidden)
+        grad_a: dict[int, torch.Tensor] = {}  # slot -> dA (r, H), in the LoRA dtype
+        grad_b: dict[int, torch.Tensor] = {}  # slot -> dB (V, r)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype)  # (c, V)
+            z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype, lora, slice(s, e))  # (c, V)
             log_p = z - lse[s:e, None]
             p = torch.exp(log_p)
             # g_z = g_logp * (onehot - p) - g_H * p * (log p + H)
             g_z = p * (-(g_logp[s:e, None]) - g_entropy[s:e, None] * (log_p + entropy[s:e, None]))
             g_z.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
             g_z = g_z * inv_t[s:e, None]  # through z = logits / T
-            grad_hidden[s:e] = (g_z.to(weight.dtype) @ weight).to(hidden.dtype)  # (c, H)
-        return grad_hidden, None, None, None, None, None, None
+            g_h = g_z.to(weight.dtype) @ weight  # (c, H)
+            if lora is not None:
+                g_h = g_h.to(dtype)
+                for slot, idx, scale in lora.groups(slice(s, e)):
+                    a, b = lora.a[slot], lora.b[slot]  # (r, H), (V, r)
+                    h = hidden[s:e][idx].to(lora.dtype)  # (k, H)
+                    g = g_z[idx].to(lora.dtype)  # (k, V)
+                    g_u = (g @ b) * scale  # d/d(h @ A.T): (k, r)
+                    g_h[idx] += (g_u @ a).to(dtype)
+                    if want_b:
+                        db = g.T @ ((h @ a.T) * scale)  # (V, r)
+                        grad_b[slot] = db if slot not in grad_b else grad_b[slot] + db
+                    if want_a:
+                        da = g_u.T @ h  # (r, H)
+                        grad_a[slot] = da if slot not in grad_a else grad_a[slot] + da
+            grad_hidden[s:e] = g_h.to(hidden.dtype)
+        stacked_a = _stacked_grad(lora, grad_a, 0) if want_a else None
+        stacked_b = _stacked_grad(lora, grad_b, 1) if want_b else None
+        return grad_hidden, None, None, None, None, None, None, stacked_a, stacked_b, None
+
+
+def _stacked_grad(lora: _Lora, per_slot: dict[int, torch.Tensor], which: int) -> torch.Tensor | None:
+    """The gradient of the stacked A (which=0) or B (1) from each used slot's true-rank gradient: handed to the
+    sink as a compact (U, ...) tensor (None to autograd), or a zero-filled (S, ...) one, zero beyond the rank."""
+    stacked = lora.head.lora_a if which == 0 else lora.head.lora_b
+    used = sorted(per_slot)
+    r = lora.head.rank
+    compact = stacked.new_zeros(len(used), *stacked.shape[1:])  # (U, R, H) or (U, V, R)
+    for i, s in enumerate(used):
+        (compact[i, :r] if which == 0 else compact[i, :, :r]).copy_(per_slot[s])
+    ids = torch.tensor(used, dtype=torch.long, device=stacked.device)
+    if lora.head.sink is not None:
+        lora.head.sink.add(stacked, ids, compact)
+        return None
+    return stacked.new_zeros(stacked.shape).index_copy_(0, ids, compact)
 
 
 def token_logp_entropy(
@@ -77,12 +154,15 @@ def token_logp_entropy(
     targets: torch.Tensor,
     inv_temperature: torch.Tensor | float,
     chunk: int = DEFAULT_CHUNK,
+    lora: HeadLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: `log softmax((h @ W.T + b) / T)[target]` and the entropy of that distribution, both (N,), computed
-    `chunk` tokens at a time in float32 (float64 for a float64 head); differentiable in `hidden` only.
+    `chunk` tokens at a time in float32 (float64 for a float64 head); differentiable in `hidden` and, with `lora`,
+    in the head LoRA's slots (their gradients go to the Parameters' `.grad` or to `lora.sink`).
 
     hidden: (N, H) the last hidden state before each target; weight: (V, H) the output head's (frozen) weight;
-    targets: (N,) token ids; inv_temperature: a float or (N,) per-token 1 / T."""
+    targets: (N,) token ids; inv_temperature: a float or (N,) per-token 1 / T; lora: each token's LoRA delta on the
+    head (`MultiLoRAModel.head_lora`), None for none."""
     if chunk < 1:
         raise ValueError(f"chunk={chunk!r} is not allowed; allowed: an integer >= 1")
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -90,5 +170,8 @@ def token_logp_entropy(
     if not isinstance(inv_temperature, torch.Tensor):
         inv_temperature = torch.full((n,), float(inv_temperature), dtype=dtype, device=hidden.device)
     inv_t = inv_temperature.to(dtype=dtype, device=hidden.device).expand(n).contiguous()
+    head = _Lora(lora) if lora is not None else None
+    # the stacked LoRA Parameters are passed (not used) so that autograd calls the backward for their gradients
+    lora_a, lora_b = (lora.lora_a, lora.lora_b) if lora is not None else (None, None)
     return _TokenLogProbs.apply(hidden, weight.detach(), None if bias is None else bias.detach(), targets, inv_t,
-                                chunk, dtype)  # fmt: skip
+                                chunk, dtype, lora_a, lora_b, head)  # fmt: skip

@@ -202,6 +202,7 @@ class TrainOps:
         ]
         grads = None if t.grads is None else [None if g is None else _host(g) for g in t.grads]
         paged = PagedTenant(info.rank, info.alpha, self.model.adapter_modules(name), weights, moments, grads)
+        paged.peft_config = self.model.peft_config(name)  # a sync may push it from here (`paged_state_dict`)
         self.model.remove_adapter(name)
         t.slot, t.grads = -1, None
         del self._resident[name]
@@ -215,28 +216,54 @@ class TrainOps:
         t0 = time.perf_counter()
         self.make_room(keep={*keep, name})
         t = self.tenant(name)
-        paged = self.store.take(name)
-        device = self.model.lora_device
-        weights = [w.to(device) for w in paged.weights]
-        t.slot = self.model.place_adapter(name, paged.rank, paged.alpha, paged.modules, weights)
-        params = self.model.adapter_parameters(name)
-        states = []
-        for i, (p, state) in enumerate(zip(params, paged.moments, strict=True)):
-            full = {}
-            for k, v in state.items():
-                if v.dim() > 0:  # a moment at true rank: the ranks above it are exact zeros
-                    full[k] = torch.zeros_like(p)
-                    full[k][_rank_part(i, paged.rank)].copy_(v)
-                else:
-                    full[k] = v
-            states.append(full)
-        t.optim.attach(params, states)
-        t.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
+        paged = self._prepare(self.store.take(name))  # a no-op for a prefetched tenant
+        t.slot = self.model.place_adapter(name, paged.rank, paged.alpha, paged.modules, paged.weights)
+        t.optim.attach(self.model.adapter_parameters(name), paged.moments)
+        t.grads = paged.grads
         self._resident[name] = None
         stats = self.store.stats
         stats.page_ins += 1
         stats.by_tenant[name] = stats.by_tenant.get(name, 0) + 1
         stats.page_in_s += time.perf_counter() - t0
+
+    def prefetch(self, names: Iterable[str]) -> list[str]:
+        """Prepare the paged-out tenants of `names` for their page-in, in the store's background thread (see
+        `TenantStore.stage`): what a step's page-in then does is the slot copy. Returns those staged now."""
+        if self.store is None:
+            return []
+        out = [n for n in names if n in self.tenants and not self.is_resident(n)]
+        return self.store.stage(out[: self.model.max_loras], self._prepare)
+
+    def _prepare(self, paged: PagedTenant) -> PagedTenant:
+        """What a page-in puts into a slot and its optimizer, from a stored tenant: weights, gradient and moments
+        on the slots' device, each moment zero-padded from its true rank to the slot tensor's shape (the ranks above
+        it are exact zeros in the slot and its moments). Runs in the prefetch thread too: it reads only `paged` and
+        the model's fixed shapes, never a slot."""
+        if paged.prepared:
+            return paged
+        device, max_rank = self.model.lora_device, self.model.max_rank
+        moments = []
+        for i, state in enumerate(paged.moments):
+            full = {}
+            for k, v in state.items():
+                if v.dim() > 0:  # a moment at true rank: (..., r, in) for A, (..., out, r) for B
+                    shape = (*v.shape[:-1], max_rank) if i % 2 else (*v.shape[:-2], max_rank, v.shape[-1])
+                    full[k] = torch.zeros(shape, dtype=v.dtype, device=device)
+                    full[k][_rank_part(i, paged.rank)].copy_(v)
+                else:
+                    full[k] = v
+            moments.append(full)
+        paged.weights = [w.to(device) for w in paged.weights]
+        paged.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
+        paged.moments, paged.prepared = moments, True
+        return paged
+
+    def paged_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A paged-out tenant's PEFT tensors (true rank) and adapter_config.json content, read from the store
+        without paging it in: what a weight sync pushes for a changed adapter that was evicted before the sync."""
+        assert self.store is not None
+        paged = self.store.peek(name)
+        return peft_tensors(self.model, paged), dict(paged.peft_config)
 
     def tenant(self, name: str) -> TenantTrainState:
         if name not in self.tenants:
@@ -427,7 +454,8 @@ class TrainOps:
             hidden = self.model.forward_hidden(input_ids, attention_mask=attention_mask, adapter_names=adapter_names)
             picked = hidden[tok.row, tok.pos - 1]  # (N, H): the state before each loss token
             inv_t = 1.0 / (self.temperature if temperature is None else temperature)
-            return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t)
+            lora = self.model.head_lora(adapter_names, tok.row)  # each token's LoRA on lm_head, if it is a target
+            return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t, lora=lora)
         width = input_ids.shape[1]
         # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
         # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
@@ -464,6 +492,30 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     """A compact host-memory copy of `t` (never a view of a slot)."""
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t)
+    return out
+
+
+def peft_tensors(model: MultiLoRAModel, paged: PagedTenant) -> dict[str, torch.Tensor]:
+    """A stored tenant's weights with PEFT key names, as `MultiLoRAModel.adapter_state_dict` names its slot's: the
+    weights are `adapter_slot_tensors` order (A then B per covered module in model order, then per covered expert
+    Parameter), at true rank."""
+    from rl_multilora.lora.experts import expert_a_per_expert
+    from rl_multilora.lora.peft_io import expert_key_stems, expert_to_peft, peft_key
+
+    pairs = iter(zip(paged.weights[0::2], paged.weights[1::2], strict=True))
+    out: dict[str, torch.Tensor] = {}
+    for module in model.lora_modules:
+        if module in paged.modules:
+            a, b = next(pairs)
+            out[peft_key(module, "A")], out[peft_key(module, "B")] = a.detach().clone(), b.detach().clone()
+    shapes = model.expert_shapes
+    covered = [p for p in model.lora_parameters if p in paged.modules]
+    stems = expert_key_stems(covered, shapes)
+    for param in covered:
+        a, b = next(pairs)
+        stem = stems[param]
+        lora_a, lora_b = expert_to_peft(expert_a_per_expert(a.detach(), shapes[param].num_experts), b.detach())
+        out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = lora_a.clone(), lora_b.contiguous().clone()
     return out
 
 

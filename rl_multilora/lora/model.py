@@ -522,6 +522,17 @@ class MultiLoRAModel(nn.Module):
         parsed = parse_peft_adapter(
             state_dict, config, self.layer_shapes, self.max_rank, source or f"for {name!r}", self._expert_shapes
         )
+        differ = [
+            m
+            for m, w in parsed.base_copies.items()
+            if not torch.equal(w.to(self._layers[m].weight), self._layers[m].weight)
+        ]
+        if differ:
+            raise ValueError(
+                f"adapter {source or name!r} holds base weights for {differ} (PEFT's save_embedding_layers) that differ "
+                "from this model's: every slot shares one base, so an adapter cannot bring its own; save it with "
+                "save_embedding_layers=False on this base"
+            )
         slot = self.slot_of(name) if name in self.adapters else self._claim_slot(name)
         self._reset_slot(slot)
         with torch.no_grad():
@@ -696,11 +707,15 @@ class MultiLoRAModel(nn.Module):
         out = self.forward(input_ids, attention_mask, adapter_names, decoder_only=True, **hf_kwargs)
         return out.last_hidden_state
 
-    def output_head(self) -> nn.Linear | None:
-        """The output head when logits are exactly `lm_head(hidden)`: a plain (unsharded, LoRA-free) Linear and no
-        logit soft-capping or scaling in the model's config. None otherwise: callers then use `forward`'s logits."""
+    def output_head(self) -> nn.Linear | LoRALinear | None:
+        """The output head when logits are exactly `lm_head(hidden)` (plus, when `lm_head` is a LoRA target, the
+        rows' LoRA delta, which `head_lora` describes): a plain Linear or a `LoRALinear`, unsharded, and no logit
+        soft-capping or scaling in the model's config. None otherwise: callers then use `forward`'s logits. Its
+        `weight` / `bias` are the frozen base head's; calling it outside `forward` gives the base logits only."""
         head = self.base_model.get_output_embeddings()
-        if type(head) is not nn.Linear or hasattr(head.weight, "placements"):  # a LoRA layer or an FSDP DTensor
+        if type(head) not in (nn.Linear, LoRALinear) or any(  # a DTensor: FSDP shards the head or its slots
+            hasattr(t, "placements") for t in (head.weight, getattr(head, "lora_A", None))
+        ):
             return None
         config = self.base_model.config
         for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
@@ -708,6 +723,45 @@ class MultiLoRAModel(nn.Module):
             if value is not None and value != 1:
                 return None
         return head
+
+    def head_lora(self, adapter_names: Sequence[str | None], rows: torch.Tensor) -> HeadLoRA | None:
+        """The output head's LoRA for N tokens taken from the batch rows `rows` ((N,) each token's row) of a forward
+        routed by `adapter_names`: what `rl_multilora.token_logprobs` adds to `hidden @ W.T` per token. None when
+        `lm_head` is not a LoRA target or no token's adapter covers it (the frozen base head for every token)."""
+        head = self.output_head()
+        if not isinstance(head, LoRALinear):
+            return None
+        slots = self._resolve_slots(len(adapter_names), adapter_names, None, None)
+        scale = {
+            s: r.info.scale
+            for s in set(slots)
+            if s != BASE_SLOT and (r := self._slots[s]) is not None and head.name in r.modules
+        }
+        if not scale:
+            return None
+        per_row = [s if s in scale else BASE_SLOT for s in slots]  # a row whose adapter skips lm_head: the base head
+        token_slots = torch.tensor(per_row, dtype=torch.long, device=rows.device)[rows]  # (N,)
+        token_scales = torch.tensor([scale.get(s, 0.0) for s in per_row], device=rows.device)[rows]  # (N,) float32
+        rank = max(self._slots[s].info.rank for s in scale)
+        sink = self._grad_sink if torch.is_grad_enabled() else None
+        return HeadLoRA(head.lora_A, head.lora_B, token_slots, token_scales, rank, sink)
+
+
+@dataclass(frozen=True)
+class HeadLoRA:
+    """The output head's LoRA slots and, per token, the slot and scale that token's logits use:
+    `z[i] = h[i] @ W.T + b + scales[i] * (h[i] @ A[s].T) @ B[s].T`, s = slots[i] (-1: no delta).
+
+    lora_a: (S, R, H), lora_b: (S, V, R) the stacked Parameters (every slot); slots: (N,) long; scales: (N,); rank:
+    the largest true rank among the used slots (the product runs at it; higher ranks are exact zeros); sink: where
+    the gradients of A and B go (a `SlotGradSink`, used slots only), None for the Parameters' `.grad`."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    slots: torch.Tensor
+    scales: torch.Tensor
+    rank: int
+    sink: SlotGradSink | None = None
 
 
 def _checkpointing_on(model: nn.Module) -> bool:

@@ -44,6 +44,9 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _PEFT_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_(A|B)\.weight")
+# A copy of a LoRA module's base weight: PEFT's `save_embedding_layers="auto"` writes the output head's (and the input
+# embedding's) base weight next to a LoRA on `lm_head`, for a vocabulary the adapter resized.
+_BASE_COPY_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.base_layer\.weight")
 
 # PEFT LoraConfig fields whose non-default values change the math in ways this model (and SGLang) does not do:
 # field -> (allowed values, the first being PEFT's default; why another value is refused).
@@ -183,6 +186,9 @@ class _ParsedAdapter:
     experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )  # param -> A (E, r, in) (shared A: (1, r, in)), B (E, out, r)
+    # module -> the copy of its base weight (out, in) the file holds (PEFT's save_embedding_layers); the loader
+    # checks that it is the model's own (one base serves every slot)
+    base_copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def expert_key_stems(covered: Sequence[str], expert_shapes: Mapping[str, ExpertShape]) -> dict[str, str]:
@@ -285,8 +291,19 @@ def parse_peft_adapter(
 
     found: dict[str, dict[str, torch.Tensor]] = {}
     found_experts: dict[str, dict[str, torch.Tensor]] = {}
+    base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
         match = _PEFT_KEY.fullmatch(key)
+        copy = _BASE_COPY_KEY.fullmatch(key) if match is None else None
+        if copy is not None and copy.group(1) in layer_shapes:
+            in_features, out_features = layer_shapes[copy.group(1)]
+            if tuple(tensor.shape) == (out_features, in_features):
+                base_copies[copy.group(1)] = tensor
+                continue
+            problems.append(
+                f"key {key!r} has shape {tuple(tensor.shape)}; the base weight is {(out_features, in_features)}"
+            )
+            continue
         if match is None:
             problems.append(
                 f"unexpected key {key!r}; allowed: '{PEFT_PREFIX}<module>.lora_A.weight' / '.lora_B.weight'"
@@ -359,7 +376,7 @@ def parse_peft_adapter(
             experts[name] = (lora_a, lora_b)
     if problems:
         raise ValueError(f"adapter {source} does not match this model:\n  - " + "\n  - ".join(problems))
-    return _ParsedAdapter(rank, alpha, tensors, experts)
+    return _ParsedAdapter(rank, alpha, tensors, experts, base_copies)
 
 
 def target_modules_for(covered: Sequence[str], all_modules: Sequence[str]) -> list[str]:
