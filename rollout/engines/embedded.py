@@ -19,6 +19,15 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   plain `DynamicLayer` caches; models with sliding-window layers run queued rows in the next wave.
 - Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
   prefilled once; the cache, the mask and the last logits are then expanded by index.
+- Prefix reuse across requests (`prefix_cache_bytes`, `prefix_cache.py`): when a row finishes, the KV of its
+  prompt and output is kept in a bounded LRU cache keyed by its adapter's load generation and the token ids. A later
+  prompt that starts with tokens of an entry (an episode's next turn, a group sample prefilled after a sibling
+  finished) takes their KV and prefills only the rest: the cached KV is left-padded to a common width, the new
+  tokens are left-padded after it (a row's mask may then have a gap of padding between the two, which attention
+  masks out like any padding) and continue at each row's own position ids. Every `load_adapter` drops the
+  adapter's entries. The reused KV was computed by other matmul shapes than a full prefill (decode steps, a longer
+  batch), so the logits agree with the uncached path within float tolerance, not bit for bit; a prefill with no
+  hit is exactly the uncached one.
 - Sampling is per row with the row's own `torch.Generator` (seeded from the request's `seed`, else
   from the engine's seed sequence), so a row's tokens do not depend on which other rows share the
   batch (`sampling.py`).
@@ -91,11 +100,14 @@ from transformers.cache_utils import DynamicLayer
 from rl_multilora.lora import validate_adapter_name
 from rl_multilora.lora.peft_io import parse_peft_adapter
 from rollout.engines.base import RolloutEngine
+from rollout.engines.prefix_cache import BLOCK as PREFIX_BLOCK
+from rollout.engines.prefix_cache import AdapterKey, PrefixCache, PrefixEntry
 from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 _NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
 _SEED_RANGE = 2**64  # a torch.Generator seed is an unsigned 64-bit integer
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 
 PAUSE_MODES = ("abort", "wait")
 logger = logging.getLogger(__name__)
@@ -107,6 +119,7 @@ class _AdapterEntry:
 
     slot: int
     version: int
+    generation: int  # bumped by every load_adapter: what the prefix cache keys an adapter's weights by
 
 
 class _Job:
@@ -139,6 +152,8 @@ class _Row:
     slot: int = -1
     version: int | None = None
     holds_slot: bool = False  # counted in the engine's rows per slot until it finishes
+    cache_key: AdapterKey = (None, 0)  # the prefix cache's key of the weights it runs on
+    reused: PrefixEntry | None = None  # the prefix cache entry its prefill reused whole, if any
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -223,7 +238,8 @@ class EmbeddedEngine(RolloutEngine):
     `tokenizer` is used for EOS and stop strings (may be None when no request uses stop strings),
     `max_batch_size` caps the rows of one wave, `batch_wait_s` is how long the worker waits for
     more requests once the first one arrives, `seed` seeds the per-row generators of requests
-    without their own seed, `eos_token_ids` overrides the EOS set.
+    without their own seed, `eos_token_ids` overrides the EOS set, `prefix_cache_bytes` bounds the KV kept for reuse
+    by later requests (0 = off; see the module docstring).
     """
 
     def __init__(
@@ -236,10 +252,14 @@ class EmbeddedEngine(RolloutEngine):
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         page_adapters: bool = False,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.publishes_without_pause = True
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed; allowed: an integer >= 1")
+        if not isinstance(prefix_cache_bytes, int) or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0:
+            allowed = "an int >= 0 (0 = no prefix cache)"
+            raise ValueError(f"prefix_cache_bytes={prefix_cache_bytes!r} is not allowed; allowed: {allowed}")
         if batch_wait_s < 0:
             raise ValueError(f"batch_wait_s={batch_wait_s!r} is not allowed; allowed: a number of seconds >= 0")
         self._model = model
@@ -277,6 +297,13 @@ class EmbeddedEngine(RolloutEngine):
         self._lru: OrderedDict[str, None] = OrderedDict()
         self.bank_page_ins = 0
         self.bank_page_in_s = 0.0
+        # Prefix reuse: only over plain `DynamicLayer` caches, whose KV can be seeded and left-padded (a sliding-window
+        # layer keeps a rolling window). The counters: prompt tokens asked for, and those whose KV came from the cache.
+        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=self._config).layers)
+        self._prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and plain else None
+        self._generations = 0
+        self.prompt_tokens = 0
+        self.reused_tokens = 0
 
         # `_cond` guards the queue, the pause flags and `_busy`; `_weights_lock` is held by the
         # worker around each model call and by load/unload, so weights never change mid-forward.
@@ -345,9 +372,21 @@ class EmbeddedEngine(RolloutEngine):
             new_version = version if version is not None else self._last_version.get(name, -1) + 1
             if retire:  # its running rows finish on the old slot, which is freed after the last of them
                 self._retiring[entry.slot] = (name, entry.version)
-            self._adapters[name] = _AdapterEntry(slot=slot, version=new_version)
+            self._adapters[name] = _AdapterEntry(slot=slot, version=new_version, generation=self._new_generation(name))
             self._last_version[name] = new_version
         return new_version
+
+    def _new_generation(self, name: str) -> int:
+        """A new load of `name`'s weights: its prefix cache entries of earlier loads are dropped."""
+        self._generations += 1
+        if self._prefix_cache is not None:
+            self._prefix_cache.set_generation(name, self._generations)
+        return self._generations
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (its `hits`, `misses`, `evictions`, `nbytes`), or None when off."""
+        return self._prefix_cache
 
     def _free_bank_slots(self) -> list[int]:
         used = {e.slot for e in self._adapters.values()} | set(self._retiring)
@@ -387,7 +426,9 @@ class EmbeddedEngine(RolloutEngine):
         new_version = version if version is not None else self._last_version.get(name, -1) + 1
         if entry is not None and entry.slot >= 0 and entry.slot != slot:  # its running rows finish on the old slot
             self._retiring[entry.slot] = (name, entry.version)
-        self._adapters[name] = _AdapterEntry(slot=-1 if slot is None else slot, version=new_version)
+        self._adapters[name] = _AdapterEntry(
+            slot=-1 if slot is None else slot, version=new_version, generation=self._new_generation(name)
+        )
         self._last_version[name] = new_version
         self._host[name] = (tensors, config)
         self._lru.pop(name, None)
@@ -418,6 +459,8 @@ class EmbeddedEngine(RolloutEngine):
                 raise KeyError(f"adapter {name!r} is not loaded in the engine; loaded: {sorted(self._adapters)}")
             self._host.pop(name, None)
             self._lru.pop(name, None)
+            if self._prefix_cache is not None:
+                self._prefix_cache.forget(name)
             if entry.slot < 0:  # parked: nothing in the bank
                 return
             self._bank.clear(entry.slot)
@@ -688,9 +731,13 @@ class EmbeddedEngine(RolloutEngine):
                     with self._weights_lock:
                         batch.select(good)
                 tokens, logprobs = self._sample(batch.logits, batch.rows)  # (B,), (B,)
-                keep = [
-                    i for i, row in enumerate(batch.rows) if not self._append_and_check(row, tokens[i], logprobs[i])
-                ]
+                reasons = [self._append(row, tokens[i], logprobs[i]) for i, row in enumerate(batch.rows)]
+                done = [i for i, reason in enumerate(reasons) if reason is not None]
+                if done and self._prefix_cache is not None:  # before the callers hear back: their next turn hits
+                    self._keep_prefixes(batch, done)
+                for i in done:
+                    self._finish(batch.rows[i], reasons[i])
+                keep = [i for i, reason in enumerate(reasons) if reason is None]
                 with self._weights_lock:
                     if self._abort_requested():
                         error = "aborted by pause(mode='abort') or close(); resubmit the request"
@@ -770,6 +817,7 @@ class EmbeddedEngine(RolloutEngine):
                 if self._page:
                     self._lru.move_to_end(name)
                 row.slot, row.version = entry.slot, entry.version
+                row.cache_key = (name, entry.generation)
                 with self._slots_lock:
                     self._slot_rows[row.slot] = self._slot_rows.get(row.slot, 0) + 1
                 row.holds_slot = True
@@ -791,25 +839,81 @@ class EmbeddedEngine(RolloutEngine):
             self._finish(row, "abort", error=error)
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
-        """Left-padded batched prefill of each distinct (prompt, adapter), expanded to one cache row per row."""
+        """Left-padded batched prefill of each distinct (prompt, adapter), expanded to one cache row per row.
+
+        With the prefix cache, a prompt whose first m tokens have cached KV feeds only its last n - m: row u's cache
+        is [left padding | its m cached columns] (width W0 = max m) and its new tokens are left-padded after it, so
+        its mask reads [0.. 1*m 0.. 1*(n - m)]. With no hit W0 = 0 and this is the plain left-padded prefill.
+        """
         unique: dict[tuple[tuple[int, ...], int], int] = {}
         row_to_unique = [unique.setdefault((tuple(r.request.input_ids), r.slot), len(unique)) for r in rows]
         prompts = list(unique)
-        width = max(len(ids) for ids, _ in prompts)
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, T) left-padded with token 0
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, T) 1 = real token
-        for i, (ids, _) in enumerate(prompts):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            mask[i, width - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (U, T) real tokens count from 0 after the padding
+        first = {u: row for u, row in reversed(list(zip(row_to_unique, rows, strict=True)))}  # a row of each prompt
+        hits: list[tuple[PrefixEntry | None, int]] = [(None, 0)] * len(prompts)
+        if self._prefix_cache is not None:  # reuse at most n - 1 tokens: the last one's logits are needed
+            hits = [
+                self._prefix_cache.lookup(first[u].cache_key, ids, len(ids) - 1) for u, (ids, _) in enumerate(prompts)
+            ]
+        for row, u in zip(rows, row_to_unique, strict=True):
+            entry, m = hits[u]
+            row.reused = entry if entry is not None and m == len(entry.tokens) else None
+        self.prompt_tokens += sum(len(ids) for ids, _ in prompts)
+        self.reused_tokens += sum(m for _, m in hits)
+        width = max(len(ids) - m for (ids, _), (_, m) in zip(prompts, hits, strict=True))
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, S) left-padded with token 0
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)  # (U, S) 1 = real token
+        reused = torch.zeros(len(prompts), dtype=torch.long)  # (U,) m: tokens whose KV comes from the cache
+        for i, ((ids, _), (_, m)) in enumerate(zip(prompts, hits, strict=True)):
+            input_ids[i, width - len(ids) + m :] = torch.tensor(ids[m:])
+            mask[i, width - len(ids) + m :] = 1
+            reused[i] = m
+        input_ids, mask, reused = input_ids.to(self._device), mask.to(self._device), reused.to(self._device)
+        # (U, S) real tokens count from m after the padding
+        positions = (mask.cumsum(-1) - 1).clamp_min(0) + reused[:, None]
         slots = torch.tensor([slot for _, slot in prompts], device=self._device)  # (U,) -1 = base
         cache = DynamicCache(config=self._config)
+        if any(m for _, m in hits):
+            past_mask = self._seed_cache(cache, hits)  # (U, W0)
+            mask = torch.cat([past_mask, mask], dim=1)  # (U, W0 + S)
         logits = self._forward(input_ids, mask, positions, slots, cache)  # (U, V)
         batch = _Batch(list(rows), cache, mask, positions[:, -1], slots, logits)
         if len(prompts) < len(rows):
             batch.expand(torch.tensor(row_to_unique, device=self._device))  # (B,) unique prompt of each row
         return batch
+
+    def _seed_cache(self, cache: DynamicCache, hits: list[tuple[PrefixEntry | None, int]]) -> torch.Tensor:
+        """Fill `cache` with each prompt's cached KV, right-aligned at width W0 = max m; returns the mask, (U, W0)."""
+        width = max(m for _, m in hits)
+        mask = torch.zeros(len(hits), width, dtype=torch.long, device=self._device)
+        reference = next(entry for entry, _ in hits if entry is not None)
+        for layer_idx, layer in enumerate(cache.layers):
+            h, _, d = reference.keys[layer_idx].shape
+            keys = reference.keys[layer_idx].new_zeros(len(hits), h, width, d)  # (U, H, W0, D) zeros = padding
+            values = reference.values[layer_idx].new_zeros(len(hits), h, width, d)
+            for u, (entry, m) in enumerate(hits):
+                if entry is not None:
+                    keys[u, :, width - m :] = entry.keys[layer_idx][:, :m]  # (H, m, D)
+                    values[u, :, width - m :] = entry.values[layer_idx][:, :m]
+            layer.update(keys, values)
+        for u, (_, m) in enumerate(hits):
+            mask[u, width - m :] = 1
+        return mask
+
+    def _keep_prefixes(self, batch: _Batch, done: list[int]) -> None:
+        """Copy the KV of finished rows `done` (prompt + output but the last token, never fed) into the prefix cache."""
+        for i in done:
+            row = batch.rows[i]
+            tokens = list(row.request.input_ids) + row.output_ids[:-1]
+            if len(tokens) < PREFIX_BLOCK:
+                continue
+            cols = batch.mask[i].bool()  # (T,) the row's real columns: its padding and any gap left out
+            if int(cols.sum()) != len(tokens):  # never expected; a misaligned entry would feed later rows wrong KV
+                logger.warning("embedded engine: a finished row's KV does not match its tokens; not cached")
+                continue
+            keys = [layer.keys[i][:, cols] for layer in batch.cache.layers]  # (H, n, D) copies
+            values = [layer.values[i][:, cols] for layer in batch.cache.layers]
+            replaces = row.reused.id if row.reused is not None else None
+            self._prefix_cache.insert(row.cache_key, tokens, keys, values, replaces=replaces)
 
     def _forward(
         self,
@@ -837,22 +941,20 @@ class EmbeddedEngine(RolloutEngine):
         tokens = sample_next_tokens(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
         return tokens.tolist(), token_logprobs(logits, tokens).tolist()
 
-    def _append_and_check(self, row: _Row, token: int, logprob: float) -> bool:
-        """Record the row's new token; finish the row and return True when it is done."""
+    def _append(self, row: _Row, token: int, logprob: float) -> str | None:
+        """Record the row's new token; its finish reason when it is done, else None."""
         row.output_ids.append(token)
         row.logprobs.append(logprob)
         params = row.params
         if token in self._eos_ids or token in params.stop_token_ids:
-            self._finish(row, "stop")
-        elif params.stop and self._hits_stop_string(row.output_ids, params.stop):
-            self._finish(row, "stop")
-        elif len(row.output_ids) >= params.max_new_tokens or (
+            return "stop"
+        if params.stop and self._hits_stop_string(row.output_ids, params.stop):
+            return "stop"
+        if len(row.output_ids) >= params.max_new_tokens or (
             self._context_len is not None and len(row.request.input_ids) + len(row.output_ids) >= self._context_len
         ):
-            self._finish(row, "length")  # as SGLang: the context length caps max_new_tokens
-        else:
-            return False
-        return True
+            return "length"  # as SGLang: the context length caps max_new_tokens
+        return None
 
     def _hits_stop_string(self, output_ids: list[int], stops: list[str]) -> bool:
         # A stop string of n characters spans at most 4n tokens (a byte-level token can carry a
