@@ -16,6 +16,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,13 +195,18 @@ def build_local_backend(
 # ------------------------------------------------------------------------------------------------ rollout side
 
 
-def build_embedded_engine(m: ModelConfig, max_batch_size: int = 256, device: str | None = None):
+def build_embedded_engine(
+    m: ModelConfig, max_batch_size: int = 256, device: str | None = None, prefix_cache_mb: int = 256
+):
     """An embedded engine over its own copy of the base (what `engine-serve` serves and each Ray engine actor
     runs), and its tokenizer."""
     from rollout.engines.embedded import EmbeddedEngine
 
     tokenizer = build_tokenizer(m)
-    return EmbeddedEngine(build_model(m, device), tokenizer, max_batch_size=max_batch_size), tokenizer
+    engine = EmbeddedEngine(
+        build_model(m, device), tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_mb * 2**20
+    )
+    return engine, tokenizer
 
 
 def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[RolloutEngine, SGLangLauncher | None]:
@@ -214,7 +220,13 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
             return _one_or_many(_ray_engines(cfg, backend)), None
         model = backend.shared_model or build_model(cfg.model)
         engines = [
-            EmbeddedEngine(model, tokenizer, max_batch_size=r.max_batch_size, page_adapters=cfg.model.paging)
+            EmbeddedEngine(
+                model,
+                tokenizer,
+                max_batch_size=r.max_batch_size,
+                page_adapters=cfg.model.paging,
+                prefix_cache_bytes=r.prefix_cache_mb * 2**20,
+            )
             for _ in range(r.num_engines)
         ]
         return _one_or_many(engines), None
@@ -264,7 +276,11 @@ def _ray_engines(cfg: RunConfig, backend: TrainingBackend) -> list:
 
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
-    build = (build_embedded_engine, cfg.model, cfg.rollout.max_batch_size)
+    build = (
+        functools.partial(build_embedded_engine, prefix_cache_mb=cfg.rollout.prefix_cache_mb),
+        cfg.model,
+        cfg.rollout.max_batch_size,
+    )
     n = cfg.rollout.num_engines
     if cfg.trainer.colocate_engines:
         return [RayEngine(build, **backend.engine_placement(i)) for i in range(n)]

@@ -323,6 +323,14 @@ class RolloutConfig(_Strict):
         None, description="GenerateStateHooks subclass `module:Class` (default: multi-LoRA hooks)."
     )
     max_batch_size: int = Field(256, ge=1, description="Embedded engine: most rows in one decode batch.")
+    prefix_cache_mb: int = Field(
+        256,
+        ge=0,
+        description="Embedded engine: MiB of KV kept after requests finish, so a later prompt that starts with the "
+        "same tokens under the same adapter weights (an episode's next turn) prefills only its new tokens; least "
+        "recently used evicted, an adapter's entries dropped when it is reloaded. 0 = off. A token costs "
+        "layers x 2 x kv_heads x head_dim x dtype bytes (46 KiB for SmolLM2-135M in float32).",
+    )
     mode: Literal["sync", "async"] = Field(
         "sync",
         description="sync: rollout, then training, then one paused weight sync per step (on-policy, exact resume). "
