@@ -581,15 +581,6 @@ def staleness_problems(a: AdapterConfig, rollout: RolloutConfig, where: str = ""
 def paging_problems(cfg: RunConfig) -> list[str]:
     """More tenants than slots runs on the local backend with in-process embedded engines (their banks page too)."""
     m, problems = cfg.model, []
-    if (m.paging or cfg.rollout.max_tenants_per_step is not None) and cfg.rollout.mode == "async":
-        problems.append(
-            bad_value(
-                "rollout.mode",
-                "async",
-                "'sync' with turns (model.max_tenants > max_loras or rollout.max_tenants_per_step): the step ahead "
-                "would draw prompts for tenants whose turn it is not",
-            )
-        )
     if m.max_tenants is not None and m.max_tenants < m.max_loras:
         problems.append(bad_value("model.max_tenants", m.max_tenants, f"null or >= model.max_loras ({m.max_loras})"))
     if not m.paging:

@@ -24,7 +24,10 @@ Design choices:
   the old version and later ones get the new. Each sample carries its version; the trainer drops samples more than
   the tenant's `max_staleness` versions behind (counted as stale). Tenants with `max_staleness: 0` roll out at the
   start of each step as in sync mode. The data cursor runs one step ahead, so a resumed run skips the prompts that
-  were in flight (at most one step's groups per tenant); every trained step is in its checkpoint.
+  were in flight (at most one step's groups per tenant); every trained step is in its checkpoint. With turns (more
+  tenants than a step holds) the next step's tenants are picked one step ahead, and their groups are what is drawn
+  ahead; the trainer prefetches their paged-out states (more tenants than slots) while this step trains, so the
+  next step's page-ins only copy into slots (`rl_multilora.tenant_store`).
 """
 
 from __future__ import annotations
@@ -241,20 +244,27 @@ class Runtime:
 
     def _start_ahead(self, names: list[str]) -> None:
         """Async: draw the next step's groups of every tenant that may lag (max_staleness >= 1) and is not about to
-        spend its budget in this step, and generate them in the background while this step trains."""
+        spend its budget in this step, and generate them in the background while this step trains. With turns the
+        next step's tenants are picked now (`TenantManager.plan_next`), and the trainer prefetches their paged-out
+        states in the background too (`TrainingBackend.prefetch`)."""
         if self._pool is None:
             return
+        nxt = self.tenants.plan_next() if self.tenants.turns is not None else names
         ahead = []
-        for n in names:
+        for n in nxt:
             t = self.tenants.get(n)
             left = t.steps_left()
-            if self.cfg.max_staleness_for(t.cfg) >= 1 and (left is None or left > self.cfg.grpo.ppo_epochs):
+            spends = self.cfg.grpo.ppo_epochs if n in names else 0  # optimizer steps it may take in this step
+            if self.cfg.max_staleness_for(t.cfg) >= 1 and (left is None or left > spends):
                 ahead.append(n)
-        groups = self._draw(ahead, among=names, ahead=True)
+        groups = self._draw(ahead, among=nxt, ahead=True)
         if groups:
             self._ahead = _Ahead(self._pool, self.ahead_generator, ahead, groups)
         else:
             self.data.settle(ahead)  # nothing was left to draw: no cursor is held back
+        prefetch = getattr(self.backend, "prefetch", None)  # an object standing in for a backend may not page
+        if self.tenants.turns is not None and prefetch is not None:
+            prefetch(nxt)
 
     def _oldest_versions(self, current: dict[str, int]) -> dict[str, int]:
         """The oldest weight version each tenant trains on: its `current` one less its max_staleness (sync: 0)."""
@@ -436,6 +446,7 @@ def _paging_row(before, after, engine) -> dict[str, float] | None:
         "page_ins": n,
         "page_in_s": round(seconds, 4),
         "page_in_ms_per_adapter": round(1000 * seconds / n, 3) if n else None,
+        "page_ins_prefetched": after.prefetched - before.prefetched,  # async: staged while the step before trained
         "paged_host_mb": round(after.host_bytes / 2**20, 3),
     }
     bank = getattr(engine, "bank_page_ins", None)

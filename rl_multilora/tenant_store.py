@@ -19,12 +19,24 @@ Design choices:
   are a cache, not checkpoints: resume reads checkpoints, and the store starts empty.
 - Page-in time is measured by the caller that pages (it includes the eviction that made room); the store counts
   its own spills and loads.
+- Prefetch (`stage`): a tenant that a coming step will page in can be prepared in one background thread while the
+  current step trains: read back from disk if it was spilled, and made into exactly what its slot and optimizer
+  take (the caller's `prepare`: tensors on the slots' device, moments zero-padded to the slot's shape). The model's
+  slots are not touched (the training step's autograd reads them); the page-in itself (`take`) then only copies
+  the prepared weights into a slot. `prepare` must produce the tensors the synchronous page-in would produce, so a
+  prefetched run is bit-identical to one that pages on demand (`tests/test_paging.py`). One lock guards the
+  store's books: the training thread pages out (put, spill) while the prefetch thread takes.
+- `peek` reads a paged tenant's weights without taking it out (a weight sync pushing a changed adapter that was
+  evicted before its sync: the push must not page it back in and evict another).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import tempfile
+import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +56,8 @@ class PagedTenant:
     moments: list[dict[str, torch.Tensor]] | None  # per slot tensor, its AdamW state (moments at true rank)
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, full slot shape
     spilled: Path | None = None  # where its tensors are while they are not in host memory
+    peft_config: dict | None = None  # its adapter_config.json content (what a weight sync pushes with it)
+    prepared: bool = False  # staged by a prefetch: tensors on the slots' device, moments at the slot's shape
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +76,8 @@ class StoreStats:
     page_out_s: float = 0.0
     spills: int = 0
     loads: int = 0
+    staged: int = 0  # prefetches started
+    staged_taken: int = 0  # page-ins that found their tenant prefetched
     by_tenant: dict[str, int] = field(default_factory=dict)  # page-ins per tenant
 
 
@@ -75,53 +91,122 @@ class TenantStore:
         self.budget_bytes = budget_bytes
         self._spill_dir = Path(spill_dir) if spill_dir is not None else None
         self._tenants: OrderedDict[str, PagedTenant] = OrderedDict()  # least recently paged out first
-        self.host_bytes = 0
+        self._staged: dict[str, concurrent.futures.Future[PagedTenant]] = {}  # prefetched (or being prefetched)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first prefetch
+        self._lock = threading.RLock()
+        self.host_bytes = 0  # of the tenants in `_tenants` (staged ones are on their way into a slot)
         self.disk_bytes = 0
         self.stats = StoreStats()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tenants
+        return name in self._tenants or name in self._staged
 
     def __len__(self) -> int:
-        return len(self._tenants)
+        return len(self._tenants) + len(self._staged)
 
     @property
     def names(self) -> list[str]:
-        return list(self._tenants)
+        with self._lock:
+            return [*self._tenants, *self._staged]
 
     def spilled(self) -> list[str]:
-        return [n for n, p in self._tenants.items() if p.spilled is not None]
+        with self._lock:
+            return [n for n, p in self._tenants.items() if p.spilled is not None]
+
+    def staged(self) -> list[str]:
+        """Tenants a prefetch has taken out of the store for their next page-in (some may still be in flight)."""
+        return list(self._staged)
 
     def put(self, name: str, paged: PagedTenant) -> None:
         """Hold `name`'s state (its tensors must already be host copies); spill past the budget."""
-        if name in self._tenants:
-            raise ValueError(bad_value("name", name, "a tenant that is not paged out already"))
-        self._tenants[name] = paged
-        self.host_bytes += paged.nbytes
-        self._spill_over_budget()
+        with self._lock:
+            if name in self:
+                raise ValueError(bad_value("name", name, "a tenant that is not paged out already"))
+            self._tenants[name] = paged
+            self.host_bytes += paged.nbytes
+            self._spill_over_budget()
 
     def take(self, name: str) -> PagedTenant:
-        """Remove and return `name`'s state, read back from disk when it was spilled."""
+        """Remove and return `name`'s state: the prefetched one (waiting for it) when it was staged, else read back
+        from disk when it was spilled."""
+        with self._lock:
+            staged = self._staged.pop(name, None)
+            if staged is None:
+                return self._unspill(self._pop(name))
+        self.stats.staged_taken += 1
+        return staged.result()
+
+    def stage(self, names: Iterable[str], prepare: Callable[[PagedTenant], PagedTenant]) -> list[str]:
+        """Prefetch: take each of `names` that waits here out of the store and run `prepare` on it in the background
+        thread; its next `take` returns what `prepare` returned. Returns the names staged now."""
+        started = []
+        with self._lock:
+            for name in names:
+                if name not in self._tenants:
+                    continue
+                paged = self._pop(name)
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tenant-prefetch")
+                self._staged[name] = self._pool.submit(lambda p=paged: prepare(self._unspill(p)))
+                self.stats.staged += 1
+                started.append(name)
+        return started
+
+    def peek(self, name: str) -> PagedTenant:
+        """`name`'s state without taking it out (read from its spill file when spilled; waits for a prefetch in
+        flight). Its tensors are the store's: read them, never write them."""
+        with self._lock:
+            staged = self._staged.get(name)
+            paged = self._tenants.get(name) if staged is None else None
+        if staged is not None:
+            return staged.result()
+        if paged is None:
+            raise KeyError(bad_value("name", name, "a tenant in the store"))
+        if paged.spilled is None:
+            return paged
+        saved = torch.load(paged.spilled, weights_only=True)
+        return PagedTenant(
+            paged.rank, paged.alpha, paged.modules, saved["weights"], saved["moments"], saved["grads"],
+            peft_config=paged.peft_config,
+        )  # fmt: skip
+
+    def drop(self, name: str) -> None:
+        """Forget `name` (a tenant that left) and its spill file."""
+        with self._lock:
+            staged = self._staged.pop(name, None)
+            if staged is not None:
+                staged.result()  # let a prefetch in flight finish before its tensors go
+                return
+            paged = self._pop(name)
+            if paged.spilled is not None:
+                self.disk_bytes -= paged.spilled.stat().st_size
+                paged.spilled.unlink()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (after what it is doing)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _pop(self, name: str) -> PagedTenant:
+        """Out of the books: `name`'s state as held (maybe spilled)."""
         paged = self._tenants.pop(name)
         if paged.spilled is None:
             self.host_bytes -= paged.nbytes
+        return paged
+
+    def _unspill(self, paged: PagedTenant) -> PagedTenant:
+        """Read a popped tenant's tensors back from its spill file (a no-op when it was in host memory)."""
+        if paged.spilled is None:
             return paged
         path, paged.spilled = paged.spilled, None
         saved = torch.load(path, weights_only=True)
         paged.weights, paged.moments, paged.grads = saved["weights"], saved["moments"], saved["grads"]
-        self.disk_bytes -= path.stat().st_size
+        with self._lock:
+            self.disk_bytes -= path.stat().st_size
+            self.stats.loads += 1
         path.unlink()
-        self.stats.loads += 1
         return paged
-
-    def drop(self, name: str) -> None:
-        """Forget `name` (a tenant that left) and its spill file."""
-        paged = self._tenants.pop(name)
-        if paged.spilled is not None:
-            self.disk_bytes -= paged.spilled.stat().st_size
-            paged.spilled.unlink()
-        else:
-            self.host_bytes -= paged.nbytes
 
     def _spill_over_budget(self) -> None:
         if self.budget_bytes is None:

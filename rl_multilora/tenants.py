@@ -318,6 +318,14 @@ class TenantManager:
             return names
         return self.turns.pick(names, {n: self.get(n).cfg.weight for n in names})
 
+    def plan_next(self) -> list[str]:
+        """The RUNNING tenants the next step takes, decided now (async: drawn, generated and prefetched ahead); with
+        turns the next `scheduled` returns this pick (`TurnScheduler.plan`)."""
+        names = [t.name for t in self.running()]
+        if self.turns is None:
+            return names
+        return self.turns.plan(names, {n: self.get(n).cfg.weight for n in names})
+
     def free_slots(self) -> list[int]:
         """Slots a new tenant may take: the backend's free ones, less those held for replayed client tenants."""
         free = self.backend.free_slots()

@@ -115,6 +115,7 @@ class TrainOps:
         self.ranks = RankCoordinator.of(model)
         self.store = store
         self._resident: OrderedDict[str, None] = OrderedDict()  # tenants in a slot, least recently used first
+        self._peft_configs: dict[str, tuple[tuple, dict[str, Any]]] = {}  # paging: per tenant, see _peft_config
         if store is not None and self.ranks.world > 1:
             raise ValueError(bad_value("store", "a TenantStore", "None on a model sharded over ranks"))
         if self.ranks.world == 1:  # sharded, the reduce-scatter needs the stacked grads
@@ -145,6 +146,7 @@ class TrainOps:
         if self.store is not None and name in self.store:
             self.store.drop(name)
         self._resident.pop(name, None)
+        self._peft_configs.pop(name, None)
         del self.tenants[name]
 
     # ----- paging (more tenants than slots) -----
@@ -202,13 +204,22 @@ class TrainOps:
         ]
         grads = None if t.grads is None else [None if g is None else _host(g) for g in t.grads]
         paged = PagedTenant(info.rank, info.alpha, self.model.adapter_modules(name), weights, moments, grads)
-        paged.peft_config = self.model.peft_config(name)  # a sync may push it from here (`paged_state_dict`)
+        paged.peft_config = self._peft_config(name, paged)  # a sync may push it from here (`paged_state_dict`)
         self.model.remove_adapter(name)
         t.slot, t.grads = -1, None
         del self._resident[name]
         self.store.put(name, paged)
         self.store.stats.page_outs += 1
         self.store.stats.page_out_s += time.perf_counter() - t0
+
+    def _peft_config(self, name: str, paged: PagedTenant) -> dict[str, Any]:
+        """`model.peft_config(name)`, made once per rank, alpha and modules of the tenant (a LoraConfig takes as
+        long as a page-out's copies on the tiny preset)."""
+        key = (paged.rank, paged.alpha, paged.modules)
+        cached = self._peft_configs.get(name)
+        if cached is None or cached[0] != key:
+            cached = self._peft_configs[name] = (key, self.model.peft_config(name))
+        return cached[1]
 
     def page_in(self, name: str, keep: Collection[str] = ()) -> None:
         """Bring `name` back into a free slot (made by evicting a tenant not in `keep`), bit for bit as it left."""

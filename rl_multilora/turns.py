@@ -15,6 +15,10 @@ Design choices:
   picks the same tenants for that step again.
 - Passes are fractions of small integers' reciprocals summed in float64; ties are broken by order, so the pick is
   deterministic.
+- Asynchronous runs pick one step ahead (`plan`): the next step's tenants are known while this step trains, so their
+  prompts are drawn and generated ahead and their states prefetched into the trainer. The planned pick is the one
+  `pick` would make then (same passes, same running tenants); the next `pick` returns it, less the tenants that
+  stopped running meanwhile (a tenant admitted meanwhile waits for the step after). The plan is run state too.
 """
 
 from __future__ import annotations
@@ -33,10 +37,24 @@ class TurnScheduler:
             raise ValueError(bad_value("cap", cap, "an integer >= 1 (tenants per step)"))
         self.cap = cap
         self.passes: dict[str, float] = {}
+        self.planned: list[str] | None = None  # the next step's pick, made ahead (`plan`)
 
     def pick(self, running: Sequence[str], weights: Mapping[str, float]) -> list[str]:
-        """This step's tenants among `running` (in `running`'s order), and advance their passes. Tenants no longer
-        running are forgotten."""
+        """This step's tenants among `running` (in `running`'s order), and advance their passes: the planned pick
+        when there is one and some of it still runs. Tenants no longer running are forgotten."""
+        planned, self.planned = self.planned, None
+        if planned is not None:
+            chosen = [n for n in running if n in set(planned)]
+            if chosen:
+                return chosen
+        return self._pick(running, weights)
+
+    def plan(self, running: Sequence[str], weights: Mapping[str, float]) -> list[str]:
+        """Pick the next step's tenants now (advancing their passes); the next `pick` returns them."""
+        self.planned = self._pick(running, weights)
+        return list(self.planned)
+
+    def _pick(self, running: Sequence[str], weights: Mapping[str, float]) -> list[str]:
         known = [self.passes[n] for n in running if n in self.passes]
         floor = min(known, default=0.0)
         self.passes = {n: self.passes.get(n, floor) for n in running}
@@ -47,7 +65,9 @@ class TurnScheduler:
         return [n for n in running if n in chosen]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cap": self.cap, "passes": dict(self.passes)}
+        return {"cap": self.cap, "passes": dict(self.passes), "planned": self.planned}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.passes = {str(k): float(v) for k, v in state.get("passes", {}).items()}
+        planned = state.get("planned")
+        self.planned = None if planned is None else [str(n) for n in planned]

@@ -346,8 +346,6 @@ def test_paging_config_errors_name_the_field_value_and_what_is_allowed():
     assert "model.max_tenants=8 is not allowed" in msg and "trainer.world_size 1" in msg
     msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"engine": "sglang"})
     assert "model.max_tenants=8 is not allowed" in msg and "rollout.engine is 'embedded'" in msg
-    msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"mode": "async"})
-    assert "rollout.mode='async' is not allowed; allowed: 'sync' with turns" in msg
     msg = problems(model={"path": "m", "max_loras": 4, "host_budget_gb": 1.0})
     assert "model.host_budget_gb=1.0 is not allowed; allowed: null unless model.max_tenants > max_loras" in msg
     msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"max_tenants_per_step": 5})

@@ -44,6 +44,7 @@ class PagingStats:
     page_outs: int
     page_in_s: float  # wall time of the page-ins (evictions that made room included)
     page_out_s: float
+    prefetched: int = 0  # page-ins whose state a prefetch had staged while an earlier step trained
 
 
 def paging_stats_of(backend: Any) -> PagingStats | None:
@@ -73,6 +74,11 @@ class TrainingBackend(abc.ABC):
     def resident(self, name: str) -> bool:
         """Whether `name` sits in a model slot now (always, for a backend that does not page)."""
         return True
+
+    def prefetch(self, names: Sequence[str]) -> list[str]:
+        """Start preparing the paged-out tenants of `names` for their page-in in the background (a coming step's
+        tenants, while this step trains); returns those started. Nothing to do for a backend that does not page."""
+        return []
 
     @property
     @abc.abstractmethod

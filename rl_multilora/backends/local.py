@@ -6,7 +6,9 @@ keeps its own copy of the LoRA slots, so a trained adapter reaches rollouts only
 More tenants than slots (`max_tenants` > the model's `max_loras`, with the trainer's `TenantStore`): a tenant holds a
 *place* (0 .. max_tenants - 1, what `add_adapter` returns, `free_slots` lists and the tenant records as its slot)
 for its whole life, and a model slot only while it is resident; the trainer's operations page tenants in and out
-(`rl_multilora.train_ops`). Reading or writing a tenant's adapter or optimizer pages it in. A `forward_backward`
+(`rl_multilora.train_ops`). Writing a tenant's adapter or reading or writing its optimizer pages it in; reading its
+adapter (a weight sync, a checkpoint) reads the stored copy and evicts no one. `prefetch` stages the tenants of a
+coming step while this one trains (async runs). A `forward_backward`
 whose rows name more tenants than there are slots runs as several calls of at most `max_loras` tenants each.
 """
 
@@ -76,6 +78,7 @@ class LocalBackend(TrainingBackend):
             page_outs=st.page_outs,
             page_in_s=st.page_in_s,
             page_out_s=st.page_out_s,
+            prefetched=st.staged_taken,
         )
 
     def resident(self, name: str) -> bool:
@@ -234,12 +237,21 @@ class LocalBackend(TrainingBackend):
         if name in self.trainer.adapters:
             self.trainer.ops.ensure_resident([name])
 
+    def _paged_out(self, name: str) -> bool:
+        ops = self.trainer.ops
+        return ops.store is not None and name in ops.tenants and not ops.is_resident(name)
+
+    def prefetch(self, names: Sequence[str]) -> list[str]:
+        return self.trainer.ops.prefetch(names)
+
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        self._page_in(name)
+        if self._paged_out(name):  # read where it waits: a sync or checkpoint never evicts a tenant for a read
+            return self.trainer.ops.paged_state_dict(name)[0]
         return self.model.adapter_state_dict(name)
 
     def peft_config(self, name: str) -> dict[str, Any]:
-        self._page_in(name)
+        if self._paged_out(name):
+            return self.trainer.ops.paged_state_dict(name)[1]
         return self.model.peft_config(name)
 
     def load_adapter_state_dict(
@@ -253,3 +265,7 @@ class LocalBackend(TrainingBackend):
 
     def load_optimizer_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
         self.trainer.load_optimizer_state_dict(name, state)
+
+    def close(self) -> None:
+        if self.trainer.ops.store is not None:
+            self.trainer.ops.store.close()
