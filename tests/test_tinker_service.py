@@ -48,7 +48,15 @@ def workspace(tmp_path_factory):
 def _reference_losses(workspace, tmp_path, steps: int) -> list[float]:
     """A client's losses over `steps` SFT steps (rank 4, seed 10) on the standalone server, alone on the same base."""
     ref = BackgroundApp(
-        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        build_server(  # the service config's targets: all-linear, no LoRA on lm_head
+            str(workspace / "model"),
+            tmp_path / "ref",
+            TOKEN,
+            base_model=BASE,
+            max_loras=2,
+            max_rank=8,
+            unembed_lora=False,
+        ),
         "127.0.0.1",
         port := _free_port(),
     )
@@ -412,7 +420,15 @@ def test_serve_with_trainer_ranks_and_engine_actors_serves_a_client_like_one_pro
     two colocated engine actors and async rollouts, driven by the real SDK next to a GRPO tenant that keeps
     training: the client's losses and sampled log-probs equal the single-process server's (rtol 1e-4)."""
     ref = BackgroundApp(
-        build_server(str(workspace / "model"), tmp_path / "ref", TOKEN, base_model=BASE, max_loras=2, max_rank=8),
+        build_server(  # the service config's targets: all-linear, no LoRA on lm_head
+            str(workspace / "model"),
+            tmp_path / "ref",
+            TOKEN,
+            base_model=BASE,
+            max_loras=2,
+            max_rank=8,
+            unembed_lora=False,
+        ),
         "127.0.0.1",
         ref_port := _free_port(),
     )

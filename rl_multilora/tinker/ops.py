@@ -351,9 +351,15 @@ class ClientOps:
         wanted = {leaf for key, leaves in _LAYER_GROUPS.items() if layers.get(key, True) for leaf in leaves}
         targets = [m for m in self.backend.lora_modules if m.rsplit(".", 1)[-1] in wanted]
         if not targets:
+            served = [key for key, leaves in _LAYER_GROUPS.items()
+                      if any(m.rsplit(".", 1)[-1] in leaves for m in self.backend.lora_modules)]  # fmt: skip
+            why = (
+                ""
+                if "train_unembed" in served
+                else " (this server has no LoRA on lm_head: train_unembed alone selects nothing)"
+            )
             raise UserError(
-                f"lora_config {layers} selects none of the model's LoRA modules; allowed: train_attn or train_mlp "
-                "true (train_unembed alone is refused: this server has no LoRA on lm_head)"
+                f"lora_config {layers} selects none of the model's LoRA modules; allowed: one of {served} true{why}"
             )
         if not 1 <= rank <= self.backend.max_rank:
             raise UserError(f"lora_config.rank={rank} is not allowed; allowed: 1 to {self.backend.max_rank}")
@@ -362,7 +368,7 @@ class ClientOps:
         except TenantError as e:
             raise UserError(str(e)) from None
         # what is trained, not what was asked: train_unembed (the SDK's default True) is true only when lm_head is
-        # among the model's LoRA modules, which it never is here (get_info / weights_info report false)
+        # among the model's LoRA modules (tinker-serve's default; a GRPO service's when its target_modules name it)
         leaves = {m.rsplit(".", 1)[-1] for m in targets}
         lora_config = {key: any(leaf in leaves for leaf in group) for key, group in _LAYER_GROUPS.items()}
         tenant = ClientTenant(model_id, name, rank, lora_config, seed)

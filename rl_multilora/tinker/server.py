@@ -939,10 +939,13 @@ def build_server(
     session_timeout_s: float = 120.0,
     max_tenants: int | None = None,
     host_budget_gb: float | None = None,
+    unembed_lora: bool = True,
 ) -> TinkerServer:
     """`max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
     `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`. The budget counts the
-    in-memory sampler versions too: past it the least recently used ones spill to `state_dir/paged/samplers`."""
+    in-memory sampler versions too: past it the least recently used ones spill to `state_dir/paged/samplers`.
+    `unembed_lora`: the model's LoRA targets are its `all-linear` modules plus its output head, which clients train
+    with `train_unembed=True` (the SDK's default); False leaves the head out (`train_unembed` is then reported false)."""
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import GRPOSettings, ModelConfig
@@ -951,7 +954,12 @@ def build_server(
     _check_token(token)
     torch.manual_seed(seed)
     m = ModelConfig(
-        path=model_path, max_loras=max_loras, max_rank=max_rank, max_tenants=max_tenants, host_budget_gb=host_budget_gb
+        path=model_path,
+        max_loras=max_loras,
+        max_rank=max_rank,
+        max_tenants=max_tenants,
+        host_budget_gb=host_budget_gb,
+        target_modules=lora_targets(model_path, unembed_lora),
     )
     tokenizer = components.build_tokenizer(m)
     pad = components.pad_token_id(tokenizer)
@@ -971,6 +979,25 @@ def build_server(
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
                         session_timeout_s=session_timeout_s)  # fmt: skip
+
+
+def lora_targets(model_path: str, unembed: bool) -> str | list[str]:
+    """The LoRA targets of a served model: "all-linear", and with `unembed` its module names plus the output head
+    (the Linear `get_output_embeddings` returns, `lm_head` in every HF causal LM this serves), read from a skeleton of
+    the model's config on the meta device (no weights are loaded)."""
+    if not unembed:
+        return "all-linear"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_multilora.lora.model import select_targets
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = skeleton.get_output_embeddings()
+    names = {name: module for name, module in skeleton.named_modules()}
+    head_name = next((n for n, mod in names.items() if mod is head and isinstance(mod, torch.nn.Linear)), None)
+    linears = select_targets(skeleton, "all-linear")
+    return linears + [head_name] if head_name is not None else linears
 
 
 def service_problems(cfg: Any) -> list[str]:
@@ -1089,6 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
                    "steps' requests per model (default 50)")  # fmt: skip
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="the most tokens one sample may generate (default: the model's context length)")  # fmt: skip
+    p.add_argument("--no-unembed-lora", dest="unembed_lora", action="store_false",
+                   help="no LoRA on the output head: clients' train_unembed is then not applied (reported false); "
+                   "by default lm_head is a LoRA target and train_unembed=True (the SDK's default) trains it")  # fmt: skip
     p.add_argument("--session-timeout-s", type=float, default=120.0,
                    help="a session without heartbeats for this long is ended: its queued requests fail and its "
                    "models are unloaded, checkpoints kept (the SDK beats every 10 s; default 120)")  # fmt: skip
@@ -1099,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
         max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
         max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
-        max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb,
+        max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb, unembed_lora=args.unembed_lora,
     )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip
