@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rl_multilora.config import GRPOSettings, OptimSettings
+from rl_multilora.train_ops import TrainOps
 from tests.test_paging import (
     RUN_NAMES,
     _assert_same_run,
@@ -216,3 +218,28 @@ def test_service_status_shows_resident_and_paged_tenants_and_page_ins():
     table = ServiceStatus(3, True, "run", 2, adapters, paging=paging).table()
     assert "paging: 2 resident in 2 slots, 3 paged (0 on disk" in table and "of 6 places | page-ins 1 (" in table
     assert sum("(paged)" in line for line in table.splitlines()) == 3
+
+
+def test_a_paged_out_adapters_peft_tensors_read_from_the_store_equal_its_slots(tmp_path):
+    """Linear and expert LoRA (PEFT's target_parameters layout), both tenants spilled to disk (budget 0)."""
+    from rl_multilora.tenant_store import TenantStore
+    from tests.test_expert_lora import EXPERTS, make_model, randomize
+
+    model = make_model(max_loras=2)
+    ops = TrainOps(model, GRPOSettings(), pad_token_id=0, store=TenantStore(0, tmp_path / "spill"))  # all spill
+    spec = {"e": (4, EXPERTS), "l": (8, None), "x": (2, EXPERTS[:1])}
+    want = {}
+    for i, (n, (rank, params)) in enumerate(spec.items()):
+        ops.make_room()
+        model.add_adapter(n, rank=rank, alpha=2 * rank, seed=i, target_parameters=params)
+        randomize(model, n, seed=10 + i)
+        ops.add_tenant(n, OptimSettings(), lr=1e-2)
+        want[n] = (model.adapter_state_dict(n), model.peft_config(n))
+    ops.page_out("l")  # "e" paged out when "x" came: both wait spilled on disk now
+    assert sorted(ops.store.spilled()) == ["e", "l"] and ops.resident == ["x"]
+    page_ins = ops.store.stats.page_ins
+    for n in ("e", "l"):
+        tensors, config = ops.paged_state_dict(n)
+        assert config == want[n][1] and tensors.keys() == want[n][0].keys()
+        assert all(torch.equal(tensors[k], want[n][0][k]) for k in tensors)
+    assert ops.store.stats.page_ins == page_ins and sorted(ops.store.spilled()) == ["e", "l"]  # read, not taken
