@@ -59,6 +59,8 @@ class PagedTenant:
     peft_config: dict | None = None  # its adapter_config.json content (what a weight sync pushes with it)
     prepared: bool = False  # staged by a prefetch: tensors on the slots' device, moments at the slot's shape
 
+    held: int = 0  # host bytes the store counts for it (its `nbytes` when put; 0 while spilled)
+
     @property
     def nbytes(self) -> int:
         tensors = [*(self.weights or []), *(self.grads or [])]
@@ -123,7 +125,8 @@ class TenantStore:
             if name in self:
                 raise ValueError(bad_value("name", name, "a tenant that is not paged out already"))
             self._tenants[name] = paged
-            self.host_bytes += paged.nbytes
+            paged.held = paged.nbytes
+            self.host_bytes += paged.held
             self._spill_over_budget()
 
     def take(self, name: str) -> PagedTenant:
@@ -191,8 +194,8 @@ class TenantStore:
     def _pop(self, name: str) -> PagedTenant:
         """Out of the books: `name`'s state as held (maybe spilled)."""
         paged = self._tenants.pop(name)
-        if paged.spilled is None:
-            self.host_bytes -= paged.nbytes
+        self.host_bytes -= paged.held
+        paged.held = 0
         return paged
 
     def _unspill(self, paged: PagedTenant) -> PagedTenant:
@@ -222,10 +225,10 @@ class TenantStore:
             self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-paged-"))
         self._spill_dir.mkdir(parents=True, exist_ok=True)
         path = self._spill_dir / f"{name}.pt"
-        nbytes = paged.nbytes
         torch.save({"weights": paged.weights, "moments": paged.moments, "grads": paged.grads}, path)
         paged.weights = paged.moments = paged.grads = None
         paged.spilled = path
-        self.host_bytes -= nbytes
+        self.host_bytes -= paged.held
+        paged.held = 0
         self.disk_bytes += path.stat().st_size
         self.stats.spills += 1

@@ -257,10 +257,9 @@ class TrainOps:
         for i, state in enumerate(paged.moments):
             full = {}
             for k, v in state.items():
-                if v.dim() > 0:  # a moment at true rank: (..., r, in) for A, (..., out, r) for B
-                    shape = (*v.shape[:-1], max_rank) if i % 2 else (*v.shape[:-2], max_rank, v.shape[-1])
-                    full[k] = torch.zeros(shape, dtype=v.dtype, device=device)
-                    full[k][_rank_part(i, paged.rank)].copy_(v)
+                if v.dim() > 0:  # a moment at true rank: (..., r, in) for A, (..., out, r) for B; pad with zeros
+                    pad = max_rank - paged.rank
+                    full[k] = F.pad(v.to(device), (0, pad) if i % 2 else (0, 0, 0, pad))
                 else:
                     full[k] = v
             moments.append(full)
@@ -501,9 +500,7 @@ class TrainOps:
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     """A compact host-memory copy of `t` (never a view of a slot)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    out.copy_(t)
-    return out
+    return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
 
 
 def peft_tensors(model: MultiLoRAModel, paged: PagedTenant) -> dict[str, torch.Tensor]:
