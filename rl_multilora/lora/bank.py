@@ -5,6 +5,9 @@ Design choices:
 - Stacked plain tensors per LoRA module (`A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)`), no
   autograd, sharing no storage with the model's trainable Parameters: weight sync writes a trained adapter into the
   bank while the trainer keeps training, and an optimizer step never leaks into a running rollout.
+- A Linear module's slots are stored rank-minor, A as `(max_loras, in, max_rank)` and B as `(max_loras, max_rank,
+  out)`, and handed out as transposed views of the usual shapes: a decode step (one token per row) then sums each
+  row's slot rows straight from the bank (`layer.bag_lora`) instead of gathering a copy per row.
 - Slots are zero-padded above their rank, like the model's, so `LoRALinear` reads a bank slot exactly as it reads
   its own Parameters (`MultiLoRAModel.forward(..., lora_bank=bank)`). A slot with rank 0 is empty.
 - Writes go through the same PEFT validation as the model (`peft_io`), all of it before the slot is touched.
@@ -27,8 +30,8 @@ from rl_multilora.lora.peft_io import ExpertShape, parse_peft_adapter
 class LoRABank:
     """Engine-side copy of every slot's LoRA tensors: plain stacked tensors, no autograd, no shared storage.
 
-    Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)`, zero-padded above each slot's
-    rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
+    Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)` (views of rank-minor storage),
+    zero-padded above each slot's rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
     is empty; routing a row to it raises.
     """
 
@@ -46,12 +49,13 @@ class LoRABank:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
+        # stored rank-minor, (S, in, R) and (S, R, out), and read through transposed views (`layer.rank_minor`)
         self._a = {
-            m: torch.zeros(max_loras, max_rank, i, dtype=dtype, device=device)
+            m: torch.zeros(max_loras, i, max_rank, dtype=dtype, device=device).transpose(1, 2)
             for m, (i, o) in self.layer_shapes.items()
         }
         self._b = {
-            m: torch.zeros(max_loras, o, max_rank, dtype=dtype, device=device)
+            m: torch.zeros(max_loras, max_rank, o, dtype=dtype, device=device).transpose(1, 2)
             for m, (i, o) in self.layer_shapes.items()
         }
         self.expert_shapes = dict(expert_shapes or {})

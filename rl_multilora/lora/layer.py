@@ -30,6 +30,19 @@ Design choices:
   operand in the layout the CPU kernels are fast with, and the base output is updated in place. At hidden 1024 this
   made a mixed 8-adapter forward+backward 1.12-1.14x the same batch without LoRA, where autograd through PEFT's
   ops (the one-adapter path before) cost 1.33x.
+- Training with every row on an adapter runs the base Linear and its LoRA as one autograd node (`_LinearLoRA`): the
+  LoRA's input gradient is added into the base's `grad @ W` in place instead of being summed by autograd (a pass over
+  an activation-sized tensor per Linear). When every row is on one slot, that slot is folded into the weight for the
+  step (`W + scale * B @ A`, float32 only): a one-adapter batch pays the LoRA's weight-gradient products and one
+  `x @ A.T`, not the two rank-r updates of `y` and `grad_x`. Profiled at SmolLM2-135M's shape (1 thread, 16 x 64
+  tokens): the LoRA's cost was its rank-8 products, each one a memory-bound pass over an activation (50 % of the
+  matmul peak at best), and the extra input-gradient sum; per-op overhead was under 1 % (`bench/bench_lora_paths.py`).
+- Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
+  the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a copy
+  of A and B per row: the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`) so that a slot's A is a
+  table of `in` rows of R values and its B one of R rows of `out`. At SmolLM2's shape, 64 rows on 64 adapters made
+  the per-row gathers move 625 MB per decode step (more than the base's 540 MB of weights) and write it once more;
+  the bags read it once. Reading it once is the floor: 64 distinct adapters are 64x one adapter's bytes.
 - Inference of one used slot whose rows are contiguous (a one-adapter engine batch, a PEFT parity check) takes the
   view path instead: PEFT's ops in PEFT's order at the true rank on a row-range view, so a bf16 base gives PEFT's
   logits bit for bit. Training always takes the grouped path (its backward is the cheaper one).
@@ -80,6 +93,8 @@ class LoRALinear(nn.Module):
             if x.shape[0] % routing.batch_size == 0:  # tokens flattened to (B * L, in), e.g. Qwen2-MoE's shared expert
                 y3 = self.forward(x.reshape(routing.batch_size, -1, x.shape[-1]))  # (B, L, out)
                 return y3.reshape(x.shape[0], self.out_features)
+        if routing is not None and routing.groups and (fused := self._linear_lora(x, routing)) is not None:
+            return fused
         y = F.linear(x, self.weight, self.bias)  # y: (B, ..., out), the base output computed once for all rows
         if routing is None or not routing.groups:
             return y
@@ -107,6 +122,14 @@ class LoRALinear(nn.Module):
         xs = x if routing.active is None else x.index_select(0, routing.active)  # (n, ..., in), n active rows
         n = xs.shape[0]
         x3 = (xs if xs.dtype == lora_a.dtype else xs.to(lora_a.dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
+        if not grad and x3.shape[1] == 1 and bag_layout(lora_a, lora_b, x3):  # decode: one token per row
+            delta2 = bag_lora(x3.view(n, self.in_features), lora_a, lora_b, routing, scales)  # (n, out)
+            out2 = out.view(-1, self.out_features)  # (B, out): one token per row
+            if routing.active is None:
+                out2.add_(delta2)
+            else:
+                out2.index_add_(0, routing.active, delta2)  # out[active[i]] += delta[i]
+            return out if out.dtype == y.dtype else out.to(y.dtype)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
             grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink)
@@ -119,6 +142,37 @@ class LoRALinear(nn.Module):
             else:
                 out.index_add_(0, routing.active, delta)  # out[active[i]] += delta[i]
         return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    def _linear_lora(self, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
+        """Training with every row on an adapter: the base Linear and the LoRA in one autograd node (`_LinearLoRA`);
+        None where that does not apply (no autograd, base rows, a bank, a trainable base, mixed dtypes).
+
+        When all rows use one slot, the batch is one segment: `(1, B * L, in)` against that slot's A and B, so each
+        product is one GEMM over all tokens instead of B small ones over B gathered copies of the same slot.
+        """
+        lora_a, lora_b = self.lora_A, self.lora_B
+        if (
+            routing.reference
+            or routing.active is not None
+            or routing.bank is not None
+            or x.dim() != 3
+            or x.shape[0] != routing.batch_size
+            or not torch.is_grad_enabled()
+            or not (lora_a.requires_grad or x.requires_grad)
+            or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+            or not x.dtype == self.weight.dtype == lora_a.dtype
+        ):
+            return None
+        scales = routing.scales_for(self.name)  # (B,)
+        if scales is None:
+            return None
+        x3, slots = x, routing.row_slots
+        if len(routing.groups) == 1:
+            x3, slots, scales = x.reshape(1, -1, self.in_features), slots[:1], scales[:1]  # (1, B * L, in)
+        sink = routing.grad_sink
+        y3 = _LinearLoRA.apply(x3, self.weight, self.bias, lora_a, lora_b, slots, scales, routing.max_rank, sink)
+        return y3.view(*x.shape[:-1], self.out_features)
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Plain float32 loop over rows with the full padded tensors: the oracle for the fast paths."""
@@ -147,11 +201,46 @@ def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_sl
         _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, sink)
         return
     a_slots = slots if a_slots is None else a_slots
-    a = (lora_a if r == lora_a.shape[1] else lora_a.narrow(1, 0, r)).index_select(0, a_slots)  # (n, r, in)
-    b = (lora_b if r == lora_b.shape[2] else lora_b.narrow(2, 0, r)).index_select(0, slots)  # (n, out, r)
+    if rank_minor(lora_a, lora_b):  # a bank's layout: gather the (in, r) and (r, out) blocks as they are stored
+        at = lora_a.transpose(1, 2).narrow(2, 0, r).index_select(0, a_slots)  # at[i] = A[a_slot[i], :r].T; (n, in, r)
+        bt = lora_b.transpose(1, 2).narrow(1, 0, r).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
+    else:  # gather A and B as stored: an index_select of a transposed view costs 2-4x more
+        at = lora_a.narrow(1, 0, r).index_select(0, a_slots).transpose(1, 2)  # (n, in, r)
+        bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
     # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
-    xa = (torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)).to(x3.dtype)  # (n, L, r)
-    y3.baddbmm_(xa, b.transpose(1, 2))
+    xa = (torch.bmm(x3, at) * scales.view(-1, 1, 1)).to(x3.dtype)  # (n, L, r)
+    y3.baddbmm_(xa, bt)
+
+
+def rank_minor(lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether stacked `A: (S, R, in)` and `B: (S, out, R)` are stored as `(S, in, R)` and `(S, R, out)` (a
+    `LoRABank`'s layout): every slot's A is then a table of `in` rows of R values and its B one of R rows of `out`."""
+    return lora_a.dim() == 3 and lora_a.transpose(1, 2).is_contiguous() and lora_b.transpose(1, 2).is_contiguous()
+
+
+def bag_layout(lora_a: torch.Tensor, lora_b: torch.Tensor, x3: torch.Tensor) -> bool:
+    """Whether `bag_lora` serves these tensors: float32 on CPU (fbgemm's embedding_bag kernels) and rank-minor."""
+    return x3.device.type == "cpu" and lora_a.dtype == torch.float32 == x3.dtype and rank_minor(lora_a, lora_b)
+
+
+def bag_lora(x2, lora_a, lora_b, routing: Routing, scales) -> torch.Tensor:
+    """`delta[i] = scale[i] * (x2[i] @ A[s_i, :r].T) @ B[s_i, :, :r].T`, s = row_slots[i]; x2: (n, in) -> (n, out).
+
+    Decode (one token per row) without a per-row gather: with A stored as `(S * in, R)` rows and B as `(S * R, out)`
+    rows (`rank_minor`), row i's `x2[i] @ A[s].T` is the sum of A's `in` rows of slot s weighted by `x2[i]`, and
+    `xa[i] @ B[s].T` the sum of B's first r rows of slot s weighted by `xa[i]`: two segmented weighted sums
+    (`embedding_bag`, one bag per row), which read each row's slot once where the gather path copies it and reads it
+    again. A is summed at its stored width R (the columns above r are exact zeros and are dropped before B).
+    """
+    n, fan_in = x2.shape
+    big_r, r = lora_a.shape[1], routing.max_rank
+    table_a = lora_a.transpose(1, 2).reshape(-1, big_r)  # (S * in, R), a view
+    table_b = lora_b.transpose(1, 2).reshape(-1, lora_b.shape[1])  # (S * R, out), a view
+    index, offsets = routing.bag_index(fan_in, fan_in)
+    xa = F.embedding_bag(index, table_a, offsets, mode="sum", per_sample_weights=x2.reshape(-1))  # (n, R)
+    xa = xa[:, :r] * scales.view(-1, 1)  # xa[i] = scale[i] * x[i] @ A[s_i, :r].T; (n, r)
+    index, offsets = routing.bag_index(big_r, r)
+    return F.embedding_bag(index, table_b, offsets, mode="sum", per_sample_weights=xa.reshape(-1))  # (n, out)
 
 
 class _GroupedLoRA(torch.autograd.Function):
@@ -170,11 +259,7 @@ class _GroupedLoRA(torch.autograd.Function):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
         # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
         a_slots = slots if a_slots is None else a_slots
-        a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
-        bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
-        xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
-        xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
-        y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
+        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
         ctx.mark_dirty(y3)
         ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
@@ -184,35 +269,108 @@ class _GroupedLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
         x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
-        shape_a, shape_b, r = ctx.stacked
         grad = grad.contiguous()
-        g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
-        g_xa = g_xa.to(grad.dtype)
-        grad_x = torch.bmm(g_xa, a) if ctx.needs_input_grad[1] else None  # (n, L, in)
-        grad_a = grad_b = None
-        if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
-            sink, lora_a, lora_b = ctx.sink
-            used, inverse = torch.unique(slots, return_inverse=True)  # (U,), (n,)
-            if ctx.needs_input_grad[2]:
-                rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
-                compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
-                compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
-                sink.add(lora_a, used, compact)
-            if ctx.needs_input_grad[3]:
-                rows = torch.bmm(xa.transpose(1, 2), grad)  # (n, r, out)
-                per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
-                compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
-                compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
-                sink.add(lora_b, used, compact)
-            return grad, grad_x, None, None, None, None, None, None, None
-        if ctx.needs_input_grad[2]:
-            rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
-            grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
-            grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
-        if ctx.needs_input_grad[3]:
-            rows = torch.bmm(xa.transpose(1, 2), grad)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
-            used, inverse = torch.unique(slots, return_inverse=True)
-            per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
-            grad_b = rows.new_zeros(shape_b)
-            grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
+        grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, None, x3, a, bt, xa, slots, scales, a_slots, (1, 2, 3))
         return grad, grad_x, grad_a, grad_b, None, None, None, None, None
+
+
+class _LinearLoRA(torch.autograd.Function):
+    """`y = x @ W.T + bias` of a frozen Linear, then `y[i] += scale[i] * (x[i] @ A[slot[i], :r].T) @ B[slot[i], :,
+    :r].T`, in one autograd node: training with every row on an adapter (`LoRALinear._linear_lora`).
+
+    One node instead of the base Linear's and `_GroupedLoRA`'s: the backward adds the LoRA's input gradient into the
+    base's `grad @ W` in place (`baddbmm_`) where autograd would allocate a second input gradient and sum the two, a
+    pass over an activation-sized tensor per Linear; and the input is saved once, not by both nodes. The LoRA math,
+    its per-slot weight gradients and the sink are `_GroupedLoRA`'s. x3: (n, L, in) -> (n, L, out).
+
+    One segment (every row on one slot, float32): the slot is folded into the weight, `W' = W + scale * B @ A`
+    (`out x in x r` multiply-adds, nothing next to the `tokens x in x out` of the Linear), and `y = x @ W'.T`,
+    `grad_x = grad @ W'`: the two rank-r products over the activations that add into `y` and `grad_x` (a read and a
+    write of an activation-sized tensor each) are gone. `W'` is rebuilt in the backward rather than kept. Same math,
+    rounded differently: the merged sum is within float32 rounding of PEFT's `x @ W.T + scale * (x @ A.T) @ B.T`.
+    Not for bf16, where rounding `W'` to 8 bits of mantissa would swallow most of a small delta.
+    """
+
+    @staticmethod
+    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None):
+        ctx.merged = slots.numel() == 1 and x3.dtype == torch.float32
+        if ctx.merged:
+            a = lora_a.narrow(1, 0, r).index_select(0, slots)  # A[s, :r]; (1, r, in)
+            bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # B[s, :, :r].T; (1, r, out)
+            y3 = F.linear(x3, _merged_weight(weight, a, bt, scales), bias)  # (1, N, out)
+            xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # scale * x @ A.T, for dB; (1, N, r)
+        else:
+            y3 = F.linear(x3, weight, bias)  # (n, L, out)
+            a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots)
+        ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
+        ctx.stacked = (lora_a.shape, lora_b.shape, r)
+        ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
+        return y3
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (n, L, out)
+        x3, weight, a, bt, xa, slots, scales = ctx.saved_tensors
+        grad = grad.contiguous()
+        base_x = None
+        if ctx.needs_input_grad[0]:  # grad @ W (or W'): (n, L, in)
+            base_x = torch.matmul(grad, _merged_weight(weight, a, bt, scales) if ctx.merged else weight)
+        grad_x, grad_a, grad_b = _grouped_backward(
+            ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4), add_x=not ctx.merged
+        )
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None
+
+
+def _merged_weight(weight, a, bt, scales):
+    """`W + scale * B @ A` of one segment; weight: (out, in), a: (1, r, in), bt: (1, r, out), scales: (1,)."""
+    return torch.addmm(weight, bt[0].t() * scales[0], a[0])  # (out, in)
+
+
+def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
+    """`y3[i] += scale[i] * (x3[i] @ a[i].T) @ bt[i]` in place; returns the gathered `a: (n, r, in)`, `bt: (n, r,
+    out)` and `xa = scale * x3 @ a.T: (n, L, r)` that the backward reads."""
+    a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
+    bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
+    xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
+    xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
+    y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
+    return a, bt, xa
+
+
+def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, inputs, add_x=True):
+    """Input and per-slot weight gradients of `_grouped_forward`, for a Function whose x3 / lora_a / lora_b inputs
+    are at positions `inputs`. `grad_x`, when given (the base's), gets the LoRA's input gradient added in place
+    (unless `add_x` is False: a merged weight's `grad_x` holds it already). Returns (grad_x, grad_a, grad_b); with a
+    sink (see SlotGradSink) the weight grads go there."""
+    shape_a, shape_b, r = ctx.stacked
+    need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
+    g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
+    g_xa = g_xa.to(grad.dtype)
+    if need_x and add_x:
+        grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
+    grad_a = grad_b = None
+    if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
+        sink, lora_a, lora_b = ctx.sink
+        used, inverse = torch.unique(slots, return_inverse=True)  # (U,), (n,)
+        if need_a:
+            rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+            compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
+            compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
+            sink.add(lora_a, used, compact)
+        if need_b:
+            rows = torch.bmm(xa.transpose(1, 2), grad)  # (n, r, out)
+            per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
+            compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
+            compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
+            sink.add(lora_b, used, compact)
+        return grad_x, None, None
+    if need_a:
+        rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+        grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
+        grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
+    if need_b:
+        rows = torch.bmm(xa.transpose(1, 2), grad)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
+        used, inverse = torch.unique(slots, return_inverse=True)
+        per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
+        grad_b = rows.new_zeros(shape_b)
+        grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
+    return grad_x, grad_a, grad_b

@@ -12,6 +12,9 @@ Design choices:
   modules, rows): the one-slot view path and the float32 reference loop read them.
 - `SlotGradSink`: a trainer that reads gradients per slot (`rl_multilora.train_ops`) puts one in the routing, and
   the grouped backward writes only the used slots' gradients there instead of a zero-filled all-slots `.grad`.
+- `bag_index`: the decode path (`layer.py`, one token per row) reads each row's slot straight from the stacked tensors
+  with `embedding_bag`; the bag indices depend on the rows' slots and the module's width only, so they are built once
+  per forward and width.
 - Scales are per row and per module: a row whose adapter does not cover a module gets scale 0 there, and its
   slot's tensors in that module are zero anyway, so the delta is exactly zero.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,6 +104,7 @@ class Routing:
     _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
     _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
     grad_sink: SlotGradSink | None = None  # where the grouped backward puts slot gradients (None: into `.grad`)
+    _bags: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # bag_index cache
 
     @property
     def single(self) -> _SlotGroup | None:
@@ -126,6 +130,18 @@ class Routing:
                     self._by_covering[covering] = torch.tensor(values, dtype=self.dtype, device=self.row_slots.device)
                 self._scales[module] = self._by_covering[covering]
         return self._scales[module]
+
+    def bag_index(self, stride: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices and offsets of one `embedding_bag` bag per active row over a table holding `stride` rows per slot:
+        bag i is rows `slot[i] * stride + [0, count)`. indices: (n_active * count,), offsets: (n_active,). Built once
+        per forward and (stride, count), shared by every module of that width (the decode path in `layer.py`)."""
+        key = (stride, count)
+        if key not in self._bags:
+            device = self.row_slots.device
+            rows = self.row_slots[:, None] * stride + torch.arange(count, device=device)  # (n_active, count)
+            offsets = torch.arange(0, rows.numel(), count, device=device)
+            self._bags[key] = (rows.flatten(), offsets)
+        return self._bags[key]
 
 
 class SlotRouter:
