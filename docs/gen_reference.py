@@ -293,8 +293,8 @@ def render_http() -> str:
             _route_table(_routes(_engine_app())),
             "\n## Tinker API server (`rl-multilora tinker-serve`, `serve --tinker-port`, "
             "`rl_multilora/tinker/server.py`)\n\n",
-            "The Tinker SDK's wire protocol (0.38). Every route but `healthz` needs the token (`X-API-Key` or "
-            "`Authorization: Bearer`) ([Tinker guide](../guides/tinker.md)).\n\n",
+            "The Tinker SDK's wire protocol (releases 0.16.1 to 0.38: JSON and protobuf bodies, zstd). Every route but "
+            "`healthz` needs the token (`X-API-Key` or `Authorization: Bearer`) ([Tinker guide](../guides/tinker.md)).\n\n",
             _route_table(_routes(_tinker_app())),
         ]
     )

@@ -233,7 +233,7 @@ def test_resume_after_kill_9(tmp_path):
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(300):
+        for _ in range(1200):  # 2 minutes: a loaded 2-core machine has taken more than 30 s to start it
             try:
                 socket.create_connection(("127.0.0.1", port), 0.2).close()
                 return proc

@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -62,11 +63,21 @@ from google.protobuf.message import DecodeError
 
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
-from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, ModelLimits, UserError, model_id_of, slot_name
+from rl_multilora.tinker.ops import (
+    MODEL_ID_PATTERN,
+    ClientOps,
+    FwdBwdItem,
+    ModelLimits,
+    UserError,
+    model_id_of,
+    slot_name,
+)
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
 MAX_NUM_SAMPLES = 1024  # sequences one sample request may ask for (each up to the max_tokens cap)
+PROTO_ACCEPT = re.compile(r"application/x-protobuf", re.IGNORECASE)  # a client that reads proto results says so
+FWDBWD_KEY = re.compile(MODEL_ID_PATTERN.pattern + r"\.[0-9]+")  # a forward_backward's request id (fullmatch)
 
 
 @dataclass
@@ -148,7 +159,10 @@ class TinkerServer:
 
     # -- app -------------------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=256 * 1024 * 1024)
+        # bodies are decompressed by the routes that take them (`wire.decompress`: zstd, which aiohttp reads only with
+        # an extra package), not by aiohttp's parser
+        app = web.Application(middlewares=[self._auth], client_max_size=256 * 1024 * 1024,
+                              handler_args={"auto_decompress": False})  # fmt: skip
         get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities, "memory": self.memory}
         post = {
             "client/config": self.client_config,
@@ -159,6 +173,7 @@ class TinkerServer:
             "create_model": self.create_model,
             "get_info": self.get_info,
             "forward_backward": self.forward_backward,
+            "forward": self.forward_backward,  # SDK < 0.24: a JSON ForwardRequest (`forward_input`)
             "optim_step": self.optim_step,
             "save_weights": self.save_weights,
             "save_weights_for_sampler": self.save_weights_for_sampler,
@@ -343,8 +358,11 @@ class TinkerServer:
         return self._json({"base_model": self.base_model, "is_lora": True, "lora_rank": info["rank"], **trained})
 
     async def client_config(self, _r) -> web.Response:
-        # API keys only (no JWT exchange), plain httpx transport, per-request future polling.
-        return self._json({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False})
+        # API keys only (no JWT exchange), plain httpx transport, per-request future polling; forward_backward and
+        # forward as (zstd-compressed) protos: SDK 0.24 sends JSON unless told `proto_write_fwdbwd` (later releases
+        # always send protos), and compresses only when told `proto_compress_fwdbwd`.
+        return self._json({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_write_fwdbwd": True,
+                           "fwd_via_fwdbwd": True, "proto_compress_fwdbwd": True})  # fmt: skip
 
     async def dynamic_config(self, _r) -> web.Response:
         return self._json({})
@@ -418,9 +436,13 @@ class TinkerServer:
         return f"{model_id}.{seq}", model_id, seq
 
     async def forward_backward(self, r: web.Request) -> web.Response:
-        raw = await r.read()
+        """A ForwardBackwardRequest proto (zstd-compressed or not), or the JSON of an SDK before the protos (a
+        ForwardBackwardRequest, or a ForwardRequest on `/forward`); kept in the journal as it was decoded from."""
         try:
+            raw = wire.decompress(await r.read(), r.headers.get("Content-Encoding"))
             fb = wire.decode_forward_backward(raw)
+        except wire.WireError as e:
+            raise UserError(str(e)) from None
         except DecodeError as e:
             raise UserError(f"forward_backward body is not a ForwardBackwardRequest protobuf ({e})") from None
         slot_name(fb.model_id)  # a UserError for an id that is not <session>:train:<n>
@@ -502,7 +524,13 @@ class TinkerServer:
         except TimeoutError:
             return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
         if isinstance(res.value, bytes):
-            return web.Response(body=res.value, content_type=wire.PROTO_CONTENT_TYPE)
+            accept = r.headers.get("Accept", "")
+            if "json" not in accept.lower() or PROTO_ACCEPT.search(accept):
+                return web.Response(body=res.value, content_type=wire.PROTO_CONTENT_TYPE)
+            # an SDK before the protos (it accepts application/json only): the result as its pydantic models read it
+            fwdbwd = FWDBWD_KEY.fullmatch(key) is not None  # `<model_id>.<seq_id>`; samples are keyed by sampler
+            as_json = wire.forward_backward_output_json if fwdbwd else wire.sample_response_json
+            return self._json(as_json(res.value))
         return self._json(res.value)
 
     async def _replay_done(self, path: str | None, sid: str | None = None) -> None:
@@ -745,11 +773,11 @@ class TinkerServer:
             elif op.kind == "save_weights_for_sampler":
                 path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
                 value = {"type": "save_weights_for_sampler", "path": path}
-                if b.get("path") is None:
+                if b.get("path") is None:  # an unnamed version is known by its sampling session, not by a path
                     sid = f"{op.model_id}.sampler.{b.get('sampling_session_seq_id')}"
                     with self.lock:
                         self.state.sampling[sid] = path
-                    value["sampling_session_id"] = sid
+                    value = {"type": "save_weights_for_sampler", "sampling_session_id": sid}  # SDK 0.16: no path
             elif op.kind == "load_weights":
                 self.ops.load(op.model_id, b["path"], bool(b.get("optimizer")))
                 value = {"type": "load_weights", "path": b["path"], "model_id": op.model_id}
