@@ -11,7 +11,7 @@
 #
 # Environment: PYTHON (this repository's interpreter, default .venv/bin/python), BASE_PYTHON (the interpreter the
 # SDK venvs are made from, default the one PYTHON's venv was made from), SDK_VENVS (where the venvs are kept and
-# reused, default .cache/sdk-venvs), MODEL (a model folder to serve, default a tiny random one).
+# reused, default ~/.cache/rl-multilora/sdk-venvs), MODEL (a model folder to serve, default a tiny random one).
 #
 # Exit status 3: a release is not installable from the registry (pip's error is printed), so callers can skip.
 set -euo pipefail
@@ -20,7 +20,7 @@ SUPPORTED=(0.16.1 0.24.1 0.25.0 0.26.2 0.38.0)  # docs/guides/tinker.md#sdk-vers
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 BASE_PYTHON="${BASE_PYTHON:-$("$PYTHON" -c 'import sys, os; print(os.path.join(sys.base_prefix, "bin", "python3"))')}"
-SDK_VENVS="${SDK_VENVS:-$ROOT/.cache/sdk-venvs}"
+SDK_VENVS="${SDK_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/rl-multilora/sdk-venvs}"
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("${SUPPORTED[@]}")
 

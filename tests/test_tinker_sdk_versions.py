@@ -3,13 +3,13 @@ declared dependencies, drive a server started from this repository's venv (tests
 forward, forward_backward + optim_step, save_state, sampler weights, sample. The releases between them run with
 `tests/sdk_versions.sh` (all five: about 3 minutes a fresh venv, seconds once made; docs/guides/tinker.md).
 
-Slow: each fresh venv installs the SDK and its dependencies (transformers among them) from the package registry;
-set SDK_VENVS to keep the venvs between runs. A release the registry does not hold is skipped, naming it."""
+Slow: a fresh venv installs the SDK and its dependencies (transformers among them) from the package registry; the
+script keeps the venvs in $SDK_VENVS (default ~/.cache/rl-multilora/sdk-venvs) and reuses them. A release the
+registry does not hold is skipped, naming it."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -29,10 +29,8 @@ def test_script_supports_the_range_the_docs_state():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [OLDEST, NEWEST])
-def test_sdk_release_in_its_own_venv_runs_a_session(version, tmp_path):
-    env = {**os.environ, "SDK_VENVS": os.environ.get("SDK_VENVS", str(tmp_path / "venvs"))}
-    done = subprocess.run(["bash", str(SCRIPT), version], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)  # fmt: skip
+def test_sdk_release_in_its_own_venv_runs_a_session(version):
+    done = subprocess.run(["bash", str(SCRIPT), version], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if done.returncode == 3:
         pytest.skip(f"tinker=={version} is not installable from the package registry: {done.stdout[-500:]}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
