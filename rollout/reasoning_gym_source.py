@@ -122,9 +122,12 @@ def _row(
 
 
 _FEW_SHOT_ROLES = ("user", "assistant")
+_PARSERS = ("xml", "plain")
 
 
-def verifiers_env(few_shot: list[Mapping[str, Any]] | None = None, **env_args):
+def verifiers_env(
+    few_shot: list[Mapping[str, Any]] | None = None, held_out_only: bool = False, parser: str = "xml", **env_args
+):
     """verifiers' own `ReasoningGymEnv` (its rows, `XMLParser(["answer"])` parser and rubric, unchanged), built with
     `env_args` (`gym`, `num_train_examples`, `num_eval_examples`, `system_prompt`, `seed`), with `few_shot` chat
     turns between its system prompt and every question.
@@ -134,8 +137,20 @@ def verifiers_env(few_shot: list[Mapping[str, Any]] | None = None, **env_args):
     when only told to (SmolLM2-135M: 0 of 32) writes them after two such turns. A verifiers tenant names it as
     `dataset: {source: verifiers, task: "rollout.reasoning_gym_source:verifiers_env", config: {gym: ..., few_shot:
     [...]}}`.
+
+    `held_out_only: true` drops the eval rows whose question is also a train row's, as the `reasoning_gym` source does
+    for its test split: `ReasoningGymEnv` splits by index, so a task with few distinct questions (one-digit products,
+    small GCDs) repeats train questions in its eval rows, and a held-out score on them would partly measure recall.
+
+    `parser: plain` hands `ReasoningGymEnv` verifiers' base `Parser` (the whole reply is the answer) instead of its
+    default `XMLParser(["answer"])`, for a model that does not write tags: the task's scorer then gives its partial
+    credit for a reply that contains the answer, as the `reasoning_gym` reward's `extract: full` does.
     """
     shots = _check_few_shot(few_shot)
+    if not isinstance(held_out_only, bool):
+        raise ValueError(bad_value("dataset.config.held_out_only", held_out_only, "true or false"))
+    if parser not in _PARSERS:
+        raise ValueError(bad_value("dataset.config.parser", parser, "xml (<answer> tags, the default) or plain"))
     try:
         from verifiers.envs.integrations.reasoninggym_env import ReasoningGymEnv
     except ImportError as exc:
@@ -151,8 +166,15 @@ def verifiers_env(few_shot: list[Mapping[str, Any]] | None = None, **env_args):
         def _format_dataset_source(self, dataset):
             return self._format_dataset(dataset, self.system_prompt, shots, map_kwargs=self.map_kwargs)
 
+    if parser == "plain":
+        from verifiers import Parser
+
+        env_args["parser"] = Parser()
     env = FewShotReasoningGymEnv(**env_args)
     env.few_shot = shots
+    if held_out_only and env.eval_dataset is not None:
+        seen = set(env.dataset["question"])
+        env.eval_dataset = env.eval_dataset.filter(lambda row: row["question"] not in seen)
     return env
 
 

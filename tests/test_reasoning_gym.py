@@ -343,3 +343,52 @@ def test_verifiers_env_refuses_few_shot_turns_that_are_not_user_assistant_pairs(
         load_dataset_rows(spec)
     for fragment in fragments:
         assert fragment in str(ei.value)
+
+
+def test_verifiers_env_held_out_only_drops_eval_questions_that_are_train_questions():
+    """ReasoningGymEnv splits by index, so on a task with few distinct questions its eval rows repeat train ones;
+    `held_out_only: true` keeps only the eval rows whose question no train row asks (and refuses a non-boolean)."""
+    pytest.importorskip("verifiers", reason='verifiers is an optional extra: pip install -e ".[verifiers]"')
+    from verifiers.envs.integrations.reasoninggym_env import ReasoningGymEnv
+
+    from rollout.reasoning_gym_source import verifiers_env
+
+    args = {
+        "gym": [{"name": "products", "weight": 1, "config": {"min_digits": 1, "max_digits": 1}}],
+        "num_train_examples": 60,
+        "num_eval_examples": 40,
+    }
+    env, own = verifiers_env(held_out_only=True, **args), ReasoningGymEnv(**args)
+    train = set(own.get_dataset()["question"])
+    theirs = list(own.get_eval_dataset())
+    mine = list(env.get_eval_dataset())
+    assert 0 < len(mine) < len(theirs)  # 100 distinct questions: some eval rows repeat train ones, not all do
+    assert mine == [row for row in theirs if row["question"] not in train]
+    assert list(env.get_dataset()) == list(own.get_dataset())
+    spec = DatasetSpec(
+        source="verifiers", task="rollout.reasoning_gym_source:verifiers_env", config={**args, "held_out_only": "yes"}
+    )
+    with pytest.raises(DatasetError, match="dataset.config.held_out_only='yes' is not allowed"):
+        load_dataset_rows(spec)
+
+
+def test_verifiers_env_plain_parser_scores_the_whole_reply_with_the_librarys_scorer():
+    """`parser: plain` is verifiers' base Parser: an untagged reply is the answer, scored by the task's own
+    score_answer (partial credit for a reply that contains it); an unknown parser is refused."""
+    import asyncio
+
+    pytest.importorskip("verifiers", reason='verifiers is an optional extra: pip install -e ".[verifiers]"')
+    from rollout.reasoning_gym_source import verifiers_env
+
+    env = verifiers_env(parser="plain", **_VF_ARGS)
+    for index in range(len(env.rg_dataset)):
+        entry = env.rg_dataset[index]
+        for reply in (entry["answer"], f"it is {entry['answer']}", "no"):
+            completion = [{"role": "assistant", "content": reply}]
+            got = asyncio.run(env.rubric.funcs[0](completion=completion, answer=str(index)))
+            assert got == pytest.approx(env.rg_dataset.score_answer(reply, entry))
+    spec = DatasetSpec(
+        source="verifiers", task="rollout.reasoning_gym_source:verifiers_env", config={**_VF_ARGS, "parser": "json"}
+    )
+    with pytest.raises(DatasetError, match="dataset.config.parser='json' is not allowed"):
+        load_dataset_rows(spec)
