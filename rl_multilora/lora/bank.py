@@ -5,9 +5,12 @@ Design choices:
 - Stacked plain tensors per LoRA module (`A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)`), no
   autograd, sharing no storage with the model's trainable Parameters: weight sync writes a trained adapter into the
   bank while the trainer keeps training, and an optimizer step never leaks into a running rollout.
-- A Linear module's slots are stored rank-minor, A as `(max_loras, in, max_rank)` and B as `(max_loras, max_rank,
-  out)`, and handed out as transposed views of the usual shapes: a decode step (one token per row) then sums each
-  row's slot rows straight from the bank (`layer.bag_lora`) instead of gathering a copy per row.
+- On CPU a Linear module's slots are stored rank-minor, A as `(max_loras, in, max_rank)` and B as `(max_loras,
+  max_rank, out)`, and handed out as transposed views of the usual shapes: a decode step (one token per row) then
+  sums each row's slot rows straight from the bank (`layer.bag_lora`) instead of gathering a copy per row. On a GPU
+  they keep the model's layout, which the gather + batched-matmul path reads fastest there (SmolLM2-shaped decode,
+  64 mixed adapters over one adapter's tokens/s, `bench/gpu_check.py` on one H100 lease: 0.84x with the rank-minor
+  layout, 0.94x without; one run each).
 - Slots are zero-padded above their rank, like the model's, so `LoRALinear` reads a bank slot exactly as it reads
   its own Parameters (`MultiLoRAModel.forward(..., lora_bank=bank)`). A slot with rank 0 is empty.
 - Writes go through the same PEFT validation as the model (`peft_io`), all of it before the slot is touched.
@@ -30,8 +33,8 @@ from rl_multilora.lora.peft_io import ExpertShape, parse_peft_adapter
 class LoRABank:
     """Engine-side copy of every slot's LoRA tensors: plain stacked tensors, no autograd, no shared storage.
 
-    Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)` (views of rank-minor storage),
-    zero-padded above each slot's rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
+    Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)` (on CPU views of rank-minor
+    storage), zero-padded above each slot's rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
     is empty; routing a row to it raises.
     """
 
@@ -49,15 +52,15 @@ class LoRABank:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
-        # stored rank-minor, (S, in, R) and (S, R, out), and read through transposed views (`layer.rank_minor`)
-        self._a = {
-            m: torch.zeros(max_loras, i, max_rank, dtype=dtype, device=device).transpose(1, 2)
-            for m, (i, o) in self.layer_shapes.items()
-        }
-        self._b = {
-            m: torch.zeros(max_loras, max_rank, o, dtype=dtype, device=device).transpose(1, 2)
-            for m, (i, o) in self.layer_shapes.items()
-        }
+
+        def zeros(rows: int, cols: int) -> torch.Tensor:
+            """(max_loras, rows, cols), on CPU a view of (max_loras, cols, rows) storage."""
+            if self.device.type == "cpu":  # rank-minor: what `layer.bag_lora` reads (`layer.rank_minor`)
+                return torch.zeros(max_loras, cols, rows, dtype=dtype, device=device).transpose(1, 2)
+            return torch.zeros(max_loras, rows, cols, dtype=dtype, device=device)
+
+        self._a = {m: zeros(max_rank, i) for m, (i, o) in self.layer_shapes.items()}
+        self._b = {m: zeros(o, max_rank) for m, (i, o) in self.layer_shapes.items()}
         self.expert_shapes = dict(expert_shapes or {})
         for name, shape in self.expert_shapes.items():
             a_experts = 1 if shape.shared_a else shape.num_experts
