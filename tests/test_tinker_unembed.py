@@ -11,6 +11,7 @@ import pytest
 import tinker
 import torch
 from peft import PeftModel
+from tinker import types
 from transformers import AutoModelForCausalLM
 
 from tests.test_tinker_server import BASE, MODEL, TOKEN, _datum, _logprobs, _Running, _sft
@@ -82,6 +83,17 @@ def test_train_unembed_trains_the_lm_head_lora_and_peft_loads_it(tied_model, tmp
                                    before[tc]["base_model.model.lm_head.lora_A.weight"])  # fmt: skip
         # three steps of the same data with the same seed: with the head's LoRA the loss falls differently
         assert losses[default][-1] != pytest.approx(losses[without][-1], rel=1e-4)
+
+        # the engine samples with the head LoRA too: its log-probs of the sampled tokens are the trainer's
+        sampler = default.save_weights_and_get_sampling_client().result()
+        seq = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=0))
+        seq = seq.result().sequences[0]
+        full = TOKENS[:4] + list(seq.tokens)
+        trainer_lp = _logprobs(default, full)[3:]  # the log-probs of the sampled positions
+        np.testing.assert_allclose(seq.logprobs, trainer_lp, rtol=1e-4, atol=1e-5)
+        base = sc.create_sampling_client(base_model=BASE)
+        base_lp = base.compute_logprobs(types.ModelInput.from_ints(full)).result()[4:]
+        assert not np.allclose(base_lp, trainer_lp, atol=1e-3)
 
         # save_state writes the PEFT folder: PEFT loads it on the tied base and gives the client's log-probs
         path = default.save_state("after").result().path
