@@ -1,0 +1,247 @@
+"""The LoRA layer's decode and training paths at SmolLM2-135M's shape, this checkout against an earlier revision.
+
+Usage: `python bench/bench_lora_paths.py [--before REV] [--runs 5] [--threads 1] [--rows 16] [--seq-len 64]
+[--decode-rows 64] [--skip-train] [--skip-decode]`
+
+One process, one model with random weights of SmolLM2-135M's config (hidden 576, 30 layers, GQA 9/3, vocab 49152,
+tied head; nothing is downloaded), 64 adapters of rank 8 (alpha 16) on every Linear with non-zero B. "before" is
+`LoRALinear.forward` of revision `--before` (read with `git show`, its module's own helpers with it) swapped in for
+the measurement, with the engine bank's tensors in that revision's layout; "after" is this checkout.
+
+- Decode: one decode step of `decode-rows` rows through an engine bank and a KV cache of 32 prompt tokens (what the
+  embedded engine's `_forward` calls per step; the cache is cropped back after each step), all rows on the base,
+  all on one adapter, or spread over 64 adapters (row i on adapter i % 64). Tokens/s = rows / step time.
+- Training: one forward+backward of `rows` x `seq-len` tokens (`inputs_embeds` requiring grad, so the base floor
+  pays the same activation backward), with per-slot gradients kept in a `SlotGradSink` as the trainer keeps them
+  (`MultiLoRAModel.use_slot_grads`, `rl_multilora/train_ops.py`): base, one adapter, 64 adapters round-robin.
+
+Variants run round-robin within each run (drifting load hits them alike). Each run records wall time and this
+thread's CPU time (`time.thread_time`): on a shared, oversubscribed machine the wall time includes the time the
+thread waited for a core, the CPU time does not. Medians with min-max over runs; ratios are medians of per-run
+ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's packages when run as a script
+
+from rl_multilora.lora import LoRALinear, MultiLoRAModel  # noqa: E402
+from rl_multilora.lora.bank import LoRABank  # noqa: E402
+
+RANK = 8
+N_MANY = 64
+PROMPT = 32
+
+
+def smollm2_config() -> LlamaConfig:
+    """SmolLM2-135M's config.json numbers (artifacts/smollm2-135m/model)."""
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_theta=100000.0,
+    )  # fmt: skip
+
+
+def build() -> MultiLoRAModel:
+    torch.manual_seed(0)
+    m = MultiLoRAModel.from_model(AutoModelForCausalLM.from_config(smollm2_config()).float(), N_MANY, RANK)
+    for i in range(N_MANY):
+        m.add_adapter(f"a{i}", rank=RANK, alpha=2 * RANK, seed=i)
+        with torch.no_grad():  # non-zero B so every adapter does real work
+            for p in m.adapter_parameters(f"a{i}")[1::2]:
+                p.normal_(0, 0.01)
+    return m
+
+
+def load_revision_layer(rev: str) -> types.ModuleType:
+    """`rl_multilora/lora/layer.py` as it was at `rev`, as a module of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:rl_multilora/lora/layer.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"layer_at_{rev}")
+    exec(compile(source, f"{rev}:rl_multilora/lora/layer.py", "exec"), module.__dict__)
+    return module
+
+
+def contiguous_bank(bank: LoRABank) -> LoRABank:
+    """The same slots in the layout banks had before they were stored rank-minor: contiguous (S, R, in), (S, out, R)."""
+    old = LoRABank(bank.layer_shapes, bank.max_loras, bank.max_rank, bank.dtype, bank.device)
+    old._a = {k: v.contiguous() for k, v in bank._a.items()}
+    old._b = {k: v.contiguous() for k, v in bank._b.items()}
+    old._rank, old._alpha, old._modules = list(bank._rank), list(bank._alpha), list(bank._modules)
+    return old
+
+
+@contextlib.contextmanager
+def layer_forward(forward: Callable | None) -> Iterator[None]:
+    """Swap `LoRALinear.forward` for the duration (None: this checkout's)."""
+    current = LoRALinear.forward
+    LoRALinear.forward = forward or current
+    try:
+        yield
+    finally:
+        LoRALinear.forward = current
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, runs: int) -> dict[str, dict[str, list]]:
+    """Wall and thread-CPU seconds of every fn per run, round-robin."""
+    times = {key: {"wall": [], "cpu": []} for key in fns}
+    for i in range(warmup + runs):
+        for key, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.thread_time()
+            fn()
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            if i >= warmup:
+                times[key]["wall"].append(wall)
+                times[key]["cpu"].append(cpu)
+    return times
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def ratios(num: list[float], den: list[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den, strict=True)]
+
+
+def print_table(title: str, times: dict, refs: list[str], unit: Callable[[float], float], fmt: str, label: str):
+    """One row per variant: its value (wall and CPU) and its per-run ratio over each variant in `refs` (by CPU time,
+    then wall); `unit` turns seconds into the value shown (for decode, tokens/s, where a ratio is inverted)."""
+    print(f"\n{title}")
+    head = " | ".join(f"vs {r} (cpu; wall)" for r in refs)
+    print(f"| variant | {label} cpu | {label} wall | {head} |")
+    print("|---|---|---|" + "---|" * len(refs))
+    for key, t in times.items():
+        cells = [spread([unit(s) for s in t["cpu"]], fmt), spread([unit(s) for s in t["wall"]], fmt)]
+        for ref in refs:
+            invert = unit(2.0) < unit(1.0)  # a throughput: the ratio is ref time over this time
+            per = {c: ratios(times[ref][c], t[c]) if invert else ratios(t[c], times[ref][c]) for c in ("cpu", "wall")}
+            cells.append(f"{spread(per['cpu'], '{:.3f}')}; {spread(per['wall'], '{:.3f}')}")
+        print(f"| {key} | " + " | ".join(cells) + " |", flush=True)
+
+
+def bench_decode(m: MultiLoRAModel, before: types.ModuleType, rows: int, warmup: int, runs: int) -> None:
+    m.eval()
+    bank = m.new_bank()
+    banks = {"after": bank, "before": contiguous_bank(bank)}
+    config = m.base_model.config
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (rows, PROMPT), generator=g)
+    token = torch.randint(0, config.vocab_size, (rows, 1), generator=g)
+    mask = torch.ones(rows, PROMPT + 1, dtype=torch.long)
+    position = torch.full((rows, 1), PROMPT)
+    variants = {
+        "base": torch.full((rows,), -1),
+        "1 adapter": torch.zeros(rows, dtype=torch.long),
+        f"{N_MANY} mixed": torch.arange(rows) % N_MANY,
+    }
+    fns: dict[str, Callable[[], object]] = {}
+    for code in ("before", "after"):
+        forward = before.LoRALinear.forward if code == "before" else None
+        for name, slots in variants.items():
+            if name == "base" and code == "before":
+                continue  # no LoRA compute: the same code either way
+            cache = DynamicCache(config=config)
+            with torch.no_grad(), layer_forward(forward):
+                m(prompt, attention_mask=mask[:, :PROMPT], adapter_slots=slots, lora_bank=banks[code],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+
+            def step(slots=slots, cache=cache, bank=banks[code], forward=forward):
+                with torch.no_grad(), layer_forward(forward):
+                    m(token, attention_mask=mask, position_ids=position, adapter_slots=slots, lora_bank=bank,
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                cache.crop(-1)
+
+            fns[name if name == "base" else f"{name}, {code}"] = step
+    fns = {"base": fns.pop("base"), **fns}  # the base row first
+    times = time_interleaved(fns, warmup, runs)
+    print_table(
+        f"decode step: {rows} rows, KV cache of {PROMPT} tokens, bank of {N_MANY} adapters, rank {RANK}, {runs} runs",
+        times, ["base", "1 adapter, after"], lambda s: rows / s, "{:.0f}", "tokens/s",
+    )  # fmt: skip
+    for code in ("before", "after"):
+        one, mixed = times[f"1 adapter, {code}"], times[f"{N_MANY} mixed, {code}"]
+        print(
+            f"{code}: {N_MANY} mixed / 1 adapter tokens/s (cpu): {spread(ratios(one['cpu'], mixed['cpu']), '{:.3f}')}"
+        )
+
+
+def bench_train(m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len: int, warmup: int, runs: int) -> None:
+    m.train()
+    m.use_slot_grads()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, m.base_model.config.vocab_size, (rows, seq_len), generator=g)
+    embeds = m.base_model.get_input_embeddings()(ids).detach()
+
+    def step(names, forward):
+        m.zero_lora_grads()
+        x = embeds.detach().requires_grad_()
+        with layer_forward(forward):
+            m(inputs_embeds=x, adapter_names=names).logits.float().mean().backward()
+
+    variants = {"1 adapter": ["a0"] * rows, f"{N_MANY} mixed": [f"a{i % N_MANY}" for i in range(rows)]}
+    fns: dict[str, Callable[[], object]] = {"base": lambda: step([None] * rows, None)}
+    for code in ("before", "after"):
+        forward = before.LoRALinear.forward if code == "before" else None
+        for name, names in variants.items():
+            fns[f"{name}, {code}"] = lambda names=names, forward=forward: step(names, forward)
+    times = time_interleaved(fns, warmup, runs)
+    share = lora_flop_share(m)
+    print_table(
+        f"training forward+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
+        f"{runs} runs; LoRA FLOP share of the pass {share:.1%}",
+        times, ["base"], lambda s: s, "{:.2f}", "seconds",
+    )  # fmt: skip
+
+
+def lora_flop_share(m: MultiLoRAModel) -> float:
+    """LoRA matmul FLOPs over the whole forward+backward's, per token (frozen base: activation grads only)."""
+    base = lora = 0.0
+    for fan_in, fan_out in m.layer_shapes.values():
+        base += 4.0 * fan_in * fan_out
+        lora += 6.0 * RANK * (fan_in + fan_out)  # forward, activation grad, weight grads of A and B
+    head = m.base_model.get_output_embeddings().weight
+    base += 4.0 * head.shape[0] * head.shape[1]
+    return lora / (base + lora)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", default="95e18e8", help="the revision whose LoRALinear.forward is 'before'")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--decode-rows", type=int, default=64)
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    before = load_revision_layer(args.before)
+    print(
+        f"SmolLM2-135M shape, random weights; torch {torch.__version__}; {args.threads} thread(s); before={args.before}"
+    )
+    m = build()
+    if not args.skip_decode:
+        bench_decode(m, before, args.decode_rows, warmup=1, runs=args.runs)
+    if not args.skip_train:
+        bench_train(m, before, args.rows, args.seq_len, warmup=1, runs=args.runs)
+
+
+if __name__ == "__main__":
+    main()
