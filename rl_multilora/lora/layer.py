@@ -38,11 +38,11 @@ Design choices:
   tokens): the LoRA's cost was its rank-8 products, each one a memory-bound pass over an activation (50 % of the
   matmul peak at best), and the extra input-gradient sum; per-op overhead was under 1 % (`bench/bench_lora_paths.py`).
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
-  the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a copy
-  of A and B per row: the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`) so that a slot's A is a
-  table of `in` rows of R values and its B one of R rows of `out`. At SmolLM2's shape, 64 rows on 64 adapters made
-  the per-row gathers move 625 MB per decode step (more than the base's 540 MB of weights) and write it once more;
-  the bags read it once. Reading it once is the floor: 64 distinct adapters are 64x one adapter's bytes.
+  the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a
+  copy of A and B per row: on CPU the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`), so a slot's A
+  is a table of `in` rows of R values and its B one of R rows of `out`. At SmolLM2's shape, 64 rows on 64 adapters
+  made the per-row gathers move 625 MB per decode step (more than the base's 540 MB of weights) and write it once
+  more; the bags read it once. Reading it once is the floor: 64 distinct adapters are 64x one adapter's bytes.
 - Inference of one used slot whose rows are contiguous (a one-adapter engine batch, a PEFT parity check) takes the
   view path instead: PEFT's ops in PEFT's order at the true rank on a row-range view, so a bf16 base gives PEFT's
   logits bit for bit. Training always takes the grouped path (its backward is the cheaper one).
