@@ -78,7 +78,7 @@ def load_revision_layer(rev: str) -> types.ModuleType:
 
 
 def contiguous_bank(bank: LoRABank) -> LoRABank:
-    """The same slots in the layout banks had before they were stored rank-minor: contiguous (S, R, in), (S, out, R)."""
+    """The same slots in the layout CPU banks had before they were stored rank-minor: (S, R, in), (S, out, R)."""
     old = LoRABank(bank.layer_shapes, bank.max_loras, bank.max_rank, bank.dtype, bank.device)
     old._a = {k: v.contiguous() for k, v in bank._a.items()}
     old._b = {k: v.contiguous() for k, v in bank._b.items()}
@@ -234,7 +234,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     before = load_revision_layer(args.before)
     print(
-        f"SmolLM2-135M shape, random weights; torch {torch.__version__}; {args.threads} thread(s); before={args.before}"
+        f"SmolLM2-135M shape, random weights; torch {torch.__version__}; {args.threads} thread(s); "
+        f"before={args.before}"
     )
     m = build()
     if not args.skip_decode:

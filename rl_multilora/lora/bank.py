@@ -34,8 +34,8 @@ class LoRABank:
     """Engine-side copy of every slot's LoRA tensors: plain stacked tensors, no autograd, no shared storage.
 
     Per LoRA module: `A: (max_loras, max_rank, in)`, `B: (max_loras, out, max_rank)` (on CPU views of rank-minor
-    storage), zero-padded above each slot's rank; per expert Parameter in `expert_shapes` the same with an expert dim after the slot's. A slot with rank 0
-    is empty; routing a row to it raises.
+    storage), zero-padded above each slot's rank; per expert Parameter in `expert_shapes` the same with an expert dim
+    after the slot's. A slot with rank 0 is empty; routing a row to it raises.
     """
 
     def __init__(
