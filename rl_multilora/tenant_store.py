@@ -24,8 +24,9 @@ Design choices:
   take (the caller's `prepare`: tensors on the slots' device, moments zero-padded to the slot's shape). The model's
   slots are not touched (the training step's autograd reads them); the page-in itself (`take`) then only copies
   the prepared weights into a slot. `prepare` must produce the tensors the synchronous page-in would produce, so a
-  prefetched run is bit-identical to one that pages on demand (`tests/test_paging.py`). One lock guards the
-  store's books: the training thread pages out (put, spill) while the prefetch thread takes.
+  prefetched run is bit-identical to one that pages on demand (`tests/test_paging_async.py`). One lock guards the
+  store's books: the training thread pages out (put, spill) while the prefetch thread takes. A staged tenant is out
+  of `host_bytes` and the budget (it is on its way into a slot; at most `max_loras` are staged at once).
 - `peek` reads a paged tenant's weights without taking it out (a weight sync pushing a changed adapter that was
   evicted before its sync: the push must not page it back in and evict another).
 """

@@ -8,6 +8,9 @@ manager says what to push (with each adapter's next version) and what to unload 
 applies the returned `SyncStats` (`TenantManager.apply_sync`); this module writes no tenant fact. Engines are told
 the version, so the embedded engine and the SGLang client number versions the same way (0, 1, 2, ...).
 
+More tenants than slots: a changed adapter that lost its slot before the sync is still pushed, read from the host
+tenant store where it waits (`LocalBackend.adapter_state_dict`); the sync never pages a tenant in.
+
 Ordering within the pause: unload first (SGLang cannot reload a name without unloading it, and unloading must not
 happen while paused in retract/in_place mode, which is why engines pause in abort mode), then push.
 """
