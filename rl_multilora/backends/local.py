@@ -168,17 +168,12 @@ class LocalBackend(TrainingBackend):
         names = sorted({r.adapter for r in rows})
         if len(names) <= self.model.max_loras:
             return self.forward_backward_share(rows, losses, backward)[1]
-        # paging: more tenants than slots in one call -> calls of at most max_loras tenants, outputs in row order.
-        # Calls of even sizes, so that none holds one tenant where the whole call holds several: a one-slot batch
-        # folds the slot into the base weight (`rl_multilora.lora.layer`), which rounds differently from the
-        # several-slot path the same rows take on enough slots. With max_loras >= 3 no call holds one; on 1 or 2
-        # slots an odd count leaves one, and that tenant's numbers can differ in the last bits from enough slots.
-        parts_n = -(-len(names) // self.model.max_loras)
-        bounds = [len(names) * i // parts_n for i in range(parts_n + 1)]
+        # paging: more tenants than slots in one call -> calls of at most max_loras tenants, outputs in row order
+        size = self.model.max_loras
         order: list[int] = []
         parts: list[FwdBwdOut] = []
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            chunk = set(names[lo:hi])
+        for k in range(0, len(names), size):
+            chunk = set(names[k : k + size])
             index = [i for i, r in enumerate(rows) if r.adapter in chunk]
             order += index
             parts.append(self.forward_backward_share([rows[i] for i in index], losses, backward)[1])
