@@ -1,5 +1,5 @@
 """The decode path (`layer.bag_lora`: one token per row, read straight from a bank's rank-minor slots) and the training
-node (`layer._LinearLoRA`: base Linear + LoRA in one node, one slot folded into the weight) against the float32
+node (`layer._LinearLoRA`: base Linear + LoRA in one node) against the float32
 per-row loop, over the adapter mixes of `test_grouped_lora.py` (distinct, uniform, skewed, one adapter, base rows
 mixed in, mixed ranks, adapters covering a subset of modules, 256 adapters)."""
 
@@ -102,7 +102,7 @@ def graph_nodes(tensor: torch.Tensor) -> set[str]:
 @pytest.mark.parametrize(
     "names",
     [["c"] * 5, ["a", "b", "c", "a", "b"], ["b", "b", "c", "b", "b"]],
-    ids=["one_slot_merged", "distinct_and_repeated", "skewed"],
+    ids=["one_slot", "distinct_and_repeated", "skewed"],
 )
 def test_training_node_equals_reference_loop(names, sink):
     m = make_model("llama", max_loras=4)

@@ -32,9 +32,9 @@ Design choices:
   ops (the one-adapter path before) cost 1.33x.
 - Training with every row on an adapter runs the base Linear and its LoRA as one autograd node (`_LinearLoRA`): the
   LoRA's input gradient is added into the base's `grad @ W` in place instead of being summed by autograd (a pass over
-  an activation-sized tensor per Linear). When every row is on one slot, that slot is folded into the weight for the
-  step (`W + scale * B @ A`, float32 only): a one-adapter batch pays the LoRA's weight-gradient products and one
-  `x @ A.T`, not the two rank-r updates of `y` and `grad_x`. Profiled at SmolLM2-135M's shape (1 thread, 16 x 64
+  an activation-sized tensor per Linear). A batch on one slot takes the same path as a mixed one, so a tenant's
+  numbers do not depend on who shares its batch (folding the slot into the weight, `W + scale * B @ A`, saved about
+  3 % of a one-adapter step but rounded differently from the mixed path). Profiled at SmolLM2-135M's shape (1 thread, 16 x 64
   tokens): the LoRA's cost was its rank-8 products, each one a memory-bound pass over an activation (50 % of the
   matmul peak at best), and the extra input-gradient sum; per-op overhead was under 1 % (`bench/bench_lora_paths.py`).
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
@@ -147,8 +147,9 @@ class LoRALinear(nn.Module):
         """Training with every row on an adapter: the base Linear and the LoRA in one autograd node (`_LinearLoRA`);
         None where that does not apply (no autograd, base rows, a bank, a trainable base, mixed dtypes).
 
-        When all rows use one slot, the batch is one segment: `(1, B * L, in)` against that slot's A and B, so each
-        product is one GEMM over all tokens instead of B small ones over B gathered copies of the same slot.
+        Rows on one slot are still B segments, not one `(1, B * L, in)` segment: one GEMM over all tokens would
+        round the slot's products and gradient sums differently from the same rows in a mixed batch, and a tenant's
+        numbers must not depend on who shares its batch (paging's and isolation's bit-exact tests).
         """
         lora_a, lora_b = self.lora_A, self.lora_B
         if (
@@ -167,11 +168,10 @@ class LoRALinear(nn.Module):
         scales = routing.scales_for(self.name)  # (B,)
         if scales is None:
             return None
-        x3, slots = x, routing.row_slots
-        if len(routing.groups) == 1:
-            x3, slots, scales = x.reshape(1, -1, self.in_features), slots[:1], scales[:1]  # (1, B * L, in)
         sink = routing.grad_sink
-        y3 = _LinearLoRA.apply(x3, self.weight, self.bias, lora_a, lora_b, slots, scales, routing.max_rank, sink)
+        y3 = _LinearLoRA.apply(
+            x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink
+        )
         return y3.view(*x.shape[:-1], self.out_features)
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -282,26 +282,12 @@ class _LinearLoRA(torch.autograd.Function):
     base's `grad @ W` in place (`baddbmm_`) where autograd would allocate a second input gradient and sum the two, a
     pass over an activation-sized tensor per Linear; and the input is saved once, not by both nodes. The LoRA math,
     its per-slot weight gradients and the sink are `_GroupedLoRA`'s. x3: (n, L, in) -> (n, L, out).
-
-    One segment (every row on one slot, float32): the slot is folded into the weight, `W' = W + scale * B @ A`
-    (`out x in x r` multiply-adds, nothing next to the `tokens x in x out` of the Linear), and `y = x @ W'.T`,
-    `grad_x = grad @ W'`: the two rank-r products over the activations that add into `y` and `grad_x` (a read and a
-    write of an activation-sized tensor each) are gone. `W'` is rebuilt in the backward rather than kept. Same math,
-    rounded differently: the merged sum is within float32 rounding of PEFT's `x @ W.T + scale * (x @ A.T) @ B.T`.
-    Not for bf16, where rounding `W'` to 8 bits of mantissa would swallow most of a small delta.
     """
 
     @staticmethod
     def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None):
-        ctx.merged = slots.numel() == 1 and x3.dtype == torch.float32
-        if ctx.merged:
-            a = lora_a.narrow(1, 0, r).index_select(0, slots)  # A[s, :r]; (1, r, in)
-            bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # B[s, :, :r].T; (1, r, out)
-            y3 = F.linear(x3, _merged_weight(weight, a, bt, scales), bias)  # (1, N, out)
-            xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # scale * x @ A.T, for dB; (1, N, r)
-        else:
-            y3 = F.linear(x3, weight, bias)  # (n, L, out)
-            a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots)
+        y3 = F.linear(x3, weight, bias)  # (n, L, out)
+        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
@@ -312,17 +298,10 @@ class _LinearLoRA(torch.autograd.Function):
         x3, weight, a, bt, xa, slots, scales = ctx.saved_tensors
         grad = grad.contiguous()
         base_x = None
-        if ctx.needs_input_grad[0]:  # grad @ W (or W'): (n, L, in)
-            base_x = torch.matmul(grad, _merged_weight(weight, a, bt, scales) if ctx.merged else weight)
-        grad_x, grad_a, grad_b = _grouped_backward(
-            ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4), add_x=not ctx.merged
-        )
+        if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
+            base_x = torch.matmul(grad, weight)
+        grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4))
         return grad_x, None, None, grad_a, grad_b, None, None, None, None
-
-
-def _merged_weight(weight, a, bt, scales):
-    """`W + scale * B @ A` of one segment; weight: (out, in), a: (1, r, in), bt: (1, r, out), scales: (1,)."""
-    return torch.addmm(weight, bt[0].t() * scales[0], a[0])  # (out, in)
 
 
 def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
@@ -336,16 +315,16 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
     return a, bt, xa
 
 
-def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, inputs, add_x=True):
+def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, inputs):
     """Input and per-slot weight gradients of `_grouped_forward`, for a Function whose x3 / lora_a / lora_b inputs
-    are at positions `inputs`. `grad_x`, when given (the base's), gets the LoRA's input gradient added in place
-    (unless `add_x` is False: a merged weight's `grad_x` holds it already). Returns (grad_x, grad_a, grad_b); with a
+    are at positions `inputs`. `grad_x`, when given (the base's), gets the LoRA's input gradient added in place.
+    Returns (grad_x, grad_a, grad_b); with a
     sink (see SlotGradSink) the weight grads go there."""
     shape_a, shape_b, r = ctx.stacked
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
     g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
     g_xa = g_xa.to(grad.dtype)
-    if need_x and add_x:
+    if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
     grad_a = grad_b = None
     if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
