@@ -574,3 +574,17 @@ def test_a_new_adapter_takes_the_slot_an_older_version_still_holds(engine, model
     expected = engine.generate([GenerateRequest(PROMPTS[1], "b", greedy(8))])[0].output_ids
     assert engine.generate([GenerateRequest(PROMPTS[1], "d", greedy(8))])[0].output_ids == expected
     assert engine._retiring == {}
+
+
+def test_a_caller_whose_event_loop_closed_does_not_take_the_engine_down(engine):
+    """A verifiers episode that times out closes its event loop while its request still waits in the engine: the
+    worker must drop those results and go on serving everyone else (before, delivering them raised "Event loop is
+    closed" in the worker thread, the worker died and every tenant's rollout hung)."""
+    request = GenerateRequest(PROMPTS[0], adapter="a", sampling=greedy(4))
+    engine.pause()
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(engine.agenerate([request]), timeout=0.05))  # the loop is closed after this
+    engine.resume()
+    [result] = engine.generate([request])  # served after the orphaned rows were finished
+    assert result.error is None and len(result.output_ids) > 0
+    assert engine.health()

@@ -138,7 +138,10 @@ class _Job:
         self.results[index] = result
         self.remaining -= 1
         if self.remaining == 0:
-            self.on_done(list(self.results))  # type: ignore[arg-type]
+            try:
+                self.on_done(list(self.results))  # type: ignore[arg-type]
+            except Exception:  # a caller's callback must not take the engine's worker (every tenant's rows) down
+                logger.exception("embedded engine: delivering a request's results failed; the caller misses them")
 
 
 @dataclass
@@ -498,7 +501,12 @@ class EmbeddedEngine(RolloutEngine):
                 future.set_result(results)
 
         def on_done(results: list[GenerateResult]) -> None:
-            loop.call_soon_threadsafe(set_result, results)
+            if loop.is_closed():  # the caller's loop is gone (e.g. its episode timed out and was torn down)
+                return
+            try:
+                loop.call_soon_threadsafe(set_result, results)
+            except RuntimeError:  # it closed between the check and the call: nobody waits for these results
+                pass
 
         job = self._submit(requests, on_done)
         try:
