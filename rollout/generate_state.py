@@ -451,6 +451,7 @@ class _Episode:
                 adapter=adapter,
                 sampling=replace(sampling, max_new_tokens=min(sampling.max_new_tokens, budget), seed=seed),
                 rid=f"{adapter or 'base'}/g{sample.group_index}/s{sample.index}/t{turn}",
+                keep_prefix=turn + 1 < spec.max_turns,  # the next turn re-sends this context: keep its KV
             )
             result = await state.generate_turn(request)
             if result.finish_reason in ("error", "abort"):

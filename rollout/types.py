@@ -139,12 +139,19 @@ class SamplingParams:
 
 @dataclass
 class GenerateRequest:
-    """One generation request. `adapter` is the adapter name, or None for the base model."""
+    """One generation request. `adapter` is the adapter name, or None for the base model.
+
+    `keep_prefix`: a later request will likely continue this one (an episode's next turn, a chat client's next
+    message), so an engine with a prefix cache keeps this one's KV when it finishes. Off for single-turn rows: their
+    KV would only take memory (and a reuse rounds differently from a full prefill, so single-turn runs stay exactly
+    what they were without the cache).
+    """
 
     input_ids: list[int]
     adapter: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str | None = None
+    keep_prefix: bool = False
 
 
 @dataclass

@@ -19,6 +19,12 @@ from rollout.engines.prefix_cache import BLOCK, PrefixCache
 from rollout.types import GenerateRequest, SamplingParams
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
+
+def _req(input_ids, adapter=None, sampling=None, **kw) -> GenerateRequest:
+    """A request that a continuation will follow (`keep_prefix`), as a multi-turn episode's turns are."""
+    return GenerateRequest(input_ids, adapter, sampling or SamplingParams(), keep_prefix=True, **kw)
+
+
 ADAPTERS = {"a": (4, 8, 1), "b": (8, 16, 2)}  # name -> (rank, alpha, seed)
 LOGPROB_ATOL = 1e-4
 
@@ -68,7 +74,7 @@ def _episode_turns(engine, first: list[GenerateRequest], turns: int, env_tokens:
         out = engine.generate(requests)
         results.append(out)
         requests = [
-            GenerateRequest(r.input_ids + o.output_ids + env_tokens[: 3 + i], r.adapter, r.sampling)
+            _req(r.input_ids + o.output_ids + env_tokens[: 3 + i], r.adapter, r.sampling)
             for i, (r, o) in enumerate(zip(requests, out, strict=True))
         ]
     return results
@@ -79,10 +85,7 @@ def test_next_turns_reuse_the_cache_and_match_the_uncached_engine(model, tempera
     cached, uncached = _engines(model)
     sampling = SamplingParams(temperature=temperature, max_new_tokens=12, seed=7 if temperature else None)
     # adapters a, b and the base, prompts of different lengths: the cached prefill has gaps of several widths
-    first = [
-        GenerateRequest(_prompt(i, 20 + 7 * i), adapter, sampling)
-        for i, adapter in enumerate(["a", "b", None, "a", "b"])
-    ]
+    first = [_req(_prompt(i, 20 + 7 * i), adapter, sampling) for i, adapter in enumerate(["a", "b", None, "a", "b"])]
     env = _prompt(99, 9)
     try:
         got = _episode_turns(cached, first, 3, env)
@@ -101,15 +104,12 @@ def test_next_turns_reuse_the_cache_and_match_the_uncached_engine(model, tempera
 def test_a_prefill_mixing_hits_and_misses_matches_the_uncached_engine(model):
     cached, uncached = _engines(model)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
-    first = [GenerateRequest(_prompt(i, 24), "a", greedy) for i in range(3)]
+    first = [_req(_prompt(i, 24), "a", greedy) for i in range(3)]
     try:
         turn1 = cached.generate(first)
         _assert_same(turn1, uncached.generate(first))
-        second = [
-            GenerateRequest(r.input_ids + o.output_ids + [5, 6], "a", greedy)
-            for r, o in zip(first, turn1, strict=True)
-        ]
-        fresh = [GenerateRequest(_prompt(50, 40), "a", greedy), GenerateRequest(_prompt(51, 17), "b", greedy)]
+        second = [_req(r.input_ids + o.output_ids + [5, 6], "a", greedy) for r, o in zip(first, turn1, strict=True)]
+        fresh = [_req(_prompt(50, 40), "a", greedy), _req(_prompt(51, 17), "b", greedy)]
         hits_before = cached.prefix_cache.hits
         _assert_same(cached.generate(second + fresh), uncached.generate(second + fresh))
         assert cached.prefix_cache.hits == hits_before + 3
@@ -120,11 +120,11 @@ def test_a_prefill_mixing_hits_and_misses_matches_the_uncached_engine(model):
 def test_a_group_prefills_its_prompt_once_and_a_later_sample_reuses_a_finished_sibling(model):
     cached, uncached = _engines(model)
     prompt = _prompt(3, 30)
-    group = [GenerateRequest(prompt, "b", SamplingParams(temperature=1.0, max_new_tokens=8, seed=s)) for s in range(4)]
+    group = [_req(prompt, "b", SamplingParams(temperature=1.0, max_new_tokens=8, seed=s)) for s in range(4)]
     try:
         _assert_same(cached.generate(group), uncached.generate(group))
         assert cached.prompt_tokens == len(prompt)  # 4 samples, one prefill of the prompt
-        late = [GenerateRequest(prompt, "b", SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))]
+        late = [_req(prompt, "b", SamplingParams(temperature=1.0, max_new_tokens=8, seed=9))]
         _assert_same(cached.generate(late), uncached.generate(late))
         assert cached.reused_tokens == len(prompt) - 1  # all but the last token, whose logits it needs
     finally:
@@ -134,7 +134,7 @@ def test_a_group_prefills_its_prompt_once_and_a_later_sample_reuses_a_finished_s
 def test_loading_new_weights_invalidates_that_adapters_entries(model):
     cached, uncached = _engines(model)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
-    first = [GenerateRequest(_prompt(7, 30), "a", greedy), GenerateRequest(_prompt(8, 30), "b", greedy)]
+    first = [_req(_prompt(7, 30), "a", greedy), _req(_prompt(8, 30), "b", greedy)]
     try:
         out = cached.generate(first)
         assert len(cached.prefix_cache) == 2
@@ -145,10 +145,7 @@ def test_loading_new_weights_invalidates_that_adapters_entries(model):
         for eng in (cached, uncached):  # same version number as before: the cache must not trust versions
             eng.load_adapter("a", model.adapter_state_dict("a"), model.peft_config("a"), version=0)
         assert len(cached.prefix_cache) == 1  # a's entry dropped at load, b's kept
-        second = [
-            GenerateRequest(r.input_ids + o.output_ids + [4], r.adapter, greedy)
-            for r, o in zip(first, out, strict=True)
-        ]
+        second = [_req(r.input_ids + o.output_ids + [4], r.adapter, greedy) for r, o in zip(first, out, strict=True)]
         reused = cached.reused_tokens
         _assert_same(cached.generate(second), uncached.generate(second))
         assert cached.reused_tokens - reused == len(second[1].input_ids) - 2  # b hit (all but its 2 new); a missed
@@ -165,7 +162,7 @@ def test_the_engine_cache_stays_within_its_bound(model):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=9)
     try:
         for i in range(6):  # six entries of 40 tokens (31 prompt + 9 output - 1 never fed) into room for three
-            eng.generate([GenerateRequest(_prompt(20 + i, 31), "a", greedy)])
+            eng.generate([_req(_prompt(20 + i, 31), "a", greedy)])
             assert eng.prefix_cache.nbytes <= eng.prefix_cache.max_bytes
         assert len(eng.prefix_cache) == 3 and eng.prefix_cache.evictions == 3
         with pytest.raises(ValueError, match="prefix_cache_bytes"):
@@ -223,3 +220,20 @@ def test_a_turn_that_extends_the_entry_it_reused_replaces_it():
     turn2 = turn1 + [50, 51, 52]
     assert cache.insert((None, 0), turn2, *_kv(len(turn2)), replaces=entry.id)
     assert len(cache) == 1 and cache.lookup((None, 0), turn2 + [1], len(turn2))[1] == len(turn2)
+
+
+def test_single_turn_requests_keep_nothing_and_match_the_uncached_engine_bit_for_bit(model):
+    """Without `keep_prefix` (single-turn GRPO rows, Tinker samples) nothing is cached, so a single-turn run takes
+    exactly the uncached path: no memory held, no reuse rounding differently."""
+    cached, uncached = _engines(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    prompt = _prompt(3, 40)
+    try:
+        for _ in range(2):  # the second round finds nothing to reuse
+            requests = [GenerateRequest(prompt, "a", sampling), GenerateRequest(_prompt(4, 33), "b", sampling)]
+            got, want = cached.generate(requests), uncached.generate(requests)
+            for c, u in zip(got, want, strict=True):
+                assert c.output_ids == u.output_ids and c.output_logprobs == u.output_logprobs
+        assert cached.prefix_cache.hits == 0 and cached.reused_tokens == 0 and len(cached.prefix_cache) == 0
+    finally:
+        cached.close(), uncached.close()

@@ -20,7 +20,8 @@ Design choices (and where they differ from a textbook `model.generate` loop):
 - Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
   prefilled once; the cache, the mask and the last logits are then expanded by index.
 - Prefix reuse across requests (`prefix_cache_bytes`, `prefix_cache.py`): when a row finishes, the KV of its
-  prompt and output is kept in a bounded LRU cache keyed by its adapter's load generation and the token ids. A later
+  prompt and output is kept (when its request sets `keep_prefix`: multi-turn episodes and the OpenAI chat route do)
+  in a bounded LRU cache keyed by its adapter's load generation and the token ids. A later
   prompt that starts with tokens of an entry (an episode's next turn, a group sample prefilled after a sibling
   finished) takes their KV and prefills only the rest: the cached KV is left-padded to a common width, the new
   tokens are left-padded after it (a row's mask may then have a gap of padding between the two, which attention
@@ -908,9 +909,12 @@ class EmbeddedEngine(RolloutEngine):
         return mask
 
     def _keep_prefixes(self, batch: _Batch, done: list[int]) -> None:
-        """Copy the KV of finished rows `done` (prompt + output but the last token, never fed) into the prefix cache."""
+        """Copy the KV of finished rows `done` (prompt + output but the last token, never fed) into the prefix cache;
+        only rows whose request says a continuation will follow (`keep_prefix`)."""
         for i in done:
             row = batch.rows[i]
+            if not row.request.keep_prefix:
+                continue
             tokens = list(row.request.input_ids) + row.output_ids[:-1]
             if len(tokens) < PREFIX_BLOCK:
                 continue

@@ -171,7 +171,8 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
     except OpenAIRequestError as e:
         return _error(str(e), e.status, e.param, e.code)
     await state.running.wait()  # as /generate: wait out a weight sync's pause
-    req = GenerateRequest(input_ids=ids, adapter=adapter, sampling=sampling, rid=uuid.uuid4().hex)
+    # keep_prefix: a chat client (a verifiers episode) re-sends this conversation with its next message
+    req = GenerateRequest(input_ids=ids, adapter=adapter, sampling=sampling, rid=uuid.uuid4().hex, keep_prefix=True)
     (result,) = await state.engine.agenerate([req])
     if result.finish_reason == "error" and " is not allowed; allowed: " in (result.error or ""):
         # The engine's request checks (e.g. a token id out of the vocabulary) answer in this grammar: the request's
