@@ -221,7 +221,8 @@ def test_restarted_service_gives_replayed_clients_their_slots_first(workspace, t
         assert (st.get("t1").state, st.get("t2").state) == ("RUNNING", "PENDING")
         losses += _sft(tc, 2, TOKENS)  # the same TrainingClient, its next seq_ids
         np.testing.assert_allclose(losses, expected, rtol=1e-4)
-        st = core.status()
+        # status is published when the Tinker turn ends, which can be just after the client has its result
+        st = _wait(lambda: (s := core.status()).get(name).adapter_step >= 5 and s)
         assert (
             st.get(name).state == "RUNNING" and st.get(name).adapter_step == 5 and not core.rt.tenants.reserved_clients
         )
