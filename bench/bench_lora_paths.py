@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's packages when run as a script
 
+from bench.bench_smollm2 import lora_flop_share  # noqa: E402  (the same RANK, 8)
 from rl_multilora.lora import LoRALinear, MultiLoRAModel  # noqa: E402
 from rl_multilora.lora.bank import LoRABank  # noqa: E402
 
@@ -207,17 +208,6 @@ def bench_train(m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len:
         f"{runs} runs; LoRA FLOP share of the pass {share:.1%}",
         times, ["base"], lambda s: s, "{:.2f}", "seconds",
     )  # fmt: skip
-
-
-def lora_flop_share(m: MultiLoRAModel) -> float:
-    """LoRA matmul FLOPs over the whole forward+backward's, per token (frozen base: activation grads only)."""
-    base = lora = 0.0
-    for fan_in, fan_out in m.layer_shapes.values():
-        base += 4.0 * fan_in * fan_out
-        lora += 6.0 * RANK * (fan_in + fan_out)  # forward, activation grad, weight grads of A and B
-    head = m.base_model.get_output_embeddings().weight
-    base += 4.0 * head.shape[0] * head.shape[1]
-    return lora / (base + lora)
 
 
 def main() -> None:
