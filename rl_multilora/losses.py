@@ -10,7 +10,8 @@ Every loss works on the flattened loss tokens of a mixed batch (`TokenBatch`): `
 It returns the per-token loss and where its clip was active; how token losses become a tenant's loss is the
 caller's per-token weight (GRPO's aggregation, 1 for a Tinker client, whose losses are sums over tokens).
 `old_logp` is the policy that sampled the tokens: the trainer's own first-epoch forward for GRPO tenants, the
-sampler's `logprobs` input for Tinker clients.
+sampler's `logprobs` input for Tinker clients, and for `stable_reinforce` the log-probs the server itself recorded
+when it sampled the tokens (`rl_multilora.tinker.stability`), never the client's.
 
 | loss                | per-token loss                                                               | config (default) |
 |---------------------|------------------------------------------------------------------------------|------------------|
@@ -20,7 +21,16 @@ sampler's `logprobs` input for Tinker clients.
 | cispo               | -sg(clip(r, lo, hi)) A logp (the IS weight is clipped, the gradient flows through logp) | lo 0, hi 4 |
 | gspo                | -min(s A, clip(s, lo, hi) A), s = exp(mean of (logp - old) over the row's tokens that `sequence_ratio_mask` marks, all by default), per token sg(s) exp(logp - sg(logp)) (GSPO-token) | lo 0.8, hi 1.2 |
 | dro                 | -(A logp - beta / 2 (logp - old)^2)                                         | beta 0.05        |
-| stable_reinforce    | refused: Tinker does not publish its objective (`UNSUPPORTED`)             |                  |
+| stable_reinforce    | m (-sg(w) A logp + kl_coeff k3), w = min(exp(logp - old), tis_cap), k3 = exp(old - logp) - (old - logp) - 1; old = the server-recorded sampler log-probs, m = 1 on sampled tokens, 0 on prompt positions. THIS PROJECT'S objective, not Tinker's (unpublished) | kl_coeff 0, tis_cap 2 |
+
+`stable_reinforce` is this project's own objective under the name the SDK and tinker-cookbook use; Tinker does not
+publish its objective, so its numbers differ from Tinker's service. It is REINFORCE on the sampled tokens with the
+truncated importance weight (TIS) of Yao et al. (2025) between the trainer and the sampler, computed from the
+sampler's own log-probs that the server recorded (`record_stability_info`) and the datum's provenance names, plus an
+optional k3 estimate (Schulman, "Approximating KL divergence") of KL(train || sampler) per sampled token. It needs
+that provenance (`LossDef.provenance`): `old` and `m` are filled by the server, not read from `loss_fn_inputs`. It is
+a Tinker client's loss only: a GRPO tenant's surrogates take the trainer's own old log-probs, and its engine-vs-
+trainer mismatch is the `tis` setting's.
 
 GRPO tenants' names (`GRPO_LOSSES`), with lo = 1 - eps_clip and hi = 1 + eps_clip_high:
 
@@ -72,6 +82,11 @@ class LossDef:
     inputs: tuple[str, ...]
     config: Mapping[str, float] = field(default_factory=dict)
     optional_inputs: tuple[str, ...] = ()
+    # config key -> (is the value allowed?, what is allowed), beyond being a finite number
+    config_rules: Mapping[str, tuple[Callable[[float], bool], str]] = field(default_factory=dict)
+    # the loss reads the sampler's log-probs the server recorded, through the datum's provenance: `old_logp` is those
+    # on sampled tokens, `weights` 1 on sampled tokens and 0 elsewhere (`rl_multilora.tinker.stability`)
+    provenance: bool = False
 
     def resolve(self, config: Mapping[str, float] | None) -> dict[str, float]:
         """This loss's config: `config` over the defaults; an unknown key or a non-finite value is a ValueError that
@@ -85,6 +100,9 @@ class LossDef:
         for key, value in got.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"loss_fn_config[{key!r}]={value!r} is not allowed; allowed: a finite number")
+            ok, allowed = self.config_rules.get(key, (None, ""))
+            if ok is not None and not ok(float(value)):
+                raise ValueError(f"loss_fn_config[{key!r}]={value!r} is not allowed; allowed: {allowed}")
             out[key] = float(value)
         return out
 
@@ -134,6 +152,19 @@ def _dro(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.T
     return -(x.logp * x.adv - 0.5 * cfg["beta"] * log_ratio * log_ratio), torch.zeros_like(x.logp, dtype=torch.bool)
 
 
+def _stable_reinforce(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This project's `stable_reinforce` (not Tinker's, which is unpublished; see the module docstring): `x.old_logp`
+    the server-recorded sampler log-probs, `x.weights` the sampled-token mask m (prompt positions 0)."""
+    sampled = x.weights > 0  # (N,)
+    # 0 off the sampled tokens, so exp() there never overflows (their `old_logp` is a placeholder)
+    log_ratio = torch.where(sampled, x.logp - x.old_logp, torch.zeros_like(x.logp))  # (N,) log pi_train - log pi_sampler
+    ratio = torch.exp(log_ratio.detach())  # (N,)
+    w = ratio.clamp(max=cfg["tis_cap"])  # truncated importance weight, no gradient
+    k3 = torch.exp(-log_ratio) + log_ratio - 1.0  # (N,) k3 of KL(train || sampler): (r - 1) - log r, r = pi_s / pi_t
+    loss = x.weights * (-w * x.adv * x.logp + cfg["kl_coeff"] * k3)
+    return loss, sampled & (ratio > cfg["tis_cap"])
+
+
 REGISTRY: dict[str, LossDef] = {
     d.name: d
     for d in (
@@ -154,19 +185,23 @@ REGISTRY: dict[str, LossDef] = {
             config=CLIP_DEFAULTS,
         ),
         LossDef("dro", _dro, inputs=("logprobs", "advantages"), config={"beta": 0.05}),
+        LossDef(
+            "stable_reinforce",
+            _stable_reinforce,
+            inputs=("advantages",),
+            config={"kl_coeff": 0.0, "tis_cap": 2.0},
+            config_rules={"kl_coeff": (lambda v: v >= 0.0, "a finite number >= 0"),
+                          "tis_cap": (lambda v: v > 0.0, "a finite number > 0")},  # fmt: skip
+            provenance=True,
+        ),
     )
 }
 # Which TokenBatch field each Tinker input fills (`target_tokens` is the target ids themselves).
 INPUT_FIELDS = {"logprobs": "old_logp", "advantages": "adv", "weights": "weights", "sequence_ratio_mask": "weights"}
 
-# The names the Tinker SDK 0.38 defines; `stable_reinforce` is refused (UNSUPPORTED says why).
+# The names the Tinker SDK 0.38 defines, every one served (`stable_reinforce` as this project's own objective).
 SDK_LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 SDK_LOSSES = tuple(n for n in SDK_LOSS_NAMES if n in REGISTRY)
-UNSUPPORTED = {
-    "stable_reinforce": "its objective is not published (Tinker documents only its sampling-side provenance, "
-    "record_stability_info and sequence ids), so it cannot be computed here as the SDK defines it; use "
-    "importance_sampling, ppo, cispo, gspo or dro",
-}
 
 # A GRPO tenant's `loss`: its registry surrogate, (normalize advantages by the group std, loss aggregation).
 GRPO_SURROGATE = {"grpo": "ppo", "dapo": "ppo", "dr_grpo": "ppo", "gspo": "gspo", "cispo": "cispo"}
@@ -182,9 +217,7 @@ LOSS_DEFAULTS: dict[str, tuple[bool, str]] = {
 
 
 def sdk_loss(name: object) -> LossDef:
-    """The registry's loss a Tinker client names, or a ValueError that says what is allowed (and why not)."""
-    if isinstance(name, str) and name in UNSUPPORTED:
-        raise ValueError(f"loss_fn={name!r} is not supported: {UNSUPPORTED[name]}")
+    """The registry's loss a Tinker client names, or a ValueError that says what is allowed."""
     if not isinstance(name, str) or name not in SDK_LOSSES:
         raise ValueError(f"loss_fn={name!r} is not supported; allowed: {', '.join(SDK_LOSSES)}")
     return REGISTRY[name]
@@ -203,7 +236,13 @@ def token_losses(
     """(loss, clipped) per token of GRPO loss `kind` (see the module tables), clip range [1 - eps_low, 1 + eps_high];
     both (N,). `clipped` marks tokens where clipping changed the value (for `clip_frac`)."""
     if kind not in GRPO_SURROGATE:
-        raise ValueError(f"loss={kind!r} is not allowed; allowed: one of {', '.join(GRPO_LOSSES)}")
+        why = (
+            " (a Tinker client's loss: it needs the sampler log-probs the Tinker server records and a datum's "
+            "provenance names; a GRPO tenant corrects its engine-vs-trainer mismatch with `tis`)"
+            if kind in REGISTRY and REGISTRY[kind].provenance
+            else ""
+        )
+        raise ValueError(f"loss={kind!r} is not allowed{why}; allowed: one of {', '.join(GRPO_LOSSES)}")
     x = TokenBatch(logp, old_logp, adv, torch.ones_like(logp), rows, n_rows)
     cfg = {"clip_low_threshold": 1.0 - eps_low, "clip_high_threshold": 1.0 + eps_high}
     return REGISTRY[GRPO_SURROGATE[kind]].fn(x, cfg)

@@ -1,6 +1,6 @@
 """The one loss registry: every loss the Tinker SDK names against a float64 reference written token by token from
-Tinker's published definitions (values and gradients with respect to the policy log-probs), the names both doors
-accept derived from it, and one code path for both doors: a GRPO tenant and a Tinker client with the same loss and
+Tinker's published definitions (values and gradients with respect to the policy log-probs; `stable_reinforce` from
+this project's own definition, Tinker's being unpublished), the names both doors accept derived from it, and one code path for both doors: a GRPO tenant and a Tinker client with the same loss and
 data get the same gradient (up to the float32 rounding of per-token inputs)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rl_multilora.config import AdapterConfig, GRPOSettings
 from rl_multilora.losses import REGISTRY, SDK_LOSS_NAMES, SDK_LOSSES, TokenBatch, client_algo, sdk_loss
 from rl_multilora.tinker import ops as tinker_ops
 from rl_multilora.tinker.ops import ClientOps, FwdBwdItem, UserError
-from rl_multilora.tinker.wire import Datum
+from rl_multilora.tinker.wire import Datum, Span
 from rl_multilora.trainer import MultiLoRATrainer
 from tests.test_trainer import VOCAB, random_samples
 from tests.tiny_models import PAD_ID, tiny_model
@@ -63,6 +63,14 @@ def _reference(name: str, cfg: dict, logp: list, old: list, adv: list, w: list, 
             c = min(max(x, lo), hi)
             loss.append(-c * a * logp[t])
             grad.append(-c * a)
+        elif name == "stable_reinforce":  # w: the sampled-token mask; old: the recorded sampler log-probs
+            if w[t] == 0:
+                loss.append(0.0)
+                grad.append(0.0)
+                continue
+            c, kl, d = min(x, cfg["tis_cap"]), cfg["kl_coeff"], old[t] - logp[t]
+            loss.append(w[t] * (-c * a * logp[t] + kl * (math.exp(d) - d - 1.0)))
+            grad.append(w[t] * (-c * a + kl * (1.0 - math.exp(d))))
         elif name == "dro":
             beta = cfg["beta"]
             loss.append(-(logp[t] * a - 0.5 * beta * (logp[t] - old[t]) ** 2))
@@ -72,10 +80,11 @@ def _reference(name: str, cfg: dict, logp: list, old: list, adv: list, w: list, 
     return loss, grad
 
 
+OTHER_CONFIG = {"dro": {"beta": 0.3}, "stable_reinforce": {"kl_coeff": 0.1, "tis_cap": 1.2}}
 CONFIGS = [
     (name, cfg)
     for name in SDK_LOSSES
-    for cfg in ({}, {"beta": 0.3} if name == "dro" else {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    for cfg in ({}, OTHER_CONFIG.get(name, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}))
     if not (cfg and not REGISTRY[name].config)
 ]
 
@@ -96,15 +105,44 @@ def test_each_sdk_loss_matches_its_float64_reference(name, config):
 def test_clip_ranges_are_active_somewhere_in_the_reference_batch():
     """The batch exercises both branches of every clipped loss (else the reference could not catch a clip bug)."""
     rows, old, logp, adv, weights = _batch()
-    for name in ("ppo", "cispo", "gspo"):
+    for name in ("ppo", "cispo", "gspo", "stable_reinforce"):
         d = REGISTRY[name]
-        _, clipped = d.fn(TokenBatch(logp, old, adv, weights, rows, 3), d.resolve({}))
+        _, clipped = d.fn(TokenBatch(logp, old, adv, weights, rows, 3), d.resolve(OTHER_CONFIG.get(name, {})))
         assert 0 < int(clipped.sum()) < len(rows), name
 
 
 def test_the_documented_defaults_are_the_registrys():
     assert REGISTRY["ppo"].resolve({}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert REGISTRY["cispo"].resolve({}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert REGISTRY["stable_reinforce"].resolve({}) == {"kl_coeff": 0.0, "tis_cap": 2.0}
+
+
+def test_stable_reinforce_reference_by_hand():
+    """One token, in float64 by hand: logp -1, sampler -1.5 (ratio e^0.5 = 1.6487 > cap 1.5), A 2, kl_coeff 0.1:
+    loss = -1.5 * 2 * (-1) + 0.1 * (e^-0.5 + 0.5 - 1) = 3.0 + 0.1 * 0.1065307, gradient -3 + 0.1 * (1 - e^-0.5);
+    a prompt position (mask 0) carries nothing, even with a sampler log-prob far off."""
+    x = torch.tensor([-1.0, -0.2], dtype=torch.float64, requires_grad=True)
+    batch = TokenBatch(x, torch.tensor([-1.5, -60.0], dtype=torch.float64), torch.tensor([2.0, 0.0], dtype=torch.float64),
+                       torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0, 0]), 1)  # fmt: skip
+    loss, capped = REGISTRY["stable_reinforce"].fn(batch, {"kl_coeff": 0.1, "tis_cap": 1.5})
+    loss.sum().backward()
+    assert loss.tolist() == pytest.approx([3.0 + 0.1 * (math.exp(-0.5) - 0.5), 0.0], rel=1e-15)
+    assert x.grad.tolist() == pytest.approx([-3.0 + 0.1 * (1.0 - math.exp(-0.5)), 0.0], rel=1e-15)
+    assert capped.tolist() == [True, False]
+
+
+def test_stable_reinforce_is_not_a_grpo_tenants_loss():
+    """The GRPO door does not offer it (its surrogates take the trainer's own old log-probs): the config refuses the
+    name, and the registry's GRPO entry point says why."""
+    from pydantic import ValidationError
+
+    from rl_multilora.losses import token_losses
+
+    with pytest.raises(ValidationError, match="loss"):
+        AdapterConfig(name="g", dataset={"path": "json"}, reward={"name": "gsm8k"}, loss="stable_reinforce")
+    z = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"loss='stable_reinforce' is not allowed \(a Tinker client's loss: it needs"):
+        token_losses("stable_reinforce", z, z, z, torch.zeros(2, dtype=torch.long), 1, 0.2, 0.2)
 
 
 def test_both_doors_accept_the_names_the_registry_derives():
@@ -114,14 +152,18 @@ def test_both_doors_accept_the_names_the_registry_derives():
     choices = typing.get_args(typing.get_args(Cfg.model_fields["loss"].annotation)[0])
     assert choices == GRPO_LOSSES
     assert tinker_ops.LOSS_FNS == SDK_LOSSES
-    assert set(SDK_LOSS_NAMES) - set(SDK_LOSSES) == {"stable_reinforce"}
+    assert SDK_LOSSES == SDK_LOSS_NAMES  # every SDK loss is served (stable_reinforce as this project's own)
 
 
 @pytest.mark.parametrize(
     ("loss_fn", "config", "needle"),
     [
-        ("stable_reinforce", None, "objective is not published"),
-        ("nope", None, "allowed: cross_entropy, importance_sampling, ppo, cispo, dro, gspo"),
+        ("nope", None, "allowed: cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce"),
+        ("stable_reinforce", {"kl_coeff": float("inf")}, "loss_fn_config['kl_coeff']=inf is not allowed"),
+        ("stable_reinforce", {"kl_coeff": -0.1}, "loss_fn_config['kl_coeff']=-0.1 is not allowed; allowed: a finite "
+         "number >= 0"),
+        ("stable_reinforce", {"tis_cap": 0}, "loss_fn_config['tis_cap']=0 is not allowed; allowed: a finite number > 0"),
+        ("stable_reinforce", {"beta": 1.0}, "allowed: kl_coeff, tis_cap"),
         ("ppo", {"clip_low": 0.5}, "loss_fn_config ['clip_low'] is not allowed for loss_fn 'ppo'"),
         ("ppo", {"clip_low_threshold": float("nan")}, "loss_fn_config['clip_low_threshold']=nan"),
         ("cross_entropy", {"beta": 1.0}, "allowed: none"),
@@ -228,6 +270,7 @@ def test_each_sdk_loss_through_the_tinker_door_matches_its_reference(name, confi
     for n in (6, 9):
         full = g.integers(3, VOCAB, n + 1)
         data.append(Datum(full[:-1], {"target_tokens": full[1:]}))
+    provenance = REGISTRY[name].provenance
     fwd = ops.forward_backward([FwdBwdItem("c", "cross_entropy", {}, data, forward_only=True)])[0][0]
     inputs = []
     for d, out in zip(data, fwd, strict=True):
@@ -239,6 +282,18 @@ def test_each_sdk_loss_through_the_tinker_door_matches_its_reference(name, confi
     if name != "gspo":
         for d in data:
             d.inputs.pop("sequence_ratio_mask", None)
+    for i, d in enumerate(data if provenance else []):
+        # rl_loop's layout: the first 3 tokens a prompt, the rest sampled, the sampler's log-probs recorded (the
+        # client's `logprobs` input becomes what the server recorded); no loss on the prompt
+        p, n = 3, len(d.tokens)
+        seq = (np.append(d.tokens[p:], d.inputs["target_tokens"][-1]).tolist(), d.inputs["logprobs"][p - 1 :].tolist())
+        ops.records.record("c", [f"q{i}"], d.tokens[:p].tolist(), [(*seq, "stop")])
+        d.input_spans = [Span("prompt", f"q{i}", 0, p), Span("sampled", f"q{i}", 0, n - p)]
+        d.target_spans = [Span("prompt", f"q{i}", 1, p - 1), Span("sampled", f"q{i}", 0, n - p + 1)]
+        d.inputs["advantages"][: p - 1] = 0.0
+        d.inputs["weights"] = np.array([0.0] * (p - 1) + [1.0] * (n - p + 1))  # the mask the server derives
+        d.inputs["logprobs"] = d.inputs["logprobs"].astype(np.float32).astype(np.float64)  # as recorded
+        d.inputs["logprobs"][: p - 1] = 0.0
     [(_, metrics)] = ops.forward_backward([FwdBwdItem("c", name, config, data, False)])
     d = sdk_loss(name)
     cfg = d.resolve(config)

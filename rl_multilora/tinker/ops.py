@@ -9,10 +9,13 @@ Design choices:
   so both kinds of tenants share one slot pool. Its LoRA alpha is fixed at 32 (Tinker's convention), so the scale
   is 32 / rank.
 - `forward_backward` of several tenants is ONE call of the backend's `forward_backward`: one mixed batch, each
-  tenant's tokens under its own `loss_fn` from the one loss registry (`rl_multilora.losses`, every SDK loss but
-  `stable_reinforce`, whose objective Tinker does not publish), each tenant's gradient accumulating in its own buffer
-  until its own `optim_step`, which applies that call's Adam settings. A datum is a `Row` whose targets are every
-  position of its `model_input` (position i predicts `target_tokens[i]`).
+  tenant's tokens under its own `loss_fn` from the one loss registry (`rl_multilora.losses`, every SDK loss;
+  `stable_reinforce` is this project's own objective, Tinker's being unpublished), each tenant's gradient
+  accumulating in its own buffer until its own `optim_step`, which applies that call's Adam settings. A datum is a
+  `Row` whose targets are every position of its `model_input` (position i predicts `target_tokens[i]`).
+- A loss that reads provenance (`stable_reinforce`) gets its sampler log-probs from the server's own records of what
+  it sampled (`records`, `rl_multilora.tinker.stability`), never from the client's `logprobs`: `sample` callers
+  record, `forward_backward` resolves each datum's spans against them (the session of the model must own them).
 - Losses are Tinker's: sums over tokens (the client normalizes through `weights` / `advantages`), not means.
 - Model ids are `<session>:train:<n>`, the id the SDK derives on its own for `create_training_client_from_state`.
   They end up in paths (checkpoint folders) and adapter names, so they and checkpoint names are validated against
@@ -61,6 +64,7 @@ from rl_multilora.losses import REGISTRY, SDK_LOSSES, TenantAlgo, client_algo
 from rl_multilora.rows import Row
 from rl_multilora.tenant_optim import AdamSettings
 from rl_multilora.tenants import TenantError
+from rl_multilora.tinker.stability import StabilityRecords, session_of
 from rl_multilora.tinker.wire import Datum
 from rollout.types import GenerateRequest, SamplingParams
 
@@ -300,10 +304,12 @@ class ClientOps:
         limits: ModelLimits | None = None,
         host_budget_bytes: int | None = None,
         spill_dir: str | Path | None = None,
+        records: StabilityRecords | None = None,
     ) -> None:
         """`limits`: what requests may ask of the model (default: the backend's in-process model's config).
         `host_budget_bytes`: host bytes for paged tenants and sampler versions together (None: no limit); the
-        versions past it are spilled to `spill_dir` (a temporary folder when None)."""
+        versions past it are spilled to `spill_dir` (a temporary folder when None). `records`: the sampled
+        sequences `stable_reinforce` datums may name (default: one day unused, `stability.MAX_TOKENS`)."""
         if host_budget_bytes is not None and (type(host_budget_bytes) is not int or host_budget_bytes < 0):
             raise ValueError(
                 f"host_budget_bytes={host_budget_bytes!r} is not allowed; allowed: an int >= 0 or None (host bytes "
@@ -342,6 +348,7 @@ class ClientOps:
         self._score_bank: Any = None  # a one-slot LoRABank for prompt log-probs, made on first use
         self._score_lock = threading.Lock()
         self.batch_sizes: list[int] = []  # requests per mixed forward_backward batch, in order (tests, bench)
+        self.records = records if records is not None else StabilityRecords()
 
     # -- tenants ---------------------------------------------------------------------------------------------------
     def create(self, model_id: str, rank: int, seed: int | None, layers: dict[str, Any]) -> ClientTenant:
@@ -456,7 +463,7 @@ class ClientOps:
             except ValueError as e:
                 raise UserError(str(e)) from None
             losses.append(algo)
-            rows.append([_datum_row(t.name, item.loss_fn, d, self.limits.vocab_size) for d in item.data])
+            rows.append([self._row(t.name, item, j, d) for j, d in enumerate(item.data)])
         outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in items]
         totals = [0.0] * len(items)
         # One call per (forward only?, wave): a call holds each tenant once, with its own loss.
@@ -482,6 +489,18 @@ class ClientOps:
                     start += n
         self.spill_over_budget()  # paging the batch's tenants in may have paged others out
         return [(outputs[i], {"loss:sum": totals[i]}) for i in range(len(items))]
+
+    def _row(self, name: str, item: FwdBwdItem, j: int, d: Datum) -> Row:
+        """Datum `j` of `item` as a training row; for a loss that reads provenance, with the recorded sampler
+        log-probs as its old log-probs and its sampled-token mask as its loss weights."""
+        row = _datum_row(name, item.loss_fn, d, self.limits.vocab_size)
+        if REGISTRY[item.loss_fn].provenance:
+            try:
+                got = self.records.resolve(session_of(item.model_id), d, f"data[{j}]")
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            row.old_logprobs, row.loss_weights = got.sampler_logprobs, got.sampled
+        return row
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         t = self.tenant(model_id)

@@ -33,6 +33,11 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   requests failed, its samples in flight cancelled, and its models unloaded (slots, optimizer state and sampler
   versions freed; checkpoints kept) and compacted out of the journal; its later heartbeats get 410, which stops
   the SDK's heartbeat loop.
+- Stability records (`stability.py`): a sample with `record_stability_info` gets fresh, unguessable
+  `sample_sequence_ids` (kept in its journaled body, so a replay records the same ids and a retried POST gets them
+  again) and its sequences are recorded for the sampling session's session before its result resolves; a
+  `stable_reinforce` forward_backward resolves its datums' provenance against them (`ClientOps._row`). Records
+  expire one day unused and are capped in tokens (LRU); an ending session drops its own.
 - Errors: HTTP errors are `{"detail": ...}` with the status the SDK maps to its exception classes; a request that
   fails while running resolves its future to `{"error": ..., "category": "user" | "server"}` (RequestFailedError).
 """
@@ -72,12 +77,14 @@ from rl_multilora.tinker.ops import (
     model_id_of,
     slot_name,
 )
+from rl_multilora.tinker.stability import DAY_S, MAX_TOKENS, StabilityRecords, session_of
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
 MAX_NUM_SAMPLES = 1024  # sequences one sample request may ask for (each up to the max_tokens cap)
 PROTO_ACCEPT = re.compile(r"application/x-protobuf", re.IGNORECASE)  # a client that reads proto results says so
 FWDBWD_KEY = re.compile(MODEL_ID_PATTERN.pattern + r"\.[0-9]+")  # a forward_backward's request id (fullmatch)
+SEQUENCE_IDS = "_server_sequence_ids"  # a recording sample's ids, in its journaled body (the server's, not a client's)
 
 
 @dataclass
@@ -86,6 +93,7 @@ class Result:
 
     event: asyncio.Event
     value: dict[str, Any] | bytes | None = None
+    sequence_ids: list[str] | None = None  # a recording sample's, answered again to a retried POST
 
 
 @dataclass
@@ -263,9 +271,11 @@ class TinkerServer:
         limits = self.ops.limits
         model = {"model_name": self.base_model, "max_context_length": limits.context_length, "trainable": True,
                  "sampleable": True}  # fmt: skip
+        records = self.ops.records
         return self._json({
             "supported_models": [model],
             "loss_fns": sorted(SDK_LOSSES),
+            "stability_records": {"ttl_s": records.ttl_s, "max_tokens": records.max_tokens},
             "max_tokens_cap": limits.max_tokens_cap or limits.context_length,
             "prompt_logprobs": self.ops.backend.shared_model is not None,
             "session_timeout_s": self.session_timeout_s,
@@ -504,13 +514,31 @@ class TinkerServer:
         n = body.get("num_samples", 1)
         if type(n) is not int or not 1 <= n <= MAX_NUM_SAMPLES:
             raise UserError(f"num_samples={n!r} is not allowed; allowed: an int in [1, {MAX_NUM_SAMPLES}]")
-        if key not in self.state.results:  # refused at once, not acknowledged: nothing waits on a sample's order
+        record = body.get("record_stability_info")
+        if record is not None and not isinstance(record, bool):
+            raise UserError(f"record_stability_info={record!r} is not allowed; allowed: true, false or null")
+        labels = [f"{key}.{i}" for i in range(n)]  # what a sample that records nothing calls its sequences
+        done = self.state.results.get(key)
+        if done is not None:  # a retried POST: the same ids
+            ids = done.sequence_ids or labels
+        else:  # refused at once, not acknowledged: nothing waits on a sample's order
             prompt = _prompt_tokens(body)
-            self.ops.check_sample(prompt, body["sampling_params"])
+            max_new = self.ops.check_sample(prompt, body["sampling_params"])
             _prompt_scoring(body, len(prompt))
+            body.pop(SEQUENCE_IDS, None)
+            ids = labels
+            if record:
+                if body.get("sampling_session_id") is None:
+                    raise UserError("record_stability_info needs a sampling_session_id (records belong to the "
+                                    "sampling session's session); create a sampling client first")  # fmt: skip
+                try:
+                    self.ops.records.check_room(n, len(prompt), max_new)
+                except ValueError as e:
+                    raise UserError(str(e)) from None
+                ids = body[SEQUENCE_IDS] = self.ops.records.new_ids(n)
         path = self.state.sampling.get(sid) if sid in self.state.sampling else body.get("model_path")
         owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
-        extra = {"sample_sequence_ids": [f"{key}.{i}" for i in range(n)]}
+        extra = {"sample_sequence_ids": ids}
         return await self._ack(key, "sample", body, extra, owner if owner in self.ops.tenants else None)
 
     async def retrieve_future(self, r: web.Request) -> web.Response:
@@ -549,7 +577,7 @@ class TinkerServer:
     # -- session expiry ----------------------------------------------------------------------------------------------
     def _touch(self, key: str) -> str:
         """The session a model id or request id belongs to (its first part), marked as seen now when it is live."""
-        session = key.split(":")[0].split(".")[0]
+        session = session_of(key)
         if session in self._last_seen:
             self._last_seen[session] = time.monotonic()
         return session
@@ -598,6 +626,7 @@ class TinkerServer:
         for name in [k for k, path in self.state.sampling.items() if k.startswith(f"{sid}.") or
                      (path or "").startswith(f"tinker://{prefix}")]:  # fmt: skip
             del self.state.sampling[name]
+        self.ops.records.drop_session(sid)
 
     # -- scheduling --------------------------------------------------------------------------------------------------
     def _dispatch(
@@ -619,6 +648,7 @@ class TinkerServer:
             self._resolve(res, {})
         elif kind == "sample":
             assert self.loop is not None
+            res.sequence_ids = body.get(SEQUENCE_IDS)
             task = self.loop.create_task(self._sample(key, body, res))
             self._samples[key] = task
             task.add_done_callback(lambda _t: self._samples.pop(key, None))
@@ -870,6 +900,8 @@ class TinkerServer:
             seqs = await self.ops.sample(
                 version, prompt, int(body.get("num_samples", 1)), body["sampling_params"], seed
             )
+            if body.get(SEQUENCE_IDS):  # recorded before the client can see (and name) the sequences
+                self.ops.records.record(session_of(sid), body[SEQUENCE_IDS], prompt, seqs)
             self._resolve(
                 res,
                 wire.encode_sample_response(
@@ -921,15 +953,8 @@ def _prompt_scoring(body: dict[str, Any], n_prompt: int) -> tuple[bool, int | No
         "target_prompt_logprobs": body.get("target_prompt_logprobs") is not None,
         "prompt_alt_tokens_k": bool(body.get("prompt_alt_tokens_k")),
         "topk_sample_logprobs": bool(body.get("topk_sample_logprobs")),
-        "record_stability_info": bool(body.get("record_stability_info")),
     }
     for name, asked in unsupported.items():
-        if asked and name == "record_stability_info":
-            raise UserError(
-                "record_stability_info is not supported by this server: it records provenance for the "
-                "stable_reinforce loss, whose objective Tinker does not publish (refused here); sample without it "
-                "and train with importance_sampling, ppo, cispo or gspo (tinker-cookbook: loss_fn=importance_sampling)"
-            )
         if asked:
             raise UserError(f"{name} is not supported by this server; sample without it")
     want = bool(body.get("prompt_logprobs"))
@@ -968,12 +993,16 @@ def build_server(
     max_tenants: int | None = None,
     host_budget_gb: float | None = None,
     unembed_lora: bool = True,
+    stability_ttl_s: float = DAY_S,
+    stability_max_tokens: int = MAX_TOKENS,
 ) -> TinkerServer:
     """`max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
     `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`. The budget counts the
     in-memory sampler versions too: past it the least recently used ones spill to `state_dir/paged/samplers`.
     `unembed_lora`: the model's LoRA targets are its `all-linear` modules plus its output head, which clients train
-    with `train_unembed=True` (the SDK's default); False leaves the head out (`train_unembed` is then reported false)."""
+    with `train_unembed=True` (the SDK's default); False leaves the head out (`train_unembed` is then reported false).
+    `stability_ttl_s` / `stability_max_tokens`: how long an unused stability record is kept and how many tokens the
+    records hold at most, the least recently used evicted past it (`stability.StabilityRecords`)."""
     from rl_multilora import components
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import GRPOSettings, ModelConfig
@@ -1001,8 +1030,9 @@ def build_server(
         p.unlink()
     limits = ModelLimits.of_config(backend.shared_model.config, max_tokens_cap)
     budget = None if host_budget_gb is None else int(host_budget_gb * 2**30)  # as the tenant store's (components)
+    records = StabilityRecords(stability_ttl_s, stability_max_tokens)
     ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions, limits=limits, host_budget_bytes=budget,
-                    spill_dir=state_dir / "paged" / "samplers")  # fmt: skip
+                    spill_dir=state_dir / "paged" / "samplers", records=records)  # fmt: skip
     journal = Journal(state_dir / "requests.sqlite")
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
@@ -1051,6 +1081,8 @@ def build_service_server(
     snapshot_every: int = 50,
     max_tokens_cap: int | None = None,
     session_timeout_s: float = 120.0,
+    stability_ttl_s: float = DAY_S,
+    stability_max_tokens: int = MAX_TOKENS,
 ) -> TinkerServer:
     """The Tinker app on a GRPO service's Runtime (`core`: a `rl_multilora.service.ServiceCore`): its model,
     engine and TenantManager, its FIFO model lock, its checkpoints (`RUN_DIR/adapters/`); the journal under
@@ -1081,6 +1113,7 @@ def build_service_server(
         slots=rt.tenants,
         shared_engine=True,
         limits=ModelLimits.of_path(rt.cfg.model.path, max_tokens_cap),  # the trainer ranks' model is not here
+        records=StabilityRecords(stability_ttl_s, stability_max_tokens),
     )
     return TinkerServer(ops, journal, token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
                         turn=core.tinker_turn, snapshot_every=snapshot_every,
@@ -1150,6 +1183,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--session-timeout-s", type=float, default=120.0,
                    help="a session without heartbeats for this long is ended: its queued requests fail and its "
                    "models are unloaded, checkpoints kept (the SDK beats every 10 s; default 120)")  # fmt: skip
+    p.add_argument("--stability-max-tokens", type=int, default=MAX_TOKENS,
+                   help="tokens of stability records (record_stability_info samples, for stable_reinforce) kept at "
+                   "most; past it the least recently used are evicted; unused ones go after a day "
+                   f"(default {MAX_TOKENS})")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     token = resolve_token(args.state_dir)
@@ -1158,6 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
         max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
         max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb, unembed_lora=args.unembed_lora,
+        stability_max_tokens=args.stability_max_tokens,
     )  # fmt: skip
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'})", flush=True)  # fmt: skip

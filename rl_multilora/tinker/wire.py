@@ -59,12 +59,27 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     return out
 
 
+@dataclass(frozen=True)
+class Span:
+    """One provenance run (`tinker.types.PromptProvenanceSpan` / `SampledProvenanceSpan`): `length` positions that are
+    positions `offset..` of sequence `sequence_id`'s request prompt (`kind` "prompt") or sampled tokens ("sampled")."""
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
-    """One training example: input tokens (N,) and its loss inputs by name, each (N,) or (N, ...)."""
+    """One training example: input tokens (N,) and its loss inputs by name, each (N,) or (N, ...); its provenance
+    (`Datum.with_provenance`: runs tiling `model_input` and `target_tokens`), None when it has none (the proto's
+    empty lists; JSON bodies never carry it)."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    input_spans: list[Span] | None = None
+    target_spans: list[Span] | None = None
 
 
 @dataclass
@@ -111,10 +126,23 @@ def decode_forward_backward(body: bytes) -> FwdBwdBody:
                     )
                 parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
             tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-            data.append(Datum(tokens, {name: _tensor(t) for name, t in d.loss_fn_inputs.items()}))
+            inputs = {name: _tensor(t) for name, t in d.loss_fn_inputs.items()}
+            data.append(Datum(tokens, inputs, _spans(d.model_input_spans), _spans(d.loss_fn_input_spans)))
     except ValueError as e:  # the request is still acknowledged: refusing it at once would leave a gap in seq_ids
         return FwdBwdBody(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, [], str(e))
     return FwdBwdBody(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, data)
+
+
+def _spans(msgs: Any) -> list[Span] | None:
+    """The provenance runs of one datum field (None for none). A run that is neither arm of the oneof has kind ""
+    (refused where provenance is read)."""
+    out = []
+    for m in msgs:
+        arm = m.WhichOneof("span")
+        run = getattr(m, arm) if arm else None
+        kind = {"prompt_tokens": "prompt", "sampled_tokens": "sampled"}.get(arm or "", "")
+        out.append(Span(kind, run.sequence_id if run else "", run.offset if run else 0, run.length if run else 0))
+    return out or None
 
 
 def _decode_json_forward_backward(body: bytes) -> FwdBwdBody:
