@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tinker
 
@@ -68,6 +69,32 @@ def _write_datasets(work: Path) -> None:
             f.write(json.dumps({"question": r["problem"].split(" Put")[0], "answer": f"#### {r['answer']}"}) + "\n")
 
 
+RL_LOOP_PREFIX = [  # rl_loop's own few-shot turn (recipes/rl_loop.py)
+    {"role": "user", "content": "How many r's are in strawberry?" + SUFFIX},
+    {
+        "role": "assistant",
+        "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b 7) e 8) r 9) r "
+        "10) y. We have r's at positions 3, 8, and 9. \\boxed{3}",
+    },
+]
+
+
+def _one_questions() -> list[str]:
+    return ["Compute 2 - 1."] * 32
+
+
+def _write_one_dataset(work: Path) -> None:
+    """`openai/gsm8k` (config `main`) of 32 short questions whose answer is 1."""
+    rl = work / "openai" / "gsm8k"
+    (rl / "main").mkdir(parents=True)
+    (rl / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n---\n"
+    )
+    with (rl / "main" / "train.jsonl").open("w") as f:
+        for q in _one_questions():
+            f.write(json.dumps({"question": q, "answer": "#### 1"}) + "\n")
+
+
 def _recipe(served, work: Path, recipe: str, *args: str, renderer: str = "table") -> subprocess.CompletedProcess:
     env = dict(os.environ, TINKER_API_KEY=TOKEN, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_DATASETS_CACHE=str(work / "hf-cache"), PYTHONPATH=str(ROOT), WANDB_MODE="disabled")  # fmt: skip
@@ -98,8 +125,7 @@ def test_sl_loop_as_is_loss_falls(served, tmp_path):
 
 
 def test_rl_loop_as_is_runs_importance_sampling(served, tmp_path):
-    """rl_loop with `loss_fn=importance_sampling` (its default, stable_reinforce, is refused: Tinker does not publish
-    its objective) and the served model's chat template: it samples groups, grades them, trains on every group whose
+    """rl_loop with `loss_fn=importance_sampling` (a loss Tinker publishes) and the served model's chat template: it samples groups, grades them, trains on every group whose
     rewards differ, saves its final state and sampler weights, and the sampler it publishes samples.
 
     Reward is not asserted to rise: rl_loop's fixed GSM8K few-shot prompt is 240-260 tokens of text this toy base
@@ -119,16 +145,54 @@ def test_rl_loop_as_is_runs_importance_sampling(served, tmp_path):
     assert 1 <= len(out.sequences[0].tokens) <= 4
 
 
-def test_rl_loop_default_loss_is_refused_saying_why(served, tmp_path):
-    """rl_loop as shipped (stable_reinforce) fails on its first forward_backward with the server's reason."""
-    _write_datasets(tmp_path)
-    env = dict(os.environ, TINKER_API_KEY=TOKEN, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "hf-cache"), PYTHONPATH=str(ROOT))  # fmt: skip
-    cmd = [sys.executable, "-m", "rl_multilora.tinker.cookbook", "rl_loop", "--model-dir", str(PRESET / "model"),
-           "--renderer", "chat_template", f"base_url={served.url}", f"model_name={NAME}", "batch_size=4",
-           "group_size=4", "max_tokens=8", "save_every=0", "lora_rank=8", f"log_path={tmp_path / 'rl'}"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode != 0 and "stable_reinforce" in out.stderr, out.stderr[-3000:]
+def _warm_start(served, log_path: Path) -> None:
+    """A state rl_loop resumes from (its own `checkpoint_utils.get_last_checkpoint`, through the cookbook's own
+    `save_checkpoint`): the tiny base never writes `\\boxed{}` after rl_loop's few-shot prompt, so every reward
+    would be 0 and no step would train. Cross-entropy steps on that very prompt teach it to answer `\\boxed{1}` or
+    `\\boxed{2}`; the dataset's answer is 1, so groups' rewards differ and rl_loop's steps train."""
+    from tinker_cookbook import checkpoint_utils
+    from transformers import AutoTokenizer
+
+    from rl_multilora.tinker.cookbook import ChatTemplateRenderer
+
+    renderer = ChatTemplateRenderer(AutoTokenizer.from_pretrained(str(PRESET / "model")))
+    sc = tinker.ServiceClient(base_url=served.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
+    data = []
+    for i, q in enumerate(_one_questions()[:8]):
+        prompt = renderer.build_generation_prompt([*RL_LOOP_PREFIX, {"role": "user", "content": q + SUFFIX}])
+        answer = renderer.tokenizer.encode(f"\\boxed{{{1 + i % 2}}}", add_special_tokens=False)
+        full = prompt.to_ints() + answer + [renderer.tokenizer.eos_token_id]
+        n = prompt.length - 1
+        weights = [0.0] * n + [1.0] * (len(full) - 1 - n)
+        data.append(tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(full[:-1]),
+                                       loss_fn_inputs={"target_tokens": full[1:], "weights": weights}))  # fmt: skip
+    for _ in range(30):  # the loss flattens at 8 ln 2 (an even split of 1 and 2) after about 25 steps
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(tinker.types.AdamParams(learning_rate=5e-3)).result()
+    log_path.mkdir(parents=True)
+    checkpoint_utils.save_checkpoint(training_client=tc, name="warm", log_path=str(log_path), kind="state",
+                                     loop_state={"batch": 0})  # fmt: skip
+
+
+def test_rl_loop_as_shipped_trains_with_stable_reinforce(served, tmp_path):
+    """rl_loop as shipped, with its default loss `stable_reinforce` (this project's objective; Tinker's is
+    unpublished), from a warm start that answers `\\boxed{1}` or `\\boxed{2}` to a question whose answer is 1:
+    its sampling client records every sequence, its datums' provenance is checked against the records, its steps
+    train on the recorded sampler log-probs, and its reward rises (measured: 0.5, 0.5, 0.75, 1, 1, 1 and 0.5, 0.5, 1, 1, 1, 1)."""
+    _write_one_dataset(tmp_path)
+    _warm_start(served, tmp_path / "rl_loop")
+    warm_batches = len(served.server.ops.batch_sizes)
+    _recipe(served, tmp_path, "rl_loop", "batch_size=4", "group_size=4", "max_tokens=12", "max_steps=6",
+            "learning_rate=1e-3", renderer="chat_template")  # fmt: skip
+    metrics = _metrics(tmp_path / "rl_loop" / "metrics.jsonl")
+    assert [m["progress/batch"] for m in metrics] == list(range(6)), metrics
+    rewards = [m["reward/total"] for m in metrics]
+    assert rewards[0] < 1.0 and np.mean(rewards[-2:]) > rewards[0], rewards
+    assert len(served.server.ops.batch_sizes) > warm_batches  # stable_reinforce steps ran (groups with mixed rewards)
+    assert served.server.ops.records.stats()["records"] == 6 * 16  # every sampled sequence, recorded
+    saved = _metrics(tmp_path / "rl_loop" / "checkpoints.jsonl")[-1]
+    assert saved["name"] == "final" and saved["sampler_path"].startswith("tinker://"), saved
 
 
 def test_unknown_model_name_is_refused_naming_the_fix():

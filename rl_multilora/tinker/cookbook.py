@@ -27,8 +27,10 @@ Why a launcher and why that model name:
   `load_dataset("HuggingFaceH4/no_robots")`. `datasets` reads a local folder of that name in the working directory
   before the Hub, which is how an offline machine (and `tests/test_tinker_cookbook.py`) gives them data.
 
-`stable_reinforce`, `rl_loop`'s default loss, is refused by the server (Tinker does not publish its objective): pass
-`loss_fn=importance_sampling` (or `cispo`, `gspo`).
+`rl_loop` runs as shipped, with its default loss `stable_reinforce`: the server records what its sampling client
+samples (`record_stability_info`) and checks each datum's provenance against it. The objective it computes under that
+name is this project's own, not Tinker's (Tinker does not publish it; docs/guides/tinker.md states the formula), so
+its numbers differ from Tinker's service; `loss_fn=importance_sampling` (or `cispo`, `gspo`) picks a published loss.
 """
 
 from __future__ import annotations
