@@ -155,7 +155,7 @@ def one_run(args, run: int, pair: Pair) -> dict[str, float]:
     store = pair.paged.trainer.ops.store
     held = [store._tenants[n] for n in store.names if store._tenants[n].weights is not None]
     trained = [p for p in held if p.moments and p.moments[0]]
-    adapter = sum(w.numel() * w.element_size() for w in held[0].weights)
+    adapter = held[0].weights.numel() * held[0].weights.element_size()
     per = statistics.median(p.nbytes for p in trained)
     out = {
         "paged_ms": med["paged"] * 1000,

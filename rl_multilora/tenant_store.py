@@ -7,8 +7,10 @@ step that trains it, a client request, a checkpoint) and evict the least recentl
 
 Design choices:
 - What is stored is exactly what the slot and the optimizer held, at the adapter's true rank: each slot tensor's
-  first `rank` ranks (A `(r, in)`, B `(out, r)`, experts with their expert dim) and the same slice of every AdamW
-  moment; the step counts, param-group settings and LR schedule never leave the tenant's `TenantOptimizer`. The
+  first `rank` ranks (A `(r, in)`, B `(out, r)`, experts with their expert dim), one after the other in one flat
+  tensor (the trainer pages a step's tenants out and in with one gather / scatter per stacked tensor for all of
+  them: `MultiLoRAModel.take_adapters` / `place_adapters`), and the same slice of every AdamW moment (the
+  optimizer's own tensors, handed over without a copy when the rank is the slot's); the step counts, param-group settings and LR schedule never leave the tenant's `TenantOptimizer`. The
   ranks above `rank` hold exact zeros in the slot and in its moments (`rl_multilora.lora.layer`), so a page-in that
   zero-pads them gives back every bit: a run on few slots ends bit-identical to the same step order on enough slots
   (`tests/test_paging.py`). An idle tenant costs its true-rank adapter plus two moments: 3x its adapter bytes.
@@ -53,7 +55,7 @@ class PagedTenant:
     rank: int
     alpha: float
     modules: frozenset[str]  # the LoRA modules / expert Parameters its slot covers
-    weights: list[torch.Tensor] | None  # per slot tensor (`adapter_parameters` order), its first `rank` ranks
+    weights: torch.Tensor | None  # flat: each slot tensor's first `rank` ranks (`MultiLoRAModel.take_adapters`)
     moments: list[dict[str, torch.Tensor]] | None  # per slot tensor, its AdamW state (moments at true rank)
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, full slot shape
     spilled: Path | None = None  # where its tensors are while they are not in host memory
@@ -64,9 +66,9 @@ class PagedTenant:
 
     @property
     def nbytes(self) -> int:
-        tensors = [*(self.weights or []), *(self.grads or [])]
+        tensors = [self.weights, *(self.grads or [])]
         tensors += [v for state in self.moments or [] for v in state.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if t is not None)
 
 
 @dataclass

@@ -164,13 +164,17 @@ class TrainOps:
         `keep`. Without paging nothing happens (the model's own "no free slot" error says why)."""
         if self.store is None or self.model.free_slots:
             return
-        victim = next((n for n in self._resident if n not in keep), None)
-        if victim is None:
+        self._page_out(self._victims(1, keep))
+
+    def _victims(self, n: int, keep: Collection[str]) -> list[str]:
+        """The `n` least recently used resident tenants not in `keep`."""
+        victims = [name for name in self._resident if name not in keep][:n]
+        if len(victims) < n:
             raise RuntimeError(
                 f"no LoRA slot to page a tenant into: all model.max_loras={self.model.max_loras} slots hold tenants "
                 f"this operation needs ({sorted(keep)}); give one call at most max_loras tenants"
             )
-        self.page_out(victim)
+        return victims
 
     def ensure_resident(self, names: Iterable[str]) -> None:
         """Page every tenant of `names` into a slot (evicting least recently used others) and mark them the most
@@ -186,55 +190,81 @@ class TrainOps:
         for name in wanted:
             if self.is_resident(name):
                 self._resident.move_to_end(name)
-        for name in wanted:
-            if not self.is_resident(name):
-                self.page_in(name, keep=wanted)
+        missing = [name for name in wanted if not self.is_resident(name)]
+        if missing:
+            self._page_in(missing, keep=wanted)
 
     def page_out(self, name: str) -> None:
         """Move `name`'s slot (true rank), AdamW moments and pending gradient to the store; free its slot."""
+        self._page_out([name])
+
+    def page_in(self, name: str, keep: Collection[str] = ()) -> None:
+        """Bring `name` back into a free slot (made by evicting a tenant not in `keep`), bit for bit as it left."""
+        self._page_in([name], keep)
+
+    def _page_out(self, names: list[str]) -> None:
+        """`page_out` of several tenants at once: their slots leave in one gather per stacked tensor
+        (`MultiLoRAModel.take_adapters`); their moments are handed over as the optimizer held them (no copy) when
+        they are host tensors at the true rank already."""
         assert self.store is not None
         t0 = time.perf_counter()
-        t = self.tenant(name)
-        info = self.model.adapters[name]
-        weights = [_host(w) for w in self.model.adapter_slot_tensors(name)]
-        states = t.optim.release()
-        moments = [
-            {k: _host(v[_rank_part(i, info.rank)]) if v.dim() > 0 else v for k, v in state.items()}
-            for i, state in enumerate(states)
+        infos = [self.model.adapters[n] for n in names]
+        modules = [self.model.adapter_modules(n) for n in names]
+        configs = [
+            self._peft_config(n, info.rank, info.alpha, m) for n, info, m in zip(names, infos, modules, strict=True)
         ]
-        grads = None if t.grads is None else [None if g is None else _host(g) for g in t.grads]
-        paged = PagedTenant(info.rank, info.alpha, self.model.adapter_modules(name), weights, moments, grads)
-        paged.peft_config = self._peft_config(name, paged)  # a sync may push it from here (`paged_state_dict`)
-        self.model.remove_adapter(name)
-        t.slot, t.grads = -1, None
-        del self._resident[name]
-        self.store.put(name, paged)
-        self.store.stats.page_outs += 1
+        weights = self.model.take_adapters(names)
+        on_host = self.model.lora_device.type == "cpu"
+        for name, info, covered, config, flat in zip(names, infos, modules, configs, weights, strict=True):
+            t = self.tenant(name)
+            states = t.optim.release()
+            if info.rank == self.model.max_rank and on_host:
+                moments = states  # at the slot's rank = the true rank, on the host: kept as they are, no copy
+            else:
+                moments = [
+                    {k: _host(v[_rank_part(i, info.rank)]) if v.dim() > 0 else v for k, v in state.items()}
+                    for i, state in enumerate(states)
+                ]
+            grads = None if t.grads is None else [None if g is None else _owned_host(g) for g in t.grads]
+            paged = PagedTenant(info.rank, info.alpha, covered, flat, moments, grads)
+            paged.peft_config = config  # a sync may push it from here (`paged_state_dict`)
+            t.slot, t.grads = -1, None
+            del self._resident[name]
+            self.store.put(name, paged)
+        self.store.stats.page_outs += len(names)
         self.store.stats.page_out_s += time.perf_counter() - t0
 
-    def _peft_config(self, name: str, paged: PagedTenant) -> dict[str, Any]:
-        """`model.peft_config(name)`, made once per rank, alpha and modules of the tenant (a LoraConfig takes as
-        long as a page-out's copies on the tiny preset)."""
-        key = (paged.rank, paged.alpha, paged.modules)
+    def _peft_config(self, name: str, rank: int, alpha: float, modules: frozenset[str]) -> dict[str, Any]:
+        """`model.peft_config(name)` (the tenant must be resident), made once per rank, alpha and modules of the
+        tenant (a LoraConfig takes as long as a page-out's copies on the tiny preset)."""
+        key = (rank, alpha, modules)
         cached = self._peft_configs.get(name)
         if cached is None or cached[0] != key:
             cached = self._peft_configs[name] = (key, self.model.peft_config(name))
         return cached[1]
 
-    def page_in(self, name: str, keep: Collection[str] = ()) -> None:
-        """Bring `name` back into a free slot (made by evicting a tenant not in `keep`), bit for bit as it left."""
+    def _page_in(self, names: list[str], keep: Collection[str] = ()) -> None:
+        """`page_in` of several tenants at once: the least recently used others not in `keep` make room (one batched
+        page-out), then the tenants' slots are written in one scatter per stacked tensor
+        (`MultiLoRAModel.place_adapters`). The time counted includes the eviction."""
         assert self.store is not None
         t0 = time.perf_counter()
-        self.make_room(keep={*keep, name})
-        t = self.tenant(name)
-        paged = self._prepare(self.store.take(name))  # a no-op for a prefetched tenant
-        t.slot = self.model.place_adapter(name, paged.rank, paged.alpha, paged.modules, paged.weights)
-        t.optim.attach(self.model.adapter_parameters(name), paged.moments)
-        t.grads = paged.grads
-        self._resident[name] = None
+        short = len(names) - len(self.model.free_slots)
+        if short > 0:
+            self._page_out(self._victims(short, {*keep, *names}))
+        pageds = [self._prepare(self.store.take(name)) for name in names]  # a no-op for a prefetched tenant
+        slots = self.model.place_adapters(
+            [(n, p.rank, p.alpha, p.modules, p.weights) for n, p in zip(names, pageds, strict=True)]
+        )
         stats = self.store.stats
-        stats.page_ins += 1
-        stats.by_tenant[name] = stats.by_tenant.get(name, 0) + 1
+        for name, paged, slot in zip(names, pageds, slots, strict=True):
+            t = self.tenant(name)
+            t.slot = slot
+            t.optim.attach(self.model.slot_parameters(name), paged.moments)
+            t.grads = paged.grads
+            self._resident[name] = None
+            stats.by_tenant[name] = stats.by_tenant.get(name, 0) + 1
+        stats.page_ins += len(names)
         stats.page_in_s += time.perf_counter() - t0
 
     def prefetch(self, names: Iterable[str]) -> list[str]:
@@ -252,18 +282,21 @@ class TrainOps:
         the model's fixed shapes, never a slot."""
         if paged.prepared:
             return paged
-        device, max_rank = self.model.lora_device, self.model.max_rank
+        device, pad = self.model.lora_device, self.model.max_rank - paged.rank
+        if not pad and paged.weights.device == device:  # as the slot takes them (a page-out stores them so)
+            paged.prepared = True
+            return paged
         moments = []
         for i, state in enumerate(paged.moments):
             full = {}
             for k, v in state.items():
                 if v.dim() > 0:  # a moment at true rank: (..., r, in) for A, (..., out, r) for B; pad with zeros
-                    pad = max_rank - paged.rank
-                    full[k] = F.pad(v.to(device), (0, pad) if i % 2 else (0, 0, 0, pad))
+                    v = v.to(device)
+                    full[k] = F.pad(v, (0, pad) if i % 2 else (0, 0, 0, pad)) if pad else v  # F.pad would copy
                 else:
                     full[k] = v
             moments.append(full)
-        paged.weights = [w.to(device) for w in paged.weights]
+        paged.weights = paged.weights.to(device)
         paged.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
         paged.moments, paged.prepared = moments, True
         return paged
@@ -503,6 +536,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
 
 
+def _owned_host(t: torch.Tensor) -> torch.Tensor:
+    """A tenant's own tensor (its gradient buffer) for the store: itself when it is in host memory, else a copy."""
+    return t.detach() if t.device.type == "cpu" else _host(t)
+
+
 def peft_tensors(model: MultiLoRAModel, paged: PagedTenant) -> dict[str, torch.Tensor]:
     """A stored tenant's weights with PEFT key names, as `MultiLoRAModel.adapter_state_dict` names its slot's: the
     weights are `adapter_slot_tensors` order (A then B per covered module in model order, then per covered expert
@@ -510,7 +548,8 @@ def peft_tensors(model: MultiLoRAModel, paged: PagedTenant) -> dict[str, torch.T
     from rl_multilora.lora.experts import expert_a_per_expert
     from rl_multilora.lora.peft_io import expert_key_stems, expert_to_peft, peft_key
 
-    pairs = iter(zip(paged.weights[0::2], paged.weights[1::2], strict=True))
+    weights = model.split_adapter_tensors(paged.weights, paged.rank, paged.modules)
+    pairs = iter(zip(weights[0::2], weights[1::2], strict=True))
     out: dict[str, torch.Tensor] = {}
     for module in model.lora_modules:
         if module in paged.modules:

@@ -66,6 +66,10 @@ from rl_multilora.lora.peft_io import (
 )
 from rl_multilora.lora.routing import BASE_SLOT, SlotGradSink, SlotRouter, build_routing
 
+# The most bytes paging stages at once (`take_adapters` / `place_adapters` go through a buffer of this size, kept
+# between steps; more adapters than fit are staged in runs): 64 MiB, 13 adapters at SmolLM2-135M's shape at rank 4.
+STAGING_BYTES = 64 * 2**20
+
 
 class UnknownAdapterError(KeyError):
     """An adapter name that is not loaded. A KeyError whose message prints without repr quotes."""
@@ -155,6 +159,9 @@ class MultiLoRAModel(nn.Module):
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
         self._routed_checkpointing = False
         self._grad_sink: SlotGradSink | None = None  # `use_slot_grads`
+        self._slot_params: dict[int, dict[str, tuple[nn.Parameter, nn.Parameter]]] = {}  # `slot_parameters`
+        self._slot_params_of: tuple[int, torch.dtype] | None = None  # the slots they alias
+        self._staging: torch.Tensor | None = None  # paging's staging buffer (`_staging_buffer`)
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -256,6 +263,34 @@ class MultiLoRAModel(nn.Module):
         """
         views = [_local_slot(stacked.detach(), s) for stacked, s in self._slot_tensors(name)]
         return [nn.Parameter(v) for v in views if v is not None]
+
+    def slot_parameters(self, name: str) -> list[nn.Parameter]:
+        """`adapter_parameters(name)`, but the same Parameter objects for every adapter that sits in that slot: made
+        once per slot and module, not per call. For a trainer that pages: it re-attaches an optimizer after every
+        page-in, and making 2 Parameters per module each time was a fifth of a page-in on the tiny preset. Whoever
+        held them before must have let go (`TenantOptimizer.release`). Unsharded models only."""
+        record = self._slot_record(name)
+        first = self._first_stacked()
+        if self._slot_params_of != (first.data_ptr(), first.dtype):  # the slots moved (`model.to`): made afresh
+            self._slot_params.clear()
+            self._slot_params_of = (first.data_ptr(), first.dtype)
+        s = record.info.slot
+        per_module = self._slot_params.setdefault(s, {})
+        out: list[nn.Parameter] = []
+        for module, holder in (*self._layers.items(), *self._experts.items()):
+            if module in record.modules:
+                pair = per_module.get(module)
+                if pair is None:
+                    pair = per_module[module] = (
+                        nn.Parameter(holder.lora_A.detach()[s]),
+                        nn.Parameter(holder.lora_B.detach()[s]),
+                    )
+                out += pair
+        return out
+
+    def _first_stacked(self) -> nn.Parameter:
+        """The first stacked LoRA tensor (`_stacked_pairs()[0][0]` without building the list)."""
+        return next(iter(self._layers.values())).lora_A if self._layers else next(iter(self._experts.values())).lora_A
 
     def _local_slot_tensors(self, name: str) -> list[tuple[torch.Tensor, int]]:
         """`_slot_tensors` of the slot rows this rank holds (all of them unless the model is sharded)."""
@@ -407,7 +442,7 @@ class MultiLoRAModel(nn.Module):
     @property
     def lora_device(self) -> torch.device:
         """Where the LoRA slots live."""
-        return self._stacked_pairs()[0][0].device
+        return self._first_stacked().device
 
     def adapter_modules(self, name: str) -> frozenset[str]:
         """The LoRA modules and expert Parameters `name`'s slot covers."""
@@ -422,26 +457,146 @@ class MultiLoRAModel(nn.Module):
             for i, (stacked, s) in enumerate(self._local_slot_tensors(name))
         ]
 
-    def place_adapter(
-        self, name: str, rank: int, alpha: float, modules: frozenset[str], tensors: Sequence[torch.Tensor]
-    ) -> int:
-        """Put an adapter back into the lowest free slot from what `adapter_slot_tensors` returned (and
-        `adapter_modules`, its rank and alpha): the slot is zeroed, then those ranks written. Returns the slot."""
-        unknown = set(modules) - set(self._layers) - set(self._experts)
-        if unknown:
-            raise ValueError(bad_value("modules", sorted(unknown), "LoRA modules or expert Parameters of the model"))
-        check_rank(rank, self.max_rank)
-        slot = self._claim_slot(name)
-        self._reset_slot(slot)
-        self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), frozenset(modules))
-        pairs = self._local_slot_tensors(name)
-        if len(pairs) != len(tensors):
-            self._slots[slot] = None
-            raise ValueError(f"adapter {name!r} has {len(pairs)} slot tensors, got {len(tensors)}")
+    def adapter_tensor_shapes(self, rank: int, modules: frozenset[str]) -> list[torch.Size]:
+        """The shapes of `adapter_slot_tensors` of an adapter of `rank` covering `modules` (A `(..., r, in)`, B
+        `(..., out, r)`), in their order: how `take_adapters`' flat tensor splits."""
+        return [_at_rank(stacked, rank, i).shape[1:] for i, stacked in enumerate(self._covered_stacked(modules))]
+
+    def split_adapter_tensors(self, flat: torch.Tensor, rank: int, modules: frozenset[str]) -> list[torch.Tensor]:
+        """A flat tensor of `take_adapters` as the `adapter_slot_tensors` it holds (views of it)."""
+        shapes = self.adapter_tensor_shapes(rank, modules)
+        parts = flat.split([s.numel() for s in shapes])
+        return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+
+    def take_adapters(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """Remove the adapters `names` (paging them out) and return each one's slot at its true rank as one flat
+        host tensor: its `adapter_slot_tensors`, flattened one after the other (`split_adapter_tensors` splits it).
+
+        One gather per stacked tensor for all the adapters of one rank and module set, instead of one copy per
+        adapter and tensor (the per-tensor Python and dispatch cost was most of a page-out on the tiny preset); the
+        freed slots are zeroed, grads included, as `remove_adapter` does. Not for a model sharded over ranks."""
+        records = [self._slot_record(n) for n in names]
+        if len({id(r) for r in records}) != len(records):
+            raise ValueError(bad_value("names", list(names), "distinct adapter names"))
+        self._check_unsharded()
+        device = self.lora_device
+        out: list[torch.Tensor | None] = [None] * len(records)
+        groups: dict[tuple[int, frozenset[str]], list[int]] = {}
+        for i, record in enumerate(records):
+            groups.setdefault((record.info.rank, record.modules), []).append(i)
         with torch.no_grad():
-            for i, ((stacked, s), t) in enumerate(zip(pairs, tensors, strict=True)):
-                _local_slot(stacked.detach(), s)[_rank_index(stacked, rank, "B" if i % 2 else "A")].copy_(t)
-        return slot
+            for (rank, modules), group in groups.items():
+                # every slot of each tensor at the true rank: A (S, ..., r, in), B (S, ..., out, r)
+                parts = [_at_rank(t.detach(), rank, i) for i, t in enumerate(self._covered_stacked(modules))]
+                sizes = [math.prod(p.shape[1:]) for p in parts]
+                for members in self._staging_chunks(group, sum(sizes)):
+                    slots = torch.tensor([records[i].info.slot for i in members], device=device)
+                    staging = self._staging_buffer(len(members), sum(sizes))  # (k, total)
+                    offset = 0
+                    for part, size in zip(parts, sizes, strict=True):
+                        # staging[m, offset:offset + size] = part[slots[m]].flatten(), for every member m at once
+                        view = staging[:, offset : offset + size].view(-1, *part.shape[1:])
+                        torch.index_select(part, 0, slots, out=view)
+                        offset += size
+                    for row, i in zip(staging, members, strict=True):
+                        out[i] = row.to("cpu", copy=True)  # its own storage: the store frees and spills one by one
+            self._zero_slots([r.info.slot for r in records])
+        for record in records:
+            self._slots[record.info.slot] = None
+        return out
+
+    def place_adapters(self, adapters: Sequence[tuple[str, int, float, frozenset[str], torch.Tensor]]) -> list[int]:
+        """Put adapters back into the lowest free slots from `take_adapters`' flat tensors: `adapters` holds (name,
+        rank, alpha, modules, flat) each. Each claimed slot is zeroed, then the true ranks written: one scatter per
+        stacked tensor for all the adapters of one rank and module set. Returns their slots, in order."""
+        self._check_unsharded()
+        free = self.free_slots
+        if len(adapters) > len(free):
+            raise RuntimeError(
+                f"no free LoRA slot for {len(adapters) - len(free)} of {[a[0] for a in adapters]}: "
+                f"{len(free)} of max_loras={self.max_loras} slots are free"
+            )
+        names = [a[0] for a in adapters]
+        for name in names:
+            validate_adapter_name(name)
+        if len(set(names)) != len(names) or set(names) & set(self.adapters):
+            raise ValueError(bad_value("adapters", names, "distinct names of adapters that are not loaded"))
+        groups: dict[tuple[int, frozenset[str]], list[int]] = {}
+        for i, (_, rank, _, modules, _) in enumerate(adapters):
+            unknown = set(modules) - set(self._layers) - set(self._experts)
+            if unknown:
+                raise ValueError(
+                    bad_value("modules", sorted(unknown), "LoRA modules or expert Parameters of the model")
+                )
+            check_rank(rank, self.max_rank)
+            groups.setdefault((rank, frozenset(modules)), []).append(i)
+        plans = []  # per group: its members and its tensors' true-rank views of every slot; all checked before writing
+        for (rank, modules), members in groups.items():
+            parts = [_at_rank(t.detach(), rank, i) for i, t in enumerate(self._covered_stacked(modules))]
+            total = sum(math.prod(p.shape[1:]) for p in parts)
+            flats = [adapters[i][4] for i in members]
+            if any(f.dim() != 1 or f.numel() != total for f in flats):
+                raise ValueError(bad_value("flat", [tuple(f.shape) for f in flats], f"1-D tensors of {total} values"))
+            plans.append((members, parts, flats))
+        slots = free[: len(adapters)]
+        device = self.lora_device
+        with torch.no_grad():  # the free slots hold zeros (`remove_adapter` and `take_adapters` zero what they free)
+            for group, parts, flats in plans:
+                total = flats[0].numel()
+                for members in self._staging_chunks(range(len(group)), total):
+                    source = self._staging_buffer(len(members), total)  # (k, total)
+                    torch.stack([flats[m] for m in members], out=source)  # from host memory when the slots are not
+                    index = torch.tensor([slots[group[m]] for m in members], device=device)
+                    offset = 0
+                    for part in parts:
+                        size = math.prod(part.shape[1:])
+                        # part[index[m]] = source[m, offset:offset + size], for every member m at once
+                        part.index_copy_(0, index, source[:, offset : offset + size].view(-1, *part.shape[1:]))
+                        offset += size
+        for (name, rank, alpha, modules, _), slot in zip(adapters, slots, strict=True):
+            self._slots[slot] = _Slot(AdapterInfo(name, slot, rank, alpha), frozenset(modules))
+        return slots
+
+    def _staging_chunks(self, members: Sequence[int], total: int) -> list[Sequence[int]]:
+        """`members` in runs whose `(k, total)` staging fits `STAGING_BYTES` (one member at least)."""
+        per = max(1, STAGING_BYTES // (total * self.lora_dtype.itemsize))
+        return [members[k : k + per] for k in range(0, len(members), per)]
+
+    def _staging_buffer(self, k: int, total: int) -> torch.Tensor:
+        """A `(k, total)` view of the model's paging staging buffer (kept between calls and grown on demand: a fresh
+        buffer of a step's adapters cost more in page faults than the copies through it, 4x at SmolLM2's shape).
+        Its content is only valid until the next call."""
+        need = k * total
+        if self._staging is None or self._staging.numel() < need or self._staging.device != self.lora_device:
+            self._staging = torch.empty(need, dtype=self.lora_dtype, device=self.lora_device)
+        return self._staging[:need].view(k, total)
+
+    def _covered_stacked(self, modules: frozenset[str]) -> list[nn.Parameter]:
+        """The stacked tensors of an adapter covering `modules`, in `adapter_parameters` order."""
+        out: list[nn.Parameter] = []
+        for module, layer in self._layers.items():
+            if module in modules:
+                out += [layer.lora_A, layer.lora_B]
+        for param, holder in self._experts.items():
+            if param in modules:
+                out += [holder.lora_A, holder.lora_B]
+        return out
+
+    def _zero_slots(self, slots: Sequence[int]) -> None:
+        """`_reset_slot` of several slots at once: one `index_fill_` per stacked tensor and grad."""
+        if not slots:
+            return
+        index = torch.tensor(list(slots), device=self.lora_device)
+        with torch.no_grad():
+            for pair in self._stacked_pairs():
+                for stacked in pair:
+                    for tensor in (stacked.detach(), stacked.grad):
+                        if tensor is not None:
+                            tensor.index_fill_(0, index, 0)
+
+    def _check_unsharded(self) -> None:
+        if getattr(self._first_stacked(), "device_mesh", None) is not None:
+            raise RuntimeError("paging adapters in and out is not supported on a model sharded over ranks")
 
     # -- PEFT I/O ----------------------------------------------------------------------------------------------
 
@@ -846,6 +1001,12 @@ def _rank_index(stacked: torch.Tensor, rank: int, factor: str) -> tuple[slice, .
     index = [slice(None)] * (stacked.dim() - 1)
     index[-2 if factor == "A" else -1] = slice(0, rank)
     return tuple(index)
+
+
+def _at_rank(stacked: torch.Tensor, rank: int, i: int) -> torch.Tensor:
+    """Every slot of stacked tensor `i` of an adapter (`adapter_parameters` order: A, B per module) at its first
+    `rank` ranks, as a view: A (S, ..., r, in), B (S, ..., out, r)."""
+    return stacked.narrow(stacked.dim() - 1 if i % 2 else stacked.dim() - 2, 0, rank)
 
 
 def _local_slot(stacked: torch.Tensor, slot: int) -> torch.Tensor | None:
