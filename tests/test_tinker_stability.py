@@ -225,3 +225,40 @@ def test_stable_reinforce_through_the_sdk_uses_the_recorded_logprobs(server):
     assert np.isfinite(
         tc.forward_backward([_datum(prompt, seq, 1.0)], "stable_reinforce").result().metrics["loss:sum"]
     )
+
+
+def test_sequence_ids_hold_for_a_retried_post_and_across_a_restart(tmp_path):
+    """A retried sample POST (same seq_id) answers the same ids; after a restart the journal's replay samples the
+    same tokens and records them under the same ids, so the client's stable_reinforce step still finds them; a
+    session that ends drops its records."""
+    import httpx
+
+    from tests.test_tinker_journal import _OnPort
+    from tests.test_tinker_server import _free_port
+
+    port = _free_port()
+    first = _OnPort(tmp_path / "state", port)
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = [1, 30, 31, 32]
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=4))
+    seq = seq.result().sequences[0]
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 777, "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]}, "record_stability_info": True,
+            "sampling_params": {"max_tokens": 3}, "_server_sequence_ids": ["seq-mine", "seq-mine2"]}  # fmt: skip
+    posts = [httpx.post(f"{first.url}/api/v1/asample", json=body, headers={"X-API-Key": TOKEN}) for _ in range(2)]
+    ids = [p.json()["sample_sequence_ids"] for p in posts]
+    assert ids[0] == ids[1] and len(set(ids[0])) == 2 and "seq-mine" not in ids[0]  # a client cannot pick them
+    first.close()
+
+    second = _OnPort(tmp_path / "state", port)
+    try:
+        fb = tc.forward_backward([_datum(prompt, seq, 1.0)], "stable_reinforce").result()
+        assert np.isfinite(fb.metrics["loss:sum"])
+        session = tc.model_id.split(":")[0]
+        assert second.server.ops.records.get(session, seq.sequence_id).tokens.tolist() == seq.tokens
+        second.server._expire(session)
+        assert second.server.ops.records.get(session, seq.sequence_id) is None
+    finally:
+        second.close()

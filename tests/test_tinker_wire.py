@@ -218,3 +218,36 @@ def pb_request(model_id: str, seq_id: int, forward_only: bool) -> bytes:
     msg = forward_backward_request_to_proto(request)
     msg.forward_only = forward_only
     return msg.SerializeToString()
+
+
+def test_provenance_spans_and_loss_fn_config_v2_decode_as_the_sdk_writes_them():
+    """`Datum.with_provenance` travels as the proto's `model_input_spans` / `loss_fn_input_spans` (oneof prompt /
+    sampled runs), `loss_fn_config` as `loss_fn_config_v2` (numbers, and text, which the registry then refuses); a
+    datum without provenance decodes to None (the JSON bodies never carry any)."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(TOKENS[1:], np.int64), "advantages": np.ones(4, np.float32)},
+    )
+    spans = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="seq-a", length=2),
+                     types.SampledProvenanceSpan(sequence_id="seq-a", length=2)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="seq-a", offset=1, length=1),
+                        types.SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=3)],
+    )  # fmt: skip
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[spans, datum], loss_fn="stable_reinforce", loss_fn_config={"kl_coeff": 0.01, "mode": "x"}
+        ),
+        model_id="s0:train:0",
+        seq_id=1,
+    )
+    msg = forward_backward_request_to_proto(request)
+    assert dict(msg.loss_fn_config) == pytest.approx({"kl_coeff": 0.01})  # the old map holds numbers only
+    fb = wire.decode_forward_backward(msg.SerializeToString())
+    assert fb.error is None and fb.loss_fn == "stable_reinforce"
+    assert fb.loss_fn_config == {"kl_coeff": pytest.approx(0.01), "mode": "x"}
+    with_spans, without = fb.data
+    assert with_spans.input_spans == [wire.Span("prompt", "seq-a", 0, 2), wire.Span("sampled", "seq-a", 0, 2)]
+    assert with_spans.target_spans == [wire.Span("prompt", "seq-a", 1, 1), wire.Span("sampled", "seq-a", 0, 3)]
+    assert without.input_spans is None and without.target_spans is None
+    assert all(d.input_spans is None for d in wire.decode_forward_backward(_json()).data)

@@ -142,6 +142,7 @@ class TinkerServer:
         self._last_seen: dict[str, float] = {}  # session -> time.monotonic() of its last heartbeat or request
         self._expired: set[str] = set()
         self._samples: dict[str, asyncio.Task] = {}  # sample request id -> its task, while it runs
+        self._recording: set[str] = set()  # sequence ids of recording samples not done yet (under `lock`)
         if type(snapshot_every) is not int or snapshot_every < 1:
             raise ValueError(
                 f"snapshot_every={snapshot_every!r} is not allowed; allowed: an int >= 1 (a model's optimizer steps "
@@ -563,12 +564,13 @@ class TinkerServer:
 
     async def _replay_done(self, path: str | None, sid: str | None = None) -> None:
         """Sampler weights at `path`, or a sampling session `sid`, not published (yet): wait for the replayed
-        requests, which republish them."""
-        if (path is not None and path not in self.ops.samplers) or (
-            sid is not None and sid not in self.state.sampling
-        ):
-            for res in self._replayed:
-                await res.event.wait()
+        requests, in journal order, until one has republished them. Not for all of them: a replayed stable_reinforce
+        forward_backward waits for the replayed samples it names (`_awaits_sample`), which may wait here."""
+        for res in self._replayed:
+            if not ((path is not None and path not in self.ops.samplers) or
+                    (sid is not None and sid not in self.state.sampling)):  # fmt: skip
+                return
+            await res.event.wait()
 
     def _check_base(self, name: str | None) -> None:
         if name is not None and name != self.base_model:
@@ -649,6 +651,8 @@ class TinkerServer:
         elif kind == "sample":
             assert self.loop is not None
             res.sequence_ids = body.get(SEQUENCE_IDS)
+            with self.lock:
+                self._recording.update(res.sequence_ids or ())
             task = self.loop.create_task(self._sample(key, body, res))
             self._samples[key] = task
             task.add_done_callback(lambda _t: self._samples.pop(key, None))
@@ -708,7 +712,7 @@ class TinkerServer:
         self.state.creates.clear()
         for model_id, queue in self.state.queues.items():
             nxt = self.state.next_seq.get(model_id)
-            if nxt is not None and nxt in queue:
+            if nxt is not None and nxt in queue and not self._awaits_sample(queue[nxt]):
                 ready.append(queue.pop(nxt))
         waiting = []
         for after, op in self.state.unloads:
@@ -718,6 +722,20 @@ class TinkerServer:
                 waiting.append((after, op))
         self.state.unloads = waiting
         return ready
+
+    def _awaits_sample(self, op: Op) -> bool:
+        """A forward_backward whose loss reads provenance and names a recording sample still running (a replayed
+        one after a restart, or one the client named from its promise): it waits, so it finds the records (under
+        `lock`; `_sample` notifies when one is done)."""
+        if op.kind != "forward_backward" or op.body.error is not None or not self._recording:
+            return False
+        from rl_multilora.losses import REGISTRY
+
+        loss = REGISTRY.get(op.body.loss_fn)
+        if loss is None or not loss.provenance:
+            return False
+        spans = (s for d in op.body.data for s in (d.input_spans or []) + (d.target_spans or []))
+        return any(s.sequence_id in self._recording for s in spans)
 
     def _work(self) -> None:
         first = True
@@ -915,6 +933,11 @@ class TinkerServer:
             if category == "server":
                 log.exception("sample %s failed", key)
             self._resolve(res, {"error": f"{type(e).__name__}: {e}", "category": category})
+        finally:
+            if res.sequence_ids:  # recorded (or failed): a forward_backward that named them may run now
+                with self.lock:
+                    self._recording.difference_update(res.sequence_ids)
+                    self.lock.notify_all()
 
 
 def _finite(value: Any) -> Any:
