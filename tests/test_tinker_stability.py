@@ -171,6 +171,12 @@ def test_stable_reinforce_through_the_sdk_uses_the_recorded_logprobs(server):
     seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=5, seed=2))
     seqs = seqs.result().sequences
     assert len({s.sequence_id for s in seqs}) == 2 and all(s.sequence_id.startswith("seq-") for s in seqs)
+    import httpx
+
+    memory = httpx.get(f"{server.url}/api/v1/memory", headers={"X-API-Key": TOKEN}).json()
+    assert memory["counts"]["stability_records"] == 2 and memory["stability_records"] > 0
+    caps = httpx.get(f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": TOKEN}).json()
+    assert "stable_reinforce" in caps["loss_fns"] and caps["stability_records"]["ttl_s"] == 86400
     assert all(len(s.tokens) >= 2 for s in seqs), [s.tokens for s in seqs]
     seq = seqs[0]
     # the trainer's log-probs of the sampled tokens (no step runs before the checks below)

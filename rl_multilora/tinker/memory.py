@@ -13,7 +13,9 @@ tokenizer, sqlite's cache. Components:
 - samplers_host / samplers_disk: in-memory sampler versions (true rank) and the ones spilled past the host budget;
 - engine: the engine's LoRA bank (`max_loras` slots) and its host copies of adapters it pages, and the prompt
   scoring bank; the KV cache lives only while a decode wave runs and is not held between requests;
-- results: the futures' results the server keeps in memory (JSON or protobuf bytes).
+- results: the futures' results the server keeps in memory (JSON or protobuf bytes);
+- stability_records: the arrays of the sequences recorded for `stable_reinforce` (`stability.py`; a request's
+  prompt counted once per sequence, an upper bound).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def server_memory(ops: Any, results: dict[str, Any]) -> dict[str, Any]:
     out["results"] = sum(
         len(r.value) if isinstance(r.value, bytes) else len(json.dumps(r.value, default=str)) for r in results.values()
     )
+    records = ops.records.stats()
+    out["stability_records"] = records["bytes"]
     rss = rss_bytes()
     out["rss"] = rss
     out["other"] = rss - sum(v for k, v in out.items() if k != "rss")
@@ -90,5 +94,7 @@ def server_memory(ops: Any, results: dict[str, Any]) -> dict[str, Any]:
         "sampler_versions_spilled": sum(v.spilled is not None for v in ops.samplers.values()),
         "results": len(results),
         "host_budget_bytes": ops.host_budget_bytes,
+        "stability_records": records["records"],
+        "stability_tokens": records["tokens"],
     }
     return out

@@ -266,7 +266,8 @@ class TinkerServer:
 
     async def capabilities(self, _r) -> web.Response:
         """The served base model and its context length; beyond the SDK's fields, the losses this server computes
-        (`rl_multilora.losses.SDK_LOSSES`) and its sample limits (the SDK ignores unknown fields)."""
+        (`rl_multilora.losses.SDK_LOSSES`; `stable_reinforce` is this project's own objective), its sample limits
+        and the bounds of its stability records (the SDK ignores unknown fields)."""
         from rl_multilora.losses import SDK_LOSSES
 
         limits = self.ops.limits

@@ -24,8 +24,8 @@ sends 0 there). It returns, per target position, the recorded sampler log-prob a
 elsewhere): the loss's `old_logp` and mask (`rl_multilora.losses`). Other losses ignore provenance: tinker-cookbook's
 `rl/train` attaches it whatever the loss.
 
-Memory is bounded two ways: a record unused (not sampled, not named by a datum) for `ttl_s` (one day, as Tinker
-documents: records expire after inactivity) is dropped, and the records hold at most `max_tokens` tokens (a
+Memory is bounded two ways: a record unused (not sampled, not named by a datum) for `ttl_s` (one day; the SDK documents
+records as session-scoped and expiring after inactivity) is dropped, and the records hold at most `max_tokens` tokens (a
 sequence counts its prompt plus its sampled tokens, though a request's sequences share one prompt array): past it
 the least recently used records are evicted (LRU). A sample request that alone could exceed the cap is refused when
 it is sent. A session that expires drops its records. Records live in memory only: a restart replays the samples
