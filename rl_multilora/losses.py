@@ -3,7 +3,7 @@
 Both front doors use it: a GRPO tenant's `loss` (`GRPO_LOSSES`, each a surrogate of the registry with the advantage
 normalization and aggregation it is defined with, `LOSS_DEFAULTS`) and a Tinker client's `loss_fn` (`SDK_LOSSES`,
 with its `loss_fn_config`). The config's choices and the server's accepted names are these tuples; a loss added to
-`REGISTRY` is available to both.
+`REGISTRY` is a Tinker client's at once, and a GRPO tenant's once `GRPO_SURROGATE` names it.
 
 Every loss works on the flattened loss tokens of a mixed batch (`TokenBatch`): `logp`, `old_logp`, `adv`, `weights`,
 `rows` are (N,), `rows[t]` the batch row of token t (sequence-level quantities are segment reductions over `rows`).
@@ -21,7 +21,7 @@ when it sampled the tokens (`rl_multilora.tinker.stability`), never the client's
 | cispo               | -sg(clip(r, lo, hi)) A logp (the IS weight is clipped, the gradient flows through logp) | lo 0, hi 4 |
 | gspo                | -min(s A, clip(s, lo, hi) A), s = exp(mean of (logp - old) over the row's tokens that `sequence_ratio_mask` marks, all by default), per token sg(s) exp(logp - sg(logp)) (GSPO-token) | lo 0.8, hi 1.2 |
 | dro                 | -(A logp - beta / 2 (logp - old)^2)                                         | beta 0.05        |
-| stable_reinforce    | m (-sg(w) A logp + kl_coeff k3), w = min(exp(logp - old), tis_cap), k3 = exp(old - logp) - (old - logp) - 1; old = the server-recorded sampler log-probs, m = 1 on sampled tokens, 0 on prompt positions. THIS PROJECT'S objective, not Tinker's (unpublished) | kl_coeff 0, tis_cap 2 |
+| stable_reinforce    | m (-sg(w) A logp + kl_coeff k3), w = min(exp(logp - old), tis_cap), k3 = exp(old - logp) - (old - logp) - 1; old = the server-recorded sampler log-probs, m = 1 on sampled tokens, 0 on prompt positions; this project's objective, not Tinker's (unpublished) | kl_coeff 0, tis_cap 2 |
 
 `stable_reinforce` is this project's own objective under the name the SDK and tinker-cookbook use; Tinker does not
 publish its objective, so its numbers differ from Tinker's service. It is REINFORCE on the sampled tokens with the
@@ -156,8 +156,8 @@ def _stable_reinforce(x: TokenBatch, cfg: Mapping[str, float]) -> tuple[torch.Te
     """This project's `stable_reinforce` (not Tinker's, which is unpublished; see the module docstring): `x.old_logp`
     the server-recorded sampler log-probs, `x.weights` the sampled-token mask m (prompt positions 0)."""
     sampled = x.weights > 0  # (N,)
-    # 0 off the sampled tokens, so exp() there never overflows (their `old_logp` is a placeholder)
-    log_ratio = torch.where(sampled, x.logp - x.old_logp, torch.zeros_like(x.logp))  # (N,) log pi_train - log pi_sampler
+    # log pi_train - log pi_sampler, 0 off the sampled tokens so exp() there never overflows (their old is a placeholder)
+    log_ratio = torch.where(sampled, x.logp - x.old_logp, torch.zeros_like(x.logp))  # (N,)
     ratio = torch.exp(log_ratio.detach())  # (N,)
     w = ratio.clamp(max=cfg["tis_cap"])  # truncated importance weight, no gradient
     k3 = torch.exp(-log_ratio) + log_ratio - 1.0  # (N,) k3 of KL(train || sampler): (r - 1) - log r, r = pi_s / pi_t
@@ -190,8 +190,10 @@ REGISTRY: dict[str, LossDef] = {
             _stable_reinforce,
             inputs=("advantages",),
             config={"kl_coeff": 0.0, "tis_cap": 2.0},
-            config_rules={"kl_coeff": (lambda v: v >= 0.0, "a finite number >= 0"),
-                          "tis_cap": (lambda v: v > 0.0, "a finite number > 0")},  # fmt: skip
+            config_rules={
+                "kl_coeff": (lambda v: v >= 0.0, "a finite number >= 0"),
+                "tis_cap": (lambda v: v > 0.0, "a finite number > 0"),
+            },
             provenance=True,
         ),
     )
