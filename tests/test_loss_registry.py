@@ -160,9 +160,16 @@ def test_both_doors_accept_the_names_the_registry_derives():
     [
         ("nope", None, "allowed: cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce"),
         ("stable_reinforce", {"kl_coeff": float("inf")}, "loss_fn_config['kl_coeff']=inf is not allowed"),
-        ("stable_reinforce", {"kl_coeff": -0.1}, "loss_fn_config['kl_coeff']=-0.1 is not allowed; allowed: a finite "
-         "number >= 0"),
-        ("stable_reinforce", {"tis_cap": 0}, "loss_fn_config['tis_cap']=0 is not allowed; allowed: a finite number > 0"),
+        (
+            "stable_reinforce",
+            {"kl_coeff": -0.1},
+            "loss_fn_config['kl_coeff']=-0.1 is not allowed; allowed: a finite number >= 0",
+        ),
+        (
+            "stable_reinforce",
+            {"tis_cap": 0},
+            "loss_fn_config['tis_cap']=0 is not allowed; allowed: a finite number > 0",
+        ),
         ("stable_reinforce", {"beta": 1.0}, "allowed: kl_coeff, tis_cap"),
         ("ppo", {"clip_low": 0.5}, "loss_fn_config ['clip_low'] is not allowed for loss_fn 'ppo'"),
         ("ppo", {"clip_low_threshold": float("nan")}, "loss_fn_config['clip_low_threshold']=nan"),
