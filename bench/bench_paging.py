@@ -24,8 +24,9 @@ Torch runs one thread (`--threads`): on a shared 2-core machine two threads spin
 took 3-40 s instead of about 1 s. Each step is timed in wall time and in this process's CPU time (all its threads):
 on a machine others load, wall time swings 3x between steps and the CPU time is the cost to compare. Per run:
 medians over its `--steps` timed steps; then the median over `--runs` runs with the range (min-max).
-Reported: step time paged / resident, page-ins and their time per adapter (the eviction that made room included),
-and the host bytes of a paged tenant against its true-rank adapter + two AdamW moments.
+Reported: step time paged / resident (and the median of each paged step over the resident step right after it),
+page-ins and their time per adapter (the eviction that made room included), and the host bytes of a paged tenant
+against its true-rank adapter + two AdamW moments.
 
 `--grads` instead times one forward+backward with 4 tenants' rows on 64 and 256 slots with gradients kept only for
 the slots with rows (the default) and with the dense all-slots `.grad` (what the model did before): CPU time of this
@@ -164,6 +165,8 @@ def one_run(args, run: int, pair: Pair) -> dict[str, float]:
         "paged_cpu_ms": cpu["paged"] * 1000,
         "resident_cpu_ms": cpu["resident"] * 1000,
         "cpu_ratio": cpu["paged"] / cpu["resident"],
+        # each paged step over the resident step right after it (the same load, mostly): robust to slow drifts
+        "pair_ratio": statistics.median(p[1] / r[1] for p, r in zip(times["paged"], times["resident"], strict=True)),
         "page_ins_per_step": n_in / args.steps,
         "page_in_ms": (st.page_in_s - stats0.page_in_s) / max(n_in, 1) * 1000,
         "page_out_ms": (st.page_out_s - stats0.page_out_s) / max(n_out, 1) * 1000,
@@ -175,7 +178,7 @@ def one_run(args, run: int, pair: Pair) -> dict[str, float]:
     }
     print(
         f"run {run + 1}: step CPU paged {out['paged_cpu_ms']:.0f} ms / resident {out['resident_cpu_ms']:.0f} ms = "
-        f"{out['cpu_ratio']:.3f}x; wall {out['paged_ms']:.0f} / {out['resident_ms']:.0f} ms = {out['ratio']:.3f}x "
+        f"{out['cpu_ratio']:.3f}x (step by step {out['pair_ratio']:.3f}x); wall {out['paged_ms']:.0f} / {out['resident_ms']:.0f} ms = {out['ratio']:.3f}x "
         "(steps wall/CPU: paged " + " ".join(f"{w * 1000:.0f}/{c * 1000:.0f}" for w, c in times["paged"])
         + " | resident " + " ".join(f"{w * 1000:.0f}/{c * 1000:.0f}" for w, c in times["resident"])
         + f"); page-ins {n_in} ({out['page_in_ms']:.2f} ms wall each, eviction included), page-outs {n_out} "
@@ -218,7 +221,7 @@ def paging(args) -> None:
 
     print(f"median of {args.runs} runs (min-max):")
     print(f"  step CPU time paged / resident: {med('cpu_ratio')}x; paged {med('paged_cpu_ms', '.0f')} ms, resident "
-          f"{med('resident_cpu_ms', '.0f')} ms")  # fmt: skip
+          f"{med('resident_cpu_ms', '.0f')} ms; paired step by step {med('pair_ratio')}x")  # fmt: skip
     print(f"  step wall time paged / resident: {med('ratio')}x; paged {med('paged_ms', '.0f')} ms, resident "
           f"{med('resident_ms', '.0f')} ms")  # fmt: skip
     print(f"  page-ins per step {med('page_ins_per_step', '.0f')}; page-in {med('page_in_ms', '.2f')} ms wall per "

@@ -250,9 +250,12 @@ class TrainOps:
         assert self.store is not None
         t0 = time.perf_counter()
         short = len(names) - len(self.model.free_slots)
-        if short > 0:
-            self._page_out(self._victims(short, {*keep, *names}))
+        victims = self._victims(short, {*keep, *names}) if short > 0 else []
+        # taken before the victims are put: the store's host bytes dip, then come back, instead of going over the
+        # budget by a step's tenants and spilling as many idle ones to disk every step
         pageds = [self._prepare(self.store.take(name)) for name in names]  # a no-op for a prefetched tenant
+        if victims:
+            self._page_out(victims)
         slots = self.model.place_adapters(
             [(n, p.rank, p.alpha, p.modules, p.weights) for n, p in zip(names, pageds, strict=True)]
         )
