@@ -18,7 +18,11 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   own, then their cache is left-padded and concatenated to the running one). Admission needs
   plain `DynamicLayer` caches; models with sliding-window layers run queued rows in the next wave.
 - Prefix sharing: rows with the same prompt and adapter (the n samples of one GRPO group) are
-  prefilled once; the cache, the mask and the last logits are then expanded by index.
+  prefilled once; the mask and the last logits are then expanded by index, and the KV cache keeps the prompt's
+  KV once per distinct prompt (`_SharedPromptLayer`: each row holds only the tokens it fed since), so a group of
+  n samples holds its prompt's KV once, not n times. Each layer's attention gets the full per-row KV built for that
+  call only (the values a per-row copy would hold, so outputs are unchanged); admitting queued rows into such a
+  batch first turns its cache back into per-row copies.
 - Prefix reuse across requests (`prefix_cache_bytes`, `prefix_cache.py`): when a row finishes, the KV of its
   prompt and output is kept (when its request sets `keep_prefix`: multi-turn episodes and the OpenAI chat route do)
   in a bounded LRU cache keyed by its adapter's load generation and the token ids. A later
@@ -167,6 +171,61 @@ class _Row:
         return self.request.sampling
 
 
+class _SharedPromptLayer(DynamicLayer):
+    """One layer's KV cache for rows of which several share a prompt (a GRPO group's samples).
+
+    `prompt_keys` / `prompt_values` (U, H, P, D) hold each distinct prompt's KV once, `row_prompt` (B,) says whose
+    each row is, and `keys` / `values` (B, H, S, D) are each row's own tokens since the prefill. Attention gets the
+    full (B, H, P + S, D) KV from `update`, built for that layer's call only: the same values a `DynamicLayer` whose
+    prompt KV was copied to every row holds, so outputs are unchanged, while the cache holds U/B of the prompt part.
+    """
+
+    def __init__(self, layer: DynamicLayer, row_prompt: torch.Tensor):
+        super().__init__()
+        self.prompt_keys, self.prompt_values = layer.keys, layer.values  # (U, H, P, D)
+        self.row_prompt = row_prompt  # (B,) index into the prompt rows
+        _, h, _, d = layer.keys.shape
+        self.keys = layer.keys.new_empty(len(row_prompt), h, 0, d)  # (B, H, S = 0, D)
+        self.values = layer.values.new_empty(len(row_prompt), h, 0, d)
+        self.device = layer.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: (B, H, q, D), the tokens fed in this call
+        self.keys = torch.cat([self.keys, key_states], dim=-2)  # (B, H, S + q, D)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.full()
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values, its prompt's then its own: (B, H, P + S, D) each."""
+        return _gather_rows(self.prompt_keys, self.row_prompt, self.keys), _gather_rows(
+            self.prompt_values, self.row_prompt, self.values
+        )
+
+    def get_seq_length(self) -> int:
+        return self.prompt_keys.shape[-2] + self.keys.shape[-2]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (B',); prompts no row uses any more are dropped."""
+        self.keys, self.values, row_prompt = self.keys[indices], self.values[indices], self.row_prompt[indices]
+        used, self.row_prompt = torch.unique(row_prompt, return_inverse=True)  # (U',), (B',)
+        if len(used) < self.prompt_keys.shape[0]:
+            self.prompt_keys, self.prompt_values = self.prompt_keys[used], self.prompt_values[used]
+
+    def drop_leading(self, n: int) -> None:
+        """Drop the first n columns, padding for every row (so within the prompt part: each row's own are real)."""
+        self.prompt_keys, self.prompt_values = self.prompt_keys[:, :, n:], self.prompt_values[:, :, n:]
+
+
+def _gather_rows(prompt: torch.Tensor, row_prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """out[b] = cat(prompt[row_prompt[b]], own[b]) along the sequence; prompt: (U, H, P, D), own: (B, H, S, D)."""
+    p = prompt.shape[-2]
+    out = own.new_empty(own.shape[0], own.shape[1], p + own.shape[2], own.shape[3])  # (B, H, P + S, D)
+    torch.index_select(prompt, 0, row_prompt, out=out[:, :, :p])
+    out[:, :, p:] = own
+    return out
+
+
 @dataclass
 class _Batch:
     """The rows decoding together and their tensors; row i of every tensor belongs to `rows[i]`."""
@@ -184,6 +243,24 @@ class _Batch:
         self.mask, self.last_pos, self.slots = self.mask[index], self.last_pos[index], self.slots[index]
         self.logits = self.logits[index]
 
+    def share(self, index: torch.Tensor) -> None:
+        """As `expand` (row j becomes a copy of row index[j]), but the cache keeps each prompt row's KV once
+        (`_SharedPromptLayer`) where its layers are plain `DynamicLayer`s; index: (B',)."""
+        if not self.can_merge():
+            return self.expand(index)
+        self.cache.layers = [_SharedPromptLayer(layer, index) for layer in self.cache.layers]
+        self.mask, self.last_pos, self.slots = self.mask[index], self.last_pos[index], self.slots[index]
+        self.logits = self.logits[index]
+
+    def unshare(self) -> None:
+        """Give every row its own copy of its prompt's KV again (plain `DynamicLayer`s)."""
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, _SharedPromptLayer):
+                plain = DynamicLayer()
+                plain.keys, plain.values = layer.full()  # (B, H, P + S, D)
+                plain.device, plain.is_initialized = layer.device, True
+                self.cache.layers[i] = plain
+
     def select(self, keep: list[int]) -> None:
         """Keep only rows `keep` (finished rows leave the batch and the cache), then drop dead padding."""
         self.expand(torch.tensor(keep, device=self.mask.device))
@@ -194,14 +271,21 @@ class _Batch:
         lead = int(self.mask.any(dim=0).int().argmax())
         if lead > 0:
             for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]  # (B, H, T - lead, D)
+                if isinstance(layer, _SharedPromptLayer):
+                    layer.drop_leading(lead)
+                else:  # (B, H, T - lead, D)
+                    layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
             self.mask = self.mask[:, lead:]
 
     def can_merge(self) -> bool:
-        return all(type(layer) is DynamicLayer and layer.is_initialized for layer in self.cache.layers)
+        return all(
+            type(layer) in (DynamicLayer, _SharedPromptLayer) and layer.is_initialized for layer in self.cache.layers
+        )
 
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows: left-pad the shorter cache and mask to a common length, then concatenate."""
+        self.unshare()
+        other.unshare()
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             # keys/values: (B, H, T, D) -> (B + B', H, width, D), zeros at the new left padding (masked out)
@@ -212,6 +296,19 @@ class _Batch:
         self.slots = torch.cat([self.slots, other.slots])
         self.logits = torch.cat([self.logits, other.logits])
         self.rows = self.rows + other.rows
+
+    def row_kv(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Row i's keys and values of every layer, (H, T, D) each (views where the cache holds them per row)."""
+        keys, values = [], []
+        for layer in self.cache.layers:
+            if isinstance(layer, _SharedPromptLayer):
+                u = int(layer.row_prompt[i])
+                keys.append(torch.cat([layer.prompt_keys[u], layer.keys[i]], dim=-2))
+                values.append(torch.cat([layer.prompt_values[u], layer.values[i]], dim=-2))
+            else:
+                keys.append(layer.keys[i])
+                values.append(layer.values[i])
+        return keys, values
 
 
 def _finite(value: Any) -> bool:
@@ -887,7 +984,7 @@ class EmbeddedEngine(RolloutEngine):
         logits = self._forward(input_ids, mask, positions, slots, cache)  # (U, V)
         batch = _Batch(list(rows), cache, mask, positions[:, -1], slots, logits)
         if len(prompts) < len(rows):
-            batch.expand(torch.tensor(row_to_unique, device=self._device))  # (B,) unique prompt of each row
+            batch.share(torch.tensor(row_to_unique, device=self._device))  # (B,) unique prompt of each row
         return batch
 
     def _seed_cache(self, cache: DynamicCache, hits: list[tuple[PrefixEntry | None, int]]) -> torch.Tensor:
@@ -922,8 +1019,9 @@ class EmbeddedEngine(RolloutEngine):
             if int(cols.sum()) != len(tokens):  # never expected; a misaligned entry would feed later rows wrong KV
                 logger.warning("embedded engine: a finished row's KV does not match its tokens; not cached")
                 continue
-            keys = [layer.keys[i][:, cols] for layer in batch.cache.layers]  # (H, n, D) copies
-            values = [layer.values[i][:, cols] for layer in batch.cache.layers]
+            row_keys, row_values = batch.row_kv(i)  # per layer (H, T, D)
+            keys = [k[:, cols] for k in row_keys]  # (H, n, D) copies
+            values = [v[:, cols] for v in row_values]
             replaces = row.reused.id if row.reused is not None else None
             self._prefix_cache.insert(row.cache_key, tokens, keys, values, replaces=replaces)
 
