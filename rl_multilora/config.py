@@ -68,7 +68,9 @@ class ModelConfig(_Strict):
         16, ge=1, le=1024, description="Largest LoRA rank a slot can hold; smaller ranks are zero-padded."
     )
     target_modules: str | list[str] = Field(
-        "all-linear", description='"all-linear" (every linear layer but lm_head) or a list of module names.'
+        "all-linear",
+        description='"all-linear" (every linear layer but lm_head) or a list of module names; "lm_head" in the list '
+        "puts a LoRA on the output head (local backend and embedded engine only).",
     )
     target_parameters: list[str] | None = Field(
         None,
@@ -617,6 +619,34 @@ def paging_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def unembed_problems(cfg: RunConfig) -> list[str]:
+    """A LoRA on the output head (`lm_head` in model.target_modules, what a Tinker client's train_unembed trains) is
+    built, exported and checked against PEFT on the local backend with embedded engines only: the FSDP2 ranks and
+    SGLang's loader have not been tried with it, so those layouts refuse it instead of guessing."""
+    targets = cfg.model.target_modules
+    if isinstance(targets, str) or "lm_head" not in targets:
+        return []
+    allowed = "a list without 'lm_head'"
+    problems = []
+    if cfg.trainer.world_size > 1:
+        problems.append(
+            bad_value(
+                "model.target_modules",
+                targets,
+                f"{allowed} with trainer.world_size > 1 (an output-head LoRA runs on the local backend only)",
+            )
+        )
+    if cfg.rollout.engine == "sglang":
+        problems.append(
+            bad_value(
+                "model.target_modules",
+                targets,
+                f"{allowed} with rollout.engine 'sglang' (an output-head LoRA is served by the embedded engine only)",
+            )
+        )
+    return problems
+
+
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
     seen: set[str] = set()
@@ -632,6 +662,7 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         seen.add(a.name)
     r = cfg.rollout
     problems += paging_problems(cfg)
+    problems += unembed_problems(cfg)
     if cfg.model.gradient_checkpointing and cfg.trainer.world_size > 1:
         problems.append(
             bad_value("model.gradient_checkpointing", True, "false with trainer.world_size > 1 (local backend only)")
@@ -656,7 +687,7 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
                     "trainer.colocate_engines",
                     True,
                     "false unless trainer.world_size > 1 and rollout.engine_actors is true (engines as Ray actors)",
-                )  # fmt: skip
+                )
             )
         elif r.num_engines > t.world_size:
             problems.append(
@@ -664,7 +695,7 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
                     "rollout.num_engines",
                     r.num_engines,
                     f"at most trainer.world_size ({t.world_size}) with trainer.colocate_engines (one engine per rank)",
-                )  # fmt: skip
+                )
             )
     if r.engine == "sglang" and r.num_engines > 1:
         problems.append(

@@ -119,3 +119,25 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
         [sys.executable, "-m", "rl_multilora.cli", "run", str(tmp_path / "nope.yaml")], capture_output=True, text=True
     )
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"trainer": {"world_size": 2}}, "with trainer.world_size > 1 (an output-head LoRA runs on the local backend"),
+        (
+            {"rollout": {"engine": "sglang"}},
+            "with rollout.engine 'sglang' (an output-head LoRA is served by the embedded",
+        ),
+    ],
+)
+def test_output_head_lora_is_refused_where_it_is_untried(extra, fragment):
+    data = {"model": {"path": "m", "target_modules": ["q_proj", "lm_head"]}, "adapters": [_adapter()], **extra}
+    with pytest.raises(ConfigError) as ei:
+        parse_run_config(data)
+    assert "model.target_modules=['q_proj', 'lm_head'] is not allowed; allowed: a list without 'lm_head'" in str(
+        ei.value
+    )
+    assert fragment in str(ei.value)
+    data = {"model": {"path": "m", "target_modules": ["q_proj", "lm_head"]}, "adapters": [_adapter()]}
+    assert parse_run_config(data).model.target_modules == ["q_proj", "lm_head"]  # local backend, embedded engine
