@@ -30,19 +30,21 @@ import torch
 if TYPE_CHECKING:
     from rl_multilora.lora.model import HeadLoRA
 
-DEFAULT_CHUNK = 1024  # tokens per chunk: (chunk, V) float32 is 200 MB at V = 49,152; 4 KB per token-vocab row
+# Tokens per chunk: (chunk, V) float32 is 25 MB at V = 49,152 (196 KB per token). A chunk's forward holds about two
+# such tensors at once and its backward about three (each step below works in place where the result is the same).
+DEFAULT_CHUNK = 128
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: torch.Tensor, dtype,
                   lora: _Lora | None = None, span: slice = slice(None)):  # fmt: skip
     """z = (h @ W.T + b + LoRA delta) / T for one chunk (tokens `span`), in `dtype` (float32 at least: half-precision
     logits are upcast)."""
-    z = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (c, V)
+    z = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (c, V), a new tensor: scaled in place below
     if lora is not None:
         for s, idx, scale in lora.groups(span):  # z[idx] += scale * (h[idx] @ A[s].T) @ B[s].T
             u = (h[idx].to(lora.dtype) @ lora.a[s].T) * scale  # (k, r)
             z[idx] += (u @ lora.b[s].T).to(dtype)
-    return z * inv_t[:, None]
+    return z.mul_(inv_t[:, None])
 
 
 class _Lora:
@@ -81,8 +83,8 @@ class _TokenLogProbs(torch.autograd.Function):
             z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype, lora, slice(s, e))  # (c, V)
             l_se = torch.logsumexp(z, dim=-1)  # (c,)
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - l_se
-            p = torch.exp(z - l_se[:, None])  # (c, V)
-            entropy[s:e] = l_se - (p * z).sum(-1)  # H = lse - sum p z
+            p = torch.sub(z, l_se[:, None]).exp_()  # (c, V)
+            entropy[s:e] = l_se - p.mul_(z).sum(-1)  # H = lse - sum p z (p is not used after)
             lse[s:e] = l_se
         ctx.save_for_backward(hidden, weight, bias, targets, inv_t, lse, entropy)
         ctx.chunk, ctx.dtype, ctx.lora = chunk, dtype, lora
@@ -104,12 +106,14 @@ class _TokenLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             z = _chunk_logits(hidden[s:e], weight, bias, inv_t[s:e], dtype, lora, slice(s, e))  # (c, V)
-            log_p = z - lse[s:e, None]
-            p = torch.exp(log_p)
-            # g_z = g_logp * (onehot - p) - g_H * p * (log p + H)
-            g_z = p * (-(g_logp[s:e, None]) - g_entropy[s:e, None] * (log_p + entropy[s:e, None]))
+            log_p = z.sub_(lse[s:e, None])  # (c, V), in place: z is not used after
+            p = log_p.exp()
+            # g_z = g_logp * (onehot - p) - g_H * p * (log p + H), in place over log_p, then p; the same values as
+            # p * (-g_logp - g_H * (log p + H)): -(g_H * x) - g_logp equals -g_logp - g_H * x exactly
+            g_z = p.mul_(log_p.add_(entropy[s:e, None]).mul_(g_entropy[s:e, None]).neg_().sub_(g_logp[s:e, None]))
+            del log_p
             g_z.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
-            g_z = g_z * inv_t[s:e, None]  # through z = logits / T
+            g_z.mul_(inv_t[s:e, None])  # through z = logits / T
             g_h = g_z.to(weight.dtype) @ weight  # (c, H)
             if lora is not None:
                 g_h = g_h.to(dtype)
