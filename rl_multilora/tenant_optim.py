@@ -2,11 +2,13 @@
 
 Design choices:
 
-- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name)` only: leaf views of its own slot in
-  the model's stacked LoRA tensors, so each tenant's optimizer is exactly the per-tenant AdamW it would be over
-  separate tensors (same shapes, state and results) while the forward runs every slot in one grouped path. The
-  backward accumulates into the stacked grads; before a tenant steps, the trainer points its views' `.grad` at its
-  slot's part (`attach_slot_grads`).
+- One AdamW and one LambdaLR per adapter, over `model.adapter_parameters(name, true_rank=True)` only: leaf views of
+  its own slot's first `rank` ranks in the model's stacked LoRA tensors, so each tenant's optimizer is exactly the
+  per-tenant AdamW it would be over separate tensors of its rank (same shapes, state and results) while the forward
+  runs every slot in one grouped path, and its moments take its rank's bytes, not the slot's `max_rank`. The
+  backward accumulates into the stacked grads; before a tenant steps, the trainer hands its views the true-rank
+  part of its slot's gradient (`MultiLoRAModel.adapter_grads`). Moments saved at the slot's rank (older
+  checkpoints) are cut to the true rank on load: the ranks above hold exact zeros.
 - One clipping path (`clip_grads_`) for one process and for ranks: the grad norm comes from the rank coordinator
   (`rl_multilora.ranks.RankCoordinator.grad_norm`), one process being world 1. A non-finite norm or loss skips the
   step (counted by the caller, nobody else affected); the grads are dropped either way.
@@ -198,6 +200,11 @@ class TenantOptimizer:
             )
         if self.params:
             self.optimizer.load_state_dict(state["optimizer"])
+            for p in self.params:  # moments saved at the slot's rank (before they were kept at the true rank)
+                held = self.optimizer.state.get(p, {})
+                for k, v in held.items():
+                    if v.dim() > 0 and v.shape != p.shape:
+                        held[k] = v[tuple(slice(0, n) for n in p.shape)].clone()  # the rest are exact zeros
         else:
             for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"], strict=True):
                 group["lr"] = saved["lr"]

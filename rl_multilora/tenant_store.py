@@ -9,13 +9,16 @@ Design choices:
 - What is stored is exactly what the slot and the optimizer held, at the adapter's true rank: each slot tensor's
   first `rank` ranks (A `(r, in)`, B `(out, r)`, experts with their expert dim), one after the other in one flat
   tensor (the trainer pages a step's tenants out and in with one gather / scatter per stacked tensor for all of
-  them: `MultiLoRAModel.take_adapters` / `place_adapters`), and the same slice of every AdamW moment (the
-  optimizer's own tensors, handed over without a copy when the rank is the slot's); the step counts, param-group settings and LR schedule never leave the tenant's `TenantOptimizer`. The
-  ranks above `rank` hold exact zeros in the slot and in its moments (`rl_multilora.lora.layer`), so a page-in that
-  zero-pads them gives back every bit: a run on few slots ends bit-identical to the same step order on enough slots
-  (`tests/test_paging.py`). An idle tenant costs its true-rank adapter plus two moments: 3x its adapter bytes.
-- A tenant's accumulated gradient (a Tinker client between `forward_backward` and `optim_step`) travels with it, at
-  full slot shape: it is rare, and a non-finite value above the rank must still reach the norm.
+  them: `MultiLoRAModel.take_adapters` / `place_adapters`), and its AdamW moments, which the optimizer keeps at
+  the true rank (its parameters are true-rank views of the slot), handed over as they are, without a copy; the step
+  counts, param-group settings and LR schedule never leave the tenant's `TenantOptimizer`. The ranks above `rank`
+  hold exact zeros in the slot (`rl_multilora.lora.layer`), and a free slot holds only zeros, so a page-in that
+  writes the first `rank` ranks gives back every bit: a run on few slots ends bit-identical to the same step order
+  on enough slots (`tests/test_paging.py`). An idle tenant costs its true-rank adapter plus two moments: 3x its
+  adapter bytes.
+- A tenant's accumulated gradient (a Tinker client between `forward_backward` and `optim_step`) travels with it,
+  at its true rank like its parameters: the gradient of the ranks above is a product with exact zeros, non-finite
+  only when the rows' activations or upstream gradient are, which makes the ranks below non-finite too.
 - The budget counts host bytes of paged tenants; past it the least recently paged-out ones are written to
   `spill_dir` (one `torch.save` file each, read back with `weights_only`) and their host copies dropped. Spill files
   are a cache, not checkpoints: resume reads checkpoints, and the store starts empty.

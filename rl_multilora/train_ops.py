@@ -135,7 +135,7 @@ class TrainOps:
             )
         if name not in self.model.adapters:
             raise ValueError(bad_value("name", name, f"an adapter of the model ({sorted(self.model.adapters)})"))
-        optimizer = TenantOptimizer(name, list(self.model.adapter_parameters(name)), optim, lr, max_steps)
+        optimizer = TenantOptimizer(name, self.model.adapter_parameters(name, true_rank=True), optim, lr, max_steps)
         self.tenants[name] = TenantTrainState(slot=self.model.adapters[name].slot, optim=optimizer, algo=algo)
         self._resident[name] = None
 
@@ -217,14 +217,11 @@ class TrainOps:
         on_host = self.model.lora_device.type == "cpu"
         for name, info, covered, config, flat in zip(names, infos, modules, configs, weights, strict=True):
             t = self.tenant(name)
-            states = t.optim.release()
-            if info.rank == self.model.max_rank and on_host:
-                moments = states  # at the slot's rank = the true rank, on the host: kept as they are, no copy
+            states = t.optim.release()  # moments at the true rank, the shapes of its parameters
+            if on_host:
+                moments = states  # kept as the optimizer held them, no copy
             else:
-                moments = [
-                    {k: _host(v[_rank_part(i, info.rank)]) if v.dim() > 0 else v for k, v in state.items()}
-                    for i, state in enumerate(states)
-                ]
+                moments = [{k: _host(v) if v.dim() > 0 else v for k, v in state.items()} for state in states]
             grads = None if t.grads is None else [None if g is None else _owned_host(g) for g in t.grads]
             paged = PagedTenant(info.rank, info.alpha, covered, flat, moments, grads)
             paged.peft_config = config  # a sync may push it from here (`paged_state_dict`)
@@ -280,28 +277,17 @@ class TrainOps:
 
     def _prepare(self, paged: PagedTenant) -> PagedTenant:
         """What a page-in puts into a slot and its optimizer, from a stored tenant: weights, gradient and moments
-        on the slots' device, each moment zero-padded from its true rank to the slot tensor's shape (the ranks above
-        it are exact zeros in the slot and its moments). Runs in the prefetch thread too: it reads only `paged` and
-        the model's fixed shapes, never a slot."""
+        on the slots' device (moments and gradient at the true rank, the shapes of the tenant's parameters; a step
+        count stays where AdamW keeps it). Runs in the prefetch thread too: it reads only `paged` and the model's
+        fixed shapes, never a slot. On a host model with nothing spilled it has nothing to do."""
         if paged.prepared:
             return paged
-        device, pad = self.model.lora_device, self.model.max_rank - paged.rank
-        if not pad and paged.weights.device == device:  # as the slot takes them (a page-out stores them so)
-            paged.prepared = True
-            return paged
-        moments = []
-        for i, state in enumerate(paged.moments):
-            full = {}
-            for k, v in state.items():
-                if v.dim() > 0:  # a moment at true rank: (..., r, in) for A, (..., out, r) for B; pad with zeros
-                    v = v.to(device)
-                    full[k] = F.pad(v, (0, pad) if i % 2 else (0, 0, 0, pad)) if pad else v  # F.pad would copy
-                else:
-                    full[k] = v
-            moments.append(full)
-        paged.weights = paged.weights.to(device)
-        paged.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
-        paged.moments, paged.prepared = moments, True
+        device = self.model.lora_device
+        if paged.weights.device != device:  # a page-out keeps all of a tenant's tensors on one device
+            paged.weights = paged.weights.to(device)
+            paged.moments = [{k: v.to(device) if v.dim() > 0 else v for k, v in st.items()} for st in paged.moments]
+            paged.grads = None if paged.grads is None else [None if g is None else g.to(device) for g in paged.grads]
+        paged.prepared = True
         return paged
 
     def paged_state_dict(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -470,7 +456,7 @@ class TrainOps:
         """Add each tenant's slot part of the stacked grads into its own buffer, then drop the stacked grads."""
         for name in sorted(names):
             t = self.tenants[name]
-            fresh = self.model.adapter_grads(name)
+            fresh = self.model.adapter_grads(name, true_rank=True)
             if not fresh:  # a slot another rank holds
                 continue
             if t.grads is None:
@@ -567,9 +553,3 @@ def peft_tensors(model: MultiLoRAModel, paged: PagedTenant) -> dict[str, torch.T
         lora_a, lora_b = expert_to_peft(expert_a_per_expert(a.detach(), shapes[param].num_experts), b.detach())
         out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = lora_a.clone(), lora_b.contiguous().clone()
     return out
-
-
-def _rank_part(i: int, rank: int) -> tuple:
-    """The first `rank` ranks of slot tensor `i` (`adapter_parameters` order: A then B per module): A's ranks are
-    its second-to-last dim, B's its last."""
-    return (Ellipsis, slice(0, rank)) if i % 2 else (Ellipsis, slice(0, rank), slice(None))

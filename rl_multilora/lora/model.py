@@ -159,7 +159,7 @@ class MultiLoRAModel(nn.Module):
         self.name_or_path = getattr(getattr(base_model, "config", None), "_name_or_path", None) or None
         self._routed_checkpointing = False
         self._grad_sink: SlotGradSink | None = None  # `use_slot_grads`
-        self._slot_params: dict[int, dict[str, tuple[nn.Parameter, nn.Parameter]]] = {}  # `slot_parameters`
+        self._slot_params: dict[tuple[int, int], dict[str, tuple[nn.Parameter, nn.Parameter]]] = {}  # (slot, rank)
         self._slot_params_of: tuple[int, torch.dtype] | None = None  # the slots they alias
         self._staging: torch.Tensor | None = None  # paging's staging buffer (`_staging_buffer`)
 
@@ -250,7 +250,7 @@ class MultiLoRAModel(nn.Module):
     def slot_of(self, name: str) -> int:
         return self._slot_record(name).info.slot
 
-    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+    def adapter_parameters(self, name: str, true_rank: bool = False) -> list[nn.Parameter]:
         """Leaf Parameters that alias the adapter's slot in the stacked tensors (A `(max_rank, in)` then B
         `(out, max_rank)` per covered module, model order; then A `(E, max_rank, in)` and B `(E, out, max_rank)` per
         covered expert Parameter, model order): what its optimizer owns.
@@ -260,13 +260,20 @@ class MultiLoRAModel(nn.Module):
         gradients land in the stacked tensors' `.grad`; `attach_slot_grads` points these views' `.grad` at the
         slot's part of it. On a model sharded over ranks (FSDP2) only the rank holding the slot gets them; the others
         get an empty list.
+
+        `true_rank`: views of the adapter's first `rank` ranks only (A `(..., r, in)`, B `(..., out, r)`, a strided
+        view of the slot), what the trainer's optimizer steps: its AdamW moments are then the size of the adapter,
+        not of the slot (the ranks above hold exact zeros, get exactly zero gradient and would stay zero; an
+        elementwise AdamW gives every entry below the rank the same bits either way).
         """
+        if true_rank:
+            return [nn.Parameter(v) for v in self.adapter_slot_tensors(name)]
         views = [_local_slot(stacked.detach(), s) for stacked, s in self._slot_tensors(name)]
         return [nn.Parameter(v) for v in views if v is not None]
 
     def slot_parameters(self, name: str) -> list[nn.Parameter]:
-        """`adapter_parameters(name)`, but the same Parameter objects for every adapter that sits in that slot: made
-        once per slot and module, not per call. For a trainer that pages: it re-attaches an optimizer after every
+        """`adapter_parameters(name, true_rank=True)`, but the same Parameter objects for every adapter of that rank
+        that sits in that slot: made once per slot, module and rank, not per call. For a trainer that pages: it re-attaches an optimizer after every
         page-in, and making 2 Parameters per module each time was a fifth of a page-in on the tiny preset. Whoever
         held them before must have let go (`TenantOptimizer.release`). Unsharded models only."""
         record = self._slot_record(name)
@@ -274,16 +281,17 @@ class MultiLoRAModel(nn.Module):
         if self._slot_params_of != (first.data_ptr(), first.dtype):  # the slots moved (`model.to`): made afresh
             self._slot_params.clear()
             self._slot_params_of = (first.data_ptr(), first.dtype)
-        s = record.info.slot
-        per_module = self._slot_params.setdefault(s, {})
+        s, r = record.info.slot, record.info.rank
+        per_module = self._slot_params.setdefault((s, r), {})
         out: list[nn.Parameter] = []
         for module, holder in (*self._layers.items(), *self._experts.items()):
             if module in record.modules:
                 pair = per_module.get(module)
                 if pair is None:
+                    a, b = holder.lora_A.detach(), holder.lora_B.detach()
                     pair = per_module[module] = (
-                        nn.Parameter(holder.lora_A.detach()[s]),
-                        nn.Parameter(holder.lora_B.detach()[s]),
+                        nn.Parameter(a[s][_rank_index(a, r, "A")]),
+                        nn.Parameter(b[s][_rank_index(b, r, "B")]),
                     )
                 out += pair
         return out
@@ -333,17 +341,22 @@ class MultiLoRAModel(nn.Module):
         sharded over ranks, whose reduce-scatter needs the stacked grads."""
         self._grad_sink = SlotGradSink()
 
-    def adapter_grads(self, name: str) -> list[torch.Tensor | None]:
+    def adapter_grads(self, name: str, true_rank: bool = False) -> list[torch.Tensor | None]:
         """The slot's part of the stacked grads, in `adapter_parameters` order (views; None before any backward).
         A slot without rows in the backward gets exactly zero here (None from a `use_slot_grads` sink): the gather's
-        backward adds only into the slots that rows used."""
+        backward adds only into the slots that rows used. `true_rank`: the first `rank` ranks only, the shapes of
+        `adapter_parameters(name, true_rank=True)`."""
         sink = self._grad_sink
-        return [
+        grads = [
             sink.slot_grad(stacked, s)
             if sink is not None and sink.holds(stacked)
             else (None if stacked.grad is None else _local_slot(stacked.grad, s))
             for stacked, s in self._local_slot_tensors(name)
         ]
+        if not true_rank:
+            return grads
+        r = self._slot_record(name).info.rank
+        return [None if g is None else _at_rank(g, r, i) for i, g in enumerate(grads)]
 
     def zero_lora_grads(self) -> None:
         """Drop the stacked LoRA grads of every slot (what the next backward accumulates into)."""
@@ -1004,8 +1017,8 @@ def _rank_index(stacked: torch.Tensor, rank: int, factor: str) -> tuple[slice, .
 
 
 def _at_rank(stacked: torch.Tensor, rank: int, i: int) -> torch.Tensor:
-    """Every slot of stacked tensor `i` of an adapter (`adapter_parameters` order: A, B per module) at its first
-    `rank` ranks, as a view: A (S, ..., r, in), B (S, ..., out, r)."""
+    """Tensor `i` of an adapter (`adapter_parameters` order: A, B per module) at its first `rank` ranks, as a view:
+    A (..., r, in), B (..., out, r); for every slot of a stacked tensor, or for one slot's part."""
     return stacked.narrow(stacked.dim() - 1 if i % 2 else stacked.dim() - 2, 0, rank)
 
 
