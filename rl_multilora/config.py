@@ -88,6 +88,16 @@ class ModelConfig(_Strict):
         "(its LoRA routing replayed): the activations of a micro-batch shrink to about one layer's, for about a "
         "third more training compute. Local backend (trainer.world_size 1).",
     )
+    malloc_mmap_threshold_kb: int | None = Field(
+        None,
+        ge=0,
+        le=32768,
+        description="glibc (Linux) only: host allocations of at least this many KiB (tensors, on CPU) get their own "
+        "mapping, returned to the OS when freed. null: glibc's own threshold, which it raises up to 32 MiB as large "
+        "blocks are freed, so tensors come from its heap, whose holes can hold the resident size of a CPU training "
+        "step at 2-3x its live bytes (docs/benchmarks.md, 'Memory of a run'); a fixed one keeps it near the live "
+        "bytes, for system CPU time in page faults. Process-wide: set when the run is built.",
+    )
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
     max_tenants: int | None = Field(
         None,

@@ -46,7 +46,7 @@ from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
-from rl_multilora.host_memory import release_freed_memory
+from rl_multilora.host_memory import release_freed_memory, set_mmap_threshold
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.shares import fair_quotas
 from rl_multilora.tenants import TenantManager, TenantState
@@ -144,6 +144,8 @@ class Runtime:
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: RunConfig) -> Runtime:
+        if cfg.model.malloc_mmap_threshold_kb is not None:  # before the model's tensors are allocated
+            set_mmap_threshold(cfg.model.malloc_mmap_threshold_kb * 1024)
         components.seed_everything(cfg.seed)
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,50 @@
+"""rl_multilora.host_memory: the glibc knobs a run uses to keep its resident size near its live bytes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_multilora.host_memory import heap_in_use, release_freed_memory, set_mmap_threshold
+
+glibc = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+
+
+@glibc
+def test_heap_in_use_counts_a_live_tensor_and_forgets_a_freed_one():
+    before = heap_in_use()
+    t = torch.ones(16 * 2**20 // 4)  # 16 MiB, float32
+    held = heap_in_use() - before
+    del t
+    freed = heap_in_use() - before
+    assert 15 * 2**20 < held < 17 * 2**20
+    assert abs(freed) < 2**20
+
+
+@glibc
+def test_a_fixed_mmap_threshold_returns_a_freed_tensor_to_the_os():
+    # in a child process: the threshold is process-wide and would stay set for the rest of the test session
+    code = """
+import psutil, torch
+from rl_multilora.host_memory import set_mmap_threshold
+assert set_mmap_threshold(128 * 1024)
+proc = psutil.Process()
+torch.ones(4 * 2**20).sum()  # 16 MiB freed: glibc alone would now raise its threshold above it
+rss = proc.memory_info().rss
+t = torch.ones(2 * 2**20)  # 8 MiB
+assert proc.memory_info().rss - rss > 7 * 2**20
+del t
+assert proc.memory_info().rss - rss < 2**20, (proc.memory_info().rss - rss) / 2**20
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_trimming_runs_anywhere():
+    assert release_freed_memory() in (True, False)
+
+
+def test_a_bad_threshold_is_refused_with_what_is_allowed():
+    with pytest.raises(ValueError, match="an int >= 0"):
+        set_mmap_threshold(-1)
