@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import math
@@ -94,6 +95,7 @@ class Result:
     event: asyncio.Event
     value: dict[str, Any] | bytes | None = None
     sequence_ids: list[str] | None = None  # a recording sample's, answered again to a retried POST
+    resolved: int | None = None  # this server's count of results resolved before it (the order requests finished in)
 
 
 @dataclass
@@ -160,6 +162,7 @@ class TinkerServer:
         self.base_model = base_model
         self.poll_s = poll_s
         self.state = ServerState()
+        self._resolved = itertools.count()
         self.lock = threading.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._replayed: list[Result] = []  # futures of the replayed model requests (republishing sampler weights)
@@ -684,6 +687,7 @@ class TinkerServer:
 
     def _resolve(self, res: Result, value: dict[str, Any] | bytes) -> None:
         res.value = value  # at once: a snapshot taken later in this turn keeps it (`_compact`)
+        res.resolved = next(self._resolved)  # itertools.count: one step under the GIL, from any thread
 
         def done() -> None:
             res.event.set()
