@@ -4,6 +4,7 @@ tenant, page-in time per adapter; and the backward's gradient cost with many slo
     python bench/bench_paging.py [--shape tiny|smollm2] [--model PATH] [--tenants N] [--slots S] [--rank 4]
                                  [--rows-per-tenant R] [--seq T] [--steps K] [--runs 3] [--pool-groups 2]
                                  [--host-budget-gb G] [--prefetch] [--threads 1] [--one-registration]
+                                 [--page-only | --grads]
 
 `--shape tiny` (default): the tiny preset, 4,096 tenants on 64 slots, 2 rows of 64 tokens per tenant.
 `--shape smollm2`: SmolLM2-135M (artifacts/smollm2-135m/model, or random weights of its config when that folder is
@@ -27,6 +28,10 @@ medians over its `--steps` timed steps; then the median over `--runs` runs with 
 Reported: step time paged / resident (and the median of each paged step over the resident step right after it),
 page-ins and their time per adapter (the eviction that made room included), and the host bytes of a paged tenant
 against its true-rank adapter + two AdamW moments.
+
+`--page-only` instead times paging alone: after the warm-up, `--steps` x `--runs` calls that page the pool's next
+group in (`TrainOps.ensure_resident`, the evictions included), CPU time per adapter (use `--tenants` of twice
+`--slots` to skip registering idle tenants, which only the store's spill needs).
 
 `--grads` instead times one forward+backward with 4 tenants' rows on 64 and 256 slots with gradients kept only for
 the slots with rows (the default) and with the dense all-slots `.grad` (what the model did before): CPU time of this
@@ -234,6 +239,24 @@ def paging(args) -> None:
     print(f"  registering {args.tenants} tenants: {med('register_s', '.1f')} s")
 
 
+def page_only(args) -> None:
+    """Paging alone: the CPU time of `ensure_resident` of the pool's next group (its page-ins and the evictions that
+    make room), per adapter, after the pool's warm-up; medians over `--steps` x `--runs` calls."""
+    with tempfile.TemporaryDirectory() as spill:
+        pair = Pair(args, spill)
+        ops = pair.paged.trainer.ops
+        per = []
+        for k in range(args.steps * args.runs):
+            group = pair.groups[k % len(pair.groups)]
+            c0 = time.process_time()
+            ops.ensure_resident(group)
+            per.append((time.process_time() - c0) / len(group) * 1000)
+    print(
+        f"{args.model}: paging CPU per adapter (a page-in and the eviction that made room, {args.slots} per call, "
+        f"{len(per)} calls): median {statistics.median(per):.2f} ms ({min(per):.2f}-{max(per):.2f})"
+    )
+
+
 def grads(args) -> None:
     from rl_multilora.config import OptimSettings
     from rl_multilora.lora.routing import SlotGradSink
@@ -282,12 +305,13 @@ def main() -> None:
     p.add_argument("--prefetch", action="store_true", help="stage the next group while a step runs")
     p.add_argument("--threads", type=int, default=1, help="torch threads (more spin-wait on a shared machine)")
     p.add_argument("--grads", action="store_true", help="time the backward's gradients instead (see above)")
+    p.add_argument("--page-only", action="store_true", help="time paging alone instead (see above)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     for key, value in SHAPES[args.shape].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    grads(args) if args.grads else paging(args)
+    grads(args) if args.grads else page_only(args) if args.page_only else paging(args)
 
 
 if __name__ == "__main__":
