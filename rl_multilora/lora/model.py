@@ -520,8 +520,10 @@ class MultiLoRAModel(nn.Module):
 
     def place_adapters(self, adapters: Sequence[tuple[str, int, float, frozenset[str], torch.Tensor]]) -> list[int]:
         """Put adapters back into the lowest free slots from `take_adapters`' flat tensors: `adapters` holds (name,
-        rank, alpha, modules, flat) each. Each claimed slot is zeroed, then the true ranks written: one scatter per
-        stacked tensor for all the adapters of one rank and module set. Returns their slots, in order."""
+        rank, alpha, modules, flat) each. A free slot holds zeros (`remove_adapter` and `take_adapters` zero what
+        they free), so writing the true ranks of the covered tensors gives back the whole slot: one scatter per
+        stacked tensor for all the adapters of one rank and module set. Everything is checked before any slot is
+        written. Returns their slots, in order."""
         self._check_unsharded()
         free = self.free_slots
         if len(adapters) > len(free):
