@@ -3,19 +3,27 @@
     python bench/bench_memory.py                                   # the SmolLM2 3-tenant example, 3 steps
     python bench/bench_memory.py --config examples/multi_lora/configs/tiny.yaml --steps 5
 
-In one process: builds the run from its config (eval off by default: `--eval` keeps it), then samples the resident
-set size (RSS) of this process and, apart, of its children (the reward workers) every 10 ms while the steps run,
-each sample tagged with the step phase it fell in (`rollout_s`, `reward_s`, `train_s`, ... as the step's own
-timings name them). Prints, and with `--json` writes:
+In one process: builds the run from its config (eval off by default: `--eval` keeps it), then samples, every 10 ms
+while the steps run, the resident set size (RSS) of this process, the bytes malloc has handed out and not got back
+(the live heap, `host_memory.heap_in_use`; glibc only) and, apart, the RSS of its children (the reward workers), each
+sample tagged with the step phase it fell in (`rollout_s`, `reward_s`, `train_s`, ... as the step's own timings name
+them). Prints, and with `--json` writes:
 
 - held: bytes of what the run holds as tensors: the base weights, the LoRA slots (trainer), the engine's adapter bank,
   the tenants' optimizer states (after the last step);
-- per phase: the peak RSS of this process and its rise, the peak above the RSS at the phase's start (what the phase
-  itself allocated; the largest over the steps), and the children's peak;
-- the process's RSS before the model is built, after the run is built, and its peak.
+- per phase: the peak RSS of this process and its rise (the peak above the RSS at the phase's start: what the phase
+  itself allocated; the largest over the steps), the same two of the live heap, the process's CPU time in the phase
+  (user + system, summed over the steps) and the children's peak;
+- train: the largest bytes one micro-batch's forward saved for its backward (autograd's saved tensors, parameters
+  left out: with activation checkpointing, each layer's input and the head's inputs);
+- the peak by component: the RSS before the model is built (interpreter, torch, libraries), the base weights
+  (file-backed pages of the mapped safetensors, RssFile's rise), the live heap between steps (the held tensors
+  above, Python objects), each phase's live-heap rise (rollout: the KV cache and logits; train: saved activations
+  and temporaries), and the rest of the peak: mostly pages malloc kept free (a fragmented heap).
 
 RSS is what the OS charges; on CPU, PyTorch's allocator is the C library's malloc, so a peak includes what a phase
-freed but malloc kept. Peaks vary little run to run (the data and the seeds are fixed); timings here mean nothing.
+freed but malloc kept. Peaks vary little run to run (the data and the seeds are fixed); CPU times vary with the
+machine's load (other processes share its caches and memory bus).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -33,6 +42,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from rl_multilora.host_memory import heap_in_use  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -51,10 +62,30 @@ class Sampler(threading.Thread):
         self.rise: dict[str, int] = {}  # phase -> its largest peak above the RSS at its start (over its entries)
         self._entry_peak = 0  # the peak RSS since the current phase entry began
         self.children_peak: dict[str, int] = {}
+        self.heap_peak: dict[str, int] = {}  # phase -> peak live heap
+        self.heap_rise: dict[str, int] = {}  # phase -> its largest peak above the live heap at its start
+        self._heap_start = 0
+        self._entry_heap_peak = 0
+        self.cpu_s: dict[str, float] = {}  # phase -> process CPU time (user + system) in it, summed over entries
+        self._cpu_start = 0.0
+        # A sample counts toward the current entry's peak only if that entry began before the sample was read: without
+        # this, a sample read late in training and applied after the next phases began (the thread waits for the GIL
+        # between the two) showed up as a 0.6-2 GB rise of the weight sync.
+        self._entry = 0
+        self._lock = threading.Lock()
         self._halt = threading.Event()
 
     def rss(self) -> int:
         return self.proc.memory_info().rss
+
+    @staticmethod
+    def heap() -> int:
+        return heap_in_use() or 0
+
+    @staticmethod
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
 
     def children_rss(self) -> int:
         total = 0
@@ -65,21 +96,42 @@ class Sampler(threading.Thread):
 
     def enter(self, phase: str) -> int:
         start = self.rss()
-        self._entry_peak = start
-        self.phase = phase
+        with self._lock:
+            self._entry += 1
+            self._entry_peak = start
+            self._heap_start = self._entry_heap_peak = self.heap()
+            self.phase = phase
+        self._cpu_start = self.cpu()
         self.start_rss.setdefault(phase, start)
         return start
 
+    def leave(self) -> None:
+        with self._lock:
+            self._entry += 1
+            self.phase = "between"
+
     def record(self, phase: str, start: int) -> None:
-        top = max(self._entry_peak, self.rss())
+        with self._lock:
+            entry_peak, entry_heap_peak = self._entry_peak, self._entry_heap_peak
+        top = max(entry_peak, self.rss())
         self.peak[phase] = max(self.peak.get(phase, 0), top)
         self.rise[phase] = max(self.rise.get(phase, 0), top - start)
+        heap_top = max(entry_heap_peak, self.heap())
+        self.heap_peak[phase] = max(self.heap_peak.get(phase, 0), heap_top)
+        self.heap_rise[phase] = max(self.heap_rise.get(phase, 0), heap_top - self._heap_start)
+        self.cpu_s[phase] = self.cpu_s.get(phase, 0.0) + self.cpu() - self._cpu_start
 
     def run(self) -> None:
         while not self._halt.is_set():
-            phase, now, kids = self.phase, self.rss(), self.children_rss()
-            self.peak[phase] = max(self.peak.get(phase, 0), now)
-            self._entry_peak = max(self._entry_peak, now)
+            with self._lock:
+                phase, entry = self.phase, self._entry
+            now, heap, kids = self.rss(), self.heap(), self.children_rss()
+            with self._lock:
+                self.peak[phase] = max(self.peak.get(phase, 0), now)
+                self.heap_peak[phase] = max(self.heap_peak.get(phase, 0), heap)
+                if entry == self._entry:
+                    self._entry_peak = max(self._entry_peak, now)
+                    self._entry_heap_peak = max(self._entry_heap_peak, heap)
             self.children_peak[phase] = max(self.children_peak.get(phase, 0), kids)
             time.sleep(self.period)
 
@@ -113,6 +165,38 @@ def _tensors(obj, depth: int = 2):
             yield from _tensors(list(v), depth - 1)
 
 
+def rss_file() -> int:
+    """Resident file-backed pages of this process (mapped libraries and weight files), bytes (0 off Linux)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class SavedForBackward:
+    """The bytes a forward saves for its backward (autograd's saved tensors, storages counted once, parameters left
+    out), largest over the calls wrapped by `track`."""
+
+    def __init__(self, params):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.largest = 0
+
+    @contextlib.contextmanager
+    def track(self):
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.param_storages:
+                sizes[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.largest = max(self.largest, sum(sizes.values()))
+
+
 def held(rt) -> dict[str, int]:
     """Bytes of the tensors the run holds, by component (storages counted once)."""
     backend = rt.backend
@@ -137,10 +221,11 @@ def held(rt) -> dict[str, int]:
 
 def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | None = None) -> dict:
     import rl_multilora.loop as loop
+    import rl_multilora.train_ops as train_ops
     from rl_multilora.config import load_run_config
 
     sampler = Sampler()
-    rss_before = sampler.rss()
+    rss_before, file_before = sampler.rss(), rss_file()
     cfg = load_run_config(config, overrides or [])
     data = cfg.model_dump(mode="json")
     data.update(
@@ -161,23 +246,46 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
         with original(self, key):
             yield
         sampler.record(key, start)
-        sampler.phase = "between"
+        sampler.leave()
+
+    forward_logp = train_ops.TrainOps._forward_logp
+    saved: SavedForBackward | None = None
+
+    def tracked_forward_logp(self, *args, **kwargs):
+        with saved.track():
+            return forward_logp(self, *args, **kwargs)
 
     loop._Clock.__call__ = tagged
+    train_ops.TrainOps._forward_logp = tracked_forward_logp
     sampler.start()
     try:
         rt = loop.Runtime.build(cfg)
+        saved = SavedForBackward(rt.backend.model.parameters())
         rss_built = sampler.rss()
         rt.start()
         for _ in range(steps):
             if rt.finished():
                 break
             rt.step()
+        heap_between = sampler.heap()
         components = held(rt)
+        file_after = rss_file()
         rt.close()
     finally:
         loop._Clock.__call__ = original
+        train_ops.TrainOps._forward_logp = forward_logp
         sampler.stop()
+    peak_phase = max(sampler.peak, key=sampler.peak.get)
+    peak = sampler.peak[peak_phase]
+    by_component = {
+        "interpreter_torch_libraries": rss_before,
+        "base_weights_file_backed": file_after - file_before,
+        "live_heap_between_steps": heap_between,
+        f"{peak_phase}_live_heap_rise": sampler.heap_rise.get(peak_phase, 0),
+    }
+    # the rest: pages malloc keeps free, other memory; negative where the estimates overlap (RssFile's rise also
+    # counts the tokenizer's and the configs' files; the live heap is read at the end, not at the peak phase's start)
+    by_component["rest_malloc_kept_free_and_other"] = peak - sum(by_component.values())
     return {
         "config": str(config),
         "overrides": list(overrides or []),
@@ -190,6 +298,12 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
         "phase_peak_mib": {k: v / MIB for k, v in sampler.peak.items()},
         "phase_rise_mib": {k: v / MIB for k, v in sampler.rise.items()},
         "children_peak_mib": {k: v / MIB for k, v in sampler.children_peak.items()},
+        "heap_peak_mib": {k: v / MIB for k, v in sampler.heap_peak.items()},
+        "heap_rise_mib": {k: v / MIB for k, v in sampler.heap_rise.items()},
+        "phase_cpu_s": dict(sampler.cpu_s),
+        "train_saved_for_backward_mib": saved.largest / MIB,
+        "peak_phase": peak_phase,
+        "peak_by_component_mib": {k: v / MIB for k, v in by_component.items()},
     }
 
 
@@ -207,11 +321,20 @@ def main() -> None:
     print(f"RSS before build {res['rss_before_build_mib']:.0f} MiB, after build {res['rss_after_build_mib']:.0f} MiB, "
           f"peak {res['rss_peak_mib']:.0f} MiB")  # fmt: skip
     print("held as tensors (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in res["held_mib"].items()))
-    print(f"{'phase':<14} {'peak RSS':>10} {'rise':>10} {'children':>10}  (MiB)")
+    print(
+        f"{'phase':<14} {'peak RSS':>9} {'rise':>6} {'live heap':>10} {'rise':>6} {'CPU s':>7} {'children':>9}  (MiB)"
+    )
     for phase, peak in res["phase_peak_mib"].items():
         rise = res["phase_rise_mib"].get(phase)
+        heap, heap_rise = res["heap_peak_mib"].get(phase, 0.0), res["heap_rise_mib"].get(phase)
+        cpu = res["phase_cpu_s"].get(phase)
         kids = res["children_peak_mib"].get(phase, 0.0)
-        print(f"{phase:<14} {peak:>10.0f} {'' if rise is None else f'{rise:.0f}':>10} {kids:>10.0f}")
+        print(f"{phase:<14} {peak:>9.0f} {'' if rise is None else f'{rise:.0f}':>6} {heap:>10.0f} "
+              f"{'' if heap_rise is None else f'{heap_rise:.0f}':>6} {'' if cpu is None else f'{cpu:.1f}':>7} "
+              f"{kids:>9.0f}")  # fmt: skip
+    print(f"train: largest micro-batch's saved-for-backward {res['train_saved_for_backward_mib']:.0f} MiB")
+    print(f"peak {res['rss_peak_mib']:.0f} MiB (in {res['peak_phase']}), by component (MiB): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in res["peak_by_component_mib"].items()))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 
