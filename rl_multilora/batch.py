@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from rl_multilora.grpo import adapter_name_of, compute_advantages
 from rl_multilora.losses import TenantAlgo
+from rl_multilora.packing import groups
 from rl_multilora.rows import Row
 from rollout.types import Sample, SampleStatus
 
@@ -93,6 +94,7 @@ def make_row(s: Sample) -> Row | None:
         targets=[start + j for j in keep],
         advantage=float(s.advantage),
         rollout_logprobs=rollout,
+        prompt_len=start,
     )
 
 
@@ -190,10 +192,32 @@ def token_weights(
     return weights
 
 
-def micro_batches(shares: Sequence[Sequence[Row]], rank: int, size: int) -> list[list[Row]]:
+def micro_batches(shares: Sequence[Sequence[Row]], rank: int, size: int, keep_groups: bool = False) -> list[list[Row]]:
     """Rank `rank`'s micro-batches of at most `size` rows from its share (`shares[rank]`), as many on every rank (the
     longest share's count): an empty one where this rank has run out of rows, which it runs as zero-weight filler
-    so that every rank joins the same collectives."""
-    n_micro = max(-(-len(share) // size) for share in shares)
-    mine = shares[rank]
-    return [list(mine[i * size : (i + 1) * size]) for i in range(n_micro)]
+    so that every rank joins the same collectives.
+
+    `keep_groups` (shared-prompt packing): a group's rows (one tenant, one prompt; `rl_multilora.packing.groups`)
+    stay together, cut into pieces of `size` when larger, and whole pieces fill the micro-batches in order of first
+    appearance. A tenant's packed sequences then depend on its own rows only, never on where other tenants' rows
+    happen to cut the batch (isolation, down to float rounding)."""
+    cut = [_by_groups(share, size) if keep_groups else _by_rows(share, size) for share in shares]
+    n_micro = max(len(c) for c in cut)
+    return cut[rank] + [[] for _ in range(n_micro - len(cut[rank]))]
+
+
+def _by_rows(rows: Sequence[Row], size: int) -> list[list[Row]]:
+    return [list(rows[i : i + size]) for i in range(0, len(rows), size)]
+
+
+def _by_groups(rows: Sequence[Row], size: int) -> list[list[Row]]:
+    micro: list[list[Row]] = []
+    current: list[Row] = []
+    for members in groups(rows):
+        for i in range(0, len(members), size):
+            piece = [rows[k] for k in members[i : i + size]]
+            if len(current) + len(piece) > size:
+                micro.append(current)
+                current = []
+            current += piece
+    return micro + [current] if current else micro

@@ -396,6 +396,13 @@ class GRPOSettings(_Strict):
     normalize_std: bool = Field(True, description="Divide advantages by the group std (False = Dr. GRPO).")
     drop_uniform_groups: bool = Field(True, description="Drop groups whose rewards are all equal (no signal).")
     micro_batch_size: int = Field(16, ge=1, description="Rows per forward/backward micro-batch.")
+    share_prompts: bool = Field(
+        True,
+        description="Rows of a micro-batch with the same tenant and prompt (a group's samples) train as one packed "
+        "sequence: the prompt once, each completion attending to it, so its forward and backward run once per group "
+        "instead of once per sample. Same losses and gradients up to float rounding; models with eager or SDPA "
+        "attention and no sliding window (others train each row on its own). false: each row padded on its own.",
+    )
     ppo_epochs: int = Field(
         1, ge=1, description="Optimizer steps per rollout batch; each counts against the adapter's max_steps."
     )

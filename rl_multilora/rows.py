@@ -34,6 +34,8 @@ class Row:
     old_logprobs: torch.Tensor | list[float] | None = None  # the sampling policy's; None: the trainer's own forward
     ref_logprobs: torch.Tensor | None = None  # the base model's (KL), once a forward computed them
     loss_weights: list[float] | None = None  # the loss's own per-token weights (cross_entropy, gspo's mask)
+    prompt_len: int | None = None  # leading tokens that are its sample's prompt: rows of one tenant with the same
+    # prompt (a GRPO group) train it once (`rl_multilora.packing`); None: never shared
 
 
 def pad(rows: Sequence[Row], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
 from rl_multilora.grpo import TokenSettings, per_adapter_sum, token_loss
 from rl_multilora.losses import TenantAlgo
+from rl_multilora.packing import pack, packable, shares_prompts
 from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
@@ -73,6 +74,22 @@ class TenantTrainState:
     algo: TenantAlgo | None = None  # its own loss settings; None: the run's GRPOSettings
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, `optim.params` order
     nonfinite: bool = False  # some forward_backward since its last optim_step had a non-finite loss of it
+
+
+@dataclass
+class _Inputs:
+    """One forward's inputs: `input_ids` (S, W) and its attention mask ((S, W), or (S, 1, W, W) packed);
+    `firsts[s]`: a row of the micro-batch in sequence s (whose adapter routes it); `state_row`, `state_pos`: (N,)
+    where the state predicting each loss token sits, `first_state` the smallest of `state_pos` (host-side, so
+    slicing the logits needs no device sync); `position_ids`: (S, W) when packed (None: 0, 1, ...)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    firsts: list[int]
+    state_row: torch.Tensor
+    state_pos: torch.Tensor
+    first_state: int
+    position_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -345,9 +362,9 @@ class TrainOps:
         device = next(self.model.parameters()).device
         names = sorted({r.adapter for r in rows})
         slot_of = {n: i for i, n in enumerate(names)}
-        input_ids, attention_mask = pad(rows, self.pad_token_id, device)  # (B, T), (B, T)
         tok = TokenIndex.build(rows, slot_of, weights, device)
         adapter_names: list[str | None] = [r.adapter for r in rows]
+        inputs = self._inputs(rows, tok, device)
         own = [(algos or {}).get(n, self.tenants[n].algo) for n in names]
         settings = TokenSettings.of(own, self.cfg, self.temperature, tok.adapter)
         need_ref, temp_tok = settings.need_ref, settings.temperature
@@ -355,9 +372,9 @@ class TrainOps:
         ref_logp = None
         if want_ref:
             with torch.no_grad():
-                ref_logp, _ = self._forward_logp(input_ids, attention_mask, [None] * len(rows), tok, temp_tok)  # (N,)
+                ref_logp, _ = self._forward_logp(inputs, [None] * len(rows), tok, temp_tok)  # (N,)
         with torch.set_grad_enabled(backward):
-            logp, entropy = self._forward_logp(input_ids, attention_mask, adapter_names, tok, temp_tok)  # (N,), (N,)
+            logp, entropy = self._forward_logp(inputs, adapter_names, tok, temp_tok)  # (N,), (N,)
         if tok.given_old is None or filler:
             old_logp = logp.detach()  # no optimizer step since this forward's weights: it IS the old policy
         elif tok.has_old is None:
@@ -468,35 +485,54 @@ class TrainOps:
                 ]
         self.model.zero_lora_grads()
 
+    def _inputs(self, rows: Sequence[Row], tok: TokenIndex, device) -> _Inputs:
+        """The forward's inputs for `rows`: packed by shared prompt (`rl_multilora.packing`) when the run shares
+        prompts, the model takes the packed mask and some two rows share a prompt; else each row right-padded."""
+        config = self.model.base_model.config
+        if self.cfg.share_prompts and packable(config) and shares_prompts(rows):
+            dtype = self.model.base_model.get_input_embeddings().weight.dtype
+            p = pack(rows, tok.row, tok.pos, self.pad_token_id, dtype, device)
+            return _Inputs(
+                p.input_ids, p.attention_mask, p.firsts, p.state_row, p.state_pos, p.first_state, p.position_ids
+            )
+        input_ids, attention_mask = pad(rows, self.pad_token_id, device)  # (B, T), (B, T)
+        return _Inputs(input_ids, attention_mask, list(range(len(rows))), tok.row, tok.pos - 1, tok.first_pos - 1)
+
     def _forward_logp(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        inputs: _Inputs,
         adapter_names: list[str | None],
         tok: TokenIndex,
         temperature: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of each loss token and the entropy of its predictive distribution; both (N,), at least float32.
+        `adapter_names`: one per row of the micro-batch (None: the base).
 
         With a plain output head (`MultiLoRAModel.output_head`), from the decoder's hidden states at the loss
         positions through `token_logp_entropy`: chunks of tokens, no full-vocabulary logits kept for the backward.
         Otherwise from the model's logits at the kept positions."""
+        names = [adapter_names[i] for i in inputs.firsts]  # one per sequence of the forward
+        extra = {} if inputs.position_ids is None else {"position_ids": inputs.position_ids}
         head = self.model.output_head()
         if head is not None:
-            hidden = self.model.forward_hidden(input_ids, attention_mask=attention_mask, adapter_names=adapter_names)
-            picked = hidden[tok.row, tok.pos - 1]  # (N, H): the state before each loss token
+            hidden = self.model.forward_hidden(
+                inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, **extra
+            )
+            picked = hidden[inputs.state_row, inputs.state_pos]  # (N, H): the state before each loss token
             inv_t = 1.0 / (self.temperature if temperature is None else temperature)
-            lora = self.model.head_lora(adapter_names, tok.row)  # each token's LoRA on lm_head, if it is a target
+            lora = self.model.head_lora(names, inputs.state_row)  # each token's LoRA on lm_head, if it is a target
             return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t, lora=lora)
-        width = input_ids.shape[1]
+        width = inputs.input_ids.shape[1]
         # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
         # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
-        keep = width - tok.first_pos + 1
-        out = self.model(input_ids, attention_mask=attention_mask, adapter_names=adapter_names, logits_to_keep=keep)
+        keep = width - inputs.first_state
+        out = self.model(
+            inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, logits_to_keep=keep, **extra
+        )
         logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
         offset = width - logits.shape[1]
         # gathering before the softmax keeps it at (N, V), not (B, K, V)
-        picked = logits[tok.row, tok.pos - 1 - offset]  # (N, V)
+        picked = logits[inputs.state_row, inputs.state_pos - offset]  # (N, V)
         # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
         picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
         # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).

@@ -180,7 +180,7 @@ class MultiLoRATrainer:
             collect = sorted(active) if ranks.world > 1 else None
             nonfinite_loss: set[str] = set()
             backwarded: set[str] = set()
-            for micro in micro_batches(shares, ranks.rank, self.cfg.micro_batch_size):
+            for micro in micro_batches(shares, ranks.rank, self.cfg.micro_batch_size, self.cfg.share_prompts):
                 if not micro:  # this rank is short of rows: join the collectives (same forwards) at weight zero
                     filler = rows[0]
                     self.ops.forward_backward(
