@@ -9,7 +9,9 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   need not match the trainer's slot numbers.
 - One background worker thread owns every model call. `generate` and `agenerate` only enqueue
   rows; the worker takes what is queued (up to `max_batch_size` rows, after a short coalescing
-  wait so the concurrent `agenerate` calls of one rollout land in the same batch), prefills them
+  wait so the concurrent `agenerate` calls of one rollout land in the same batch; while continuations of rows that
+  just finished with `keep_prefix` are expected, each arrival extends that wait, so the episodes of a rollout
+  that come back from their environments together start their next turn in one prefill), prefills them
   in one left-padded batch (attention mask + per-row position ids, HF `DynamicCache`) and decodes
   them in lockstep. Rows of different adapters and base rows (slot -1) share every forward; each
   row is routed to its adapter by `adapter_slots`. Finished rows leave the batch and the KV cache
@@ -297,18 +299,44 @@ class _Batch:
         self.logits = torch.cat([self.logits, other.logits])
         self.rows = self.rows + other.rows
 
-    def row_kv(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Row i's keys and values of every layer, (H, T, D) each (views where the cache holds them per row)."""
+    def row_kv(self, i: int, runs: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row i's keys and values at columns `runs` ([start, end) ranges of the cache's T columns, in
+        order) for every layer, (H, n, D) each with n = the runs' total length: one copy per tensor, straight out of
+        the cache (a `_SharedPromptLayer` row's prompt columns come from its prompt's KV)."""
         keys, values = [], []
         for layer in self.cache.layers:
             if isinstance(layer, _SharedPromptLayer):
-                u = int(layer.row_prompt[i])
-                keys.append(torch.cat([layer.prompt_keys[u], layer.keys[i]], dim=-2))
-                values.append(torch.cat([layer.prompt_values[u], layer.values[i]], dim=-2))
+                u, p = int(layer.row_prompt[i]), layer.prompt_keys.shape[-2]
+                sources = (
+                    (layer.prompt_keys[u], layer.prompt_values[u], 0, p),
+                    (layer.keys[i], layer.values[i], p, None),
+                )
             else:
-                keys.append(layer.keys[i])
-                values.append(layer.values[i])
+                sources = ((layer.keys[i], layer.values[i], 0, None),)
+            k_parts, v_parts = [], []
+            for k, v, lo, hi in sources:  # the runs' pieces inside this source's columns [lo, hi)
+                for a, b in runs:
+                    a, b = max(a, lo), b if hi is None else min(b, hi)
+                    if a < b:
+                        k_parts.append(k[:, a - lo : b - lo])
+                        v_parts.append(v[:, a - lo : b - lo])
+            keys.append(k_parts[0].clone() if len(k_parts) == 1 else torch.cat(k_parts, dim=-2))
+            values.append(v_parts[0].clone() if len(v_parts) == 1 else torch.cat(v_parts, dim=-2))
         return keys, values
+
+
+def _runs(mask_row: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) ranges of the 1s of a mask row, in order."""
+    runs, start = [], None
+    for t, bit in enumerate(mask_row):
+        if bit and start is None:
+            start = t
+        elif not bit and start is not None:
+            runs.append((start, t))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask_row)))
+    return runs
 
 
 def _finite(value: Any) -> bool:
@@ -340,7 +368,8 @@ class EmbeddedEngine(RolloutEngine):
     `max_batch_size` caps the rows of one wave, `batch_wait_s` is how long the worker waits for
     more requests once the first one arrives, `seed` seeds the per-row generators of requests
     without their own seed, `eos_token_ids` overrides the EOS set, `prefix_cache_bytes` bounds the KV kept for reuse
-    by later requests (0 = off; see the module docstring).
+    by later requests (0 = off; see the module docstring), `continuation_wait_s` caps how long the coalescing wait
+    extends while continuations of `keep_prefix` rows are expected (multi-turn episodes' next turns).
     """
 
     def __init__(
@@ -354,6 +383,7 @@ class EmbeddedEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
         page_adapters: bool = False,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        continuation_wait_s: float = 0.05,
     ) -> None:
         self.publishes_without_pause = True
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -363,6 +393,9 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"prefix_cache_bytes={prefix_cache_bytes!r} is not allowed; allowed: {allowed}")
         if batch_wait_s < 0:
             raise ValueError(f"batch_wait_s={batch_wait_s!r} is not allowed; allowed: a number of seconds >= 0")
+        if not _finite(continuation_wait_s) or continuation_wait_s < 0:
+            allowed = "a number of seconds >= 0"
+            raise ValueError(f"continuation_wait_s={continuation_wait_s!r} is not allowed; allowed: {allowed}")
         self._model = model
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
@@ -417,6 +450,10 @@ class EmbeddedEngine(RolloutEngine):
         self._closed = False
         self._worker_error: BaseException | None = None
         self._in_flight: list[_Row] = []  # rows taken from the queue by the running wave (worker thread only)
+        # Rows finished with `keep_prefix` whose continuation has not been submitted yet (a guess: every submitted
+        # request counts as one); while > 0 the coalescing wait slides (see `_next_wave`). Guarded by `_cond`.
+        self._awaiting = 0
+        self._continuation_wait_s = continuation_wait_s
         self._worker = threading.Thread(target=self._worker_loop, name="embedded-engine", daemon=True)
         self._worker.start()
 
@@ -634,6 +671,7 @@ class EmbeddedEngine(RolloutEngine):
                 seed = request.sampling.seed if request.sampling.seed is not None else self._seed_rng.getrandbits(63)
                 rows.append(_Row(job=job, index=i, request=request, seed=seed))
             self._queue.extend(rows)
+            self._awaiting = max(0, self._awaiting - len(rows))
             self._cond.notify_all()
         return job
 
@@ -649,7 +687,8 @@ class EmbeddedEngine(RolloutEngine):
                 f"len(input_ids)={len(ids)} is not allowed; allowed: a prompt shorter than the model's context length "
                 f"{self._context_len}"
             )
-        bad = [i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self._vocab_size]
+        fast = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < self._vocab_size  # C loops, no per-id
+        bad = [] if fast else [i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self._vocab_size]
         if bad:
             allowed = f"a token id (int) in [0, {self._vocab_size})"
             return f"input_ids[{bad[0]}]={ids[bad[0]]!r} is not allowed; allowed: {allowed}"
@@ -756,13 +795,19 @@ class EmbeddedEngine(RolloutEngine):
                     self._cond.wait()
                 if self._closed:
                     return None
-                # Coalesce: the concurrent agenerate calls of one rollout arrive within a few ms.
-                deadline = time.monotonic() + self._batch_wait_s
+                # Coalesce: the concurrent agenerate calls of one rollout arrive within a few ms. While continuations
+                # of rows that just finished with `keep_prefix` (episodes' next turns) are still expected, every
+                # arrival extends the wait by `batch_wait_s`, up to `continuation_wait_s` in all: the episodes that
+                # come back together start their next turn in one prefill instead of one admission each.
+                start = time.monotonic()
+                deadline = start + self._batch_wait_s
                 while len(self._queue) < self._max_batch_size and not (self._closed or self._paused):
                     left = deadline - time.monotonic()
                     before = len(self._queue)
                     if left <= 0 or (self._cond.wait(left) and len(self._queue) == before):
                         break
+                    if len(self._queue) > before and self._awaiting > 0:
+                        deadline = min(time.monotonic() + self._batch_wait_s, start + self._continuation_wait_s)
                 if self._closed or self._paused or not self._queue:
                     continue  # paused while coalescing: wait for resume (or close) with the rows still queued
                 n = min(len(self._queue), self._max_batch_size)
@@ -841,6 +886,11 @@ class EmbeddedEngine(RolloutEngine):
                 done = [i for i, reason in enumerate(reasons) if reason is not None]
                 if done and self._prefix_cache is not None:  # before the callers hear back: their next turn hits
                     self._keep_prefixes(batch, done)
+                if done:  # requests that said a continuation follows: the next wave's coalescing waits for them
+                    continuing = sum(1 for i in done if batch.rows[i].request.keep_prefix)
+                    if continuing:
+                        with self._cond:
+                            self._awaiting = continuing
                 for i in done:
                     self._finish(batch.rows[i], reasons[i])
                 keep = [i for i, reason in enumerate(reasons) if reason is None]
@@ -990,38 +1040,46 @@ class EmbeddedEngine(RolloutEngine):
     def _seed_cache(self, cache: DynamicCache, hits: list[tuple[PrefixEntry | None, int]]) -> torch.Tensor:
         """Fill `cache` with each prompt's cached KV, right-aligned at width W0 = max m; returns the mask, (U, W0)."""
         width = max(m for _, m in hits)
-        mask = torch.zeros(len(hits), width, dtype=torch.long, device=self._device)
-        reference = next(entry for entry, _ in hits if entry is not None)
+        reused = torch.tensor([m for _, m in hits], device=self._device)  # (U,)
+        mask = (torch.arange(width, device=self._device) >= width - reused[:, None]).long()  # (U, W0)
+        found = [(u, entry, m) for u, (entry, m) in enumerate(hits) if entry is not None and m > 0]
+        every = len(found) == len(hits) and all(m == width for _, _, m in found)  # no row has padding
+        if not every:  # where each cached column goes: row u, columns W0 - m .. W0 - 1
+            where_u = torch.tensor([u for u, _, m in found for _ in range(m)], device=self._device)
+            where_t = torch.tensor([t for _, _, m in found for t in range(width - m, width)], device=self._device)
         for layer_idx, layer in enumerate(cache.layers):
-            h, _, d = reference.keys[layer_idx].shape
-            keys = reference.keys[layer_idx].new_zeros(len(hits), h, width, d)  # (U, H, W0, D) zeros = padding
-            values = reference.values[layer_idx].new_zeros(len(hits), h, width, d)
-            for u, (entry, m) in enumerate(hits):
-                if entry is not None:
-                    keys[u, :, width - m :] = entry.keys[layer_idx][:, :m]  # (H, m, D)
-                    values[u, :, width - m :] = entry.values[layer_idx][:, :m]
-            layer.update(keys, values)
-        for u, (_, m) in enumerate(hits):
-            mask[u, width - m :] = 1
+            tensors = []
+            for kind in ("keys", "values"):
+                parts = [getattr(entry, kind)[layer_idx][:, :m] for _, entry, m in found]  # (H, m, D) each
+                if every:
+                    tensors.append(torch.stack(parts))  # (U, H, W0, D)
+                    continue
+                h, _, d = parts[0].shape
+                out = parts[0].new_zeros(len(hits), h, width, d)  # (U, H, W0, D) zeros = padding
+                out.permute(0, 2, 1, 3)[where_u, where_t] = torch.cat(parts, dim=1).transpose(0, 1)  # (sum m, H, D)
+                tensors.append(out)
+            layer.update(*tensors)
         return mask
 
     def _keep_prefixes(self, batch: _Batch, done: list[int]) -> None:
         """Copy the KV of finished rows `done` (prompt + output but the last token, never fed) into the prefix cache;
         only rows whose request says a continuation will follow (`keep_prefix`)."""
-        for i in done:
+        keep = [i for i in done if batch.rows[i].request.keep_prefix]
+        if not keep:
+            return
+        masks = batch.mask[keep].tolist()  # the rows' real columns: their padding and any gap are left out
+        for i, mask_row in zip(keep, masks, strict=True):
             row = batch.rows[i]
-            if not row.request.keep_prefix:
-                continue
             tokens = list(row.request.input_ids) + row.output_ids[:-1]
             if len(tokens) < PREFIX_BLOCK:
                 continue
-            cols = batch.mask[i].bool()  # (T,) the row's real columns: its padding and any gap left out
-            if int(cols.sum()) != len(tokens):  # never expected; a misaligned entry would feed later rows wrong KV
+            runs = _runs(mask_row)
+            if sum(b - a for a, b in runs) != len(
+                tokens
+            ):  # never expected; a misaligned entry would feed rows wrong KV
                 logger.warning("embedded engine: a finished row's KV does not match its tokens; not cached")
                 continue
-            row_keys, row_values = batch.row_kv(i)  # per layer (H, T, D)
-            keys = [k[:, cols] for k in row_keys]  # (H, n, D) copies
-            values = [v[:, cols] for v in row_values]
+            keys, values = batch.row_kv(i, runs)  # per layer (H, n, D) copies
             replaces = row.reused.id if row.reused is not None else None
             self._prefix_cache.insert(row.cache_key, tokens, keys, values, replaces=replaces)
 
