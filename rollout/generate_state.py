@@ -24,8 +24,11 @@ import asyncio
 import concurrent.futures
 import importlib
 import logging
+import queue
 import threading
-from collections.abc import Mapping
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -376,10 +379,48 @@ class _EpisodeError(RuntimeError):
     """A misbehaving environment or engine: the episode fails with this message."""
 
 
+class _DaemonThreads:
+    """Daemon threads for synchronous environment calls, reused: a call takes an idle thread (or starts one), and
+    the thread goes back to the idle ones when the call returns; one idle for `idle_s` exits. A call that never
+    returns keeps its thread for ever (abandoned, as a thread of its own was before); the next call starts another.
+    Reuse saves a thread start per call (an episode's reset, every step and close: five per 3-turn episode)."""
+
+    def __init__(self, idle_s: float = 10.0) -> None:
+        self._idle: list[queue.SimpleQueue] = []  # the inboxes of idle threads, most recently idle last
+        self._lock = threading.Lock()
+        self._idle_s = idle_s
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="rl-multilora-env", daemon=True).start()
+        inbox.put(work)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                work = inbox.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # still idle: exit; else a submitter took it and its work is coming
+                        self._idle.remove(inbox)
+                        return
+                continue
+            work()  # never raises: `_call`'s work catches everything
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_ENV_THREADS = _DaemonThreads()
+
+
 async def _call(fn, *args, timeout: float):
-    """`fn(*args)`, awaited when it is a coroutine function, else in a daemon thread of its own; at most `timeout`
-    seconds. Not the loop's default executor: `asyncio.run` joins its threads on exit, so one environment call that
-    never returns would hold up the whole rollout; a daemon thread is abandoned instead."""
+    """`fn(*args)`, awaited when it is a coroutine function, else in a daemon thread (`_DaemonThreads`: reused, never
+    shared by two calls at once); at most `timeout` seconds. Not the loop's default executor: `asyncio.run` joins its
+    threads on exit, so one environment call that never returns would hold up the whole rollout; a daemon thread is
+    abandoned instead."""
     if asyncio.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(*args), timeout=timeout)
     loop = asyncio.get_running_loop()
@@ -395,7 +436,7 @@ async def _call(fn, *args, timeout: float):
         except RuntimeError:  # the rollout's loop is gone: nobody waits for this call any more
             pass
 
-    threading.Thread(target=work, name="rl-multilora-env", daemon=True).start()
+    _ENV_THREADS.submit(work)
     return await asyncio.wait_for(future, timeout=timeout)
 
 
@@ -517,11 +558,54 @@ def _eos_ids(state: GenerateState) -> set[int]:
     return {eos} if isinstance(eos, int) else set(eos or [])
 
 
+_OBS_CACHE_SIZE = 1024  # observations kept per tokenizer
+_obs_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> OrderedDict(key -> ids), LRU
+_obs_lock = threading.Lock()
+
+
+def _freeze(obj: Any) -> Any:
+    """A hashable stand-in for JSON-like `obj` that tells apart whatever a template could render differently (key
+    order, list vs tuple, 1 vs 1.0 vs True); TypeError for anything else (such messages are not cached)."""
+    if obj is None or type(obj) in (str, int, float, bool):
+        return (type(obj).__name__, obj)
+    if type(obj) is dict:
+        return ("dict", tuple((_freeze(k), _freeze(v)) for k, v in obj.items()))
+    if type(obj) in (list, tuple):
+        return (type(obj).__name__, tuple(_freeze(v) for v in obj))
+    raise TypeError(type(obj).__name__)
+
+
 def observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[int]:
     """The token ids of an environment turn after a model turn: what the chat template writes after an assistant
     message's content (its end-of-turn marker, unless the model already produced it as EOS), the observation
     messages, and the next generation prompt. Computed as text differences of the template, so the model's own
-    tokens are never re-tokenized."""
+    tokens are never re-tokenized.
+
+    Cached per tokenizer (LRU, keyed by the messages' exact content, `ended_turn` and the chat template): an
+    environment that answers alike (a fixed prompt, a common tool error) renders and tokenizes it once, not twice per
+    turn per episode. Messages with values other than JSON-like ones are rendered every time."""
+    try:
+        key = (_freeze(messages), bool(ended_turn), getattr(tokenizer, "chat_template", None))
+        hash(key)
+        with _obs_lock:
+            cache = _obs_caches.get(tokenizer)
+            if cache is None:
+                cache = _obs_caches.setdefault(tokenizer, OrderedDict())
+            ids = cache.get(key)
+            if ids is not None:
+                cache.move_to_end(key)
+                return list(ids)
+    except TypeError:  # unhashable chat template, messages that are not JSON-like, or a tokenizer without weakrefs
+        return _observation_ids(tokenizer, messages, ended_turn)
+    ids = tuple(_observation_ids(tokenizer, messages, ended_turn))  # outside the lock: rollouts in other threads
+    with _obs_lock:
+        cache[key] = ids
+        if len(cache) > _OBS_CACHE_SIZE:
+            cache.popitem(last=False)
+    return list(ids)
+
+
+def _observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[int]:
     probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00MARK\x00"}]
     before = tokenizer.apply_chat_template(probe, tokenize=False)
     after = tokenizer.apply_chat_template([*probe, *messages], tokenize=False, add_generation_prompt=True)
