@@ -97,6 +97,12 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="samples per group")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-tokens", type=int, default=16)
+    ap.add_argument(
+        "--no-share-prompts",
+        action="store_true",
+        help="train every row on its own (grpo.share_prompts false), as the trainer did before a group's prompt "
+        "trained once; default: the trainer's default (shared)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,7 +122,8 @@ def main() -> None:
         tok = tiny_tokenizer()
         model = MultiLoRAModel(tiny_model(hidden=hidden, layers=layers), max_loras=tenants, max_rank=8)
         shape = f"tiny, hidden {hidden}, {layers} layers"
-    trainer = MultiLoRATrainer(model, GRPOSettings(micro_batch_size=64, drop_uniform_groups=False), pad_token_id=0)
+    grpo = GRPOSettings(micro_batch_size=64, drop_uniform_groups=False, share_prompts=not args.no_share_prompts)
+    trainer = MultiLoRATrainer(model, grpo, pad_token_id=0)
     for t in range(tenants):
         model.add_adapter(f"t{t}", rank=8, alpha=16, seed=t)
         trainer.add_adapter(f"t{t}", OptimSettings(), lr=1e-3, max_steps=10_000)
@@ -149,7 +156,7 @@ def main() -> None:
         prompt0, reused0 = engine.prompt_tokens, engine.reused_tokens
         c0, t0 = time.process_time(), time.perf_counter()
         samples = GenerateState(engine, tok, MultiLoRAHooks(), sampling).run_sync(groups_)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         if env is not None and not env_tokens:
             env_tokens.extend(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
         for i, s in enumerate(samples):
@@ -166,6 +173,8 @@ def main() -> None:
             "train_s": t2 - t1,
             "step_s": t2 - t0,
             "step_cpu_s": c2 - c0,
+            "rollout_cpu_s": c1 - c0,
+            "train_cpu_s": c2 - c1,
             "tokens": tokens,
             "model_tokens": model_tokens,
             "prefilled": asked - (engine.reused_tokens - reused0),
@@ -183,28 +192,32 @@ def main() -> None:
     print(
         f"# {tenants} tenants x {groups} groups x {group} samples; episodes of {turns} turns x {turn_tokens} tokens; "
         f"model {shape}; prefix cache {DEFAULT_PREFIX_CACHE_BYTES // 2**20} MiB vs off; {repeats} runs each, "
-        f"medians (min-max); torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"medians (min-max); torch {torch.__version__}, {torch.get_num_threads()} threads; trainer share_prompts "
+        f"{grpo.share_prompts}"
     )
     print(
-        "| engine | path | model tokens | all tokens | tokens prefilled | rollout s | train s | step s | step CPU s |"
+        "| engine | path | model tokens | all tokens | tokens prefilled | rollout s | train s | step s | "
+        "rollout CPU s | train CPU s | step CPU s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (name, path), rs in runs.items():
         print(
             f"| {name} | {path} | {int(rs[0]['model_tokens'])} | {int(rs[0]['tokens'])} | "
             f"{int(statistics.median(r['prefilled'] for r in rs))} | {_cell([r['rollout_s'] for r in rs])} | "
             f"{_cell([r['train_s'] for r in rs])} | {_cell([r['step_s'] for r in rs])} | "
+            f"{_cell([r['rollout_cpu_s'] for r in rs])} | {_cell([r['train_cpu_s'] for r in rs])} | "
             f"{_cell([r['step_cpu_s'] for r in rs])} |"
         )
     for name in engines:
         multi, single = runs[(name, "multi")], runs[(name, "single")]
         ratios = {
             key: [m[key] / s[key] for m, s in zip(multi, single, strict=True)]
-            for key in ("rollout_s", "step_s", "step_cpu_s")
+            for key in ("rollout_s", "step_s", "step_cpu_s", "rollout_cpu_s", "train_cpu_s")
         }
         print(
             f"{name}: multi / single per run, median (min-max): step {_cell(ratios['step_s'], '{:.2f}')}x, "
-            f"rollout {_cell(ratios['rollout_s'], '{:.2f}')}x, step CPU time {_cell(ratios['step_cpu_s'], '{:.2f}')}x"
+            f"rollout {_cell(ratios['rollout_s'], '{:.2f}')}x, step CPU time {_cell(ratios['step_cpu_s'], '{:.2f}')}x "
+            f"(rollout {_cell(ratios['rollout_cpu_s'], '{:.2f}')}x, train {_cell(ratios['train_cpu_s'], '{:.2f}')}x)"
         )
 
 
