@@ -31,7 +31,7 @@ HELD_OUT_MARGIN = 0.15
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # its run is 9-10 min on one thread of 2 idle cores; pytest-timeout's 600 s default cut it
+@pytest.mark.timeout(2400)  # 4.5 min on 2 cores at load 1-2 with packing (9-10 min before); 600 s was cut close
 def test_smollm2_tenants_learn_on_a_real_base(tmp_path):
     preset = provision(PRESET, ROOT / "artifacts" / "smollm2-135m")
     base = json.loads((preset / MARKER).read_text())["base_stats"]
