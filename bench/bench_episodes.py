@@ -219,6 +219,8 @@ def main() -> None:
             f"rollout {_cell(ratios['rollout_s'], '{:.2f}')}x, step CPU time {_cell(ratios['step_cpu_s'], '{:.2f}')}x "
             f"(rollout {_cell(ratios['rollout_cpu_s'], '{:.2f}')}x, train {_cell(ratios['train_cpu_s'], '{:.2f}')}x)"
         )
+        for key in ("step_cpu_s", "rollout_cpu_s", "train_cpu_s"):  # each run's ratio, to pool invocations
+            print(f"{name}: per run {key} multi / single: {' '.join(f'{r:.3f}' for r in ratios[key])}")
 
 
 if __name__ == "__main__":
