@@ -39,20 +39,21 @@ def packable(config) -> bool:
 
 
 @dataclass
-class Packed:
-    """A micro-batch packed by shared prompt. `input_ids`, `position_ids`: (P, W); `attention_mask`: (P, 1, W, W)
-    additive; `firsts[p]`: the first row packed into sequence p (its adapter routes the sequence); `state_row`,
-    `state_pos`: (N,) where the hidden state that predicts each loss token of the micro-batch sits (the flat token
-    order of `TokenIndex`); `first_state`: the smallest of `state_pos`, host-side."""
+class ForwardInputs:
+    """One training forward's inputs. `input_ids` (S, W); `attention_mask` (S, W), or (S, 1, W, W) additive when
+    packed; `firsts[s]`: a row of the micro-batch in sequence s (its adapter routes the sequence); `state_row`,
+    `state_pos`: (N,) where the hidden state that predicts each loss token sits (the flat token order of
+    `TokenIndex`), `first_state` the smallest of `state_pos` (host-side, so slicing the logits needs no device
+    sync); `position_ids`: (S, W) when packed (None: 0, 1, ...); `tokens`: real (non-padding) tokens forwarded."""
 
     input_ids: torch.Tensor
-    position_ids: torch.Tensor
     attention_mask: torch.Tensor
     firsts: list[int]
     state_row: torch.Tensor
     state_pos: torch.Tensor
     first_state: int
-    tokens: int  # real (non-padding) tokens in the packed sequences
+    tokens: int
+    position_ids: torch.Tensor | None = None
 
 
 def groups(rows: Sequence[Row]) -> list[list[int]]:
@@ -65,18 +66,15 @@ def groups(rows: Sequence[Row]) -> list[list[int]]:
     return list(out.values())
 
 
-def shares_prompts(rows: Sequence[Row]) -> bool:
-    """Whether packing would save anything: some two rows share their adapter and prompt."""
-    return len(groups(rows)) < len(rows)
-
-
 def pack(
     rows: Sequence[Row], tok_row: torch.Tensor, tok_pos: torch.Tensor, pad_token_id: int, dtype: torch.dtype, device
-) -> Packed:
-    """Pack `rows` by (adapter, shared prompt). `tok_row`, `tok_pos`: each loss token's row and position
-    (`TokenIndex.row` / `.pos`); the state predicting it is at `pos - 1` of its row. `dtype`: the mask's (the
-    model's compute dtype)."""
+) -> ForwardInputs | None:
+    """Pack `rows` by (adapter, shared prompt); None when no two rows share one (nothing to save). `tok_row`,
+    `tok_pos`: each loss token's row and position (`TokenIndex.row` / `.pos`); the state predicting it is at
+    `pos - 1` of its row. `dtype`: the mask's (the model's compute dtype)."""
     parts = groups(rows)
+    if len(parts) == len(rows):
+        return None
     # Per row: its packed sequence, the length of the prompt it shares and where its own tokens start there.
     seq_of, shared_len, start_of = [0] * len(rows), [0] * len(rows), [0] * len(rows)
     layouts: list[tuple[list[int], list[int], list[int]]] = []  # per packed sequence: ids, positions, segment ids
@@ -117,7 +115,7 @@ def pack(
     shared_t = torch.tensor(shared_len)[rows_t]
     start_t = torch.tensor(start_of)[rows_t]
     packed_pos = torch.where(state < shared_t, state, start_t + state - shared_t)
-    return Packed(
+    return ForwardInputs(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
         attention_mask=mask.to(device),

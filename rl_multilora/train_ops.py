@@ -39,7 +39,7 @@ from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
 from rl_multilora.grpo import TokenSettings, per_adapter_sum, token_loss
 from rl_multilora.losses import TenantAlgo
-from rl_multilora.packing import pack, packable, shares_prompts
+from rl_multilora.packing import ForwardInputs, pack, packable
 from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
@@ -74,22 +74,6 @@ class TenantTrainState:
     algo: TenantAlgo | None = None  # its own loss settings; None: the run's GRPOSettings
     grads: list[torch.Tensor | None] | None = None  # accumulated since its last optim_step, `optim.params` order
     nonfinite: bool = False  # some forward_backward since its last optim_step had a non-finite loss of it
-
-
-@dataclass
-class _Inputs:
-    """One forward's inputs: `input_ids` (S, W) and its attention mask ((S, W), or (S, 1, W, W) packed);
-    `firsts[s]`: a row of the micro-batch in sequence s (whose adapter routes it); `state_row`, `state_pos`: (N,)
-    where the state predicting each loss token sits, `first_state` the smallest of `state_pos` (host-side, so
-    slicing the logits needs no device sync); `position_ids`: (S, W) when packed (None: 0, 1, ...)."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    firsts: list[int]
-    state_row: torch.Tensor
-    state_pos: torch.Tensor
-    first_state: int
-    position_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -485,22 +469,24 @@ class TrainOps:
                 ]
         self.model.zero_lora_grads()
 
-    def _inputs(self, rows: Sequence[Row], tok: TokenIndex, device) -> _Inputs:
+    def _inputs(self, rows: Sequence[Row], tok: TokenIndex, device) -> ForwardInputs:
         """The forward's inputs for `rows`: packed by shared prompt (`rl_multilora.packing`) when the run shares
         prompts, the model takes the packed mask and some two rows share a prompt; else each row right-padded."""
-        config = self.model.base_model.config
-        if self.cfg.share_prompts and packable(config) and shares_prompts(rows):
-            dtype = self.model.base_model.get_input_embeddings().weight.dtype
-            p = pack(rows, tok.row, tok.pos, self.pad_token_id, dtype, device)
-            return _Inputs(
-                p.input_ids, p.attention_mask, p.firsts, p.state_row, p.state_pos, p.first_state, p.position_ids
-            )
+        base = self.model.base_model
+        if self.cfg.share_prompts and packable(base.config):
+            dtype = base.get_input_embeddings().weight.dtype
+            packed = pack(rows, tok.row, tok.pos, self.pad_token_id, dtype, device)
+            if packed is not None:
+                return packed
         input_ids, attention_mask = pad(rows, self.pad_token_id, device)  # (B, T), (B, T)
-        return _Inputs(input_ids, attention_mask, list(range(len(rows))), tok.row, tok.pos - 1, tok.first_pos - 1)
+        tokens = sum(len(r.input_ids) for r in rows)
+        return ForwardInputs(
+            input_ids, attention_mask, list(range(len(rows))), tok.row, tok.pos - 1, tok.first_pos - 1, tokens
+        )
 
     def _forward_logp(
         self,
-        inputs: _Inputs,
+        inputs: ForwardInputs,
         adapter_names: list[str | None],
         tok: TokenIndex,
         temperature: torch.Tensor | None = None,

@@ -1074,9 +1074,7 @@ class EmbeddedEngine(RolloutEngine):
             if len(tokens) < PREFIX_BLOCK:
                 continue
             runs = _runs(mask_row)
-            if sum(b - a for a, b in runs) != len(
-                tokens
-            ):  # never expected; a misaligned entry would feed rows wrong KV
+            if sum(b - a for a, b in runs) != len(tokens):  # never expected: a misaligned entry feeds rows wrong KV
                 logger.warning("embedded engine: a finished row's KV does not match its tokens; not cached")
                 continue
             keys, values = batch.row_kv(i, runs)  # per layer (H, n, D) copies
