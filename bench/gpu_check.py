@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's packages (and tests.tiny_models) when run as a script
 
 from bench.bench_rollout import median_seconds, random_adapter  # noqa: E402
-from rl_multilora.lora import MultiLoRAModel  # noqa: E402
+from rl_multilora.lora import MultiLoRAModel, triton_decode  # noqa: E402
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 from tests.tiny_models import sum_task_adapter, tiny_tokenizer, write_sum_task  # noqa: E402
@@ -106,6 +106,7 @@ class Sizes:
     prompt_len: int
     new_tokens: int
     runs: int
+    decode_runs: int
     grpo_shape: Shape
     grpo_steps: int
     grpo_new_tokens: int
@@ -113,8 +114,8 @@ class Sizes:
     oracle_tests: tuple[str, ...]
 
 
-FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
-SMALL = Sizes((TINY,), 4, 8, 64, 4, 3, 2, TINY, 2, 8, 2, CPU_ORACLE_TESTS[:1])
+FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, 9, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
+SMALL = Sizes((TINY,), 4, 8, 64, 4, 3, 2, 2, TINY, 2, 8, 2, CPU_ORACLE_TESTS[:1])
 N_TENANTS = 64
 RANK = 8
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": "all-linear"}
@@ -318,18 +319,59 @@ def _decode(shape: Shape, device: str, sizes: Sizes) -> dict:
     try:
         for name in names:
             engine.load_adapter(name, m.adapter_state_dict(name), ADAPTER_CONFIG)
-        fns = {
-            "base": call([None] * sizes.decode_rows),
-            "one": call([names[0]] * sizes.decode_rows),
-            "mixed64": call([names[i % N_TENANTS] for i in range(sizes.decode_rows)]),
-        }
-        seconds = median_seconds(fns, sizes.runs, synced_clock(device))
+        one, mixed = [names[0]] * sizes.decode_rows, [names[i % N_TENANTS] for i in range(sizes.decode_rows)]
+        fns = {"base": call([None] * sizes.decode_rows), "one": call(one), "mixed64": call(mixed)}
+        kernel = device.startswith("cuda") and triton_decode.usable(torch.empty(1, device=device), torch.empty(1, 1, 1))
+        if kernel:  # the same steps with the fused decode kernel off: the torch-ops path, side by side
+            fns |= {"one_torch_ops": without_kernel(call(one)), "mixed64_torch_ops": without_kernel(call(mixed))}
+        times = interleaved_seconds(fns, sizes.decode_runs, synced_clock(device))
     finally:
         engine.close()
     _free(device)
-    rate = {k: sizes.decode_rows * sizes.new_tokens / s for k, s in seconds.items()}
-    return {"rows": sizes.decode_rows, "new_tokens": sizes.new_tokens, "tokens_per_s": rate,
-            "mixed64_over_one": rate["mixed64"] / rate["one"]}  # fmt: skip
+    tokens = sizes.decode_rows * sizes.new_tokens
+    rate = {k: tokens / statistics.median(t) for k, t in times.items()}
+    spread = {k: [round(tokens / max(t)), round(tokens / min(t))] for k, t in times.items()}
+    result = {"rows": sizes.decode_rows, "new_tokens": sizes.new_tokens, "runs": sizes.decode_runs,
+              "fused_kernel": kernel, "tokens_per_s": rate, "tokens_per_s_min_max": spread,
+              "mixed64_over_one": rate["mixed64"] / rate["one"],
+              "mixed64_over_one_per_run": ratios(times["one"], times["mixed64"])}  # fmt: skip
+    if kernel:
+        result["torch_ops_mixed64_over_one_per_run"] = ratios(times["one_torch_ops"], times["mixed64_torch_ops"])
+        result["kernel_over_torch_ops_one"] = rate["one"] / rate["one_torch_ops"]
+        result["kernel_over_torch_ops_mixed64"] = rate["mixed64"] / rate["mixed64_torch_ops"]
+    return result
+
+
+def without_kernel(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` with the fused CUDA decode kernel turned off (the LoRA layers' torch-ops decode path)."""
+
+    def run():
+        triton_decode.ENABLED = False
+        try:
+            return fn()
+        finally:
+            triton_decode.ENABLED = True
+
+    return run
+
+
+def interleaved_seconds(fns: dict[str, Callable[[], object]], repeats: int, clock) -> dict[str, list[float]]:
+    """Every callable's time per round, rounds interleaved (each callable once per round) after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = clock()
+            fn()
+            times[key].append(clock() - start)
+    return times
+
+
+def ratios(one: list[float], mixed: list[float]) -> dict:
+    """Throughput of `mixed` over `one` per round (one's time over mixed's): median, min, max."""
+    per_run = [a / b for a, b in zip(one, mixed, strict=True)]
+    return {"median": statistics.median(per_run), "min": min(per_run), "max": max(per_run)}
 
 
 def _free(device: str) -> None:

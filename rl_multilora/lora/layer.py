@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rl_multilora.lora import triton_decode
 from rl_multilora.lora.routing import BASE_SLOT, Routing, SlotRouter
 
 
@@ -109,11 +110,18 @@ class LoRALinear(nn.Module):
         if scales is None:
             return y
         lora_a, lora_b = self._stacked(routing)  # (S, R, in), (S, out, R)
+        grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
+        if not grad and x.dim() == 3 and x.shape[1] == 1 and triton_decode.usable(x, lora_a):  # CUDA decode step
+            batch = x.shape[0]
+            triton_decode.lora_decode(
+                y.view(batch, self.out_features), x.reshape(batch, self.in_features), lora_a, lora_b,
+                routing.row_slots, scales, routing.max_rank, routing.active,
+            )  # fmt: skip
+            return y
         # Base + delta is summed in the LoRA dtype and rounded once to y's dtype, as PEFT does. `out` is y itself
         # when the dtypes match: updating it in place is safe because F.linear does not save its output.
         out = y if y.dtype == lora_a.dtype else y.to(lora_a.dtype)  # out: (B, ..., out)
         g = routing.single
-        grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
         if g is not None and not grad:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
             xa = F.linear(x[g.start : g.stop].to(lora_a.dtype), lora_a[g.slot, : g.rank])  # x[g] @ A[s, :r].T
             out[g.start : g.stop].add_(F.linear(xa, lora_b[g.slot, :, : g.rank]) * g.scale)  # += scale * xa @ B.T
