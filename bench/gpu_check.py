@@ -114,7 +114,7 @@ class Sizes:
     oracle_tests: tuple[str, ...]
 
 
-FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, 9, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
+FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, 7, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
 SMALL = Sizes((TINY,), 4, 8, 64, 4, 3, 2, 2, TINY, 2, 8, 2, CPU_ORACLE_TESTS[:1])
 N_TENANTS = 64
 RANK = 8
