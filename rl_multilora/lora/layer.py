@@ -43,6 +43,9 @@ Design choices:
   is a table of `in` rows of R values and its B one of R rows of `out`. At SmolLM2's shape, 64 rows on 64 adapters
   made the per-row gathers move 625 MB per decode step (more than the base's 540 MB of weights) and write it once
   more; the bags read it once. Reading it once is the floor: 64 distinct adapters are 64x one adapter's bytes.
+- Decode on CUDA (Triton present) is one fused kernel per module for every mix, one adapter included
+  (`triton_decode.lora_decode`: shrink, scale, expand and add in one launch); the torch ops below were about 8
+  launches per module, a launch-bound cost at small shapes, and 64 mixed adapters took a longer path than one.
 - Inference of one used slot whose rows are contiguous (a one-adapter engine batch, a PEFT parity check) takes the
   view path instead: PEFT's ops in PEFT's order at the true rank on a row-range view, so a bf16 base gives PEFT's
   logits bit for bit. Training always takes the grouped path (its backward is the cheaper one).
