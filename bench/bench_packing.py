@@ -2,7 +2,10 @@
 default) against every row padded on its own, side by side in one process on the same weights and rows.
 
 Usage: `python bench/bench_packing.py [--model artifacts/smollm2-135m/model] [--groups 3] [--group-size 8]
-[--prompt 110] [--completion 24] [--micro 16] [--runs 5] [--threads 1]`
+[--prompt 110] [--completion 24] [--micro 16] [--runs 5] [--threads 1] [--tinker]`
+
+`--tinker`: the rows are Tinker datums as the server makes them (`ClientOps._row`: every position a target, the
+`importance_sampling` loss, advantages zero over the prompt, so the datum's prompt is where its advantages start).
 
 The defaults are the shape of `examples/multi_lora/configs/smollm2-envs.yaml` (three tenants, each step 8 prompts of
 about 110 tokens x 8 samples of up to 24 new tokens; one group per tenant here, 16 rows per micro-batch). Without
@@ -68,6 +71,25 @@ def make_rows(groups: int, size: int, prompt: int, completion: int, vocab: int) 
     return rows
 
 
+def tinker_rows(groups: int, size: int, prompt: int, completion: int, vocab: int) -> list[Row]:
+    """The same token sequences as `make_rows`, as Tinker `importance_sampling` datums made into rows."""
+    import numpy as np
+
+    from rl_multilora.tinker.ops import _datum_row, _prompt_len
+    from rl_multilora.tinker.wire import Datum
+
+    rows = []
+    for r in make_rows(groups, size, prompt, completion, vocab):
+        tokens, n = r.input_ids + [r.input_ids[-1]], len(r.input_ids)  # model_input = the sequence; a last target
+        advantages = np.array([0.0] * (prompt - 1) + [r.advantage] * (n - prompt + 1), dtype=np.float32)
+        inputs = {"target_tokens": np.array(tokens[1:]), "logprobs": np.full(n, -5.0, dtype=np.float32),
+                  "advantages": advantages}  # fmt: skip
+        row = _datum_row(r.adapter, "importance_sampling", Datum(np.array(tokens[:-1]), inputs), vocab)
+        row.prompt_len = _prompt_len(row)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a local model folder (default: random SmolLM2-135M shape)")
@@ -78,6 +100,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16, help="rows per micro-batch")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tinker", action="store_true", help="rows made from Tinker datums (importance_sampling)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -92,12 +115,19 @@ def main() -> None:
                     p.normal_(0, 0.01)
         for o in ops.values():
             o.add_tenant(f"t{k}", OptimSettings(), lr=1e-4)
-    rows = make_rows(args.groups, args.group_size, args.prompt, args.completion, base.config.vocab_size)
+    rows = (tinker_rows if args.tinker else make_rows)(
+        args.groups, args.group_size, args.prompt, args.completion, base.config.vocab_size
+    )
+    algos = None
+    if args.tinker:
+        from rl_multilora.losses import client_algo
+
+        algos = {f"t{k}": client_algo("importance_sampling", None) for k in range(args.groups)}
     micro = [rows[i : i + args.micro] for i in range(0, len(rows), args.micro)]
     plain_tokens = sum(len(r.input_ids) for r in rows)
 
     def step(share: bool):
-        out = [ops[share].forward_backward(m) for m in micro]
+        out = [ops[share].forward_backward(m, algos=algos) for m in micro]
         grads = {n: [g.clone() for g in ops[share].tenant(n).grads] for n in ops[share].tenants}
         for t in ops[share].tenants.values():
             t.grads = None

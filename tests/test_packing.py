@@ -170,3 +170,44 @@ def test_micro_batches_keep_a_groups_rows_together_whoever_else_is_in_the_step()
             return [[r for r in m if any(r is g for g in group)] for m in cut if any(r is g for g in group for r in m)]
 
         assert pieces(rows) == pieces(group)
+
+
+def _tinker_rows() -> list[Row]:
+    """Tinker datums as the server turns them into rows (`ClientOps._row`): tenant a's GRPO group (a shared prompt,
+    advantages zero over it, `importance_sampling`), tenant b's SFT datums with the prompt weighted zero
+    (`cross_entropy`), and a datum whose every target counts (no prompt: never shared)."""
+    import numpy as np
+
+    from rl_multilora.tinker.ops import _datum_row, _prompt_len
+    from rl_multilora.tinker.wire import Datum
+
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    def row(name: str, loss_fn: str, tokens: list[int], prompt: int, value: float, key: str) -> Row:
+        n = len(tokens) - 1
+        per_token = np.array([0.0] * (prompt - 1) + [value] * (n - prompt + 1), dtype=np.float32)
+        inputs = {"target_tokens": np.array(tokens[1:]), key: per_token}
+        if loss_fn == "importance_sampling":
+            inputs["logprobs"] = np.full(n, -4.0, dtype=np.float32)
+        r = _datum_row(name, loss_fn, Datum(np.array(tokens[:-1]), inputs), VOCAB)
+        r.prompt_len = _prompt_len(r)
+        return r
+
+    pa, pb = ids(6), ids(5)
+    rows = [row("a", "importance_sampling", pa + ids(n), 6, 0.8 - 0.5 * k, "advantages") for k, n in enumerate((4, 2, 5))]
+    rows += [row("b", "cross_entropy", pb + ids(n), 5, 1.0, "weights") for n in (3, 6)]
+    rows.append(row("b", "cross_entropy", ids(7), 1, 1.0, "weights"))
+    return rows
+
+
+def test_tinker_datums_of_a_group_train_their_prompt_once_with_the_same_numbers():
+    from rl_multilora.losses import client_algo
+
+    rows = _tinker_rows()
+    assert [r.prompt_len for r in rows] == [6, 6, 6, 5, 5, None]
+    assert groups(rows) == [[0, 1, 2], [3, 4], [5]]
+    algos = {"a": client_algo("importance_sampling", None), "b": client_algo("cross_entropy", None)}
+    _assert_same(_run(_ops("qwen2", True), rows, algos=algos), _run(_ops("qwen2", False), rows, algos=algos))

@@ -500,6 +500,7 @@ class ClientOps:
             except ValueError as e:
                 raise UserError(str(e)) from None
             row.old_logprobs, row.loss_weights = got.sampler_logprobs, got.sampled
+        row.prompt_len = _prompt_len(row)
         return row
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
@@ -943,6 +944,24 @@ def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int) -> Row:
         old_logprobs=vec("logprobs"),
         loss_weights=weights,
     )
+
+
+def _prompt_len(row: Row) -> int | None:
+    """The datum's prompt as its client marks it: the tokens before its first target with a non-zero weight and
+    advantage (a GRPO client's datums of one group share it). Rows of one tenant with the same prompt then train it
+    once (`rl_multilora.packing`: exact for any shared prefix, so this is only where to look for one); None when the
+    first target already counts or nothing does.
+
+    >>> _prompt_len(Row("t", [5, 6, 7, 8], [1, 2, 3, 4], 0.0, None, advantages=[0.0, 0.0, 1.5, 1.5]))
+    3
+    >>> _prompt_len(Row("t", [5, 6, 7], [1, 2, 3], 0.0, None, loss_weights=[1.0, 1.0, 1.0])) is None
+    True
+    """
+    weights, advantages = row.loss_weights, row.advantages
+    for k, position in enumerate(row.targets):
+        if (weights is None or weights[k] != 0) and (advantages is None or advantages[k] != 0):
+            return position if k > 0 else None
+    return None
 
 
 def _adam_settings(adam: dict[str, Any]) -> AdamSettings:
