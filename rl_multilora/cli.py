@@ -16,6 +16,22 @@ import sys
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, else argparse's usage error naming the value (no traceback).
+
+    >>> _positive_int("3")
+    3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an int >= 1")
+    return value
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rl_multilora.checkpoint import RunStateError
     from rl_multilora.config import ConfigError
@@ -217,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="a Tinker session without heartbeats for this long is ended and its models unloaded (default 120)",
+    )
+    s.add_argument(
+        "--tinker-stability-max-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens of Tinker stability records (record_stability_info samples, for stable_reinforce) kept at most; "
+        "past it the least recently used are evicted (default: tinker-serve's --stability-max-tokens default)",
     )
     s.set_defaults(fn=cmd_service)
     for verb, helptext in [("submit", "submit ADAPTER.yaml to the service"), ("remove", "drain adapter NAME")]:

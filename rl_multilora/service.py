@@ -441,6 +441,7 @@ class ServiceActor:
                 snapshot_every=tinker.get("snapshot_every", 50),
                 max_tokens_cap=tinker.get("max_tokens_cap"),
                 session_timeout_s=tinker.get("session_timeout_s", 120.0),
+                **({"stability_max_tokens": tinker["stability_max_tokens"]} if "stability_max_tokens" in tinker else {}),
             )
         self.core.start()
         if server is not None:
@@ -650,7 +651,8 @@ def serve(
 ) -> int:
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code.
 
-    `tinker`: {"host", "port", "base_model", "snapshot_every", "max_tokens_cap", "session_timeout_s"} to serve the
+    `tinker`: {"host", "port", "base_model", "snapshot_every", "max_tokens_cap", "session_timeout_s"} (and optionally
+    "stability_max_tokens") to serve the
     Tinker API from the same process as the GRPO tenants."""
     import ray
 
@@ -770,6 +772,8 @@ def cli(args) -> int:
                 "max_tokens_cap": getattr(args, "tinker_max_tokens_cap", None),
                 "session_timeout_s": getattr(args, "tinker_session_timeout_s", 120.0),
             }
+            if getattr(args, "tinker_stability_max_tokens", None) is not None:
+                tinker["stability_max_tokens"] = args.tinker_stability_max_tokens
         cfg = load_run_config(args.config, args.set)
         if args.fresh:
             cfg.checkpoint.resume = "never"

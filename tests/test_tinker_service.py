@@ -460,3 +460,24 @@ def test_serve_with_trainer_ranks_and_engine_actors_serves_a_client_like_one_pro
     finally:
         served.kill_9()
     assert "Traceback" not in served.log.read_text()
+
+
+def test_serve_passes_the_tinker_flags_to_the_service(monkeypatch):
+    """`serve --tinker-port ... --tinker-stability-max-tokens N` reaches the Tinker app's settings; a bad value is
+    argparse's usage error (exit 2, no traceback)."""
+    from rl_multilora import cli, service
+
+    seen = {}
+    monkeypatch.setattr(service, "serve", lambda cfg, address=None, tinker=None: seen.update(tinker) or 0)
+    config = str(REPO / "examples/multi_lora/configs/tiny.yaml")
+    args = cli.build_parser().parse_args(
+        ["serve", config, "--tinker-port", "8123", "--tinker-max-tokens-cap", "64", "--tinker-stability-max-tokens", "5000"]
+    )
+    assert service.cli(args) == 0
+    assert seen["port"] == 8123 and seen["max_tokens_cap"] == 64 and seen["stability_max_tokens"] == 5000
+    seen.clear()
+    service.cli(cli.build_parser().parse_args(["serve", config, "--tinker-port", "8123"]))
+    assert "stability_max_tokens" not in seen  # the server's own default
+    with pytest.raises(SystemExit) as bad:
+        cli.build_parser().parse_args(["serve", config, "--tinker-port", "1", "--tinker-stability-max-tokens", "0"])
+    assert bad.value.code == 2
