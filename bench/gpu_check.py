@@ -36,7 +36,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -509,9 +509,13 @@ def main() -> None:
     p.add_argument(
         "--budget-s", type=float, default=480, help="start no section after this many seconds (recorded as skipped)"
     )
+    p.add_argument("--shapes", nargs="*", choices=[s.name for s in (*FULL.bench_shapes, TINY)],
+                   help="the two benches at these shapes only (default: all of the sizes' shapes)")  # fmt: skip
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sizes = SMALL if args.small else FULL
+    if args.shapes:
+        sizes = replace(sizes, bench_shapes=tuple(s for s in sizes.bench_shapes if s.name in args.shapes))
     cuda = args.device.startswith("cuda")
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
