@@ -176,7 +176,8 @@ def rss_file() -> int:
 
 class SavedForBackward:
     """The bytes a forward saves for its backward (autograd's saved tensors, storages counted once, parameters left
-    out), largest over the calls wrapped by `track`."""
+    out), largest over the calls wrapped by `track`. Read through `TrainOps.saved_observer`: the tensors the forward
+    keeps as they are, not those it recomputes in the backward (`rl_multilora.saved_activations`)."""
 
     def __init__(self, params):
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -192,8 +193,11 @@ class SavedForBackward:
                 sizes[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        self.observe = pack
+        try:
             yield
+        finally:
+            self.observe = None
         self.largest = max(self.largest, sum(sizes.values()))
 
 
@@ -253,7 +257,11 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
 
     def tracked_forward_logp(self, *args, **kwargs):
         with saved.track():
-            return forward_logp(self, *args, **kwargs)
+            self.saved_observer = saved.observe  # what the forward keeps as it is (rl_multilora.saved_activations)
+            try:
+                return forward_logp(self, *args, **kwargs)
+            finally:
+                self.saved_observer = None
 
     loop._Clock.__call__ = tagged
     train_ops.TrainOps._forward_logp = tracked_forward_logp

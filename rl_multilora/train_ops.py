@@ -42,6 +42,7 @@ from rl_multilora.losses import TenantAlgo
 from rl_multilora.packing import ForwardInputs, pack, packable
 from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
+from rl_multilora.saved_activations import recompute_elementwise
 from rl_multilora.tenant_optim import AdamSettings, TenantOptimizer
 from rl_multilora.tenant_store import PagedTenant, TenantStore
 from rl_multilora.token_logprobs import token_logp_entropy
@@ -117,6 +118,8 @@ class TrainOps:
         self.store = store
         self._resident: OrderedDict[str, None] = OrderedDict()  # tenants in a slot, least recently used first
         self._peft_configs: dict[str, tuple[tuple, dict[str, Any]]] = {}  # paging: per tenant, see _peft_config
+        # called with every tensor a training forward keeps for its backward as it is (a memory probe's; None: none)
+        self.saved_observer = None
         if store is not None and self.ranks.world > 1:
             raise ValueError(bad_value("store", "a TenantStore", "None on a model sharded over ranks"))
         if self.ranks.world == 1:  # sharded, the reduce-scatter needs the stacked grads
@@ -497,6 +500,21 @@ class TrainOps:
         With a plain output head (`MultiLoRAModel.output_head`), from the decoder's hidden states at the loss
         positions through `token_logp_entropy`: chunks of tokens, no full-vocabulary logits kept for the backward.
         Otherwise from the model's logits at the kept positions."""
+        if not torch.is_grad_enabled() or self.ranks.world > 1:  # sharded: FSDP's own hooks free and refetch params
+            return self._forward_logp_inner(inputs, adapter_names, tok, temperature)
+        # What the backward needs of the cheap elementwise steps (SwiGLU's silu and product, RMSNorm's output) is
+        # recomputed from what it keeps anyway, bit for bit (`rl_multilora.saved_activations`): about a third less
+        # kept per token and layer, for a few elementwise passes in the backward.
+        with recompute_elementwise(self.saved_observer):
+            return self._forward_logp_inner(inputs, adapter_names, tok, temperature)
+
+    def _forward_logp_inner(
+        self,
+        inputs: ForwardInputs,
+        adapter_names: list[str | None],
+        tok: TokenIndex,
+        temperature: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         names = [adapter_names[i] for i in inputs.firsts]  # one per sequence of the forward
         extra = {} if inputs.position_ids is None else {"position_ids": inputs.position_ids}
         head = self.model.output_head()
