@@ -130,3 +130,23 @@ def test_training_node_equals_reference_loop(names, sink):
                 torch.testing.assert_close(g_fast, g_ref, **GRAD_TOL)
             else:
                 assert g_fast is None or torch.count_nonzero(g_fast) == 0, name
+
+
+def test_the_routing_holds_the_used_slots_so_no_layer_backward_computes_them(monkeypatch):
+    """`Routing.slot_index` is `torch.unique(row_slots, return_inverse=True)`, built on the host once per forward;
+    a training backward through every Linear reads it instead of calling unique (a device sync per layer on a GPU)."""
+    routing = build_routing([5, -1, 0, 2, 2, -1, 0], {s: (4, 1.0, frozenset()) for s in (0, 2, 5)}, torch.device("cpu"),
+                            None, reference=False)  # fmt: skip
+    used, inverse = torch.unique(routing.row_slots, return_inverse=True)
+    assert torch.equal(routing.slot_index[0], used) and torch.equal(routing.slot_index[1], inverse)
+    m = make_model("qwen2")
+    add(m, {"a": (4, 8), "b": (8, 16)})
+    m.train()
+    m.use_slot_grads()
+    ids, _ = batch(rows=4, length=6, left_pad=False)
+    calls = []
+    unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: calls.append(1) or unique(*a, **k))
+    for names in (["a", "b", "a", "b"], ["a", None, "b", "a"]):  # every row on an adapter / base rows mixed in
+        m(ids, adapter_names=names).logits.float().mean().backward()
+    assert calls == []

@@ -143,10 +143,16 @@ class LoRALinear(nn.Module):
             return out if out.dtype == y.dtype else out.to(y.dtype)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
-            grouped_lora(out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink)
+            grouped_lora(
+                out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink,
+                slot_index=routing.slot_index,
+            )  # fmt: skip
         else:
             delta = out.new_zeros(n, x3.shape[1], self.out_features)
-            grouped_lora(delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink)
+            grouped_lora(
+                delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink,
+                slot_index=routing.slot_index,
+            )  # fmt: skip
             delta = delta.view(*xs.shape[:-1], self.out_features)
             if routing.active is None:
                 out.add_(delta)
@@ -181,8 +187,9 @@ class LoRALinear(nn.Module):
             return None
         sink = routing.grad_sink
         y3 = _LinearLoRA.apply(
-            x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink
-        )
+            x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink,
+            routing.slot_index,
+        )  # fmt: skip
         return y3.view(*x.shape[:-1], self.out_features)
 
     def _reference_forward(self, x: torch.Tensor, y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -199,7 +206,9 @@ class LoRALinear(nn.Module):
         return torch.stack(out).to(y.dtype)
 
 
-def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None, sink=None) -> None:
+def grouped_lora(
+    y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_slots=None, sink=None, slot_index=None
+) -> None:
     """`y3[i] += scale[i] * (x3[i] @ A[a_slot[i], :r].T) @ B[slot[i], :, :r].T` in place, for every row i
     (`a_slots` defaults to `slots`; expert LoRA with a shared A indexes A by slot and B by (slot, expert)).
 
@@ -207,9 +216,10 @@ def grouped_lora(y3, x3, lora_a, lora_b, slots, scales, r: int, grad: bool, a_sl
     stored layout (an index_select of the transposed B costs 2-4x more than of B as stored, which only the backward
     repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer. `sink`
     (`routing.SlotGradSink`, Linear LoRA only): the backward's A and B gradients go there, for the used slots only.
+    `slot_index`: `torch.unique(slots, return_inverse=True)` when the caller has it (`Routing.slot_index`).
     """
     if grad:
-        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, sink)
+        _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, sink, slot_index)
         return
     a_slots = slots if a_slots is None else a_slots
     if rank_minor(lora_a, lora_b):  # a bank's layout: gather the (in, r) and (r, out) blocks as they are stored
@@ -266,7 +276,7 @@ class _GroupedLoRA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None, sink=None):
+    def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None, sink=None, slot_index=None):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
         # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
         a_slots = slots if a_slots is None else a_slots
@@ -275,6 +285,7 @@ class _GroupedLoRA(torch.autograd.Function):
         ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
+        ctx.slot_index = slot_index
         return y3
 
     @staticmethod
@@ -282,7 +293,7 @@ class _GroupedLoRA(torch.autograd.Function):
         x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, None, x3, a, bt, xa, slots, scales, a_slots, (1, 2, 3))
-        return grad, grad_x, grad_a, grad_b, None, None, None, None, None
+        return grad, grad_x, grad_a, grad_b, None, None, None, None, None, None
 
 
 class _LinearLoRA(torch.autograd.Function):
@@ -296,12 +307,13 @@ class _LinearLoRA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None):
+    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
         a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
+        ctx.slot_index = slot_index
         return y3
 
     @staticmethod
@@ -312,7 +324,7 @@ class _LinearLoRA(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
             base_x = torch.matmul(grad, weight)
         grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4))
-        return grad_x, None, None, grad_a, grad_b, None, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 
 def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
@@ -324,6 +336,12 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
     xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
     y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
     return a, bt, xa
+
+
+def _slot_index(ctx, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(used slots ascending (U,), each row's index into them (n,)): the routing's when the Function was given it."""
+    index = getattr(ctx, "slot_index", None)
+    return index if index is not None else torch.unique(slots, return_inverse=True)
 
 
 def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, inputs):
@@ -340,7 +358,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     grad_a = grad_b = None
     if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
         sink, lora_a, lora_b = ctx.sink
-        used, inverse = torch.unique(slots, return_inverse=True)  # (U,), (n,)
+        used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
         if need_a:
             rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
@@ -359,7 +377,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
         rows = torch.bmm(xa.transpose(1, 2), grad)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
-        used, inverse = torch.unique(slots, return_inverse=True)
+        used, inverse = _slot_index(ctx, slots)
         per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
         grad_b = rows.new_zeros(shape_b)
         grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
