@@ -58,8 +58,15 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median time of each callable. Repeats are interleaved (every callable once per round), so a burst of
-    load from other processes hits all strategies alike instead of skewing whichever ran during it."""
+    """Median time of each callable over `interleaved_seconds`' rounds."""
+    return {key: statistics.median(t) for key, t in interleaved_seconds(fns, repeats, clock).items()}
+
+
+def interleaved_seconds(
+    fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
+    """Every callable's time per round. Rounds are interleaved (every callable once per round), so a burst of load
+    from other processes hits all strategies alike instead of skewing whichever ran during it."""
     for fn in fns.values():
         fn()  # warm-up: first-call allocations and lazy inits are not what we measure
     times: dict[str, list[float]] = {key: [] for key in fns}
@@ -68,7 +75,7 @@ def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, clock: Ca
             start = clock()
             fn()
             times[key].append(clock() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+    return times
 
 
 def random_adapter(model: MultiLoRAModel, rank: int, seed: int) -> tuple[dict[str, torch.Tensor], dict]:

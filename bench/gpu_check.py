@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's packages (and tests.tiny_models) when run as a script
 
-from bench.bench_rollout import median_seconds, random_adapter  # noqa: E402
+from bench.bench_rollout import interleaved_seconds, median_seconds, random_adapter  # noqa: E402
 from rl_multilora.lora import MultiLoRAModel, triton_decode  # noqa: E402
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.types import GenerateRequest, SamplingParams  # noqa: E402
@@ -321,7 +321,9 @@ def _decode(shape: Shape, device: str, sizes: Sizes) -> dict:
             engine.load_adapter(name, m.adapter_state_dict(name), ADAPTER_CONFIG)
         one, mixed = [names[0]] * sizes.decode_rows, [names[i % N_TENANTS] for i in range(sizes.decode_rows)]
         fns = {"base": call([None] * sizes.decode_rows), "one": call(one), "mixed64": call(mixed)}
-        kernel = device.startswith("cuda") and triton_decode.usable(torch.empty(1, device=device), torch.empty(1, 1, 1))
+        kernel = device.startswith("cuda") and triton_decode.usable(
+            torch.empty(1, device=device), torch.empty(1, 1, 1)
+        )
         if kernel:  # the same steps with the fused decode kernel off: the torch-ops path, side by side
             fns |= {"one_torch_ops": without_kernel(call(one)), "mixed64_torch_ops": without_kernel(call(mixed))}
         times = interleaved_seconds(fns, sizes.decode_runs, synced_clock(device))
@@ -353,19 +355,6 @@ def without_kernel(fn: Callable[[], object]) -> Callable[[], object]:
             triton_decode.ENABLED = True
 
     return run
-
-
-def interleaved_seconds(fns: dict[str, Callable[[], object]], repeats: int, clock) -> dict[str, list[float]]:
-    """Every callable's time per round, rounds interleaved (each callable once per round) after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            start = clock()
-            fn()
-            times[key].append(clock() - start)
-    return times
 
 
 def ratios(one: list[float], mixed: list[float]) -> dict:

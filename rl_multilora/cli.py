@@ -16,7 +16,6 @@ import sys
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-
 def _positive_int(text: str) -> int:
     """An argparse type: an int >= 1, else argparse's usage error naming the value (no traceback).
 

@@ -441,7 +441,11 @@ class ServiceActor:
                 snapshot_every=tinker.get("snapshot_every", 50),
                 max_tokens_cap=tinker.get("max_tokens_cap"),
                 session_timeout_s=tinker.get("session_timeout_s", 120.0),
-                **({"stability_max_tokens": tinker["stability_max_tokens"]} if "stability_max_tokens" in tinker else {}),
+                **(
+                    {"stability_max_tokens": tinker["stability_max_tokens"]}
+                    if "stability_max_tokens" in tinker
+                    else {}
+                ),
             )
         self.core.start()
         if server is not None:

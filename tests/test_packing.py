@@ -197,7 +197,9 @@ def _tinker_rows() -> list[Row]:
         return r
 
     pa, pb = ids(6), ids(5)
-    rows = [row("a", "importance_sampling", pa + ids(n), 6, 0.8 - 0.5 * k, "advantages") for k, n in enumerate((4, 2, 5))]
+    rows = [
+        row("a", "importance_sampling", pa + ids(n), 6, 0.8 - 0.5 * k, "advantages") for k, n in enumerate((4, 2, 5))
+    ]
     rows += [row("b", "cross_entropy", pb + ids(n), 5, 1.0, "weights") for n in (3, 6)]
     rows.append(row("b", "cross_entropy", ids(7), 1, 1.0, "weights"))
     return rows

@@ -471,7 +471,16 @@ def test_serve_passes_the_tinker_flags_to_the_service(monkeypatch):
     monkeypatch.setattr(service, "serve", lambda cfg, address=None, tinker=None: seen.update(tinker) or 0)
     config = str(REPO / "examples/multi_lora/configs/tiny.yaml")
     args = cli.build_parser().parse_args(
-        ["serve", config, "--tinker-port", "8123", "--tinker-max-tokens-cap", "64", "--tinker-stability-max-tokens", "5000"]
+        [
+            "serve",
+            config,
+            "--tinker-port",
+            "8123",
+            "--tinker-max-tokens-cap",
+            "64",
+            "--tinker-stability-max-tokens",
+            "5000",
+        ]
     )
     assert service.cli(args) == 0
     assert seen["port"] == 8123 and seen["max_tokens_cap"] == 64 and seen["stability_max_tokens"] == 5000

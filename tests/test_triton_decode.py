@@ -90,7 +90,11 @@ def test_kernel_equals_float32_loop_under_the_interpreter():
     pytest.importorskip("triton")
     tests = Path(__file__).parent
     code = "import test_triton_decode as t; from rl_multilora.lora import triton_decode as k; t.run_cases(k, 'cpu')"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
