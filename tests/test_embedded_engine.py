@@ -179,6 +179,60 @@ def test_n_samples_of_one_prompt_share_one_prefill(engine, model):
         assert engine.generate([request])[0].output_ids == result.output_ids
 
 
+def test_a_shared_prompt_batch_decodes_in_buffers_allocated_once(engine, model):
+    """Bounded engine buffers: a group's rows write their own tokens' KV into buffers that grow by doubling up to
+    what max_new_tokens needs (8 columns, then 11 here), not by one column per step, and every layer builds its
+    attention's full KV in one scratch pair, so decode steps allocate no new KV tensors (a growing series of them
+    fragmented the host heap); the outputs are those of rows run alone."""
+    seen = []  # per decode call: (rows, layer 0's own-key buffer, the scratch's key buffer, capacity)
+
+    def record(_m, args, kwargs):
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if ids is not None and ids.shape[1] == 1 and type(cache.layers[0]).__name__ == "_SharedPromptLayer":
+            layer = cache.layers[0]
+            seen.append((ids.shape[0], layer._key_buf.data_ptr(), layer.scratch.keys.data_ptr(), layer.capacity))
+
+    hook = model.base_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        group = [GenerateRequest(PROMPTS[0], "a", sample(seed=s, max_new_tokens=12)) for s in range(5)]
+        results = engine.generate(group)
+    finally:
+        hook.remove()
+    assert len(seen) >= 3, "the group decoded in a shared-prompt batch"
+    capacities = [capacity for *_, capacity in seen]
+    assert set(capacities) <= {8, 11} and capacities == sorted(capacities), "8 columns, then max_new_tokens - 1"
+    assert len({scratch for _, _, scratch, _ in seen}) == 1, "one scratch pair for every layer and step"
+    for rows, capacity in {(rows, capacity) for rows, _, _, capacity in seen}:
+        # a new own-KV buffer only when it grows or finished rows leave the batch
+        assert len({buf for n, buf, _, c in seen if (n, c) == (rows, capacity)}) == 1
+    for request, result in zip(group, results, strict=True):
+        assert engine.generate([request])[0].output_ids == result.output_ids
+
+
+def test_shared_prompt_layer_grows_past_its_capacity_with_the_same_kv():
+    from transformers.cache_utils import DynamicLayer
+
+    from rollout.engines.embedded import _KVScratch, _SharedPromptLayer
+
+    torch.manual_seed(0)
+    prompt = DynamicLayer()
+    prompt.update(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5))  # (U, H, P, D)
+    row_prompt = torch.tensor([0, 1, 1])
+    layer = _SharedPromptLayer(prompt, row_prompt, capacity=1, scratch=_KVScratch(1, prompt.keys))
+    own_k, own_v = [], []
+    for q in (1, 2, 1):  # 4 tokens into room for 1: two doublings
+        k, v = torch.randn(3, 3, q, 5), torch.randn(3, 3, q, 5)
+        own_k.append(k)
+        own_v.append(v)
+        full_k, full_v = layer.update(k, v)
+        assert full_k.is_contiguous()
+        assert torch.equal(full_k, torch.cat([prompt.keys[row_prompt], *own_k], dim=-2))
+        assert torch.equal(full_v, torch.cat([prompt.values[row_prompt], *own_v], dim=-2))
+    assert layer.get_seq_length() == 4 + 4
+    assert layer.capacity >= 4
+
+
 def test_top_k_one_is_greedy_and_top_p_keeps_the_top_token(engine):
     reference = engine.generate([GenerateRequest(PROMPTS[2], "b", greedy())])[0].output_ids
     for params in (sample(seed=3, top_k=1), sample(seed=4, top_p=1e-6)):

@@ -115,6 +115,10 @@ from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 _NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
 _SEED_RANGE = 2**64  # a torch.Generator seed is an unsigned 64-bit integer
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+# The most own-token columns a shared-prompt batch allocates up front per layer (`_SharedPromptLayer`); longer rows
+# grow the buffers by doubling. Bounds what a request with a huge max_new_tokens (stopped by EOS long before) reserves.
+_OWN_KV_CAPACITY = 1024
+_OWN_KV_FIRST = 8  # the columns allocated at first; doubled when full, up to the capacity
 
 PAUSE_MODES = ("abort", "wait")
 logger = logging.getLogger(__name__)
@@ -173,6 +177,25 @@ class _Row:
         return self.request.sampling
 
 
+class _KVScratch:
+    """The one pair of buffers that every `_SharedPromptLayer` of a batch builds its attention's full KV in, layer after
+    layer and step after step: a layer's attention is done with its full KV before the next layer's `update`
+    (decoding runs under `inference_mode`, nothing keeps them), so the batch holds one layer's full KV at a time, in
+    memory allocated once instead of two new (B, H, P + S, D) tensors per layer per decode step. Each call gets a
+    contiguous view of the size it needs (the same layout a fresh tensor has); a size past the capacity (never, when
+    the batch's rows stay within the capacity it was made for) takes a bigger pair."""
+
+    def __init__(self, numel: int, like: torch.Tensor):
+        self.keys = like.new_empty(numel)
+        self.values = like.new_empty(numel)
+
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = math.prod(shape)
+        if n > self.keys.numel():
+            self.keys, self.values = self.keys.new_empty(n), self.values.new_empty(n)
+        return self.keys[:n].view(shape), self.values[:n].view(shape)
+
+
 class _SharedPromptLayer(DynamicLayer):
     """One layer's KV cache for rows of which several share a prompt (a GRPO group's samples).
 
@@ -180,36 +203,74 @@ class _SharedPromptLayer(DynamicLayer):
     each row is, and `keys` / `values` (B, H, S, D) are each row's own tokens since the prefill. Attention gets the
     full (B, H, P + S, D) KV from `update`, built for that layer's call only: the same values a `DynamicLayer` whose
     prompt KV was copied to every row holds, so outputs are unchanged, while the cache holds U/B of the prompt part.
+
+    Bounded buffers: a row's own tokens go into a (B, H, capacity, D) buffer allocated once (`keys` / `values` are
+    views of its first S columns), not into a new, one-column-longer tensor per decode step, and the full KV is built
+    in the batch's `_KVScratch`. A step's allocations are then the same few small tensors every step: a growing
+    series of large ones, freed in between live ones, fragmented glibc's heap (the rollout's resident size rose
+    several times its live bytes). A layer that is fed past its capacity (a row longer than the batch was sized
+    for) doubles it, so nothing depends on the capacity being right but the memory.
     """
 
-    def __init__(self, layer: DynamicLayer, row_prompt: torch.Tensor):
+    def __init__(self, layer: DynamicLayer, row_prompt: torch.Tensor, capacity: int, scratch: _KVScratch):
         super().__init__()
         self.prompt_keys, self.prompt_values = layer.keys, layer.values  # (U, H, P, D)
         self.row_prompt = row_prompt  # (B,) index into the prompt rows
         _, h, _, d = layer.keys.shape
-        self.keys = layer.keys.new_empty(len(row_prompt), h, 0, d)  # (B, H, S = 0, D)
-        self.values = layer.values.new_empty(len(row_prompt), h, 0, d)
+        self._limit = max(capacity, 1)  # growth stops here (doubling on past it)
+        first = min(self._limit, _OWN_KV_FIRST)
+        self._key_buf = layer.keys.new_empty(len(row_prompt), h, first, d)  # (B, H, columns allocated, D)
+        self._value_buf = layer.values.new_empty(len(row_prompt), h, first, d)
+        self._length = 0  # S: the columns of the buffers in use
+        self._view()
+        self.scratch = scratch
         self.device = layer.device
         self.is_initialized = True
 
+    def _view(self) -> None:
+        self.keys = self._key_buf[:, :, : self._length]  # (B, H, S, D)
+        self.values = self._value_buf[:, :, : self._length]
+
+    @property
+    def capacity(self) -> int:
+        return self._key_buf.shape[-2]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: (B, H, q, D), the tokens fed in this call
-        self.keys = torch.cat([self.keys, key_states], dim=-2)  # (B, H, S + q, D)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        return self.full()
+        end = self._length + key_states.shape[-2]
+        if end > self.capacity:  # past what the batch was sized for: grow (doubling), copying the columns in use
+            grown = max(end, 2 * self.capacity)
+            grown = min(grown, self._limit) if end <= self._limit else grown
+            b, h, _, d = self._key_buf.shape
+            key_buf, value_buf = self._key_buf.new_empty(b, h, grown, d), self._value_buf.new_empty(b, h, grown, d)
+            key_buf[:, :, : self._length] = self.keys
+            value_buf[:, :, : self._length] = self.values
+            self._key_buf, self._value_buf = key_buf, value_buf
+        self._key_buf[:, :, self._length : end] = key_states
+        self._value_buf[:, :, self._length : end] = value_states
+        self._length = end
+        self._view()
+        return self.full(self.scratch)
 
-    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's keys and values, its prompt's then its own: (B, H, P + S, D) each."""
-        return _gather_rows(self.prompt_keys, self.row_prompt, self.keys), _gather_rows(
-            self.prompt_values, self.row_prompt, self.values
+    def full(self, scratch: _KVScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values, its prompt's then its own: (B, H, P + S, D) each; in `scratch`'s buffers (valid
+        until the next layer's call) when given, else new tensors."""
+        b, h, s, d = self.keys.shape
+        shape = (b, h, self.prompt_keys.shape[-2] + s, d)
+        out_k, out_v = scratch.take(shape) if scratch is not None else (None, None)
+        return (
+            _gather_rows(self.prompt_keys, self.row_prompt, self.keys, out_k),
+            _gather_rows(self.prompt_values, self.row_prompt, self.values, out_v),
         )
 
     def get_seq_length(self) -> int:
-        return self.prompt_keys.shape[-2] + self.keys.shape[-2]
+        return self.prompt_keys.shape[-2] + self._length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows `indices` (B',); prompts no row uses any more are dropped."""
-        self.keys, self.values, row_prompt = self.keys[indices], self.values[indices], self.row_prompt[indices]
+        self._key_buf, self._value_buf = self._key_buf[indices], self._value_buf[indices]
+        self._view()
+        row_prompt = self.row_prompt[indices]
         used, self.row_prompt = torch.unique(row_prompt, return_inverse=True)  # (U',), (B',)
         if len(used) < self.prompt_keys.shape[0]:
             self.prompt_keys, self.prompt_values = self.prompt_keys[used], self.prompt_values[used]
@@ -219,10 +280,14 @@ class _SharedPromptLayer(DynamicLayer):
         self.prompt_keys, self.prompt_values = self.prompt_keys[:, :, n:], self.prompt_values[:, :, n:]
 
 
-def _gather_rows(prompt: torch.Tensor, row_prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """out[b] = cat(prompt[row_prompt[b]], own[b]) along the sequence; prompt: (U, H, P, D), own: (B, H, S, D)."""
+def _gather_rows(
+    prompt: torch.Tensor, row_prompt: torch.Tensor, own: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[b] = cat(prompt[row_prompt[b]], own[b]) along the sequence; prompt: (U, H, P, D), own: (B, H, S, D); `out`:
+    where to write it, (B, H, P + S, D) (None: a new tensor)."""
     p = prompt.shape[-2]
-    out = own.new_empty(own.shape[0], own.shape[1], p + own.shape[2], own.shape[3])  # (B, H, P + S, D)
+    if out is None:
+        out = own.new_empty(own.shape[0], own.shape[1], p + own.shape[2], own.shape[3])  # (B, H, P + S, D)
     torch.index_select(prompt, 0, row_prompt, out=out[:, :, :p])
     out[:, :, p:] = own
     return out
@@ -245,12 +310,16 @@ class _Batch:
         self.mask, self.last_pos, self.slots = self.mask[index], self.last_pos[index], self.slots[index]
         self.logits = self.logits[index]
 
-    def share(self, index: torch.Tensor) -> None:
+    def share(self, index: torch.Tensor, capacity: int) -> None:
         """As `expand` (row j becomes a copy of row index[j]), but the cache keeps each prompt row's KV once
-        (`_SharedPromptLayer`) where its layers are plain `DynamicLayer`s; index: (B',)."""
+        (`_SharedPromptLayer`) where its layers are plain `DynamicLayer`s; index: (B',). `capacity`: the most tokens a
+        row will feed after this (each layer's own-token buffers are allocated for it once)."""
         if not self.can_merge():
             return self.expand(index)
-        self.cache.layers = [_SharedPromptLayer(layer, index) for layer in self.cache.layers]
+        first = self.cache.layers[0]
+        _, h, p, d = first.keys.shape
+        scratch = _KVScratch(len(index) * h * (p + max(capacity, 1)) * d, first.keys)
+        self.cache.layers = [_SharedPromptLayer(layer, index, capacity, scratch) for layer in self.cache.layers]
         self.mask, self.last_pos, self.slots = self.mask[index], self.last_pos[index], self.slots[index]
         self.logits = self.logits[index]
 
@@ -1034,7 +1103,9 @@ class EmbeddedEngine(RolloutEngine):
         logits = self._forward(input_ids, mask, positions, slots, cache)  # (U, V)
         batch = _Batch(list(rows), cache, mask, positions[:, -1], slots, logits)
         if len(prompts) < len(rows):
-            batch.share(torch.tensor(row_to_unique, device=self._device))  # (B,) unique prompt of each row
+            # (B,) unique prompt of each row; a row feeds at most its max_new_tokens - 1 tokens after the prefill
+            capacity = max(self._tokens_left(r) for r in rows) - 1
+            batch.share(torch.tensor(row_to_unique, device=self._device), min(capacity, _OWN_KV_CAPACITY))
         return batch
 
     def _seed_cache(self, cache: DynamicCache, hits: list[tuple[PrefixEntry | None, int]]) -> torch.Tensor:
@@ -1106,6 +1177,13 @@ class EmbeddedEngine(RolloutEngine):
         """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32."""
         tokens = sample_next_tokens(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
         return tokens.tolist(), token_logprobs(logits, tokens).tolist()
+
+    def _tokens_left(self, row: _Row) -> int:
+        """The most tokens `row` can still generate: its max_new_tokens, capped by the model's context length."""
+        left = row.params.max_new_tokens - len(row.output_ids)
+        if self._context_len is not None:
+            left = min(left, self._context_len - len(row.request.input_ids) - len(row.output_ids))
+        return max(left, 0)
 
     def _append(self, row: _Row, token: int, logprob: float) -> str | None:
         """Record the row's new token; its finish reason when it is done, else None."""

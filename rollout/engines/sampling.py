@@ -50,7 +50,7 @@ def sample_next_tokens(
     for group, use_filters in ((plain, False), (filtered, True)):
         if group:
             index = torch.tensor(group, device=logits.device)
-            picked = _inverse_cdf_sample(
+            picked = _inverse_cdf_sample(  # logits[index]: a copy, which the sampler works in
                 logits[index], [params[i] for i in group], [generators[i] for i in group], use_filters
             )
             tokens[index] = picked
@@ -68,7 +68,9 @@ def _inverse_cdf_sample(
     temperature = torch.tensor([p.temperature for p in params], device=device)
     # Shift each row's maximum to 0 before dividing: finite logits over a vanishing temperature then give 0 and -inf
     # (the argmax, as the limit T -> 0 is), never inf - inf = NaN, which drew an out-of-vocabulary index.
-    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]  # (S, V), max 0 per row
+    # In place on `logits` (the caller's copy of its rows; the same values as out of place): a decode step's (S, V)
+    # temporaries are a large part of what a rollout allocates per step.
+    scaled = logits.sub_(logits.max(dim=-1, keepdim=True).values).div_(temperature[:, None])  # (S, V), max 0 per row
     order = None
     if use_filters:
         top_p = torch.tensor([p.top_p for p in params], device=device)
@@ -85,7 +87,9 @@ def _inverse_cdf_sample(
         probs = probs * keep
     else:
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
+    del scaled
     cdf = probs.cumsum(-1)  # (S, V) unnormalized CDF (filtered mass removed)
+    del probs
     total = cdf[:, -1:]  # (S, 1)
     # One uniform per row from the row's own generator: independent of the batch's make-up.
     u = torch.stack([torch.rand((), generator=g) for g in generators]).to(device)  # (S,)
