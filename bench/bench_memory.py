@@ -17,9 +17,10 @@ them). Prints, and with `--json` writes:
 - train: the largest bytes one micro-batch's forward saved for its backward (autograd's saved tensors, parameters
   left out: with activation checkpointing, each layer's input and the head's inputs);
 - the peak by component: the RSS before the model is built (interpreter, torch, libraries), the base weights
-  (file-backed pages of the mapped safetensors, RssFile's rise), the live heap between steps (the held tensors
-  above, Python objects), each phase's live-heap rise (rollout: the KV cache and logits; train: saved activations
-  and temporaries), and the rest of the peak: mostly pages malloc kept free (a fragmented heap).
+  (file-backed pages of the mapped safetensors, RssFile's rise), the live heap between steps less the heap before
+  the build, which the first term holds already (the held tensors above, Python objects), each phase's live-heap
+  rise (rollout: the KV cache and logits; train: saved activations and temporaries), and the rest of the peak:
+  mostly pages malloc kept free (a fragmented heap).
 
 RSS is what the OS charges; on CPU, PyTorch's allocator is the C library's malloc, so a peak includes what a phase
 freed but malloc kept. Peaks vary little run to run (the data and the seeds are fixed); CPU times vary with the
@@ -229,7 +230,7 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
     from rl_multilora.config import load_run_config
 
     sampler = Sampler()
-    rss_before, file_before = sampler.rss(), rss_file()
+    rss_before, file_before, heap_before = sampler.rss(), rss_file(), sampler.heap()
     cfg = load_run_config(config, overrides or [])
     data = cfg.model_dump(mode="json")
     data.update(
@@ -288,7 +289,8 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
     by_component = {
         "interpreter_torch_libraries": rss_before,
         "base_weights_file_backed": file_after - file_before,
-        "live_heap_between_steps": heap_between,
+        # the heap the build and the steps added: the heap before the build (imports: ~90 MiB) is in the RSS above
+        "live_heap_between_steps_since_build": heap_between - heap_before,
         f"{peak_phase}_live_heap_rise": sampler.heap_rise.get(peak_phase, 0),
     }
     # the rest: pages malloc keeps free, other memory; negative where the estimates overlap (RssFile's rise also
@@ -301,6 +303,7 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
         "torch_threads": torch.get_num_threads(),
         "rss_before_build_mib": rss_before / MIB,
         "rss_after_build_mib": rss_built / MIB,
+        "heap_before_build_mib": heap_before / MIB,
         "rss_peak_mib": max(sampler.peak.values()) / MIB,
         "held_mib": {k: v / MIB for k, v in components.items()},
         "phase_peak_mib": {k: v / MIB for k, v in sampler.peak.items()},
