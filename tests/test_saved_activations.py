@@ -34,8 +34,10 @@ def _grads(m: MultiLoRAModel, recompute: bool, kept: dict[int, int] | None = Non
         if kept is not None and t.grad_fn is not None:
             kept[t.untyped_storage().data_ptr()] = t.numel()
 
-    ctx = recompute_elementwise(count) if recompute else torch.autograd.graph.saved_tensors_hooks(
-        lambda t: count(t) or t, lambda t: t
+    ctx = (
+        recompute_elementwise(count)
+        if recompute
+        else torch.autograd.graph.saved_tensors_hooks(lambda t: count(t) or t, lambda t: t)
     )
     with ctx:
         hidden = m.forward_hidden(ids, attention_mask=mask, adapter_names=["a", "b", "a"])
