@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - depends on the install
 if triton is not None:
 
     @triton.jit
-    def _lora_decode_kernel(
+    def lora_decode_kernel(
         y_ptr, x_ptr, a_ptr, b_ptr, slot_ptr, scale_ptr, row_ptr,
         fan_out, rank,
         stride_x, stride_y,

@@ -32,7 +32,7 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None  # CUDA builds of torch bring it; imported on first use
 
 MAX_RANK = 64
-_KERNEL = None  # `_triton_kernels._lora_decode_kernel` once loaded
+_KERNEL = None  # `_triton_kernels.lora_decode_kernel` once loaded
 ENABLED = os.environ.get("RL_MULTILORA_TRITON_DECODE", "1") != "0"
 
 
@@ -58,9 +58,9 @@ def lora_decode(
     """
     global _KERNEL
     if _KERNEL is None:  # Triton is imported on the first CUDA decode step, not with the layers
-        from rl_multilora.lora._triton_kernels import _lora_decode_kernel
+        from rl_multilora.lora._triton_kernels import lora_decode_kernel
 
-        _KERNEL = _lora_decode_kernel
+        _KERNEL = lora_decode_kernel
     n = slots.shape[0]
     if n == 0 or rank == 0:
         return
