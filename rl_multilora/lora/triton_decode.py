@@ -6,7 +6,7 @@ Design choices:
   layers, 210 LoRA modules) the torch ops of the gather path (convert x and y, gather A and B per row, two batched
   matmuls, scale, add, convert back: about 8 kernels and their Python per module) cost more than the base model's own
   step, and a mix of 64 adapters took a different path with more ops than one adapter's. Here every mix, one adapter
-  included, is one launch per module: program (i, j) computes row i's `xa = scale_i * x_i @ A[s_i, :r].T` (r <= 16
+  included, is one launch per module: program (i, j) computes row i's `xa = scale_i * x_i @ A[s_i, :r].T` (r <= 64
   values, recomputed by each of the row's output blocks, which is `in * r` MACs) and adds `xa @ B[s_i, j-block, :r].T`
   into its block of `y`. It reads each row's own slot straight from the stacked tensors (BGMV, as Punica / S-LoRA),
   so 64 distinct adapters cost one adapter's launches; what grows with the mix is the bytes read (64 slots' A and
