@@ -26,6 +26,7 @@ deterministic function; autograd is unaffected. Log-probs of half-precision mode
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -500,51 +501,46 @@ class TrainOps:
         With a plain output head (`MultiLoRAModel.output_head`), from the decoder's hidden states at the loss
         positions through `token_logp_entropy`: chunks of tokens, no full-vocabulary logits kept for the backward.
         Otherwise from the model's logits at the kept positions."""
-        if not torch.is_grad_enabled() or self.ranks.world > 1:  # sharded: FSDP's own hooks free and refetch params
-            return self._forward_logp_inner(inputs, adapter_names, tok, temperature)
         # What the backward needs of the cheap elementwise steps (SwiGLU's silu and product, RMSNorm's output) is
         # recomputed from what it keeps anyway, bit for bit (`rl_multilora.saved_activations`): about a third less
-        # kept per token and layer, for a few elementwise passes in the backward.
-        with recompute_elementwise(self.saved_observer):
-            return self._forward_logp_inner(inputs, adapter_names, tok, temperature)
-
-    def _forward_logp_inner(
-        self,
-        inputs: ForwardInputs,
-        adapter_names: list[str | None],
-        tok: TokenIndex,
-        temperature: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        names = [adapter_names[i] for i in inputs.firsts]  # one per sequence of the forward
-        extra = {} if inputs.position_ids is None else {"position_ids": inputs.position_ids}
-        head = self.model.output_head()
-        if head is not None:
-            hidden = self.model.forward_hidden(
-                inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, **extra
+        # kept per token and layer, for a few elementwise passes in the backward. Not when sharded: FSDP's own hooks
+        # free and refetch params.
+        recompute = torch.is_grad_enabled() and self.ranks.world == 1
+        with recompute_elementwise(self.saved_observer) if recompute else contextlib.nullcontext():
+            names = [adapter_names[i] for i in inputs.firsts]  # one per sequence of the forward
+            extra = {} if inputs.position_ids is None else {"position_ids": inputs.position_ids}
+            head = self.model.output_head()
+            if head is not None:
+                hidden = self.model.forward_hidden(
+                    inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, **extra
+                )
+                picked = hidden[inputs.state_row, inputs.state_pos]  # (N, H): the state before each loss token
+                inv_t = 1.0 / (self.temperature if temperature is None else temperature)
+                lora = self.model.head_lora(names, inputs.state_row)  # each token's LoRA on lm_head, if it is a target
+                return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t, lora=lora)
+            width = inputs.input_ids.shape[1]
+            # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
+            # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
+            keep = width - inputs.first_state
+            out = self.model(
+                inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                adapter_names=names,
+                logits_to_keep=keep,
+                **extra,
             )
-            picked = hidden[inputs.state_row, inputs.state_pos]  # (N, H): the state before each loss token
-            inv_t = 1.0 / (self.temperature if temperature is None else temperature)
-            lora = self.model.head_lora(names, inputs.state_row)  # each token's LoRA on lm_head, if it is a target
-            return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t, lora=lora)
-        width = inputs.input_ids.shape[1]
-        # Logits at position t predict token t + 1. HF's `logits_to_keep` (last k positions) skips the lm_head over
-        # the prompt region, whose (B, T, V) logits dominate memory at real vocab sizes.
-        keep = width - inputs.first_state
-        out = self.model(
-            inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, logits_to_keep=keep, **extra
-        )
-        logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
-        offset = width - logits.shape[1]
-        # gathering before the softmax keeps it at (N, V), not (B, K, V)
-        picked = logits[inputs.state_row, inputs.state_pos - offset]  # (N, V)
-        # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
-        picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
-        # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).
-        picked = picked / (self.temperature if temperature is None else temperature.to(picked.dtype)[:, None])
-        logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
-        logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
-        return logp, entropy
+            logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
+            offset = width - logits.shape[1]
+            # gathering before the softmax keeps it at (N, V), not (B, K, V)
+            picked = logits[inputs.state_row, inputs.state_pos - offset]  # (N, V)
+            # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
+            picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
+            # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).
+            picked = picked / (self.temperature if temperature is None else temperature.to(picked.dtype)[:, None])
+            logp_all = F.log_softmax(picked, dim=-1)  # (N, V)
+            logp = logp_all.gather(-1, tok.target[:, None]).squeeze(-1)  # (N,)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+            return logp, entropy
 
     # ----- optimizer state -----
 
