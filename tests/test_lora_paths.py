@@ -133,12 +133,12 @@ def test_training_node_equals_reference_loop(names, sink):
 
 
 def test_the_routing_holds_the_used_slots_so_no_layer_backward_computes_them(monkeypatch):
-    """`Routing.slot_index` is `torch.unique(row_slots, return_inverse=True)`, built on the host once per forward;
+    """`Routing.slot_index()` is `torch.unique(row_slots, return_inverse=True)`, built on the host once per forward;
     a training backward through every Linear reads it instead of calling unique (a device sync per layer on a GPU)."""
     routing = build_routing([5, -1, 0, 2, 2, -1, 0], {s: (4, 1.0, frozenset()) for s in (0, 2, 5)}, torch.device("cpu"),
                             None, reference=False)  # fmt: skip
     used, inverse = torch.unique(routing.row_slots, return_inverse=True)
-    assert torch.equal(routing.slot_index[0], used) and torch.equal(routing.slot_index[1], inverse)
+    assert torch.equal(routing.slot_index()[0], used) and torch.equal(routing.slot_index()[1], inverse)
     m = make_model("qwen2")
     add(m, {"a": (4, 8), "b": (8, 16)})
     m.train()

@@ -145,13 +145,13 @@ class LoRALinear(nn.Module):
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
             grouped_lora(
                 out, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink,
-                slot_index=routing.slot_index,
+                slot_index=routing.slot_index() if grad else None,
             )  # fmt: skip
         else:
             delta = out.new_zeros(n, x3.shape[1], self.out_features)
             grouped_lora(
                 delta, x3, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, grad, sink=sink,
-                slot_index=routing.slot_index,
+                slot_index=routing.slot_index() if grad else None,
             )  # fmt: skip
             delta = delta.view(*xs.shape[:-1], self.out_features)
             if routing.active is None:
@@ -188,7 +188,7 @@ class LoRALinear(nn.Module):
         sink = routing.grad_sink
         y3 = _LinearLoRA.apply(
             x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink,
-            routing.slot_index,
+            routing.slot_index(),
         )  # fmt: skip
         return y3.view(*x.shape[:-1], self.out_features)
 
@@ -216,7 +216,7 @@ def grouped_lora(
     stored layout (an index_select of the transposed B costs 2-4x more than of B as stored, which only the backward
     repays) and skip the Function's bookkeeping: a decode step is a few microseconds per layer. `sink`
     (`routing.SlotGradSink`, Linear LoRA only): the backward's A and B gradients go there, for the used slots only.
-    `slot_index`: `torch.unique(slots, return_inverse=True)` when the caller has it (`Routing.slot_index`).
+    `slot_index`: `torch.unique(slots, return_inverse=True)` when the caller has it (`Routing.slot_index()`).
     """
     if grad:
         _GroupedLoRA.apply(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, sink, slot_index)

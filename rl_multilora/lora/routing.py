@@ -104,10 +104,7 @@ class Routing:
     _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
     _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
     grad_sink: SlotGradSink | None = None  # where the grouped backward puts slot gradients (None: into `.grad`)
-    # (U,) the used slots ascending and (n_active,) each active row's index into them: `torch.unique(row_slots,
-    # return_inverse=True)` computed on the host once per forward, not by every layer's backward (on a GPU each
-    # unique is a device sync)
-    slot_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    _slot_index: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # slot_index's, once built
     _bags: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # bag_index cache
 
     @property
@@ -134,6 +131,20 @@ class Routing:
                     self._by_covering[covering] = torch.tensor(values, dtype=self.dtype, device=self.row_slots.device)
                 self._scales[module] = self._by_covering[covering]
         return self._scales[module]
+
+    def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(U,) the used slots ascending and (n_active,) each active row's index into them: `torch.unique(row_slots,
+        return_inverse=True)`, built on the host once per forward (on first use: training's backward) instead of by
+        every layer's backward (on a GPU each unique is a device sync)."""
+        if not self._slot_index:
+            used = sorted(self.all_slots)
+            at = {s: i for i, s in enumerate(used)}
+            device = self.row_slots.device
+            self._slot_index.append((
+                torch.tensor(used, dtype=torch.long, device=device),
+                torch.tensor([at[s] for s in self.slots if s != BASE_SLOT], dtype=torch.long, device=device),
+            ))  # fmt: skip
+        return self._slot_index[0]
 
     def bag_index(self, stride: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices and offsets of one `embedding_bag` bag per active row over a table holding `stride` rows per slot:
@@ -192,13 +203,7 @@ def build_routing(
     row_slots = torch.tensor([slots[row] for row in active_rows], dtype=torch.long, device=device)
     max_rank = max((g.rank for g in groups), default=0)
     common = frozenset.intersection(*(g.modules for g in groups)) if groups else frozenset()
-    used = sorted(by_slot)
-    at = {s: i for i, s in enumerate(used)}
-    slot_index = (
-        torch.tensor(used, dtype=torch.long, device=device),
-        torch.tensor([at[slots[row]] for row in active_rows], dtype=torch.long, device=device),
-    )
     return Routing(
         len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, frozenset(by_slot),
-        common, {}, {}, grad_sink, slot_index,
+        common, {}, {}, grad_sink,
     )  # fmt: skip
