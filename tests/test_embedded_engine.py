@@ -159,6 +159,28 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     assert other_seed.output_ids != alone.output_ids
 
 
+def test_sampling_in_row_chunks_changes_no_token_or_logprob(engine, monkeypatch):
+    """The engine samples a step's rows in chunks (`_SAMPLE_ROWS`, a bound on the sampler's (rows, vocab)
+    temporaries): chunks of 3 rows and one chunk of every row give the same tokens and log-probs, bit for bit."""
+    import rollout.engines.embedded as embedded
+
+    requests = [
+        GenerateRequest(PROMPTS[i % 4], adapter=[None, "a", "b", "c"][i % 4], sampling=params)
+        for i, params in enumerate(
+            [sample(seed=s, max_new_tokens=12) for s in range(5)]
+            + [sample(seed=20 + s, top_k=7, top_p=0.9) for s in range(3)]
+            + [greedy(8), greedy(12)]
+        )
+    ]
+    monkeypatch.setattr(embedded, "_SAMPLE_ROWS", 1000)
+    whole = engine.generate(requests)
+    monkeypatch.setattr(embedded, "_SAMPLE_ROWS", 3)
+    chunked = engine.generate(requests)
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
+    assert [r.output_logprobs for r in chunked] == [r.output_logprobs for r in whole]
+    assert len({tuple(r.output_ids) for r in whole}) > 5  # the rows really differ
+
+
 def test_n_samples_of_one_prompt_share_one_prefill(engine, model):
     prefill_rows = []
     hook = model.base_model.register_forward_pre_hook(

@@ -112,6 +112,7 @@ from rollout.engines.prefix_cache import AdapterKey, PrefixCache, PrefixEntry
 from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
+_SAMPLE_ROWS = 16  # rows sampled at once (`EmbeddedEngine._sample`)
 _NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
 _SEED_RANGE = 2**64  # a torch.Generator seed is an unsigned 64-bit integer
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -1174,9 +1175,19 @@ class EmbeddedEngine(RolloutEngine):
         return out.logits[:, -1, :].float()
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
-        """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32."""
-        tokens = sample_next_tokens(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
-        return tokens.tolist(), token_logprobs(logits, tokens).tolist()
+        """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32.
+
+        In chunks of `_SAMPLE_ROWS` rows: the sampler's temporaries (a copy of the logits, probabilities, CDF,
+        log-softmax) are each (rows, V), 18 MiB apiece for 96 rows of a 49k vocabulary at once. Every step of it
+        is per row (a row's own generator, settings and logits), so the chunking changes no token or log-prob."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for start in range(0, len(rows), _SAMPLE_ROWS):
+            part, chunk = logits[start : start + _SAMPLE_ROWS], rows[start : start + _SAMPLE_ROWS]
+            picked = sample_next_tokens(part, [r.params for r in chunk], [r.generator for r in chunk])  # (b,)
+            tokens += picked.tolist()
+            logprobs += token_logprobs(part, picked).tolist()
+        return tokens, logprobs
 
     def _tokens_left(self, row: _Row) -> int:
         """The most tokens `row` can still generate: its max_new_tokens, capped by the model's context length."""
