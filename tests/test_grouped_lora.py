@@ -485,3 +485,27 @@ def test_a_model_wholly_in_bf16_runs_the_grouped_path_and_tracks_the_fp32_loop()
                 continue
             assert g.dtype == torch.bfloat16
             torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=0.1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit(family):
+    """Training with every row on an adapter (`_LinearLoRA`): a batch of one slot reads that slot as a stride-0 view
+    (no per-row copy), a mixed batch gathers each row's slot. Both compute each row's products with the same GEMMs,
+    so a tenant's logits and gradients do not depend on who shares its batch, to the bit."""
+    m = make_model(family)
+    add(m, {"a": (4, 9), "b": (4, 5)})
+    ids, _ = batch(rows=6, length=7, seed=3, left_pad=False)
+    names = ["a", "b", "a", "a", "b", "b"]
+    m.zero_grad(set_to_none=True)
+    mixed = m(ids, adapter_names=names).logits
+    per_adapter_loss(mixed, ids, names, "a").backward()
+    mixed_grads = cloned_grads(m, ["a"])["a"]
+    rows = [i for i, n in enumerate(names) if n == "a"]
+    m.zero_grad(set_to_none=True)
+    alone = m(ids[rows], adapter_names=["a"] * len(rows)).logits
+    per_adapter_loss(alone, ids[rows], ["a"] * len(rows), "a").backward()
+    assert torch.equal(alone, mixed[rows])
+    alone_grads = cloned_grads(m, ["a"])["a"]
+    assert len(alone_grads) == len(mixed_grads) > 0
+    assert all(torch.equal(g, h) for g, h in zip(alone_grads, mixed_grads, strict=True))
+    assert any(torch.count_nonzero(g) > 0 for g in alone_grads)

@@ -186,9 +186,10 @@ class LoRALinear(nn.Module):
         if scales is None:
             return None
         sink = routing.grad_sink
+        single = routing.groups[0].slot if len(routing.groups) == 1 else None  # every row on this slot
         y3 = _LinearLoRA.apply(
             x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink,
-            routing.slot_index(),
+            routing.slot_index(), single,
         )  # fmt: skip
         return y3.view(*x.shape[:-1], self.out_features)
 
@@ -307,9 +308,9 @@ class _LinearLoRA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None):
+    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None, single=None):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
-        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots)
+        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots, single)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
@@ -324,14 +325,24 @@ class _LinearLoRA(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
             base_x = torch.matmul(grad, weight)
         grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4))
-        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None
 
 
-def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots):
-    """`y3[i] += scale[i] * (x3[i] @ a[i].T) @ bt[i]` in place; returns the gathered `a: (n, r, in)`, `bt: (n, r,
-    out)` and `xa = scale * x3 @ a.T: (n, L, r)` that the backward reads."""
-    a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
-    bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
+def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=None):
+    """`y3[i] += scale[i] * (x3[i] @ a[i].T) @ bt[i]` in place; returns `a: (n, r, in)`, `bt: (n, r, out)` (each
+    row's slot) and `xa = scale * x3 @ a.T: (n, L, r)`, which the backward reads.
+
+    `single`: the slot every row uses, when there is one (a batch of one tenant): `a` and `bt` are then that slot
+    expanded over the rows (stride 0, no copy) instead of a gathered copy per row, which at SmolLM2's shape was as
+    many bytes as the layer's activations and was kept for the backward. Each row's batched product is the same
+    GEMM on the same values either way, so the results are the same bit for bit (tests/test_lora_layer.py)."""
+    if single is not None:
+        n = x3.shape[0]
+        a = lora_a.narrow(0, single, 1).narrow(1, 0, r).expand(n, -1, -1)  # (n, r, in), a view of A[single, :r]
+        bt = lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2).expand(n, -1, -1)  # (n, r, out), a view
+    else:
+        a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
+        bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
     xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
     xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
     y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
