@@ -25,7 +25,9 @@ Design choices:
   never enter another slot's gradient and a NaN/inf row cannot leak into other tenants (a one-hot-masked dense
   formulation would: 0 * NaN = NaN). Measured on CPU (`bench/bench_lora.py`), this costs the same with 1, 64 or
   256 adapters in the batch, where the former per-slot loop of small matmuls cost 2.4x at 64. torch's
-  `grouped_mm` has no usable CPU kernel for these layouts here; a padded per-slot `bmm` pads skewed mixes.
+  `grouped_mm` has no usable CPU kernel for these layouts here; a padded per-slot `bmm` pads skewed mixes. A
+  training batch whose rows all use one slot reads that slot as a stride-0 view instead of a copy per row: the same
+  GEMMs on the same values, so the same bits as the mixed path.
 - The backward is written out (`_GroupedLoRA`) instead of left to autograd: every batched matmul gets its rank-wide
   operand in the layout the CPU kernels are fast with, and the base output is updated in place. At hidden 1024 this
   made a mixed 8-adapter forward+backward 1.12-1.14x the same batch without LoRA, where autograd through PEFT's
