@@ -160,8 +160,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
 
 
 def test_sampling_in_row_chunks_changes_no_token_or_logprob(engine, monkeypatch):
-    """The engine samples a step's rows in chunks (`_SAMPLE_ROWS`, a bound on the sampler's (rows, vocab)
-    temporaries): chunks of 3 rows and one chunk of every row give the same tokens and log-probs, bit for bit."""
+    """The engine samples a step's rows in chunks (`_SAMPLE_ELEMENTS`, a bound on the sampler's (rows, vocab)
+    temporaries): chunks of one row and one chunk of every row give the same tokens and log-probs, bit for bit."""
     import rollout.engines.embedded as embedded
 
     requests = [
@@ -172,9 +172,9 @@ def test_sampling_in_row_chunks_changes_no_token_or_logprob(engine, monkeypatch)
             + [greedy(8), greedy(12)]
         )
     ]
-    monkeypatch.setattr(embedded, "_SAMPLE_ROWS", 1000)
+    monkeypatch.setattr(embedded, "_SAMPLE_ELEMENTS", 1 << 30)
     whole = engine.generate(requests)
-    monkeypatch.setattr(embedded, "_SAMPLE_ROWS", 3)
+    monkeypatch.setattr(embedded, "_SAMPLE_ELEMENTS", 1)
     chunked = engine.generate(requests)
     assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
     assert [r.output_logprobs for r in chunked] == [r.output_logprobs for r in whole]

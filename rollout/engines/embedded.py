@@ -112,7 +112,7 @@ from rollout.engines.prefix_cache import AdapterKey, PrefixCache, PrefixEntry
 from rollout.engines.sampling import sample_next_tokens, token_logprobs
 from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
-_SAMPLE_ROWS = 16  # rows sampled at once (`EmbeddedEngine._sample`)
+_SAMPLE_ELEMENTS = 1 << 20  # logits sampled at once, rows x vocabulary (`EmbeddedEngine._sample`): 4 MiB in float32
 _NONFINITE_ERROR = "the model produced NaN or inf logits for this request (are its adapter's weights finite?)"
 _SEED_RANGE = 2**64  # a torch.Generator seed is an unsigned 64-bit integer
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -1177,13 +1177,16 @@ class EmbeddedEngine(RolloutEngine):
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list[float]]:
         """Pick each row's next token and its raw (temperature-1) log-prob; logits: (B, V) float32.
 
-        In chunks of `_SAMPLE_ROWS` rows: the sampler's temporaries (a copy of the logits, probabilities, CDF,
-        log-softmax) are each (rows, V), 18 MiB apiece for 96 rows of a 49k vocabulary at once. Every step of it
-        is per row (a row's own generator, settings and logits), so the chunking changes no token or log-prob."""
+        In chunks of at most `_SAMPLE_ELEMENTS` logits: the sampler's temporaries (a copy of the logits,
+        probabilities, CDF, log-softmax) are each (rows, V), 18 MiB apiece for 96 rows of a 49k vocabulary at once
+        (21 rows a chunk there; a small vocabulary samples every row at once, where more calls would cost more than
+        they save). Every step of it is per row (a row's own generator, settings and logits), so the chunking
+        changes no token or log-prob."""
         tokens: list[int] = []
         logprobs: list[float] = []
-        for start in range(0, len(rows), _SAMPLE_ROWS):
-            part, chunk = logits[start : start + _SAMPLE_ROWS], rows[start : start + _SAMPLE_ROWS]
+        step = max(1, _SAMPLE_ELEMENTS // logits.shape[-1])  # rows per chunk
+        for start in range(0, len(rows), step):
+            part, chunk = logits[start : start + step], rows[start : start + step]
             picked = sample_next_tokens(part, [r.params for r in chunk], [r.generator for r in chunk])  # (b,)
             tokens += picked.tolist()
             logprobs += token_logprobs(part, picked).tolist()
