@@ -188,7 +188,7 @@ class LoRALinear(nn.Module):
         if scales is None:
             return None
         sink = routing.grad_sink
-        single = routing.groups[0].slot if len(routing.groups) == 1 else None  # every row on this slot
+        single = routing.single.slot if routing.single is not None else None  # every row on this slot
         y3 = _LinearLoRA.apply(
             x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink,
             routing.slot_index(), single,
@@ -337,7 +337,7 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=N
     `single`: the slot every row uses, when there is one (a batch of one tenant): `a` and `bt` are then that slot
     expanded over the rows (stride 0, no copy) instead of a gathered copy per row, which at SmolLM2's shape was as
     many bytes as the layer's activations and was kept for the backward. Each row's batched product is the same
-    GEMM on the same values either way, so the results are the same bit for bit (tests/test_lora_layer.py)."""
+    GEMM on the same values either way, so the results are the same bit for bit (tests/test_grouped_lora.py)."""
     if single is not None:
         n = x3.shape[0]
         a = lora_a.narrow(0, single, 1).narrow(1, 0, r).expand(n, -1, -1)  # (n, r, in), a view of A[single, :r]
