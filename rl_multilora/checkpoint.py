@@ -23,6 +23,8 @@ Design choices (PRIOR_ART):
   (`steps_done` <= the run state's `global_step`); one from an unfinished step is discarded and that step is
   trained again. Otherwise a kill between an adapter's checkpoint and the end of the step would resume it past
   the step's metrics row, which was never written, and (for a drain) leave the run state saying RUNNING.
+  So pruning (`keep_last`) never removes the newest checkpoint that counts while a newer one does not yet: with
+  `keep_last: 1` a kill in that window would otherwise leave the adapter nothing to resume from.
   Without a run_state.json (a kill inside the very first step, or checkpoints copied into a new run dir) there is
   no record to check against and every complete checkpoint counts.
 - Restore happens after the adapter's slot exists (the adapter was added, so the load lands in an initialized slot),
@@ -255,6 +257,7 @@ class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 2):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
+        self._prune_after_commit: set[str] = set()
 
     def adapter_dir(self, name: str) -> Path:
         return self.run_dir / "adapters" / name
@@ -400,9 +403,26 @@ class CheckpointManager:
         return list(dict.fromkeys(m["label"] for _, _, m in _complete(self.adapter_dir(name)) if m.get("label")))
 
     def _prune(self, name: str) -> None:
-        cks = list_checkpoints(self.adapter_dir(name))
-        for _, d in cks[: max(0, len(cks) - self.keep_last)]:
-            self._discard(d)
+        """Keep `name`'s newest `keep_last` checkpoints and, beside them, the newest one a resume would take now.
+
+        A checkpoint written inside a step counts only once the run state records that step as finished
+        (`restore_candidates`); until then the committed one before it is the adapter's only restore point. With
+        `keep_last: 1` pruning it at the save would leave a kill before the step's end nothing to resume from: the
+        adapter would start over. It goes at the first save after a newer one counts."""
+        found = _complete(self.adapter_dir(name))
+        keep = {d for _, d, _ in found[-self.keep_last :]}
+        try:
+            state = self.read_run_state()
+        except RunStateError:
+            return  # cannot tell which checkpoint counts: remove none (a resume reports the damaged file)
+        if state is not None:
+            counted = [d for _, d, meta in found if _steps_done(meta) <= int(state["global_step"])]
+            if counted and counted[-1] not in keep:
+                keep.add(counted[-1])
+                self._prune_after_commit.add(name)  # `write_run_state` prunes it once the newer one counts
+        for _, d, _ in found:
+            if d not in keep:
+                self._discard(d)
 
     def restore_candidates(self, name: str, committed_step: int | None) -> list[tuple[Path, dict[str, Any]]]:
         """`name`'s complete checkpoints that count, newest first, each with its `checkpoint.json`.
@@ -479,6 +499,9 @@ class CheckpointManager:
 
     def write_run_state(self, state: dict[str, Any]) -> None:
         atomic_write_text(self.run_state_path, json.dumps(state, indent=1))
+        pending, self._prune_after_commit = self._prune_after_commit, set()
+        for name in sorted(pending):  # checkpoints kept past keep_last until this commit (see `_prune`)
+            self._prune(name)
 
     def read_run_state(self) -> dict[str, Any] | None:
         """The run state, or None without one; raises `RunStateError` naming the file when it is damaged."""

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from rl_multilora.checkpoint import CKPT_META, list_checkpoints, load_tree, save_tree
+from rl_multilora.checkpoint import CKPT_META, AdapterSnapshot, CheckpointManager, list_checkpoints, load_tree, save_tree
 
 
 def test_optimizer_state_round_trip(tmp_path):
@@ -41,3 +41,33 @@ def test_list_checkpoints_uses_meta_not_names(tmp_path):
     (tmp_path / "step_8").mkdir()
     (tmp_path / "step_8" / CKPT_META).write_text("{half-written")
     assert [(s, d.name) for s, d in list_checkpoints(tmp_path)] == [(3, "step_3"), (5, "step_latest")]
+
+
+def _snapshot(adapter_step: int, global_step: int) -> AdapterSnapshot:
+    """A checkpoint written inside global step `global_step` (it counts once the run state records that step done)."""
+    tensors = {
+        "base_model.model.l.lora_A.weight": torch.full((2, 3), float(adapter_step)),
+        "base_model.model.l.lora_B.weight": torch.zeros(3, 2),
+    }
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["l"]}
+    meta = {"adapter_step": adapter_step, "global_step": global_step, "steps_done": global_step + 1}
+    return AdapterSnapshot(tensors, config, {"step": adapter_step}, {"cursor": adapter_step}, meta)
+
+
+def test_keep_last_one_keeps_the_committed_checkpoint_until_a_newer_one_counts(tmp_path):
+    """keep_last 1: a save inside a step, then a kill before the run state records that step done. The checkpoint
+    before it is still there, and it is what a resume takes (it was pruned at the save, and the adapter started
+    over: a CI run of `rl-multilora serve` killed with SIGKILL resumed its GRPO tenant at adapter step 1)."""
+    ckpt = CheckpointManager(tmp_path, keep_last=1)
+    ckpt.save_adapter("t1", _snapshot(adapter_step=4, global_step=9))
+    ckpt.write_run_state({"global_step": 10, "adapters": {}})  # step 9 finished: the step-4 checkpoint counts
+    ckpt.save_adapter("t1", _snapshot(adapter_step=5, global_step=11))  # inside step 11; killed before its end
+    assert [s for s, _ in list_checkpoints(ckpt.adapter_dir("t1"))] == [4, 5]
+    candidates = ckpt.restore_candidates("t1", committed_step=10)
+    assert [meta["adapter_step"] for _, meta in candidates] == [4]
+    assert [s for s, _ in list_checkpoints(ckpt.adapter_dir("t1"))] == [4]  # the uncommitted one is discarded
+    # Step 11 again, and this time it finishes: the run state's commit prunes down to keep_last.
+    ckpt.save_adapter("t1", _snapshot(adapter_step=5, global_step=11))
+    assert [s for s, _ in list_checkpoints(ckpt.adapter_dir("t1"))] == [4, 5]
+    ckpt.write_run_state({"global_step": 12, "adapters": {}})
+    assert [s for s, _ in list_checkpoints(ckpt.adapter_dir("t1"))] == [5]

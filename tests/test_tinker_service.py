@@ -207,7 +207,8 @@ def test_restarted_service_gives_replayed_clients_their_slots_first(workspace, t
         assert st.get("t2").state == "PENDING" and st.get(name).slot is not None
         ck = core.rt.ckpt  # the client's checkpoint is the run's, next to t1's, and keep_last does not prune it
         assert [s for s, _ in list_checkpoints(ck.adapter_dir(name))] == [2] and ck.labels(name) == ["two"]
-        assert len(list_checkpoints(ck.adapter_dir("t1"))) == 1
+        # keep_last 1, plus the checkpoint a resume takes while a newer one's step has not finished yet
+        assert len(list_checkpoints(ck.adapter_dir("t1"))) in (1, 2)
         t1_saved = ck.latest_meta("t1")[1]["adapter_step"]
         monkeypatch.setattr(core.rt, "checkpoint_all", lambda: None)  # down as after a kill: no final checkpoint
     finally:
