@@ -4,7 +4,14 @@ import json
 
 import torch
 
-from rl_multilora.checkpoint import CKPT_META, AdapterSnapshot, CheckpointManager, list_checkpoints, load_tree, save_tree
+from rl_multilora.checkpoint import (
+    CKPT_META,
+    AdapterSnapshot,
+    CheckpointManager,
+    list_checkpoints,
+    load_tree,
+    save_tree,
+)
 
 
 def test_optimizer_state_round_trip(tmp_path):
