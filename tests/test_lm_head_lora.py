@@ -79,9 +79,8 @@ def test_mixed_batch_and_export_match_peft(tied, tmp_path):
         peft_model = get_peft_model(base(tied), peft_config(m, name))
         result = set_peft_model_state_dict(peft_model, m.adapter_state_dict(name))
         assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k]
-        if (
-            tied and name != "b"
-        ):  # PEFT's LoRA is on the head only: the input embedding is the base's, still tied to it
+        # PEFT's LoRA is on the head only: the input embedding is the base's, still tied to it
+        if tied and name != "b":
             inner = peft_model.base_model.model
             assert inner.model.embed_tokens.weight is inner.lm_head.base_layer.weight
         with torch.no_grad():
