@@ -432,7 +432,12 @@ class CheckpointSettings(_Strict):
     """How often each adapter is checkpointed, how many checkpoints it keeps, and whether a run resumes."""
 
     save_every: int = Field(10, ge=1, description="Checkpoint an adapter every N adapter steps (and when it drains).")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept per adapter.")
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Checkpoints kept per adapter (one more while the newest was written in a step that has not "
+        "finished: the one a resume would take is never pruned before a newer one counts).",
+    )
     resume: Literal["auto", "always", "never"] = Field(
         "auto", description="auto: resume when the run dir has checkpoints; always: require them; never: start fresh."
     )
