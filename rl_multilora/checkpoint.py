@@ -402,19 +402,21 @@ class CheckpointManager:
         """The labels of `name`'s complete checkpoints, oldest first, each once."""
         return list(dict.fromkeys(m["label"] for _, _, m in _complete(self.adapter_dir(name)) if m.get("label")))
 
-    def _prune(self, name: str) -> None:
+    def _prune(self, name: str, state: dict[str, Any] | None = None) -> None:
         """Keep `name`'s newest `keep_last` checkpoints and, beside them, the newest one a resume would take now.
 
         A checkpoint written inside a step counts only once the run state records that step as finished
         (`restore_candidates`); until then the committed one before it is the adapter's only restore point. With
         `keep_last: 1` pruning it at the save would leave a kill before the step's end nothing to resume from: the
-        adapter would start over. It goes at the first save after a newer one counts."""
+        adapter would start over. It goes once the run state that makes a newer one count is written. `state`: that
+        run state when the caller has it in hand (`write_run_state`), else it is read from disk."""
         found = _complete(self.adapter_dir(name))
         keep = {d for _, d, _ in found[-self.keep_last :]}
-        try:
-            state = self.read_run_state()
-        except RunStateError:
-            return  # cannot tell which checkpoint counts: remove none (a resume reports the damaged file)
+        if state is None:
+            try:
+                state = self.read_run_state()
+            except RunStateError:
+                return  # cannot tell which checkpoint counts: remove none (a resume reports the damaged file)
         if state is not None:
             counted = [d for _, d, meta in found if _steps_done(meta) <= int(state["global_step"])]
             if counted and counted[-1] not in keep:
@@ -501,7 +503,7 @@ class CheckpointManager:
         atomic_write_text(self.run_state_path, json.dumps(state, indent=1))
         pending, self._prune_after_commit = self._prune_after_commit, set()
         for name in sorted(pending):  # checkpoints kept past keep_last until this commit (see `_prune`)
-            self._prune(name)
+            self._prune(name, state)
 
     def read_run_state(self) -> dict[str, Any] | None:
         """The run state, or None without one; raises `RunStateError` naming the file when it is damaged."""
