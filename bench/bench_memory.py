@@ -2,6 +2,7 @@
 
     python bench/bench_memory.py                                   # the SmolLM2 3-tenant example, 3 steps
     python bench/bench_memory.py --config examples/multi_lora/configs/tiny.yaml --steps 5
+    python bench/bench_memory.py --threads 2                       # as `rl-multilora run` on a 2-core machine
 
 In one process: builds the run from its config (eval off by default: `--eval` keeps it), then samples, every 10 ms
 while the steps run, the resident set size (RSS) of this process, the bytes malloc has handed out and not got back
@@ -16,6 +17,8 @@ them). Prints, and with `--json` writes:
   (user + system, summed over the steps) and the children's peak;
 - train: the largest bytes one micro-batch's forward saved for its backward (autograd's saved tensors, parameters
   left out: with activation checkpointing, each layer's input and the head's inputs);
+- the peak RSS: the largest sample, and the kernel's own high-water mark of the process (`ru_maxrss`), which also
+  holds a peak that fell between two samples;
 - the peak by component: the RSS before the model is built (interpreter, torch, libraries), the base weights
   (file-backed pages of the mapped safetensors, RssFile's rise), the live heap between steps less the heap before
   the build, which the first term holds already (the held tensors above, Python objects), each phase's live-heap
@@ -33,18 +36,21 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl_multilora.host_memory import heap_in_use  # noqa: E402
+from rl_multilora.host_memory import MKL_BUFFER_CACHE_ENV, heap_in_use, no_mkl_buffer_cache  # noqa: E402
+
+no_mkl_buffer_cache()  # as `rl-multilora run` does, before torch is imported
+import torch  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -301,10 +307,13 @@ def profile(config: Path, steps: int, keep_eval: bool, overrides: list[str] | No
         "overrides": list(overrides or []),
         "steps": steps,
         "torch_threads": torch.get_num_threads(),
+        "mkl_buffer_cache": "off" if os.environ.get(MKL_BUFFER_CACHE_ENV) == "1" else "on",
         "rss_before_build_mib": rss_before / MIB,
         "rss_after_build_mib": rss_built / MIB,
         "heap_before_build_mib": heap_before / MIB,
         "rss_peak_mib": max(sampler.peak.values()) / MIB,
+        # the kernel's own high-water mark of this process's RSS (KiB on Linux): a peak between two samples is in it
+        "rss_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "held_mib": {k: v / MIB for k, v in components.items()},
         "phase_peak_mib": {k: v / MIB for k, v in sampler.peak.items()},
         "phase_rise_mib": {k: v / MIB for k, v in sampler.rise.items()},
@@ -325,12 +334,19 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="keep the config's held-out evals (off by default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as `run --set`")
     p.add_argument("--json", type=Path, help="write the result here")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (`rl-multilora run` uses the machine's cores)"
+    )
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     res = profile(args.config, args.steps, args.eval, args.set)
-    print(f"{res['config']}: {res['steps']} steps, torch threads {res['torch_threads']}")
+    print(
+        f"{res['config']}: {res['steps']} steps, torch threads {res['torch_threads']}, MKL's buffer cache "
+        f"{res['mkl_buffer_cache']}"
+    )
     print(f"RSS before build {res['rss_before_build_mib']:.0f} MiB, after build {res['rss_after_build_mib']:.0f} MiB, "
-          f"peak {res['rss_peak_mib']:.0f} MiB")  # fmt: skip
+          f"peak {res['rss_peak_mib']:.0f} MiB (sampled every 10 ms; the kernel's high-water mark, ru_maxrss: "
+          f"{res['rss_maxrss_mib']:.0f} MiB)")  # fmt: skip
     print("held as tensors (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in res["held_mib"].items()))
     print(
         f"{'phase':<14} {'peak RSS':>9} {'rise':>6} {'live heap':>10} {'rise':>6} {'CPU s':>7} {'children':>9}  (MiB)"

@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from rl_multilora.host_memory import no_mkl_buffer_cache
+
+    no_mkl_buffer_cache()  # before anything imports torch: MKL's per-thread buffer cache is not kept (host_memory.py)
     # Plugins (`module:function` rewards, `module:Class` hooks) resolve from the current directory, as with
     # `python -m`; the console script alone would not put it on sys.path (spawned reward workers inherit it).
     if os.getcwd() not in sys.path:

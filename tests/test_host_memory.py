@@ -1,5 +1,6 @@
 """rl_multilora.host_memory: the glibc knobs a run uses to keep its resident size near its live bytes."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_multilora.host_memory import heap_in_use, release_freed_memory, set_mmap_threshold
+from rl_multilora.host_memory import heap_in_use, no_mkl_buffer_cache, release_freed_memory, set_mmap_threshold
 
 glibc = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc >= 2.33 (mallinfo2)")
 
@@ -48,3 +49,39 @@ def test_trimming_runs_anywhere():
 def test_a_bad_threshold_is_refused_with_what_is_allowed():
     with pytest.raises(ValueError, match="an int >= 0"):
         set_mmap_threshold(-1)
+
+
+_MKL_PRODUCTS = """
+import sys
+from rl_multilora.host_memory import heap_in_use, no_mkl_buffer_cache
+took = no_mkl_buffer_cache() if sys.argv[1] == "off" else False
+import torch
+torch.set_num_threads(2)
+x, w = torch.randn(412, 576), torch.randn(8192, 576)
+before = heap_in_use()
+for _ in range(3):
+    y = x @ w.t()
+    del y
+print(took, (heap_in_use() - before) / 2**20)
+"""
+
+
+@glibc
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch does not use Intel MKL")
+def test_without_mkl_buffer_cache_a_product_keeps_no_buffer_after_it():
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}  # as a fresh shell has it
+    root = Path(__file__).resolve().parents[1]
+    kept = {}
+    for mode in ("cache", "off"):
+        out = subprocess.run([sys.executable, "-c", _MKL_PRODUCTS, mode], check=True, cwd=root, env=env,
+                             capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert out[0] == str(mode == "off")  # the switch took effect only where asked, before torch was imported
+        kept[mode] = float(out[1])  # MiB still held after the products' outputs were freed
+    assert kept["cache"] > 4, kept  # MKL's own cache holds its buffers...
+    assert abs(kept["off"]) < 1, kept  # ...and without it nothing stays
+
+
+def test_the_mkl_switch_changes_nothing_once_torch_is_imported(monkeypatch):
+    monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
+    assert not no_mkl_buffer_cache()  # torch is imported here: too late for MKL to read it
+    assert "MKL_DISABLE_FAST_MM" not in os.environ
