@@ -85,3 +85,19 @@ def test_the_mkl_switch_changes_nothing_once_torch_is_imported(monkeypatch):
     monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
     assert not no_mkl_buffer_cache()  # torch is imported here: too late for MKL to read it
     assert "MKL_DISABLE_FAST_MM" not in os.environ
+
+
+def test_the_cli_turns_the_mkl_cache_off_before_torch_loads():
+    code = """
+import os, sys
+from rl_multilora import cli
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+print(os.environ.get("MKL_DISABLE_FAST_MM"), "torch" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()  # fmt: skip
+    assert out[-2:] == ["1", "False"], out
