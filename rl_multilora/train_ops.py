@@ -90,6 +90,18 @@ class FwdBwdOut:
     backwarded: set[str] = field(default_factory=set)  # tenants whose loss went into the backward
 
 
+def pick_states(hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`hidden[rows, positions]`: (P, W, H) -> (N, H), with a backward that sums in a fixed order.
+
+    A group's samples share their prompt's last state, so the backward sums several tokens' gradients into one
+    state. Advanced indexing's backward (`index_put_` with accumulate) adds them on CPU with atomic adds across
+    threads, in an order that changed from run to run: two-thread runs of the SmolLM2 example differed in the last
+    bits of their gradients, and now and then in a sampled token later. `index_select`'s backward (`index_add_`)
+    sums them in index order: the same bits every time, and the same values forward."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (P * W, H)
+    return flat.index_select(0, rows * hidden.shape[1] + positions)
+
+
 class TrainOps:
     """The per-tenant primitives over one `MultiLoRAModel` (see the module docstring)."""
 
@@ -514,7 +526,8 @@ class TrainOps:
                 hidden = self.model.forward_hidden(
                     inputs.input_ids, attention_mask=inputs.attention_mask, adapter_names=names, **extra
                 )
-                picked = hidden[inputs.state_row, inputs.state_pos]  # (N, H): the state before each loss token
+                # (N, H): the state before each loss token
+                picked = pick_states(hidden, inputs.state_row, inputs.state_pos)
                 inv_t = 1.0 / (self.temperature if temperature is None else temperature)
                 lora = self.model.head_lora(names, inputs.state_row)  # each token's LoRA on lm_head, if it is a target
                 return token_logp_entropy(picked, head.weight, head.bias, tok.target, inv_t, lora=lora)
