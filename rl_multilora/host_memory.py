@@ -16,7 +16,7 @@ raising off): the resident size then follows the live bytes, for the kernel's ze
 new large tensor (system CPU time; measured in docs/benchmarks.md). `heap_in_use()` reads the live bytes.
 
 Intel MKL (torch's BLAS on x86) keeps the packing buffers of its matrix products in a cache of its own, per thread,
-and never hands them back: on the SmolLM2 example with two torch threads that cache held 44-66 MiB of the run's peak.
+and never hands them back: on the SmolLM2 example with two torch threads that cache held 45-70 MiB of the run's peak.
 `no_mkl_buffer_cache()` turns it off for a process that has not imported torch yet (the `rl-multilora` command does
 it first thing); MKL then takes its buffers from malloc and frees them after each product.
 """

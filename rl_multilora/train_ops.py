@@ -91,7 +91,8 @@ class FwdBwdOut:
 
 
 def pick_states(hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`hidden[rows, positions]`: (P, W, H) -> (N, H), with a backward that sums in a fixed order.
+    """`hidden[rows, positions]`: (P, W, H) -> (N, H), with a backward that sums in a fixed order (hidden states, or
+    a model's logits where it has no separate output head).
 
     A group's samples share their prompt's last state, so the backward sums several tokens' gradients into one
     state. Advanced indexing's backward (`index_put_` with accumulate) adds them on CPU with atomic adds across
@@ -545,7 +546,7 @@ class TrainOps:
             logits = out.logits  # (B, K, V), positions width - K .. width - 1 (K = T for a model that ignores it)
             offset = width - logits.shape[1]
             # gathering before the softmax keeps it at (N, V), not (B, K, V)
-            picked = logits[inputs.state_row, inputs.state_pos - offset]  # (N, V)
+            picked = pick_states(logits, inputs.state_row, inputs.state_pos - offset)  # (N, V)
             # Half-precision logits are upcast for the softmax; float64 models (used by exactness tests) stay float64.
             picked = picked.float() if picked.element_size() < 4 else picked  # (N, V)
             # Each token's own tenant temperature when some tenant has one, else the run's (one scalar).

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_multilora.host_memory import heap_in_use, no_mkl_buffer_cache, release_freed_memory, set_mmap_threshold
+from rl_multilora.host_memory import (
+    MKL_BUFFER_CACHE_ENV,
+    heap_in_use,
+    no_mkl_buffer_cache,
+    release_freed_memory,
+    set_mmap_threshold,
+)
 
 glibc = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc >= 2.33 (mallinfo2)")
 
@@ -51,6 +57,11 @@ def test_a_bad_threshold_is_refused_with_what_is_allowed():
         set_mmap_threshold(-1)
 
 
+def _env_without_mkl_switch() -> dict[str, str]:
+    """This environment as a fresh shell has it: without the switch an in-process `cli.main` may have set."""
+    return {k: v for k, v in os.environ.items() if k != MKL_BUFFER_CACHE_ENV}
+
+
 _MKL_PRODUCTS = """
 import sys
 from rl_multilora.host_memory import heap_in_use, no_mkl_buffer_cache
@@ -69,7 +80,7 @@ print(took, (heap_in_use() - before) / 2**20)
 @glibc
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch does not use Intel MKL")
 def test_without_mkl_buffer_cache_a_product_keeps_no_buffer_after_it():
-    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}  # as a fresh shell has it
+    env = _env_without_mkl_switch()
     root = Path(__file__).resolve().parents[1]
     kept = {}
     for mode in ("cache", "off"):
@@ -82,9 +93,9 @@ def test_without_mkl_buffer_cache_a_product_keeps_no_buffer_after_it():
 
 
 def test_the_mkl_switch_changes_nothing_once_torch_is_imported(monkeypatch):
-    monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
+    monkeypatch.delenv(MKL_BUFFER_CACHE_ENV, raising=False)
     assert not no_mkl_buffer_cache()  # torch is imported here: too late for MKL to read it
-    assert "MKL_DISABLE_FAST_MM" not in os.environ
+    assert MKL_BUFFER_CACHE_ENV not in os.environ
 
 
 def test_the_cli_turns_the_mkl_cache_off_before_torch_loads():
@@ -97,7 +108,7 @@ except SystemExit:
     pass
 print(os.environ.get("MKL_DISABLE_FAST_MM"), "torch" in sys.modules)
 """
-    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    env = _env_without_mkl_switch()
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.split()  # fmt: skip
     assert out[-2:] == ["1", "False"], out
