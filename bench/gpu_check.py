@@ -14,6 +14,9 @@ Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `O
 - `lora_overhead` / `decode_64_vs_1`: train-step (forward+backward) cost of base / 1 / 64 adapters, and engine decode
   tokens/s for 64 tenants mixed vs one adapter vs base, at SmolLM2-135M's shape and a Qwen3-shaped model (hidden
   2048), random bf16 weights built from a config (nothing downloaded).
+- `lora_overhead_profile`: the base and one-adapter train steps of `lora_overhead` under torch.profiler: kernels
+  launched per step and their summed device time against the wall time (is the LoRA's cost its kernels or their
+  launches?).
 - `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, if present) for learning: reward first -> last.
 - `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
   generated tokens/s and peak CUDA memory.
@@ -298,6 +301,59 @@ def _overhead(shape: Shape, device: str, sizes: Sizes) -> dict:
             "one_over_base": ms["one"] / ms["base"], "mixed64_over_one": ms["mixed64"] / ms["one"]}  # fmt: skip
 
 
+def lora_overhead_profile(device: str, sizes: Sizes, workdir: Path) -> dict:
+    return {
+        "ok": True,
+        "shapes": {shape.name: _overhead_profile(shape, device, sizes) for shape in sizes.bench_shapes},
+    }
+
+
+def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
+    """Where one adapter's extra training time goes: `lora_overhead`'s base and one-adapter steps under
+    torch.profiler, `sizes.runs` steps each after a warm-up. Per step: kernels launched and their summed device time
+    (CUDA), or ops and their summed self CPU time (CPU), against the step's wall time. A device-time ratio near the
+    LoRA's FLOP share beside a much larger wall-time ratio says the step is bound by launching kernels, not by them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m, names = _tenants(shape, device, 1)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+    with torch.no_grad():
+        embeds = m.base_model.get_input_embeddings()(ids)
+    cuda = device.startswith("cuda")
+    clock = synced_clock(device)
+
+    def step(adapters):
+        m.zero_lora_grads()
+        x = embeds.detach().requires_grad_()
+        m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
+
+    out = {}
+    for key, adapters in (("base", [None] * sizes.train_rows), ("one", [names[0]] * sizes.train_rows)):
+        step(adapters)  # warm-up
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            start = clock()
+            for _ in range(sizes.runs):
+                step(adapters)
+            wall = (clock() - start) / sizes.runs
+        events = prof.events()
+        if cuda:
+            kernels = [e for e in events if e.device_type.name == "CUDA"]
+            busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # kernels and copies on the device
+        else:
+            kernels = [e for e in events if e.device_type.name == "CPU"]
+            busy_us = sum(e.self_cpu_time_total for e in kernels)
+        out[key] = {"wall_ms": 1e3 * wall, "kernels": len(kernels) / sizes.runs,
+                    "busy_ms": busy_us / 1e3 / sizes.runs}  # fmt: skip
+    _free(device)
+    base, one = out["base"], out["one"]
+    return {"rows": sizes.train_rows, "seq_len": sizes.train_seq, "unit": "CUDA kernels" if cuda else "CPU ops",
+            "per_step": out, "wall_one_over_base": one["wall_ms"] / base["wall_ms"],
+            "busy_one_over_base": one["busy_ms"] / base["busy_ms"],
+            "kernels_one_over_base": one["kernels"] / base["kernels"]}  # fmt: skip
+
+
 def decode_64_vs_1(device: str, sizes: Sizes, workdir: Path) -> dict:
     return {"ok": True, "shapes": {shape.name: _decode(shape, device, sizes) for shape in sizes.bench_shapes}}
 
@@ -461,6 +517,7 @@ SECTIONS: dict[str, Callable[[str, Sizes, Path], dict]] = {
     "grouped_vs_loop": grouped_vs_loop,
     "engine_greedy_vs_peft": engine_greedy_vs_peft,
     "lora_overhead": lora_overhead,
+    "lora_overhead_profile": lora_overhead_profile,
     "decode_64_vs_1": decode_64_vs_1,
     "grpo_tiny": grpo_tiny,
     "grpo_smollm2_shape": grpo_smollm2_shape,
