@@ -261,8 +261,12 @@ def engine_greedy_vs_peft(device: str, sizes: Sizes, workdir: Path) -> dict:
     return {"ok": not mismatched, "rows": len(rows), "mismatched_rows": mismatched}
 
 
-def _tenants(shape: Shape, device: str, n: int) -> tuple[MultiLoRAModel, list[str]]:
-    m = MultiLoRAModel.from_model(shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK)
+def _tenants(
+    shape: Shape, device: str, n: int, lora_dtype: torch.dtype = torch.float32
+) -> tuple[MultiLoRAModel, list[str]]:
+    m = MultiLoRAModel.from_model(
+        shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK, lora_dtype=lora_dtype
+    )
     names = [f"t{i}" for i in range(n)]
     for i, name in enumerate(names):
         m.add_adapter(name, rank=RANK, alpha=2 * RANK, seed=i)
@@ -311,47 +315,62 @@ def lora_overhead_profile(device: str, sizes: Sizes, workdir: Path) -> dict:
 def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
     """Where one adapter's extra training time goes: `lora_overhead`'s base and one-adapter steps under
     torch.profiler, `sizes.runs` steps each after a warm-up. Per step: kernels launched and their summed device time
-    (CUDA), or ops and their summed self CPU time (CPU), against the step's wall time. A device-time ratio near the
-    LoRA's FLOP share beside a much larger wall-time ratio says the step is bound by launching kernels, not by them."""
+    (CUDA), or ops and their summed self CPU time (CPU), against the step's wall time (which the profiler inflates).
+    A device-time ratio near the LoRA's FLOP share beside a much larger wall-time ratio says the step is bound by
+    launching kernels, not by them. `one_lora_bf16` is the same adapter with its tensors in the base's dtype (bf16)
+    instead of float32 (PEFT's default, which casts each LoRA Linear's input and sums its output in float32); `top`
+    lists the one-adapter step's costliest kernels (or ops) by device (CPU) time."""
     from torch.profiler import ProfilerActivity, profile
 
-    m, names = _tenants(shape, device, 1)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
-    with torch.no_grad():
-        embeds = m.base_model.get_input_embeddings()(ids)
     cuda = device.startswith("cuda")
     clock = synced_clock(device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+    out, top = {}, []
+    for key, lora_dtype, adapter in (
+        ("base", torch.float32, False), ("one", torch.float32, True), ("one_lora_bf16", torch.bfloat16, True)
+    ):  # fmt: skip
+        m, names = _tenants(shape, device, 1, lora_dtype)
+        with torch.no_grad():
+            embeds = m.base_model.get_input_embeddings()(ids)
+        adapters = [names[0] if adapter else None] * sizes.train_rows
 
-    def step(adapters):
-        m.zero_lora_grads()
-        x = embeds.detach().requires_grad_()
-        m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
+        def step(m=m, embeds=embeds, adapters=adapters):
+            m.zero_lora_grads()
+            x = embeds.detach().requires_grad_()
+            m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
 
-    out = {}
-    for key, adapters in (("base", [None] * sizes.train_rows), ("one", [names[0]] * sizes.train_rows)):
-        step(adapters)  # warm-up
+        step()  # warm-up
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             start = clock()
             for _ in range(sizes.runs):
-                step(adapters)
+                step()
             wall = (clock() - start) / sizes.runs
-        events = prof.events()
         if cuda:
-            kernels = [e for e in events if e.device_type.name == "CUDA"]
-            busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # kernels and copies on the device
+            costs = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type.name == "CUDA"]
         else:
-            kernels = [e for e in events if e.device_type.name == "CPU"]
-            busy_us = sum(e.self_cpu_time_total for e in kernels)
-        out[key] = {"wall_ms": 1e3 * wall, "kernels": len(kernels) / sizes.runs,
-                    "busy_ms": busy_us / 1e3 / sizes.runs}  # fmt: skip
-    _free(device)
-    base, one = out["base"], out["one"]
+            costs = [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type.name == "CPU"]
+        out[key] = {"wall_ms": 1e3 * wall, "kernels": len(costs) / sizes.runs,
+                    "busy_ms": sum(us for _, us in costs) / 1e3 / sizes.runs}  # fmt: skip
+        if key == "one":
+            by_name: dict[str, list[float]] = {}
+            for name, us in costs:
+                by_name.setdefault(name, []).append(us)
+            top = sorted(
+                ({"name": n[:120], "calls": len(v) / sizes.runs, "ms": sum(v) / 1e3 / sizes.runs}
+                 for n, v in by_name.items()), key=lambda r: -r["ms"],
+            )[:12]  # fmt: skip
+        del m
+        _free(device)
+    base = out["base"]
+    ratios = {
+        f"{k}_{what}_over_base": out[k][what] / base[what]
+        for k in ("one", "one_lora_bf16")
+        for what in ("wall_ms", "busy_ms", "kernels")
+    }
     return {"rows": sizes.train_rows, "seq_len": sizes.train_seq, "unit": "CUDA kernels" if cuda else "CPU ops",
-            "per_step": out, "wall_one_over_base": one["wall_ms"] / base["wall_ms"],
-            "busy_one_over_base": one["busy_ms"] / base["busy_ms"],
-            "kernels_one_over_base": one["kernels"] / base["kernels"]}  # fmt: skip
+            "per_step": out, **ratios, "top_one": top}  # fmt: skip
 
 
 def decode_64_vs_1(device: str, sizes: Sizes, workdir: Path) -> dict:
