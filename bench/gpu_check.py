@@ -278,26 +278,32 @@ def lora_overhead(device: str, sizes: Sizes, workdir: Path) -> dict:
     return {"ok": True, "shapes": {shape.name: _overhead(shape, device, sizes) for shape in sizes.bench_shapes}}
 
 
-def _overhead(shape: Shape, device: str, sizes: Sizes) -> dict:
-    """Forward+backward ms of one batch on the base, on one adapter, and spread over 64 adapters."""
-    m, names = _tenants(shape, device, N_TENANTS)
+def _train_ids(shape: Shape, device: str, sizes: Sizes) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+    return torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+
+
+def _train_step(m: MultiLoRAModel, ids: torch.Tensor, adapters: list) -> Callable[[], None]:
+    """One forward+backward of `ids` with each row on its adapter (None: the base)."""
     with torch.no_grad():  # embeddings that require grad: the base floor pays the same activation backward
         embeds = m.base_model.get_input_embeddings()(ids)
 
-    def step(adapters):
-        def run():
-            m.zero_lora_grads()
-            x = embeds.detach().requires_grad_()
-            m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
+    def run():
+        m.zero_lora_grads()
+        x = embeds.detach().requires_grad_()
+        m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
 
-        return run
+    return run
 
+
+def _overhead(shape: Shape, device: str, sizes: Sizes) -> dict:
+    """Forward+backward ms of one batch on the base, on one adapter, and spread over 64 adapters."""
+    m, names = _tenants(shape, device, N_TENANTS)
+    ids = _train_ids(shape, device, sizes)
     fns = {
-        "base": step([None] * sizes.train_rows),
-        "one": step([names[0]] * sizes.train_rows),
-        "mixed64": step([names[i % N_TENANTS] for i in range(sizes.train_rows)]),
+        "base": _train_step(m, ids, [None] * sizes.train_rows),
+        "one": _train_step(m, ids, [names[0]] * sizes.train_rows),
+        "mixed64": _train_step(m, ids, [names[i % N_TENANTS] for i in range(sizes.train_rows)]),
     }
     ms = {k: 1e3 * s for k, s in median_seconds(fns, sizes.runs, synced_clock(device)).items()}
     _free(device)
@@ -324,22 +330,13 @@ def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
 
     cuda = device.startswith("cuda")
     clock = synced_clock(device)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, shape.vocab, (sizes.train_rows, sizes.train_seq), generator=gen).to(device)
+    ids = _train_ids(shape, device, sizes)
     out, top = {}, []
     for key, lora_dtype, adapter in (
         ("base", torch.float32, False), ("one", torch.float32, True), ("one_lora_bf16", torch.bfloat16, True)
     ):  # fmt: skip
         m, names = _tenants(shape, device, 1, lora_dtype)
-        with torch.no_grad():
-            embeds = m.base_model.get_input_embeddings()(ids)
-        adapters = [names[0] if adapter else None] * sizes.train_rows
-
-        def step(m=m, embeds=embeds, adapters=adapters):
-            m.zero_lora_grads()
-            x = embeds.detach().requires_grad_()
-            m(inputs_embeds=x, adapter_names=adapters).logits.float().logsumexp(-1).mean().backward()
-
+        step = _train_step(m, ids, [names[0] if adapter else None] * sizes.train_rows)
         step()  # warm-up
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
@@ -361,7 +358,7 @@ def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
                 ({"name": n[:120], "calls": len(v) / sizes.runs, "ms": sum(v) / 1e3 / sizes.runs}
                  for n, v in by_name.items()), key=lambda r: -r["ms"],
             )[:12]  # fmt: skip
-        del m
+        del m, step
         _free(device)
     base = out["base"]
     ratios = {

@@ -31,6 +31,12 @@ def test_gpu_check_small_on_cpu_writes_every_section(tmp_path):
     greedy = report["sections"]["engine_greedy_vs_peft"]["result"]
     assert greedy["rows"] > 1 and greedy["mismatched_rows"] == []
     assert all(m["max_abs_diff"] <= 1e-4 for m in report["sections"]["grouped_vs_loop"]["result"]["mixes"].values())
+    for prof in report["sections"]["lora_overhead_profile"]["result"]["shapes"].values():
+        steps = prof["per_step"]
+        assert set(steps) == {"base", "one", "one_lora_bf16"}
+        assert all(s["kernels"] > 0 and s["busy_ms"] > 0 and s["wall_ms"] > 0 for s in steps.values())
+        assert steps["one"]["kernels"] > steps["base"]["kernels"]  # the adapter's ops were counted
+        assert prof["top_one"] and prof["top_one"][0]["ms"] >= prof["top_one"][-1]["ms"]
 
 
 def wheelhouse_list(*flags: str) -> list[str]:
