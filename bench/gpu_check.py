@@ -11,7 +11,8 @@ Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `O
 - `grouped_vs_loop`: the fast LoRA paths against the model's float32 per-row loop (`reference=True`), values and
   grads, over adapter mixes (distinct, uniform, skewed, one adapter, base rows mixed in).
 - `engine_greedy_vs_peft`: the embedded engine's greedy tokens for a mixed batch = HF `generate` with PEFT, per row.
-- `lora_overhead` / `decode_64_vs_1`: train-step (forward+backward) cost of base / 1 / 64 adapters, and engine decode
+- `lora_overhead` / `decode_64_vs_1`: train-step (forward+backward) cost of base / 1 / 64 adapters (and one with
+  `lora_autocast`, and PEFT's one adapter as it defaults and under `torch.autocast`), and engine decode
   tokens/s for 64 tenants mixed vs one adapter vs base, at SmolLM2-135M's shape and a Qwen3-shaped model (hidden
   2048), random bf16 weights built from a config (nothing downloaded).
 - `lora_overhead_profile`: the base and one-adapter train steps of `lora_overhead` under torch.profiler: kernels
@@ -19,7 +20,7 @@ Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `O
   launches?).
 - `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, if present) for learning: reward first -> last.
 - `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
-  generated tokens/s and peak CUDA memory.
+  generated tokens/s and peak CUDA memory; then the same with `model.lora_autocast` (`lora_autocast`).
 
 Every section is guarded: a failure is recorded (with its traceback's last line) and the next section runs. Times
 are medians over interleaved repeats (CUDA synchronized around each), never one run.
@@ -262,10 +263,10 @@ def engine_greedy_vs_peft(device: str, sizes: Sizes, workdir: Path) -> dict:
 
 
 def _tenants(
-    shape: Shape, device: str, n: int, lora_dtype: torch.dtype = torch.float32
+    shape: Shape, device: str, n: int, lora_dtype: torch.dtype = torch.float32, autocast: bool = False
 ) -> tuple[MultiLoRAModel, list[str]]:
     m = MultiLoRAModel.from_model(
-        shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK, lora_dtype=lora_dtype
+        shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK, lora_dtype=lora_dtype, lora_autocast=autocast
     )
     names = [f"t{i}" for i in range(n)]
     for i, name in enumerate(names):
@@ -296,19 +297,51 @@ def _train_step(m: MultiLoRAModel, ids: torch.Tensor, adapters: list) -> Callabl
     return run
 
 
+def _peft_train_step(shape: Shape, device: str, ids: torch.Tensor, autocast: bool) -> Callable[[], None]:
+    """PEFT's one-adapter step on the same bf16 base and batch: its default float32 adapter (`autocast_adapter_dtype`),
+    and with `autocast` the whole forward under `torch.autocast(bf16)`, as TRL's `bf16: true` runs it."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        shape.build(torch.bfloat16, device), LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear")
+    )
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    cast = torch.autocast(ids.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        x = embeds.detach().requires_grad_()
+        with cast:
+            logits = model(inputs_embeds=x).logits
+        logits.float().logsumexp(-1).mean().backward()
+
+    return run
+
+
 def _overhead(shape: Shape, device: str, sizes: Sizes) -> dict:
-    """Forward+backward ms of one batch on the base, on one adapter, and spread over 64 adapters."""
+    """Forward+backward ms of one batch on the base, on one adapter, and spread over 64 adapters; one adapter with
+    `lora_autocast` (its products in bf16, the slots float32); PEFT's one adapter on the same batch, as it defaults
+    and under `torch.autocast(bf16)`."""
     m, names = _tenants(shape, device, N_TENANTS)
+    mac, names_ac = _tenants(shape, device, 1, autocast=True)
     ids = _train_ids(shape, device, sizes)
     fns = {
         "base": _train_step(m, ids, [None] * sizes.train_rows),
         "one": _train_step(m, ids, [names[0]] * sizes.train_rows),
         "mixed64": _train_step(m, ids, [names[i % N_TENANTS] for i in range(sizes.train_rows)]),
+        "one_autocast": _train_step(mac, ids, [names_ac[0]] * sizes.train_rows),
+        "peft_one": _peft_train_step(shape, device, ids, autocast=False),
+        "peft_one_autocast": _peft_train_step(shape, device, ids, autocast=True),
     }
     ms = {k: 1e3 * s for k, s in median_seconds(fns, sizes.runs, synced_clock(device)).items()}
+    del m, mac, fns
     _free(device)
     return {"rows": sizes.train_rows, "seq_len": sizes.train_seq, "fwd_bwd_ms": ms,
-            "one_over_base": ms["one"] / ms["base"], "mixed64_over_one": ms["mixed64"] / ms["one"]}  # fmt: skip
+            "one_over_base": ms["one"] / ms["base"], "mixed64_over_one": ms["mixed64"] / ms["one"],
+            "one_autocast_over_base": ms["one_autocast"] / ms["base"],
+            "peft_one_over_base": ms["peft_one"] / ms["base"],
+            "peft_one_autocast_over_base": ms["peft_one_autocast"] / ms["base"]}  # fmt: skip
 
 
 def lora_overhead_profile(device: str, sizes: Sizes, workdir: Path) -> dict:
@@ -323,19 +356,18 @@ def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
     torch.profiler, `sizes.runs` steps each after a warm-up. Per step: kernels launched and their summed device time
     (CUDA), or ops and their summed self CPU time (CPU), against the step's wall time (which the profiler inflates).
     A device-time ratio near the LoRA's FLOP share beside a much larger wall-time ratio says the step is bound by
-    launching kernels, not by them. `one_lora_bf16` is the same adapter with its tensors in the base's dtype (bf16)
-    instead of float32 (PEFT's default, which casts each LoRA Linear's input and sums its output in float32); `top`
-    lists the one-adapter step's costliest kernels (or ops) by device (CPU) time."""
+    launching kernels, not by them. `one_autocast` is the same adapter with `lora_autocast` (its products in the base's
+    bf16, the float32 slots cast per forward) instead of PEFT's default (each LoRA Linear's input cast to float32 and
+    its output summed in float32); `top_*` list the one-adapter steps' costliest kernels (or ops) by device (CPU)
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
     clock = synced_clock(device)
     ids = _train_ids(shape, device, sizes)
-    out, top = {}, []
-    for key, lora_dtype, adapter in (
-        ("base", torch.float32, False), ("one", torch.float32, True), ("one_lora_bf16", torch.bfloat16, True)
-    ):  # fmt: skip
-        m, names = _tenants(shape, device, 1, lora_dtype)
+    out, top = {}, {}
+    for key, autocast, adapter in (("base", False, False), ("one", False, True), ("one_autocast", True, True)):
+        m, names = _tenants(shape, device, 1, autocast=autocast)
         step = _train_step(m, ids, [names[0] if adapter else None] * sizes.train_rows)
         step()  # warm-up
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -350,11 +382,11 @@ def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
             costs = [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type.name == "CPU"]
         out[key] = {"wall_ms": 1e3 * wall, "kernels": len(costs) / sizes.runs,
                     "busy_ms": sum(us for _, us in costs) / 1e3 / sizes.runs}  # fmt: skip
-        if key == "one":
+        if adapter:
             by_name: dict[str, list[float]] = {}
             for name, us in costs:
                 by_name.setdefault(name, []).append(us)
-            top = sorted(
+            top[f"top_{key}"] = sorted(
                 ({"name": n[:120], "calls": len(v) / sizes.runs, "ms": sum(v) / 1e3 / sizes.runs}
                  for n, v in by_name.items()), key=lambda r: -r["ms"],
             )[:12]  # fmt: skip
@@ -363,11 +395,11 @@ def _overhead_profile(shape: Shape, device: str, sizes: Sizes) -> dict:
     base = out["base"]
     ratios = {
         f"{k}_{what}_over_base": out[k][what] / base[what]
-        for k in ("one", "one_lora_bf16")
+        for k in ("one", "one_autocast")
         for what in ("wall_ms", "busy_ms", "kernels")
     }
     return {"rows": sizes.train_rows, "seq_len": sizes.train_seq, "unit": "CUDA kernels" if cuda else "CPU ops",
-            "per_step": out, **ratios, "top_one": top}  # fmt: skip
+            "per_step": out, **ratios, **top}  # fmt: skip
 
 
 def decode_64_vs_1(device: str, sizes: Sizes, workdir: Path) -> dict:
@@ -516,15 +548,25 @@ def grpo_smollm2_shape(device: str, sizes: Sizes, workdir: Path) -> dict:
         "rollout": {"engine": "embedded", "n_samples_per_prompt": 8, "max_new_tokens": sizes.grpo_new_tokens},
         "adapters": adapters,
     }
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    _, timings = _run_steps(data, 1 + sizes.grpo_steps, device)
-    timed = timings[1:]  # the first step pays lazy inits and kernel autotuning
-    phases = sorted({k for t in timed for k in t if k.endswith("_s")})
-    out = {k: statistics.median(t.get(k, 0.0) for t in timed) for k in phases}
-    out["tokens_per_s"] = statistics.median(t["tokens"] / t["step_s"] for t in timed)
-    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
-    return {"ok": out["tokens_per_s"] > 0, "shape": shape.name, "timed_steps": len(timed), "median": out}
+    runs = {}
+    for key, autocast in (
+        ("median", False),
+        ("lora_autocast", True),
+    ):  # the second with the trainer's products in bf16
+        data["run_dir"] = str(workdir / f"grpo_{key}")
+        data["model"]["lora_autocast"] = autocast
+        if device.startswith("cuda"):
+            _free(device)
+            torch.cuda.reset_peak_memory_stats()
+        _, timings = _run_steps(data, 1 + sizes.grpo_steps, device)
+        timed = timings[1:]  # the first step pays lazy inits and kernel autotuning
+        phases = sorted({k for t in timed for k in t if k.endswith("_s")})
+        out = {k: statistics.median(t.get(k, 0.0) for t in timed) for k in phases}
+        out["tokens_per_s"] = statistics.median(t["tokens"] / t["step_s"] for t in timed)
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+        runs[key] = out
+    ok = all(r["tokens_per_s"] > 0 for r in runs.values())
+    return {"ok": ok, "shape": shape.name, "timed_steps": len(timed), **runs}
 
 
 SECTIONS: dict[str, Callable[[str, Sizes, Path], dict]] = {

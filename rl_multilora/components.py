@@ -65,6 +65,7 @@ def build_model(m: ModelConfig, device: str | torch.device | None = None) -> Mul
         dtype=getattr(torch, m.dtype),
         target_parameters=m.target_parameters or [],
         expert_lora=m.expert_lora,
+        lora_autocast=m.lora_autocast,
     )
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -82,6 +82,14 @@ class ModelConfig(_Strict):
         description="Expert LoRA layout: an A and a B per expert, or one A per slot shared by all experts (ModelOpt).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the frozen base.")
+    lora_autocast: bool = Field(
+        False,
+        description="With a bfloat16 / float16 base: the trainer's LoRA products run in the base's dtype, the float32 "
+        "slots cast to it per forward, as torch.autocast runs PEFT's LoRA under TRL's `bf16: true`; the slots, their "
+        "gradients and AdamW stay float32. Fewer passes over activations on a GPU (docs/benchmarks.md, 'GPU check'). "
+        "false: activations cast to float32 and base + delta summed in it, PEFT's default (autocast_adapter_dtype). "
+        "Engines keep float32 LoRA. Local backend (trainer.world_size 1).",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Training forwards keep only each decoder layer's input and recompute the layer in the backward "
@@ -685,10 +693,14 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
     r = cfg.rollout
     problems += paging_problems(cfg)
     problems += unembed_problems(cfg)
-    if cfg.model.gradient_checkpointing and cfg.trainer.world_size > 1:
+    if cfg.model.lora_autocast and cfg.model.dtype == "float32":
         problems.append(
-            bad_value("model.gradient_checkpointing", True, "false with trainer.world_size > 1 (local backend only)")
-        )
+            bad_value("model.lora_autocast", True, "false with model.dtype float32 (a float32 base computes its LoRA "
+                      "in float32 already); set model.dtype: bfloat16 or float16 to use it")
+        )  # fmt: skip
+    for flag in ("gradient_checkpointing", "lora_autocast"):
+        if getattr(cfg.model, flag) and cfg.trainer.world_size > 1:
+            problems.append(bad_value(f"model.{flag}", True, "false with trainer.world_size > 1 (local backend only)"))
     if r.engine == "http" and r.num_engines == 1 and not r.url:
         problems.append(
             bad_value("rollout.url", None, "the server URL with engine 'http' (e.g. http://127.0.0.1:30000)")

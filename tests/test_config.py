@@ -141,3 +141,36 @@ def test_output_head_lora_is_refused_where_it_is_untried(extra, fragment):
     assert fragment in str(ei.value)
     data = {"model": {"path": "m", "target_modules": ["q_proj", "lm_head"]}, "adapters": [_adapter()]}
     assert parse_run_config(data).model.target_modules == ["q_proj", "lm_head"]  # local backend, embedded engine
+
+
+@pytest.mark.parametrize(
+    "model, extra, fragment",
+    [
+        ({}, {}, "model.lora_autocast=True is not allowed; allowed: false with model.dtype float32"),
+        ({"dtype": "bfloat16"}, {"trainer": {"world_size": 2}}, "model.lora_autocast=True is not allowed; allowed: "
+         "false with trainer.world_size > 1 (local backend only)"),
+    ],
+    ids=["float32-base", "ranks"],
+)  # fmt: skip
+def test_lora_autocast_is_refused_where_it_would_do_nothing_or_is_untried(model, extra, fragment):
+    data = {"model": {"path": "m", "lora_autocast": True, **model}, "adapters": [_adapter()], **extra}
+    with pytest.raises(ConfigError) as ei:
+        parse_run_config(data)
+    assert fragment in str(ei.value)
+    data = {"model": {"path": "m", "lora_autocast": True, "dtype": "bfloat16"}, "adapters": [_adapter()]}
+    assert parse_run_config(data).model.lora_autocast
+
+
+def test_build_model_passes_lora_autocast(tmp_path):
+    import torch
+    from tiny_models import save_tiny_model
+
+    from rl_multilora.components import build_model
+    from rl_multilora.config import ModelConfig
+
+    path = save_tiny_model(tmp_path / "m")
+    for on in (False, True):
+        m = build_model(ModelConfig(path=str(path), dtype="bfloat16", lora_autocast=on, device="cpu"))
+        assert m.lora_autocast is on
+        slots = {p.dtype for n, p in m.named_parameters() if "lora_" in n}
+        assert slots == {torch.float32}  # the slots stay float32 either way

@@ -33,10 +33,14 @@ def test_gpu_check_small_on_cpu_writes_every_section(tmp_path):
     assert all(m["max_abs_diff"] <= 1e-4 for m in report["sections"]["grouped_vs_loop"]["result"]["mixes"].values())
     for prof in report["sections"]["lora_overhead_profile"]["result"]["shapes"].values():
         steps = prof["per_step"]
-        assert set(steps) == {"base", "one", "one_lora_bf16"}
+        assert set(steps) == {"base", "one", "one_autocast"}
         assert all(s["kernels"] > 0 and s["busy_ms"] > 0 and s["wall_ms"] > 0 for s in steps.values())
         assert steps["one"]["kernels"] > steps["base"]["kernels"]  # the adapter's ops were counted
-        assert prof["top_one"] and prof["top_one"][0]["ms"] >= prof["top_one"][-1]["ms"]
+        for top in (prof["top_one"], prof["top_one_autocast"]):
+            assert top and top[0]["ms"] >= top[-1]["ms"]
+    for over in report["sections"]["lora_overhead"]["result"]["shapes"].values():
+        want = {"base", "one", "mixed64", "one_autocast", "peft_one", "peft_one_autocast"}
+        assert set(over["fwd_bwd_ms"]) == want and all(v > 0 for v in over["fwd_bwd_ms"].values())
 
 
 def wheelhouse_list(*flags: str) -> list[str]:

@@ -509,3 +509,104 @@ def test_a_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit(fami
     assert len(alone_grads) == len(mixed_grads) > 0
     assert all(torch.equal(g, h) for g, h in zip(alone_grads, mixed_grads, strict=True))
     assert any(torch.count_nonzero(g) > 0 for g in alone_grads)
+
+
+class _ProductDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operand dtypes of every matrix product over more than one term (the rotary embedding's float32
+    outer product, over one, is left out): the base's Linears and attention, and the LoRA's products."""
+
+    OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "baddbmm_": (1, 2), "linear": (0, 1)}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        which = self.OPS.get(func.overloadpacket.__name__)
+        if which is not None and args[which[0]].shape[-1] > 1:
+            self.seen.update(args[i].dtype for i in which)
+        return func(*args, **(kwargs or {}))
+
+
+AUTOCAST_MIXES = {
+    "one_slot": ["a"] * 4,
+    "mixed": ["a", "b", "c", "a", "c"],
+    "base_rows_mixed_in": ["a", None, "b", "c", "a", "c"],
+}
+
+
+@pytest.mark.parametrize("mix", list(AUTOCAST_MIXES))
+def test_lora_autocast_computes_in_the_base_dtype_and_tracks_the_fp32_loop(mix):
+    """`lora_autocast` on a bf16 base with float32 slots: every product runs in bf16 (with it off, the LoRA's in float32),
+    in training (`_LinearLoRA`; `_GroupedLoRA` with base rows) and inference alike; values and grads track the float32
+    loop to bf16 tolerance; the slots and their grads stay float32."""
+    check_lora_autocast(AUTOCAST_MIXES[mix], "cpu")
+
+
+@pytest.mark.gpu
+def test_lora_autocast_on_cuda():
+    """The same on a GPU, where the option is meant to pay (fewer passes over activations than float32 products)."""
+    for names in AUTOCAST_MIXES.values():
+        check_lora_autocast(names, "cuda")
+
+
+def check_lora_autocast(names, device):
+    used = sorted({n for n in names if n is not None})
+    m = make_model()
+    add(m, {"a": (3, 5), "b": (8, 12.3), "c": (5, 7)})
+    m.to(device)
+    # no left padding: on CUDA, transformers lets a fully masked query row attend to every key (SDPA), so a padded
+    # position's logits are arbitrary; in run 12 of the GPU check (H100) the largest bf16 vs float32 differences,
+    # 0.29, were at a padded position (row 1, position 0)
+    ids, mask = (t.to(device) for t in batch(rows=len(names), left_pad=False))
+    m.zero_lora_grads()
+    want = m(ids, attention_mask=mask, adapter_names=names, reference=True).logits
+    mixed_loss(want, ids, names).backward()
+    want_grads = cloned_grads(m, used)
+    m.base_model.to(torch.bfloat16)
+    for layer in lora_layers(m):  # the base to bf16, the slots back to float32 (PEFT's autocast_adapter_dtype)
+        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    outputs = {}
+    for autocast in (False, True):
+        m.lora_autocast = autocast
+        m.zero_lora_grads()
+        for grad in (True, False):
+            spy = _ProductDtypes()
+            with torch.set_grad_enabled(grad), spy:
+                got = m(ids, attention_mask=mask, adapter_names=names).logits
+                if grad:
+                    mixed_loss(got.float(), ids, names).backward()
+            # the base's products are bf16 either way; the LoRA's are float32 unless autocast
+            assert spy.seen == ({torch.bfloat16} if autocast else {torch.bfloat16, torch.float32}), (autocast, grad)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+            outputs[autocast, grad] = got.detach()
+        for name, grads in cloned_grads(m, used).items():
+            assert any(torch.count_nonzero(g) > 0 for g in grads)
+            for g, w in zip(grads, want_grads[name], strict=True):
+                assert g.dtype == torch.float32
+                torch.testing.assert_close(g, w, atol=2e-2, rtol=0.1)
+    assert not torch.equal(outputs[False, True], outputs[True, True])  # autocast does round differently
+
+
+def test_lora_autocast_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit():
+    """Isolation holds with autocast: a tenant's bf16 products do not depend on who shares its batch."""
+    m = MultiLoRAModel.from_model(tiny_model("llama"), 8, 8, lora_autocast=True)
+    add(m, {"a": (4, 9), "b": (4, 5)})
+    m.base_model.to(torch.bfloat16)
+    for layer in lora_layers(m):
+        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    ids, _ = batch(rows=6, length=7, seed=3, left_pad=False)
+    names = ["a", "b", "a", "a", "b", "b"]
+    rows = [i for i, n in enumerate(names) if n == "a"]
+    results = []
+    for batch_ids, batch_names in ((ids, names), (ids[rows], ["a"] * len(rows))):
+        m.zero_grad(set_to_none=True)
+        logits = m(batch_ids, adapter_names=batch_names).logits
+        per_adapter_loss(logits.float(), batch_ids, batch_names, "a").backward()
+        results.append((logits.detach(), cloned_grads(m, ["a"])["a"]))
+    (mixed, mixed_grads), (alone, alone_grads) = results
+    assert torch.equal(alone, mixed[rows])
+    assert len(alone_grads) == len(mixed_grads) > 0
+    assert all(g.dtype == torch.float32 and torch.equal(g, h) for g, h in zip(alone_grads, mixed_grads, strict=True))
+    assert any(torch.count_nonzero(g) > 0 for g in alone_grads)

@@ -116,7 +116,10 @@ class LoRALinear(nn.Module):
             return y
         lora_a, lora_b = self._stacked(routing)  # (S, R, in), (S, out, R)
         grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
-        if not grad and x.dim() == 3 and x.shape[1] == 1 and triton_decode.usable(x, lora_a):  # CUDA decode step
+        # the LoRA compute dtype: the slots' (PEFT's default), or the input's with autocast (the slots cast to it)
+        dtype = x.dtype if routing.autocast and x.dtype.is_floating_point else lora_a.dtype
+        decode = not grad and x.dim() == 3 and x.shape[1] == 1
+        if decode and dtype == lora_a.dtype and triton_decode.usable(x, lora_a):  # CUDA decode step
             batch = x.shape[0]
             triton_decode.lora_decode(
                 y.view(batch, self.out_features), x.reshape(batch, self.in_features), lora_a, lora_b,
@@ -125,16 +128,17 @@ class LoRALinear(nn.Module):
             return y
         # Base + delta is summed in the LoRA dtype and rounded once to y's dtype, as PEFT does. `out` is y itself
         # when the dtypes match: updating it in place is safe because F.linear does not save its output.
-        out = y if y.dtype == lora_a.dtype else y.to(lora_a.dtype)  # out: (B, ..., out)
+        out = y if y.dtype == dtype else y.to(dtype)  # out: (B, ..., out)
         g = routing.single
         if g is not None and not grad:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
-            xa = F.linear(x[g.start : g.stop].to(lora_a.dtype), lora_a[g.slot, : g.rank])  # x[g] @ A[s, :r].T
-            out[g.start : g.stop].add_(F.linear(xa, lora_b[g.slot, :, : g.rank]) * g.scale)  # += scale * xa @ B.T
+            a_s, b_s = lora_a[g.slot, : g.rank].to(dtype), lora_b[g.slot, :, : g.rank].to(dtype)
+            xa = F.linear(x[g.start : g.stop].to(dtype), a_s)  # x[g] @ A[s, :r].T
+            out[g.start : g.stop].add_(F.linear(xa, b_s) * g.scale)  # += scale * xa @ B.T
             return out.to(y.dtype)
         sink = routing.grad_sink if routing.bank is None else None
         xs = x if routing.active is None else x.index_select(0, routing.active)  # (n, ..., in), n active rows
         n = xs.shape[0]
-        x3 = (xs if xs.dtype == lora_a.dtype else xs.to(lora_a.dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
+        x3 = (xs if xs.dtype == dtype else xs.to(dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
         if not grad and x3.shape[1] == 1 and bag_layout(lora_a, lora_b, x3):  # decode: one token per row
             delta2 = bag_lora(x3.view(n, self.in_features), lora_a, lora_b, routing, scales)  # (n, out)
             out2 = out.view(-1, self.out_features)  # (B, out): one token per row
@@ -164,7 +168,8 @@ class LoRALinear(nn.Module):
 
     def _linear_lora(self, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
         """Training with every row on an adapter: the base Linear and the LoRA in one autograd node (`_LinearLoRA`);
-        None where that does not apply (no autograd, base rows, a bank, a trainable base, mixed dtypes).
+        None where that does not apply (no autograd, base rows, a bank, a trainable base, mixed dtypes without
+        autocast; with it the LoRA runs in the base's dtype).
 
         Rows on one slot are still B segments, not one `(1, B * L, in)` segment: one GEMM over all tokens would
         round the slot's products and gradient sums differently from the same rows in a mixed batch, and a tenant's
@@ -181,7 +186,8 @@ class LoRALinear(nn.Module):
             or not (lora_a.requires_grad or x.requires_grad)
             or self.weight.requires_grad
             or (self.bias is not None and self.bias.requires_grad)
-            or not x.dtype == self.weight.dtype == lora_a.dtype
+            or x.dtype != self.weight.dtype
+            or not (x.dtype == lora_a.dtype or routing.autocast)
         ):
             return None
         scales = routing.scales_for(self.name)  # (B,)
@@ -231,6 +237,7 @@ def grouped_lora(
     else:  # gather A and B as stored: an index_select of a transposed view costs 2-4x more
         at = lora_a.narrow(1, 0, r).index_select(0, a_slots).transpose(1, 2)  # (n, in, r)
         bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
+    at, bt = at.to(x3.dtype), bt.to(x3.dtype)  # autocast: the gathered slots in the input's dtype (else no-ops)
     # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
     xa = (torch.bmm(x3, at) * scales.view(-1, 1, 1)).to(x3.dtype)  # (n, L, r)
     y3.baddbmm_(xa, bt)
@@ -286,7 +293,7 @@ class _GroupedLoRA(torch.autograd.Function):
         a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
         ctx.mark_dirty(y3)
         ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
-        ctx.stacked = (lora_a.shape, lora_b.shape, r)
+        ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
         return y3
@@ -314,7 +321,7 @@ class _LinearLoRA(torch.autograd.Function):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
         a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots, single)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
-        ctx.stacked = (lora_a.shape, lora_b.shape, r)
+        ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
         return y3
@@ -338,13 +345,14 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=N
     expanded over the rows (stride 0, no copy) instead of a gathered copy per row, which at SmolLM2's shape was as
     many bytes as the layer's activations and was kept for the backward. Each row's batched product is the same
     GEMM on the same values either way, so the results are the same bit for bit (tests/test_grouped_lora.py)."""
+    dtype = x3.dtype  # autocast: the slots are cast to the input's dtype, before the expand (one slot's bytes)
     if single is not None:
         n = x3.shape[0]
-        a = lora_a.narrow(0, single, 1).narrow(1, 0, r).expand(n, -1, -1)  # (n, r, in), a view of A[single, :r]
-        bt = lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2).expand(n, -1, -1)  # (n, r, out), a view
+        a = lora_a.narrow(0, single, 1).narrow(1, 0, r).to(dtype).expand(n, -1, -1)  # (n, r, in): A[single, :r]
+        bt = lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2).to(dtype).expand(n, -1, -1)  # (n, r, out)
     else:
-        a = lora_a.narrow(1, 0, r).index_select(0, a_slots)  # a[i] = A[a_slot[i], :r]; (n, r, in)
-        bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
+        a = lora_a.narrow(1, 0, r).index_select(0, a_slots).to(dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
+        bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots).to(dtype)  # B[slot[i], :, :r].T
     xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
     xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
     y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
@@ -362,7 +370,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     are at positions `inputs`. `grad_x`, when given (the base's), gets the LoRA's input gradient added in place.
     Returns (grad_x, grad_a, grad_b); with a
     sink (see SlotGradSink) the weight grads go there."""
-    shape_a, shape_b, r = ctx.stacked
+    shape_a, shape_b, r, dtype = ctx.stacked  # dtype: the stacked slots' (the gradients'), autocast or not
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
     g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
     g_xa = g_xa.to(grad.dtype)
@@ -373,23 +381,23 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
         sink, lora_a, lora_b = ctx.sink
         used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
         if need_a:
-            rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+            rows = torch.bmm(g_xa.transpose(1, 2), x3).to(dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
             compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
             sink.add(lora_a, used, compact)
         if need_b:
-            rows = torch.bmm(xa.transpose(1, 2), grad)  # (n, r, out)
+            rows = torch.bmm(xa.transpose(1, 2), grad).to(dtype)  # (n, r, out)
             per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
             compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
             compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
             sink.add(lora_b, used, compact)
         return grad_x, None, None
     if need_a:
-        rows = torch.bmm(g_xa.transpose(1, 2), x3)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+        rows = torch.bmm(g_xa.transpose(1, 2), x3).to(dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
         grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
-        rows = torch.bmm(xa.transpose(1, 2), grad)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
+        rows = torch.bmm(xa.transpose(1, 2), grad).to(dtype)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
         used, inverse = _slot_index(ctx, slots)
         per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
         grad_b = rows.new_zeros(shape_b)

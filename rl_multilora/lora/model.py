@@ -103,6 +103,12 @@ class MultiLoRAModel(nn.Module):
 
     `forward(input_ids, attention_mask=..., adapter_names=[...] | adapter_slots=..., lora_bank=..., **hf_kwargs)`
     returns the HF output; each row goes through its adapter (None / -1 = base).
+
+    `lora_autocast`: the LoRA products of the model's own slots run in the base's dtype (bf16 / fp16), the
+    `lora_dtype` slots cast to it per forward, as `torch.autocast` runs PEFT's LoRA under TRL's `bf16: true`; the
+    slots, their gradients and the optimizer stay in `lora_dtype`. Off (the default), an input is cast to
+    `lora_dtype` and base + delta summed in it, PEFT's default (`autocast_adapter_dtype`) bit for bit. A bank's
+    forwards (engines) keep the bank's dtype; expert LoRA and the `reference` loop ignore it.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class MultiLoRAModel(nn.Module):
         lora_dtype: torch.dtype = torch.float32,
         target_parameters: Sequence[str] | None = None,
         expert_lora: str = "per_expert",
+        lora_autocast: bool = False,
     ):
         super().__init__()
         if expert_lora not in EXPERT_LORA_MODES:
@@ -126,6 +133,7 @@ class MultiLoRAModel(nn.Module):
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.lora_dtype = lora_dtype
+        self.lora_autocast = bool(lora_autocast)
         self.router = SlotRouter()
         self.base_model = base_model
         for param in base_model.parameters():
@@ -175,10 +183,13 @@ class MultiLoRAModel(nn.Module):
         lora_dtype: torch.dtype = torch.float32,
         target_parameters: Sequence[str] | None = None,
         expert_lora: str = "per_expert",
+        lora_autocast: bool = False,
     ) -> MultiLoRAModel:
         """Wrap an in-memory HF causal LM (its target Linears are replaced in place, its target expert modules get
         LoRA slots)."""
-        return cls(model, max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora)
+        return cls(
+            model, max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora, lora_autocast
+        )
 
     @classmethod
     def from_pretrained(
@@ -192,6 +203,7 @@ class MultiLoRAModel(nn.Module):
         device: str | torch.device | None = None,
         target_parameters: Sequence[str] | None = None,
         expert_lora: str = "per_expert",
+        lora_autocast: bool = False,
         **hf_kwargs: Any,
     ) -> MultiLoRAModel:
         """Load an HF causal LM from `path` (base in `dtype`, LoRA slots in `lora_dtype`) and wrap it."""
@@ -204,7 +216,8 @@ class MultiLoRAModel(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(str(path), **{dtype_kwarg: dtype}, **hf_kwargs)
         if device is not None:
             model = model.to(device)
-        wrapped = cls(model.eval(), max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora)
+        args = (max_loras, max_rank, target_modules, lora_dtype, target_parameters, expert_lora, lora_autocast)
+        wrapped = cls(model.eval(), *args)
         wrapped.name_or_path = str(path)
         return wrapped
 
@@ -858,7 +871,8 @@ class MultiLoRAModel(nn.Module):
         device = (input_ids if input_ids is not None else embeds).device
         dtype = lora_bank.dtype if lora_bank is not None else self.lora_dtype
         sink = self._grad_sink if lora_bank is None and torch.is_grad_enabled() else None
-        routing = build_routing(slots, meta, device, lora_bank, reference, dtype, grad_sink=sink)
+        autocast = self.lora_autocast and lora_bank is None
+        routing = build_routing(slots, meta, device, lora_bank, reference, dtype, grad_sink=sink, autocast=autocast)
         grad_context = torch.no_grad() if lora_bank is not None else contextlib.nullcontext()
         module = self.base_model.get_decoder() if decoder_only else self.base_model
         with grad_context, self.router.route(routing):

@@ -104,6 +104,7 @@ class Routing:
     _scales: dict[str, torch.Tensor | None]  # per module, filled on first use (see scales_for)
     _by_covering: dict[frozenset[int], torch.Tensor]  # scales tensor per set of covering slots, shared by modules
     grad_sink: SlotGradSink | None = None  # where the grouped backward puts slot gradients (None: into `.grad`)
+    autocast: bool = False  # LoRA products in the input's (the base's) dtype, the slots cast to it (`lora_autocast`)
     _slot_index: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # slot_index's, once built
     _bags: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # bag_index cache
 
@@ -187,8 +188,11 @@ def build_routing(
     reference: bool,
     dtype: torch.dtype = torch.float32,
     grad_sink: SlotGradSink | None = None,
+    autocast: bool = False,
 ) -> Routing:
-    """The routing of one forward. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row."""
+    """The routing of one forward. `slot_meta[s] = (rank, scale, modules)` for every slot used by some row.
+    `autocast`: the layers compute the LoRA products in their input's dtype (see `MultiLoRAModel`'s
+    `lora_autocast`)."""
     by_slot: dict[int, list[int]] = {}
     for row, slot in enumerate(slots):
         if slot != BASE_SLOT:
@@ -205,5 +209,5 @@ def build_routing(
     common = frozenset.intersection(*(g.modules for g in groups)) if groups else frozenset()
     return Routing(
         len(slots), tuple(slots), groups, active, row_slots, max_rank, bank, reference, dtype, frozenset(by_slot),
-        common, {}, {}, grad_sink,
+        common, {}, {}, grad_sink, autocast,
     )  # fmt: skip
