@@ -131,14 +131,14 @@ class LoRALinear(nn.Module):
         out = y if y.dtype == dtype else y.to(dtype)  # out: (B, ..., out)
         g = routing.single
         if g is not None and not grad:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
-            a_s, b_s = lora_a[g.slot, : g.rank].to(dtype), lora_b[g.slot, :, : g.rank].to(dtype)
-            xa = F.linear(x[g.start : g.stop].to(dtype), a_s)  # x[g] @ A[s, :r].T
+            a_s, b_s = _as(lora_a[g.slot, : g.rank], dtype), _as(lora_b[g.slot, :, : g.rank], dtype)
+            xa = F.linear(_as(x[g.start : g.stop], dtype), a_s)  # x[g] @ A[s, :r].T
             out[g.start : g.stop].add_(F.linear(xa, b_s) * g.scale)  # += scale * xa @ B.T
             return out.to(y.dtype)
         sink = routing.grad_sink if routing.bank is None else None
         xs = x if routing.active is None else x.index_select(0, routing.active)  # (n, ..., in), n active rows
         n = xs.shape[0]
-        x3 = (xs if xs.dtype == dtype else xs.to(dtype)).reshape(n, -1, self.in_features)  # (n, L, in)
+        x3 = _as(xs, dtype).reshape(n, -1, self.in_features)  # (n, L, in)
         if not grad and x3.shape[1] == 1 and bag_layout(lora_a, lora_b, x3):  # decode: one token per row
             delta2 = bag_lora(x3.view(n, self.in_features), lora_a, lora_b, routing, scales)  # (n, out)
             out2 = out.view(-1, self.out_features)  # (B, out): one token per row
@@ -175,7 +175,8 @@ class LoRALinear(nn.Module):
         round the slot's products and gradient sums differently from the same rows in a mixed batch, and a tenant's
         numbers must not depend on who shares its batch (paging's and isolation's bit-exact tests).
         """
-        lora_a, lora_b = self.lora_A, self.lora_B
+        params = self._parameters  # read once: each Parameter attribute is an nn.Module.__getattr__ (per module)
+        lora_a, lora_b, weight, bias = params["lora_A"], params["lora_B"], params["weight"], params.get("bias")
         if (
             routing.reference
             or routing.active is not None
@@ -184,19 +185,19 @@ class LoRALinear(nn.Module):
             or x.shape[0] != routing.batch_size
             or not torch.is_grad_enabled()
             or not (lora_a.requires_grad or x.requires_grad)
-            or self.weight.requires_grad
-            or (self.bias is not None and self.bias.requires_grad)
-            or x.dtype != self.weight.dtype
+            or weight.requires_grad
+            or (bias is not None and bias.requires_grad)
+            or x.dtype != weight.dtype
             or not (x.dtype == lora_a.dtype or routing.autocast)
         ):
             return None
         scales = routing.scales_for(self.name)  # (B,)
         if scales is None:
             return None
-        sink = routing.grad_sink
-        single = routing.single.slot if routing.single is not None else None  # every row on this slot
+        group = routing.single
+        single = group.slot if group is not None else None  # every row on this slot
         y3 = _LinearLoRA.apply(
-            x, self.weight, self.bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, sink,
+            x, weight, bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, routing.grad_sink,
             routing.slot_index(), single,
         )  # fmt: skip
         return y3.view(*x.shape[:-1], self.out_features)
@@ -237,10 +238,15 @@ def grouped_lora(
     else:  # gather A and B as stored: an index_select of a transposed view costs 2-4x more
         at = lora_a.narrow(1, 0, r).index_select(0, a_slots).transpose(1, 2)  # (n, in, r)
         bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
-    at, bt = at.to(x3.dtype), bt.to(x3.dtype)  # autocast: the gathered slots in the input's dtype (else no-ops)
+    at, bt = _as(at, x3.dtype), _as(bt, x3.dtype)  # autocast: the gathered slots in the input's dtype
     # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
-    xa = (torch.bmm(x3, at) * scales.view(-1, 1, 1)).to(x3.dtype)  # (n, L, r)
+    xa = _as(torch.bmm(x3, at) * scales.view(-1, 1, 1), x3.dtype)  # (n, L, r)
     y3.baddbmm_(xa, bt)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`: itself when it already is (a no-op `.to` still costs a dispatch, per module and step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def rank_minor(lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
@@ -348,13 +354,13 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=N
     dtype = x3.dtype  # autocast: the slots are cast to the input's dtype, before the expand (one slot's bytes)
     if single is not None:
         n = x3.shape[0]
-        a = lora_a.narrow(0, single, 1).narrow(1, 0, r).to(dtype).expand(n, -1, -1)  # (n, r, in): A[single, :r]
-        bt = lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2).to(dtype).expand(n, -1, -1)  # (n, r, out)
+        a = _as(lora_a.narrow(0, single, 1).narrow(1, 0, r), dtype).expand(n, -1, -1)  # (n, r, in): A[single, :r]
+        bt = _as(lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2), dtype).expand(n, -1, -1)  # (n, r, out)
     else:
-        a = lora_a.narrow(1, 0, r).index_select(0, a_slots).to(dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
-        bt = lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots).to(dtype)  # B[slot[i], :, :r].T
+        a = _as(lora_a.narrow(1, 0, r).index_select(0, a_slots), dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
+        bt = _as(lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots), dtype)  # B[slot[i], :, :r].T
     xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
-    xa = xa.to(x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
+    xa = _as(xa, x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
     y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
     return a, bt, xa
 
@@ -373,7 +379,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     shape_a, shape_b, r, dtype = ctx.stacked  # dtype: the stacked slots' (the gradients'), autocast or not
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
     g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
-    g_xa = g_xa.to(grad.dtype)
+    g_xa = _as(g_xa, grad.dtype)
     if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
     grad_a = grad_b = None
@@ -381,23 +387,23 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
         sink, lora_a, lora_b = ctx.sink
         used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
         if need_a:
-            rows = torch.bmm(g_xa.transpose(1, 2), x3).to(dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+            rows = _as(torch.bmm(g_xa.transpose(1, 2), x3), dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
             compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
             sink.add(lora_a, used, compact)
         if need_b:
-            rows = torch.bmm(xa.transpose(1, 2), grad).to(dtype)  # (n, r, out)
+            rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # (n, r, out)
             per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
             compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
             compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
             sink.add(lora_b, used, compact)
         return grad_x, None, None
     if need_a:
-        rows = torch.bmm(g_xa.transpose(1, 2), x3).to(dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
+        rows = _as(torch.bmm(g_xa.transpose(1, 2), x3), dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
         grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
-        rows = torch.bmm(xa.transpose(1, 2), grad).to(dtype)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
+        rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
         used, inverse = _slot_index(ctx, slots)
         per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
         grad_b = rows.new_zeros(shape_b)
