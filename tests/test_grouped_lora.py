@@ -589,9 +589,11 @@ def check_lora_autocast(names, device):
     assert not torch.equal(outputs[False, True], outputs[True, True])  # autocast does round differently
 
 
-def test_lora_autocast_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit():
-    """Isolation holds with autocast: a tenant's bf16 products do not depend on who shares its batch."""
-    m = MultiLoRAModel.from_model(tiny_model("llama"), 8, 8, lora_autocast=True)
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32_products", "autocast"])
+def test_float32_slots_over_a_bf16_base_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit(autocast):
+    """Isolation holds over a bf16 base with float32 slots, in float32 products (PEFT's default) or bf16 ones
+    (autocast): a tenant's numbers do not depend on who shares its batch."""
+    m = MultiLoRAModel.from_model(tiny_model("llama"), 8, 8, lora_autocast=autocast)
     add(m, {"a": (4, 9), "b": (4, 5)})
     m.base_model.to(torch.bfloat16)
     for layer in lora_layers(m):
@@ -610,3 +612,54 @@ def test_lora_autocast_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_
     assert len(alone_grads) == len(mixed_grads) > 0
     assert all(g.dtype == torch.float32 and torch.equal(g, h) for g, h in zip(alone_grads, mixed_grads, strict=True))
     assert any(torch.count_nonzero(g) > 0 for g in alone_grads)
+
+
+@pytest.mark.parametrize("names", [["a"] * 4, ["a", "b", "a", "b"]], ids=["one_slot", "mixed"])
+def test_float32_lora_over_a_bf16_base_trains_in_one_node_and_saves_less(names, monkeypatch):
+    """PEFT's default dtypes (float32 slots, bf16 base) in training: `_LinearLoRA` with `compute=float32` gives the
+    unfused path's logits bit for bit (the casts, the base Linear and `_GroupedLoRA` as separate autograd nodes) and
+    its gradients to bf16 rounding (one node sums a Linear's base and LoRA input gradients before autograd sums those
+    of q, k and v: another association of the same bf16 terms), and keeps each LoRA Linear's input in bf16 for the
+    backward instead of a float32 copy (one slot: a view of it, not a per-row copy)."""
+    m = make_model()
+    add(m, {"a": (3, 5), "b": (8, 12.3)})
+    m.base_model.to(torch.bfloat16)
+    for layer in lora_layers(m):
+        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    ids, _ = batch(rows=len(names), left_pad=False)
+    with torch.no_grad():
+        embeds = m.base_model.get_input_embeddings()(ids)
+
+    def step():
+        m.zero_lora_grads()
+        x = embeds.detach().requires_grad_()
+        saved = {}  # storage -> bytes: a tensor saved by several nodes (q, k and v's input) is held once
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}  # held anyway (a slot's view, W)
+
+        def pack(t):
+            if isinstance(t, torch.Tensor) and (ptr := t.untyped_storage().data_ptr()) not in params:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = m(inputs_embeds=x, adapter_names=names).logits
+        mixed_loss(logits.float(), ids, names).backward()
+        return logits.detach(), cloned_grads(m, ["a", "b"]), x.grad, sum(saved.values())
+
+    calls = []
+    fused = LoRALinear._linear_lora
+    monkeypatch.setattr(LoRALinear, "_linear_lora", lambda self, x, r: calls.append(1) or fused(self, x, r))
+    one = step()
+    assert len(calls) == len(lora_layers(m))  # every LoRA Linear took the fused node
+    monkeypatch.setattr(LoRALinear, "_linear_lora", lambda self, x, r: None)  # the unfused path
+    other = step()
+    assert torch.equal(one[0], other[0])
+    torch.testing.assert_close(one[2], other[2], atol=1e-2, rtol=0.05)
+    for name in ("a", "b") if "b" in names else ("a",):
+        grads = [(g, h) for g, h in zip(one[1][name], other[1][name], strict=True) if h is not None]
+        assert grads and all(g.dtype == torch.float32 for g, _ in grads)
+        assert any(torch.count_nonzero(g) > 0 for g, _ in grads)
+        for g, h in grads:
+            torch.testing.assert_close(g, h, atol=5e-3, rtol=0.05)
+    # bytes saved for the backward, parameters left out: one slot 0.43x, mixed 0.83x (the per-row slot copies stay)
+    assert one[3] < (0.5 if len(set(names)) == 1 else 0.9) * other[3], (one[3], other[3])

@@ -168,8 +168,8 @@ class LoRALinear(nn.Module):
 
     def _linear_lora(self, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
         """Training with every row on an adapter: the base Linear and the LoRA in one autograd node (`_LinearLoRA`);
-        None where that does not apply (no autograd, base rows, a bank, a trainable base, mixed dtypes without
-        autocast; with it the LoRA runs in the base's dtype).
+        None where that does not apply (no autograd, base rows, a bank, a trainable base). Float32 slots over a bf16
+        base compute in float32 (PEFT's default), or in bf16 with autocast.
 
         Rows on one slot are still B segments, not one `(1, B * L, in)` segment: one GEMM over all tokens would
         round the slot's products and gradient sums differently from the same rows in a mixed batch, and a tenant's
@@ -188,7 +188,6 @@ class LoRALinear(nn.Module):
             or weight.requires_grad
             or (bias is not None and bias.requires_grad)
             or x.dtype != weight.dtype
-            or not (x.dtype == lora_a.dtype or routing.autocast)
         ):
             return None
         scales = routing.scales_for(self.name)  # (B,)
@@ -196,9 +195,10 @@ class LoRALinear(nn.Module):
             return None
         group = routing.single
         single = group.slot if group is not None else None  # every row on this slot
+        compute = x.dtype if routing.autocast else lora_a.dtype  # the LoRA's products run in this dtype
         y3 = _LinearLoRA.apply(
             x, weight, bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, routing.grad_sink,
-            routing.slot_index(), single,
+            routing.slot_index(), single, compute,
         )  # fmt: skip
         return y3.view(*x.shape[:-1], self.out_features)
 
@@ -320,17 +320,27 @@ class _LinearLoRA(torch.autograd.Function):
     base's `grad @ W` in place (`baddbmm_`) where autograd would allocate a second input gradient and sum the two, a
     pass over an activation-sized tensor per Linear; and the input is saved once, not by both nodes. The LoRA math,
     its per-slot weight gradients and the sink are `_GroupedLoRA`'s. x3: (n, L, in) -> (n, L, out).
+
+    `compute`: the LoRA's dtype when it differs from the base's (float32 slots over a bf16 base without autocast,
+    PEFT's default): the input is cast to it, base + delta summed in it and rounded once to the base's dtype, the ops
+    and bits of the unfused path (the casts, the base Linear, `_GroupedLoRA`) in one node, which keeps the input in the
+    base's dtype for the backward (the unfused path keeps its float32 copy: twice the bytes) and casts it again there.
     """
 
     @staticmethod
-    def forward(ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None, single=None):
+    def forward(
+        ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None, single=None, compute=None
+    ):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
-        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, slots, single)
+        cast = compute is not None and compute != x3.dtype
+        out, xc = (y3.to(compute), x3.to(compute)) if cast else (y3, x3)  # (n, L, out), (n, L, in)
+        a, bt, xa = _grouped_forward(out, xc, lora_a, lora_b, slots, scales, r, slots, single)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
-        return y3
+        ctx.compute = compute if cast else None
+        return out.to(y3.dtype) if cast else out
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
@@ -339,8 +349,14 @@ class _LinearLoRA(torch.autograd.Function):
         base_x = None
         if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
             base_x = torch.matmul(grad, weight)
-        grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, (0, 3, 4))
-        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None
+        inputs = (0, 3, 4)
+        if ctx.compute is None:
+            grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, inputs)
+        else:  # the unfused path's order: the LoRA's input gradient in `compute`, rounded, then summed with the base's
+            gc, xc = grad.to(ctx.compute), x3.to(ctx.compute)
+            lora_x, grad_a, grad_b = _grouped_backward(ctx, gc, None, xc, a, bt, xa, slots, scales, slots, inputs)
+            grad_x = None if base_x is None else base_x.add_(lora_x.to(base_x.dtype))
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None, None
 
 
 def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=None):
