@@ -322,9 +322,12 @@ class _LinearLoRA(torch.autograd.Function):
     its per-slot weight gradients and the sink are `_GroupedLoRA`'s. x3: (n, L, in) -> (n, L, out).
 
     `compute`: the LoRA's dtype when it differs from the base's (float32 slots over a bf16 base without autocast,
-    PEFT's default): the input is cast to it, base + delta summed in it and rounded once to the base's dtype, the ops
-    and bits of the unfused path (the casts, the base Linear, `_GroupedLoRA`) in one node, which keeps the input in the
-    base's dtype for the backward (the unfused path keeps its float32 copy: twice the bytes) and casts it again there.
+    PEFT's default): the input is cast to it, base + delta summed in it and rounded once to the base's dtype: the
+    unfused path's ops (the casts, the base Linear, `_GroupedLoRA`) and its forward bits, in one node that keeps the
+    input in the base's dtype for the backward (the unfused path keeps a float32 copy: twice the bytes) and casts it
+    again there. The input gradient sums the base's and the LoRA's (rounded to the base's dtype) here, before autograd
+    sums those of the Linears that share the input: the same bf16 terms in another association, so the gradients
+    differ from the unfused path's at bf16 rounding.
     """
 
     @staticmethod
