@@ -1,7 +1,7 @@
 """The LoRA layer's decode and training paths at SmolLM2-135M's shape, this checkout against an earlier revision.
 
 Usage: `python bench/bench_lora_paths.py [--before REV] [--runs 5] [--threads 1] [--rows 16] [--seq-len 64]
-[--decode-rows 64] [--skip-train] [--skip-decode]`
+[--decode-rows 64] [--skip-train] [--skip-decode] [--peft]`
 
 One process, one model with random weights of SmolLM2-135M's config (hidden 576, 30 layers, GQA 9/3, vocab 49152,
 tied head; nothing is downloaded), 64 adapters of rank 8 (alpha 16) on every Linear with non-zero B. "before" is
@@ -13,7 +13,8 @@ the measurement, with the engine bank's tensors in that revision's layout; "afte
   all on one adapter, or spread over 64 adapters (row i on adapter i % 64). Tokens/s = rows / step time.
 - Training: one forward+backward of `rows` x `seq-len` tokens (`inputs_embeds` requiring grad, so the base floor
   pays the same activation backward), with per-slot gradients kept in a `SlotGradSink` as the trainer keeps them
-  (`MultiLoRAModel.use_slot_grads`, `rl_multilora/train_ops.py`): base, one adapter, 64 adapters round-robin.
+  (`MultiLoRAModel.use_slot_grads`, `rl_multilora/train_ops.py`): base, one adapter, 64 adapters round-robin;
+  with `--peft`, PEFT's one adapter on its own copy of the base too.
 
 Variants run round-robin within each run (drifting load hits them alike). Each run records wall time and this
 thread's CPU time (`time.thread_time`): on a shared, oversubscribed machine the wall time includes the time the
@@ -182,7 +183,32 @@ def bench_decode(m: MultiLoRAModel, before: types.ModuleType, rows: int, warmup:
         )
 
 
-def bench_train(m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len: int, warmup: int, runs: int) -> None:
+def peft_step(embeds: torch.Tensor) -> Callable[[], None]:
+    """PEFT's one-adapter forward+backward on its own copy of the same base (the same seed, float32) and inputs:
+    rank 8 on every Linear, B non-zero, the same loss."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(smollm2_config()).float(),
+        LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear"),
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        x = embeds.detach().requires_grad_()
+        model(inputs_embeds=x).logits.float().mean().backward()
+
+    return step
+
+
+def bench_train(
+    m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len: int, warmup: int, runs: int, peft: bool = False
+) -> None:
     m.train()
     m.use_slot_grads()
     g = torch.Generator().manual_seed(0)
@@ -201,12 +227,14 @@ def bench_train(m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len:
         forward = before.LoRALinear.forward if code == "before" else None
         for name, names in variants.items():
             fns[f"{name}, {code}"] = lambda names=names, forward=forward: step(names, forward)
+    if peft:
+        fns["1 adapter, PEFT"] = peft_step(embeds)
     times = time_interleaved(fns, warmup, runs)
     share = lora_flop_share(m)
     print_table(
         f"training forward+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
         f"{runs} runs; LoRA FLOP share of the pass {share:.1%}",
-        times, ["base"], lambda s: s, "{:.2f}", "seconds",
+        times, ["base"] + (["1 adapter, PEFT"] if peft else []), lambda s: s, "{:.2f}", "seconds",
     )  # fmt: skip
 
 
@@ -220,6 +248,7 @@ def main() -> None:
     p.add_argument("--decode-rows", type=int, default=64)
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--peft", action="store_true", help="training: also PEFT's one adapter on a copy of the base")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     before = load_revision_layer(args.before)
@@ -231,7 +260,7 @@ def main() -> None:
     if not args.skip_decode:
         bench_decode(m, before, args.decode_rows, warmup=1, runs=args.runs)
     if not args.skip_train:
-        bench_train(m, before, args.rows, args.seq_len, warmup=1, runs=args.runs)
+        bench_train(m, before, args.rows, args.seq_len, warmup=1, runs=args.runs, peft=args.peft)
 
 
 if __name__ == "__main__":
