@@ -1,7 +1,7 @@
 """The LoRA layer's decode and training paths at SmolLM2-135M's shape, this checkout against an earlier revision.
 
 Usage: `python bench/bench_lora_paths.py [--before REV] [--runs 5] [--threads 1] [--rows 16] [--seq-len 64]
-[--decode-rows 64] [--skip-train] [--skip-decode] [--peft]`
+[--decode-rows 64] [--skip-train] [--skip-decode] [--peft] [--saved]`
 
 One process, one model with random weights of SmolLM2-135M's config (hidden 576, 30 layers, GQA 9/3, vocab 49152,
 tied head; nothing is downloaded), 64 adapters of rank 8 (alpha 16) on every Linear with non-zero B. "before" is
@@ -15,6 +15,8 @@ the measurement, with the engine bank's tensors in that revision's layout; "afte
   pays the same activation backward), with per-slot gradients kept in a `SlotGradSink` as the trainer keeps them
   (`MultiLoRAModel.use_slot_grads`, `rl_multilora/train_ops.py`): base, one adapter, 64 adapters round-robin;
   with `--peft`, PEFT's one adapter on its own copy of the base too.
+- Saved bytes (`--saved`): what the decoder keeps for its backward over a bf16 base with float32 slots (PEFT's
+  default dtypes), the one-node training path against the unfused one, one slot and two (`bench_saved`).
 
 Variants run round-robin within each run (drifting load hits them alike). Each run records wall time and this
 thread's CPU time (`time.thread_time`): on a shared, oversubscribed machine the wall time includes the time the
@@ -238,6 +240,46 @@ def bench_train(
     )  # fmt: skip
 
 
+def bench_saved(rows: int, seq_len: int) -> None:
+    """Bytes the decoder keeps for its backward with PEFT's default dtypes (bf16 base, float32 slots), parameters left
+    out and each storage counted once (`torch.autograd.graph.saved_tensors_hooks`): the one-node path
+    (`_LinearLoRA` with a float32 compute dtype) against the unfused one (casts, base Linear and `_GroupedLoRA` as
+    separate nodes, what `LoRALinear.forward` runs when `_linear_lora` declines). Deterministic: one forward each."""
+    m = build()
+    m.base_model.to(torch.bfloat16)
+    for layer in m.base_model.modules():
+        if isinstance(layer, LoRALinear):  # the slots back to float32, as PEFT's autocast_adapter_dtype keeps them
+            layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    ids = torch.randint(0, m.base_model.config.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        embeds = m.base_model.get_input_embeddings()(ids)
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+    def saved_mib(names) -> float:
+        held: dict[int, int] = {}
+
+        def pack(t):
+            if isinstance(t, torch.Tensor) and (ptr := t.untyped_storage().data_ptr()) not in params:
+                held[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(inputs_embeds=embeds.detach().requires_grad_(), adapter_names=names, decoder_only=True)
+        return sum(held.values()) / 2**20
+
+    fused = LoRALinear._linear_lora
+    print(f"\nsaved for backward by the decoder, bf16 base + float32 slots, {rows} rows x {seq_len} tokens (MiB)")
+    print("| batch | unfused | one node | ratio |\n|---|---|---|---|")
+    for label, names in (("one slot", ["a0"] * rows), ("two slots", ["a0", "a1"] * (rows // 2))):
+        LoRALinear._linear_lora = lambda self, x, routing: None
+        try:
+            unfused = saved_mib(names)
+        finally:
+            LoRALinear._linear_lora = fused
+        one = saved_mib(names)
+        print(f"| {label} | {unfused:.1f} | {one:.1f} | {one / unfused:.2f}x |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default="95e18e8", help="the revision whose LoRALinear.forward is 'before'")
@@ -249,6 +291,7 @@ def main() -> None:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--peft", action="store_true", help="training: also PEFT's one adapter on a copy of the base")
+    p.add_argument("--saved", action="store_true", help="also bytes saved for backward, bf16 base (bench_saved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     before = load_revision_layer(args.before)
@@ -261,6 +304,9 @@ def main() -> None:
         bench_decode(m, before, args.decode_rows, warmup=1, runs=args.runs)
     if not args.skip_train:
         bench_train(m, before, args.rows, args.seq_len, warmup=1, runs=args.runs, peft=args.peft)
+    if args.saved:
+        del m
+        bench_saved(8, args.seq_len)
 
 
 if __name__ == "__main__":
