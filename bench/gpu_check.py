@@ -20,7 +20,8 @@ Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `O
   launches?).
 - `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, if present) for learning: reward first -> last.
 - `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
-  generated tokens/s and peak CUDA memory; then the same with `model.lora_autocast` (`lora_autocast`).
+  generated tokens/s and peak CUDA memory, beside the same run with `model.lora_autocast` (`lora_autocast`): both
+  held at once and stepped in turn.
 
 Every section is guarded: a failure is recorded (with its traceback's last line) and the next section runs. Times
 are medians over interleaved repeats (CUDA synchronized around each), never one run.
@@ -494,6 +495,43 @@ def _run_steps(cfg_data: dict, steps: int, device: str) -> tuple[list, list[dict
     return records, timings
 
 
+def _run_interleaved(datas: dict[str, dict], steps: int, device: str) -> dict[str, dict]:
+    """Runtimes built from each of `datas`, all held at once and stepped in turn, the order alternating step by step
+    (drift and warm-up hit each alike). Per key: each step's timings and, on CUDA, the GPU memory the runtime holds
+    between steps (`resident_gib`) and the most any of its steps added to it (`step_rise_gib`)."""
+    from rl_multilora.config import RunConfig
+    from rl_multilora.loop import Runtime
+
+    cuda = device.startswith("cuda")
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    out: dict[str, dict] = {}
+    rts = {}
+    try:
+        for key, data in datas.items():
+            before = allocated()
+            rts[key] = Runtime.build(RunConfig.model_validate(data))
+            rts[key].start()
+            out[key] = {"timings": [], "resident_gib": (allocated() - before) / 2**30, "step_rise_gib": 0.0}
+        clock = synced_clock(device)
+        for i in range(steps):
+            for key in list(rts) if i % 2 == 0 else list(rts)[::-1]:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                held = allocated()
+                t0 = clock()
+                res = rts[key].step()
+                wall = clock() - t0
+                if cuda:
+                    rise = (torch.cuda.max_memory_allocated() - held) / 2**30
+                    out[key]["step_rise_gib"] = max(out[key]["step_rise_gib"], rise)
+                tokens = sum(r.response_len_mean * r.n_samples for r in res.records if r.n_samples)
+                out[key]["timings"].append({"step_s": wall, "tokens": tokens, **res.timings})
+    finally:
+        for rt in rts.values():
+            rt.close()
+    return out
+
+
 QUIET = {
     "eval": {"enabled": False},
     "checkpoint": {"save_every": 10_000, "resume": "never"},
@@ -548,25 +586,24 @@ def grpo_smollm2_shape(device: str, sizes: Sizes, workdir: Path) -> dict:
         "rollout": {"engine": "embedded", "n_samples_per_prompt": 8, "max_new_tokens": sizes.grpo_new_tokens},
         "adapters": adapters,
     }
+    datas = {}  # the default, and the trainer's LoRA products in bf16 (`model.lora_autocast`), stepped in turn
+    for key, autocast in (("median", False), ("lora_autocast", True)):
+        datas[key] = {
+            **data,
+            "run_dir": str(workdir / f"grpo_{key}"),
+            "model": {**data["model"], "lora_autocast": autocast},
+        }
     runs = {}
-    for key, autocast in (
-        ("median", False),
-        ("lora_autocast", True),
-    ):  # the second with the trainer's products in bf16
-        data["run_dir"] = str(workdir / f"grpo_{key}")
-        data["model"]["lora_autocast"] = autocast
-        if device.startswith("cuda"):
-            _free(device)
-            torch.cuda.reset_peak_memory_stats()
-        _, timings = _run_steps(data, 1 + sizes.grpo_steps, device)
-        timed = timings[1:]  # the first step pays lazy inits and kernel autotuning
+    for key, got in _run_interleaved(datas, 1 + sizes.grpo_steps, device).items():
+        timed = got["timings"][1:]  # the first step pays lazy inits and kernel autotuning
         phases = sorted({k for t in timed for k in t if k.endswith("_s")})
         out = {k: statistics.median(t.get(k, 0.0) for t in timed) for k in phases}
         out["tokens_per_s"] = statistics.median(t["tokens"] / t["step_s"] for t in timed)
-        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+        cuda = device.startswith("cuda")  # what it holds plus its largest step's rise: its peak, were it alone
+        out["peak_mem_gib"] = got["resident_gib"] + got["step_rise_gib"] if cuda else None
         runs[key] = out
     ok = all(r["tokens_per_s"] > 0 for r in runs.values())
-    return {"ok": ok, "shape": shape.name, "timed_steps": len(timed), **runs}
+    return {"ok": ok, "shape": shape.name, "timed_steps": len(timed), "interleaved": True, **runs}
 
 
 SECTIONS: dict[str, Callable[[str, Sizes, Path], dict]] = {
