@@ -263,11 +263,9 @@ def engine_greedy_vs_peft(device: str, sizes: Sizes, workdir: Path) -> dict:
     return {"ok": not mismatched, "rows": len(rows), "mismatched_rows": mismatched}
 
 
-def _tenants(
-    shape: Shape, device: str, n: int, lora_dtype: torch.dtype = torch.float32, autocast: bool = False
-) -> tuple[MultiLoRAModel, list[str]]:
+def _tenants(shape: Shape, device: str, n: int, autocast: bool = False) -> tuple[MultiLoRAModel, list[str]]:
     m = MultiLoRAModel.from_model(
-        shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK, lora_dtype=lora_dtype, lora_autocast=autocast
+        shape.build(torch.bfloat16, device), max_loras=n, max_rank=RANK, lora_autocast=autocast
     )
     names = [f"t{i}" for i in range(n)]
     for i, name in enumerate(names):
@@ -475,30 +473,14 @@ def _free(device: str) -> None:
 
 def _run_steps(cfg_data: dict, steps: int, device: str) -> tuple[list, list[dict]]:
     """Step a Runtime built from `cfg_data`; returns every step's records and per-step timings."""
-    from rl_multilora.config import RunConfig
-    from rl_multilora.loop import Runtime
-
-    rt = Runtime.build(RunConfig.model_validate(cfg_data))
-    records, timings = [], []
-    try:
-        rt.start()
-        clock = synced_clock(device)
-        for _ in range(steps):
-            t0 = clock()
-            res = rt.step()
-            wall = clock() - t0
-            records.append(res.records)
-            tokens = sum(r.response_len_mean * r.n_samples for r in res.records if r.n_samples)
-            timings.append({"step_s": wall, "tokens": tokens, **res.timings})
-    finally:
-        rt.close()
-    return records, timings
+    got = _run_interleaved({"run": cfg_data}, steps, device)["run"]
+    return got["records"], got["timings"]
 
 
 def _run_interleaved(datas: dict[str, dict], steps: int, device: str) -> dict[str, dict]:
     """Runtimes built from each of `datas`, all held at once and stepped in turn, the order alternating step by step
     (drift and warm-up hit each alike). Per key: each step's timings and, on CUDA, the GPU memory the runtime holds
-    between steps (`resident_gib`) and the most any of its steps added to it (`step_rise_gib`)."""
+    between steps (`resident_gib`) and the most any of its steps added to it (`step_rise_gib`); each step's records."""
     from rl_multilora.config import RunConfig
     from rl_multilora.loop import Runtime
 
@@ -511,7 +493,8 @@ def _run_interleaved(datas: dict[str, dict], steps: int, device: str) -> dict[st
             before = allocated()
             rts[key] = Runtime.build(RunConfig.model_validate(data))
             rts[key].start()
-            out[key] = {"timings": [], "resident_gib": (allocated() - before) / 2**30, "step_rise_gib": 0.0}
+            out[key] = {"timings": [], "records": [], "resident_gib": (allocated() - before) / 2**30,
+                        "step_rise_gib": 0.0}  # fmt: skip
         clock = synced_clock(device)
         for i in range(steps):
             for key in list(rts) if i % 2 == 0 else list(rts)[::-1]:
@@ -526,6 +509,7 @@ def _run_interleaved(datas: dict[str, dict], steps: int, device: str) -> dict[st
                     out[key]["step_rise_gib"] = max(out[key]["step_rise_gib"], rise)
                 tokens = sum(r.response_len_mean * r.n_samples for r in res.records if r.n_samples)
                 out[key]["timings"].append({"step_s": wall, "tokens": tokens, **res.timings})
+                out[key]["records"].append(res.records)
     finally:
         for rt in rts.values():
             rt.close()

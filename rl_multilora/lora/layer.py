@@ -116,8 +116,7 @@ class LoRALinear(nn.Module):
             return y
         lora_a, lora_b = self._stacked(routing)  # (S, R, in), (S, out, R)
         grad = torch.is_grad_enabled() and (lora_a.requires_grad or x.requires_grad)
-        # the LoRA compute dtype: the slots' (PEFT's default), or the input's with autocast (the slots cast to it)
-        dtype = x.dtype if routing.autocast and x.dtype.is_floating_point else lora_a.dtype
+        dtype = _compute_dtype(routing, x, lora_a)
         decode = not grad and x.dim() == 3 and x.shape[1] == 1
         if decode and dtype == lora_a.dtype and triton_decode.usable(x, lora_a):  # CUDA decode step
             batch = x.shape[0]
@@ -128,7 +127,7 @@ class LoRALinear(nn.Module):
             return y
         # Base + delta is summed in the LoRA dtype and rounded once to y's dtype, as PEFT does. `out` is y itself
         # when the dtypes match: updating it in place is safe because F.linear does not save its output.
-        out = y if y.dtype == dtype else y.to(dtype)  # out: (B, ..., out)
+        out = _as(y, dtype)  # out: (B, ..., out)
         g = routing.single
         if g is not None and not grad:  # one slot, contiguous rows, no autograd: PEFT's ops in PEFT's order
             a_s, b_s = _as(lora_a[g.slot, : g.rank], dtype), _as(lora_b[g.slot, :, : g.rank], dtype)
@@ -146,7 +145,7 @@ class LoRALinear(nn.Module):
                 out2.add_(delta2)
             else:
                 out2.index_add_(0, routing.active, delta2)  # out[active[i]] += delta[i]
-            return out if out.dtype == y.dtype else out.to(y.dtype)
+            return _as(out, y.dtype)
         if routing.active is None and out.dim() == 3:  # out[i] += scale[i] * x[i] @ A[s_i].T @ B[s_i].T, in place
             # (in place only on `out` itself: a Function may not dirty a view, and F.linear does not save its output)
             grouped_lora(
@@ -164,7 +163,7 @@ class LoRALinear(nn.Module):
                 out.add_(delta)
             else:
                 out.index_add_(0, routing.active, delta)  # out[active[i]] += delta[i]
-        return out if out.dtype == y.dtype else out.to(y.dtype)
+        return _as(out, y.dtype)
 
     def _linear_lora(self, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
         """Training with every row on an adapter: the base Linear and the LoRA in one autograd node (`_LinearLoRA`);
@@ -195,7 +194,7 @@ class LoRALinear(nn.Module):
             return None
         group = routing.single
         single = group.slot if group is not None else None  # every row on this slot
-        compute = x.dtype if routing.autocast else lora_a.dtype  # the LoRA's products run in this dtype
+        compute = _compute_dtype(routing, x, lora_a)
         y3 = _LinearLoRA.apply(
             x, weight, bias, lora_a, lora_b, routing.row_slots, scales, routing.max_rank, routing.grad_sink,
             routing.slot_index(), single, compute,
@@ -242,6 +241,12 @@ def grouped_lora(
     # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
     xa = _as(torch.bmm(x3, at) * scales.view(-1, 1, 1), x3.dtype)  # (n, L, r)
     y3.baddbmm_(xa, bt)
+
+
+def _compute_dtype(routing: Routing, x: torch.Tensor, lora_a: torch.Tensor) -> torch.dtype:
+    """The dtype the LoRA's products run in: the slots' (PEFT's default), or the input's with autocast (the slots cast
+    to it)."""
+    return x.dtype if routing.autocast else lora_a.dtype
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
