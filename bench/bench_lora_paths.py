@@ -5,7 +5,7 @@ Usage: `python bench/bench_lora_paths.py [--before REV] [--runs 5] [--threads 1]
 
 One process, one model with random weights of SmolLM2-135M's config (hidden 576, 30 layers, GQA 9/3, vocab 49152,
 tied head; nothing is downloaded), 64 adapters of rank 8 (alpha 16) on every Linear with non-zero B. "before" is
-`LoRALinear.forward` of revision `--before` (read with `git show`, its module's own helpers with it) swapped in for
+`LoRALinear`'s methods of revision `--before` (read with `git show`, its module's own helpers with it) swapped in for
 the measurement, with the engine bank's tensors in that revision's layout; "after" is this checkout.
 
 - Decode: one decode step of `decode-rows` rows through an engine bank and a KV cache of 32 prompt tokens (what the
@@ -91,14 +91,25 @@ def contiguous_bank(bank: LoRABank) -> LoRABank:
 
 
 @contextlib.contextmanager
-def layer_forward(forward: Callable | None) -> Iterator[None]:
-    """Swap `LoRALinear.forward` for the duration (None: this checkout's)."""
-    current = LoRALinear.forward
-    LoRALinear.forward = forward or current
+def layer_code(cls: type | None) -> Iterator[None]:
+    """Swap `LoRALinear`'s methods (`forward`, `_linear_lora`, ...) for those of `cls`, a revision's `LoRALinear`, for
+    the duration (None: this checkout's). Each swapped method runs its own revision's helpers (its module's globals).
+    """
+    if cls is None:
+        yield
+        return
+    names = [k for k, v in vars(cls).items() if callable(v) and not k.startswith("__")]
+    current = {k: vars(LoRALinear).get(k) for k in names}
+    for k in names:
+        setattr(LoRALinear, k, vars(cls)[k])
     try:
         yield
     finally:
-        LoRALinear.forward = current
+        for k, v in current.items():
+            if v is None:
+                delattr(LoRALinear, k)
+            else:
+                setattr(LoRALinear, k, v)
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, runs: int) -> dict[str, dict[str, list]]:
@@ -156,17 +167,17 @@ def bench_decode(m: MultiLoRAModel, before: types.ModuleType, rows: int, warmup:
     }
     fns: dict[str, Callable[[], object]] = {}
     for code in ("before", "after"):
-        forward = before.LoRALinear.forward if code == "before" else None
+        layer = before.LoRALinear if code == "before" else None
         for name, slots in variants.items():
             if name == "base" and code == "before":
                 continue  # no LoRA compute: the same code either way
             cache = DynamicCache(config=config)
-            with torch.no_grad(), layer_forward(forward):
+            with torch.no_grad(), layer_code(layer):
                 m(prompt, attention_mask=mask[:, :PROMPT], adapter_slots=slots, lora_bank=banks[code],
                   past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
 
-            def step(slots=slots, cache=cache, bank=banks[code], forward=forward):
-                with torch.no_grad(), layer_forward(forward):
+            def step(slots=slots, cache=cache, bank=banks[code], layer=layer):
+                with torch.no_grad(), layer_code(layer):
                     m(token, attention_mask=mask, position_ids=position, adapter_slots=slots, lora_bank=bank,
                       past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
                 cache.crop(-1)
@@ -217,24 +228,24 @@ def bench_train(
     ids = torch.randint(0, m.base_model.config.vocab_size, (rows, seq_len), generator=g)
     embeds = m.base_model.get_input_embeddings()(ids).detach()
 
-    def step(names, forward):
+    def step(names, layer):
         m.zero_lora_grads()
         x = embeds.detach().requires_grad_()
-        with layer_forward(forward):
+        with layer_code(layer):
             m(inputs_embeds=x, adapter_names=names).logits.float().mean().backward()
 
     variants = {"1 adapter": ["a0"] * rows, f"{N_MANY} mixed": [f"a{i % N_MANY}" for i in range(rows)]}
     fns: dict[str, Callable[[], object]] = {"base": lambda: step([None] * rows, None)}
     for code in ("before", "after"):
-        forward = before.LoRALinear.forward if code == "before" else None
+        layer = before.LoRALinear if code == "before" else None
         for name, names in variants.items():
-            fns[f"{name}, {code}"] = lambda names=names, forward=forward: step(names, forward)
+            fns[f"{name}, {code}"] = lambda names=names, layer=layer: step(names, layer)
     if peft:
         fns["1 adapter, PEFT"] = peft_step(embeds)
     times = time_interleaved(fns, warmup, runs)
     share = lora_flop_share(m)
     print_table(
-        f"training forward+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
+        f"training layer+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
         f"{runs} runs; LoRA FLOP share of the pass {share:.1%}",
         times, ["base"] + (["1 adapter, PEFT"] if peft else []), lambda s: s, "{:.2f}", "seconds",
     )  # fmt: skip
@@ -282,7 +293,7 @@ def bench_saved(rows: int, seq_len: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", default="95e18e8", help="the revision whose LoRALinear.forward is 'before'")
+    p.add_argument("--before", default="95e18e8", help="the revision whose LoRALinear methods are 'before'")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rows", type=int, default=16)

@@ -7,6 +7,8 @@ Llama built offline in float32, so tolerances are tight.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -663,3 +665,59 @@ def test_float32_lora_over_a_bf16_base_trains_in_one_node_and_saves_less(names, 
             torch.testing.assert_close(g, h, atol=5e-3, rtol=0.05)
     # bytes saved for the backward, parameters left out: one slot 0.43x, mixed 0.83x (the per-row slot copies stay)
     assert one[3] < (0.5 if len(set(names)) == 1 else 0.9) * other[3], (one[3], other[3])
+
+
+class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that compute (launch a kernel on a GPU): every op but views, metadata and autograd's detaches."""
+
+    FREE = {"view", "_unsafe_view", "transpose", "t", "slice", "select", "expand", "detach", "alias", "lift_fresh",
+            "as_strided", "unsqueeze", "squeeze", "reshape", "permute", "_reshape_alias"}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.FREE:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# what one LoRA Linear adds to a training forward+backward on a one-slot batch: the 2 products each way and the 2
+# weight-gradient products; per product of a row-scaled rank the scale, applied in place (one kernel with the
+# rounding); 2 zero-filled gradients and their index_add_; the casts of PEFT's default dtypes (the input each way,
+# grad, the LoRA's input gradient) or of autocast (the slots each forward, the weight gradients to float32)
+LORA_OPS_PER_LINEAR = {
+    "float32": {"bmm": 4, "baddbmm_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2},
+    "bf16_base_float32_slots": {"bmm": 6, "add_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2, "_to_copy": 4},
+    "bf16_base_autocast": {"bmm": 4, "baddbmm_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2, "_to_copy": 4},
+}
+
+
+@pytest.mark.parametrize("dtypes", list(LORA_OPS_PER_LINEAR))
+def test_ops_a_lora_linear_adds_to_a_training_step(dtypes):
+    """On a GPU a small model's training step is bound by launching kernels (the GPU check's profile: the H100 busy
+    40 ms of a 426 ms step), so the ops each LoRA Linear adds are its cost there: this pins them per dtype setting,
+    one slot, with per-slot gradients in a sink as the trainer keeps them."""
+    m = MultiLoRAModel.from_model(
+        tiny_model("llama"), 4, 8, lora_autocast=dtypes == "bf16_base_autocast"
+    )  # fmt: skip
+    add(m, {"a": (8, 16)})
+    if dtypes != "float32":
+        m.base_model.to(torch.bfloat16)
+        for layer in lora_layers(m):
+            layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    m.use_slot_grads()
+    ids, _ = batch(rows=4, length=6, left_pad=False)
+    with torch.no_grad():
+        embeds = m.base_model.get_input_embeddings()(ids)
+    counts = {}
+    for names in ([None] * 4, ["a"] * 4):
+        m.zero_lora_grads()
+        with _KernelOps() as spy:
+            x = embeds.detach().requires_grad_()
+            m(inputs_embeds=x, adapter_names=names).logits.float().logsumexp(-1).mean().backward()
+        counts[names[0]] = spy.ops
+    extra = counts["a"] - counts[None]
+    n = len(lora_layers(m))
+    assert {op: c / n for op, c in extra.items()} == LORA_OPS_PER_LINEAR[dtypes]

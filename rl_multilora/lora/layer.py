@@ -239,7 +239,7 @@ def grouped_lora(
         bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
     at, bt = _as(at, x3.dtype), _as(bt, x3.dtype)  # autocast: the gathered slots in the input's dtype
     # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
-    xa = _as(torch.bmm(x3, at) * scales.view(-1, 1, 1), x3.dtype)  # (n, L, r)
+    xa = _scale_(torch.bmm(x3, at), scales)  # (n, L, r)
     y3.baddbmm_(xa, bt)
 
 
@@ -247,6 +247,13 @@ def _compute_dtype(routing: Routing, x: torch.Tensor, lora_a: torch.Tensor) -> t
     """The dtype the LoRA's products run in: the slots' (PEFT's default), or the input's with autocast (the slots cast
     to it)."""
     return x.dtype if routing.autocast else lora_a.dtype
+
+
+def _scale_(prod: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`prod[i] *= scale[i]` in place, `prod: (n, L, r)`: the product times the float32 scale, computed in float32 and
+    rounded once to `prod`'s dtype (a bf16 LoRA's product: the same bits as `(prod * scales).to(bf16)`, in one
+    kernel instead of two and no new tensor)."""
+    return prod.mul_(scales.view(-1, 1, 1))
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -327,10 +334,11 @@ class _LinearLoRA(torch.autograd.Function):
     its per-slot weight gradients and the sink are `_GroupedLoRA`'s. x3: (n, L, in) -> (n, L, out).
 
     `compute`: the LoRA's dtype when it differs from the base's (float32 slots over a bf16 base without autocast,
-    PEFT's default): the input is cast to it, base + delta summed in it and rounded once to the base's dtype: the
-    unfused path's ops (the casts, the base Linear, `_GroupedLoRA`) and its forward bits, in one node that keeps the
-    input in the base's dtype for the backward (the unfused path keeps a float32 copy: twice the bytes) and casts it
-    again there. The input gradient sums the base's and the LoRA's (rounded to the base's dtype) here, before autograd
+    PEFT's default): the input is cast to it, base + delta summed in it and rounded once to the base's dtype (the
+    float32 delta added into the bf16 base output in place: one kernel that computes in float32 and rounds, where
+    casting the output up and back took two more): the unfused path's forward bits, in one node that keeps the input
+    in the base's dtype for the backward (the unfused path keeps a float32 copy: twice the bytes) and casts it again
+    there. The input gradient sums the base's and the LoRA's (rounded to the base's dtype) here, before autograd
     sums those of the Linears that share the input: the same bf16 terms in another association, so the gradients
     differ from the unfused path's at bf16 rounding.
     """
@@ -341,14 +349,14 @@ class _LinearLoRA(torch.autograd.Function):
     ):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
         cast = compute is not None and compute != x3.dtype
-        out, xc = (y3.to(compute), x3.to(compute)) if cast else (y3, x3)  # (n, L, out), (n, L, in)
-        a, bt, xa = _grouped_forward(out, xc, lora_a, lora_b, slots, scales, r, slots, single)
+        xc = x3.to(compute) if cast else x3  # (n, L, in)
+        a, bt, xa = _grouped_forward(y3, xc, lora_a, lora_b, slots, scales, r, slots, single)
         ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
         ctx.compute = compute if cast else None
-        return out.to(y3.dtype) if cast else out
+        return y3
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
@@ -383,9 +391,11 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=N
     else:
         a = _as(lora_a.narrow(1, 0, r).index_select(0, a_slots), dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
         bt = _as(lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots), dtype)  # B[slot[i], :, :r].T
-    xa = torch.bmm(x3, a.transpose(1, 2)) * scales.view(-1, 1, 1)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
-    xa = _as(xa, x3.dtype)  # the fp32 scales promote a bf16 LoRA's product: round it back once
-    y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
+    xa = _scale_(torch.bmm(x3, a.transpose(1, 2)), scales)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
+    if y3.dtype == xa.dtype:
+        y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
+    else:  # a bf16 base's output, a float32 LoRA: summed in float32, rounded once (y3 + delta in y3's kernel)
+        y3.add_(torch.bmm(xa, bt))  # y[i] += xa[i] @ bt[i]
     return a, bt, xa
 
 
@@ -402,8 +412,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     sink (see SlotGradSink) the weight grads go there."""
     shape_a, shape_b, r, dtype = ctx.stacked  # dtype: the stacked slots' (the gradients'), autocast or not
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
-    g_xa = torch.bmm(grad, bt.transpose(1, 2)) * scales.view(-1, 1, 1)  # d/d(x[i] @ a[i].T); (n, L, r)
-    g_xa = _as(g_xa, grad.dtype)
+    g_xa = _scale_(torch.bmm(grad, bt.transpose(1, 2)), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
     if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
     grad_a = grad_b = None
@@ -417,9 +426,8 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
             sink.add(lora_a, used, compact)
         if need_b:
             rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # (n, r, out)
-            per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
             compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
-            compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
+            compact.narrow(2, 0, r).transpose(1, 2).index_add_(0, inverse, rows)  # into (U, r, out), a view
             sink.add(lora_b, used, compact)
         return grad_x, None, None
     if need_a:
@@ -428,8 +436,6 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
         rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
-        used, inverse = _slot_index(ctx, slots)
-        per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
-        grad_b = rows.new_zeros(shape_b)
-        grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))  # only the used slots are written
+        grad_b = rows.new_zeros(shape_b)  # (S, out, R): slots without rows get exactly zero
+        grad_b.narrow(2, 0, r).transpose(1, 2).index_add_(0, slots, rows)  # into (S, r, out), a view
     return grad_x, grad_a, grad_b
