@@ -356,6 +356,7 @@ class _LinearLoRA(torch.autograd.Function):
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
         ctx.compute = compute if cast else None
+        ctx.single = single
         return y3
 
     @staticmethod
@@ -415,6 +416,10 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     g_xa = _scale_(torch.bmm(grad, bt.transpose(1, 2)), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
     if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
+    single = getattr(ctx, "single", None)
+    if single is not None and one_gemm_weight_grads(grad):
+        grad_a, grad_b = _single_slot_weight_grads(ctx, single, slots, grad, x3, xa, g_xa, need_a, need_b)
+        return grad_x, grad_a, grad_b
     grad_a = grad_b = None
     if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
         sink, lora_a, lora_b = ctx.sink
@@ -439,3 +444,51 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
         grad_b = rows.new_zeros(shape_b)  # (S, out, R): slots without rows get exactly zero
         grad_b.narrow(2, 0, r).transpose(1, 2).index_add_(0, slots, rows)  # into (S, r, out), a view
     return grad_x, grad_a, grad_b
+
+
+def one_gemm_weight_grads(t: torch.Tensor) -> bool:
+    """Whether a one-slot batch's weight gradients are one GEMM over all its tokens (`_single_slot_weight_grads`)
+    instead of a product per row summed into the slot with `index_add_`: on CUDA.
+
+    On CPU the per-row path stays: there a tenant's gradients are the same bits whoever shares its batch (the paging and
+    isolation tests hold that). On CUDA they are not (the GPU check's isolation probe, H100: cuBLAS picks its kernels by
+    the batch's size, and `index_add_` of more than 16 rows adds with atomics, so a micro-batch's gradients are not
+    even repeatable), so the one GEMM costs nothing there and saves 4 of a LoRA Linear's 16-18 kernels a step, the
+    per-row `(n, r, in)` and `(n, r, out)` products, and the atomics (the one-slot gradients are repeatable)."""
+    return t.is_cuda
+
+
+def _single_slot_weight_grads(ctx, single, slots, grad, x3, xa, g_xa, need_a, need_b):
+    """A and B gradients of a batch on one slot, each one GEMM over all `n * L` tokens:
+    `dA[s, :r] = g_xa.T @ x`, `dB[s, :, :r] = grad.T @ xa` (rows flattened). Into the sink as a one-slot compact
+    tensor, or into zero-filled stacked gradients (the other slots exactly zero). Returns (grad_a, grad_b)."""
+    shape_a, shape_b, r, dtype = ctx.stacked
+    da = _as(torch.mm(g_xa.reshape(-1, r).t(), x3.reshape(-1, shape_a[2])), dtype) if need_a else None  # (r, in)
+    db = _as(torch.mm(grad.reshape(-1, shape_b[1]).t(), xa.reshape(-1, r)), dtype) if need_b else None  # (out, r)
+    if ctx.sink is not None:
+        sink, lora_a, lora_b = ctx.sink
+        used, _ = _slot_index(ctx, slots)  # (1,): the slot
+        if da is not None:
+            sink.add(lora_a, used, _padded(da, shape_a[1], 0).unsqueeze(0))  # (1, R, in)
+        if db is not None:
+            sink.add(lora_b, used, _padded(db, shape_b[2], 1).unsqueeze(0))  # (1, out, R)
+        return None, None
+    grad_a = grad_b = None
+    if da is not None:
+        grad_a = da.new_zeros(shape_a)
+        grad_a[single].narrow(0, 0, r).copy_(da)
+    if db is not None:
+        grad_b = db.new_zeros(shape_b)
+        grad_b[single].narrow(1, 0, r).copy_(db)
+    return grad_a, grad_b
+
+
+def _padded(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """`t` zero-padded along `dim` to `size` (itself when it is that size already: a slot at the batch's max rank)."""
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
