@@ -76,3 +76,20 @@ def test_wheelhouse_list_names_the_project_and_what_the_gpu_machine_lacks_withou
     assert core[-1].startswith("pip install --no-index --find-links wh --no-deps rl-multilora pydantic")
     assert "datasets" not in core[-1] and "datasets" in full[-1]
     assert not (ROOT / "wh").exists()
+
+
+def test_isolation_probe_on_cpu_finds_every_check_bit_exact():
+    """`bench/isolation_probe.py`, the script behind the GPU runs' isolation table, on CPU at the tiny shape: a
+    tenant alone gives the bits of the same rows in a mixed batch, and every step repeats (the CPU property that the
+    paging and isolation tests rely on). Run as a user runs it; its table is parsed."""
+    proc = subprocess.run(
+        [sys.executable, "bench/isolation_probe.py", "--device", "cpu", "--models", "tiny"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 9  # 3 dtype settings x 3 batch sizes
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == "True" and cells[6:] == ["True", "True"], row
+        assert cells[4] == cells[5] == "True (0.00e+00)", row
