@@ -683,14 +683,16 @@ class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# what one LoRA Linear adds to a training forward+backward on a one-slot batch: the 2 products each way and the 2
-# weight-gradient products; per product of a row-scaled rank the scale, applied in place (one kernel with the
-# rounding); 2 zero-filled gradients and their index_add_; the casts of PEFT's default dtypes (the input each way,
-# grad, the LoRA's input gradient) or of autocast (the slots each forward, the weight gradients to float32)
+# what one LoRA Linear adds to a training forward+backward on a one-slot batch, on CPU: the 2 products each way and
+# the 2 weight-gradient products; per product of a row-scaled rank the scale, applied in place (one kernel with the
+# rounding); 2 zero-filled gradients and their index_add_, and B's through a contiguous sum and a copy (CUDA adds
+# into B's transposed view: 2 ops fewer); the casts of PEFT's default dtypes (the input each way, grad, the LoRA's
+# input gradient) or of autocast (the slots each forward, the weight gradients to float32)
+_B_GRAD_ON_CPU = {"new_zeros": 3, "index_add_": 2, "copy_": 1}
 LORA_OPS_PER_LINEAR = {
-    "float32": {"bmm": 4, "baddbmm_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2},
-    "bf16_base_float32_slots": {"bmm": 6, "add_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2, "_to_copy": 4},
-    "bf16_base_autocast": {"bmm": 4, "baddbmm_": 2, "mul_": 2, "new_zeros": 2, "index_add_": 2, "_to_copy": 4},
+    "float32": {"bmm": 4, "baddbmm_": 2, "mul_": 2, **_B_GRAD_ON_CPU},
+    "bf16_base_float32_slots": {"bmm": 6, "add_": 2, "mul_": 2, "_to_copy": 4, **_B_GRAD_ON_CPU},
+    "bf16_base_autocast": {"bmm": 4, "baddbmm_": 2, "mul_": 2, "_to_copy": 4, **_B_GRAD_ON_CPU},
 }
 
 
