@@ -37,9 +37,10 @@ Design choices:
   an activation-sized tensor per Linear). On CPU a batch on one slot takes the same path as a mixed one, so a
   tenant's numbers do not depend on who shares its batch (folding the slot into the weight, `W + scale * B @ A`,
   saved about 3 % of a one-adapter step but rounded differently from the mixed path). On CUDA they differ at rounding
-  anyway, and a one-slot batch's weight gradients are one GEMM each (`one_gemm_weight_grads`). Profiled at SmolLM2-135M's shape (1 thread, 16 x 64
-  tokens): the LoRA's cost was its rank-8 products, each one a memory-bound pass over an activation (50 % of the
-  matmul peak at best), and the extra input-gradient sum; per-op overhead was under 1 % (`bench/bench_lora_paths.py`).
+  anyway, and a one-slot batch's weight gradients are one GEMM each (`one_gemm_weight_grads`). Profiled at
+  SmolLM2-135M's shape (1 thread, 16 x 64 tokens): the LoRA's cost was its rank-8 products, each one a memory-bound
+  pass over an activation (50 % of the matmul peak at best), and the extra input-gradient sum; per-op overhead was
+  under 1 % (`bench/bench_lora_paths.py`).
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
   the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a
   copy of A and B per row: on CPU the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`), so a slot's A
@@ -467,11 +468,12 @@ def one_gemm_weight_grads(t: torch.Tensor) -> bool:
     """Whether a one-slot batch's weight gradients are one GEMM over all its tokens (`_single_slot_weight_grads`)
     instead of a product per row summed into the slot with `index_add_`: on CUDA.
 
-    On CPU the per-row path stays: there a tenant's gradients are the same bits whoever shares its batch (the paging and
-    isolation tests hold that). On CUDA they are not (`bench/isolation_probe.py` on an H100: cuBLAS picks its kernels by
-    the batch's size, and from 24 rows on a micro-batch's gradients did not even repeat, as `index_add_` over more than
-    16 indices adds with atomics), so the one GEMM costs nothing there and saves 4 of a LoRA Linear's 16-18 kernels a step, the
-    per-row `(n, r, in)` and `(n, r, out)` products, and the atomics (the one-slot gradients are repeatable)."""
+    On CPU the per-row path stays: there a tenant's gradients are the same bits whoever shares its batch (the paging
+    and isolation tests hold that). On CUDA they are not (`bench/isolation_probe.py` on an H100: cuBLAS picks its
+    kernels by the batch's size, and from 24 rows on a micro-batch's gradients did not even repeat, as `index_add_`
+    over more than 16 indices adds with atomics). So the one GEMM costs no property there, and it saves 4 of a LoRA
+    Linear's 16-18 kernels a step (with the trainer's gradient sink), the per-row `(n, r, in)` and `(n, r, out)`
+    products, and the atomics: a one-slot batch's gradients repeat."""
     return t.is_cuda
 
 
