@@ -284,7 +284,9 @@ def _train_ids(shape: Shape, device: str, sizes: Sizes) -> torch.Tensor:
 
 
 def _train_step(m: MultiLoRAModel, ids: torch.Tensor, adapters: list) -> Callable[[], None]:
-    """One forward+backward of `ids` with each row on its adapter (None: the base)."""
+    """One forward+backward of `ids` with each row on its adapter (None: the base), the LoRA gradients kept per slot in
+    a sink as the trainer keeps them (`use_slot_grads`; GPU runs up to 16 measured stacked `.grad`s instead)."""
+    m.use_slot_grads()
     with torch.no_grad():  # embeddings that require grad: the base floor pays the same activation backward
         embeds = m.base_model.get_input_embeddings()(ids)
 
