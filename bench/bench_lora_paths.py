@@ -249,7 +249,7 @@ def bench_train(
     times = time_interleaved(fns, warmup, runs)
     share = lora_flop_share(m)
     print_table(
-        f"training layer+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
+        f"training forward+backward: {rows} rows x {seq_len} tokens, rank {RANK} on every Linear, slot-gradient sink, "
         f"{runs} runs; LoRA FLOP share of the pass {share:.1%}",
         times, ["base"] + (["1 adapter, PEFT"] if peft else []), lambda s: s, "{:.2f}", "seconds",
     )  # fmt: skip
