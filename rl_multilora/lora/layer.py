@@ -316,6 +316,7 @@ class _GroupedLoRA(torch.autograd.Function):
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
+        ctx.single = None  # rows are gathered per slot here (`_LinearLoRA` passes a one-slot batch's slot)
         return y3
 
     @staticmethod
@@ -418,9 +419,8 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     g_xa = _scale_(torch.bmm(grad, bt.transpose(1, 2)), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
     if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
-    single = getattr(ctx, "single", None)
-    if single is not None and one_gemm_weight_grads(grad):
-        grad_a, grad_b = _single_slot_weight_grads(ctx, single, slots, grad, x3, xa, g_xa, need_a, need_b)
+    if ctx.single is not None and one_gemm_weight_grads(grad):
+        grad_a, grad_b = _single_slot_weight_grads(ctx, ctx.single, slots, grad, x3, xa, g_xa, need_a, need_b)
         return grad_x, grad_a, grad_b
     grad_a = grad_b = None
     if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
@@ -432,36 +432,34 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
             compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
             sink.add(lora_a, used, compact)
         if need_b:
-            rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # (n, r, out)
-            compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
-            _index_add_transposed(compact.narrow(2, 0, r), inverse, rows)
-            sink.add(lora_b, used, compact)
+            sink.add(lora_b, *_b_grad_per_used_slot(ctx, grad, xa, slots))
         return grad_x, None, None
     if need_a:
         rows = _as(torch.bmm(g_xa.transpose(1, 2), x3), dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
         grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
-        rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # dB[slot[i]].T += xa[i].T @ grad[i]; (n, r, out)
-        grad_b = rows.new_zeros(shape_b)  # (S, out, R): slots without rows get exactly zero
-        if rows.is_cuda:
-            grad_b.narrow(2, 0, r).transpose(1, 2).index_add_(0, slots, rows)  # into (S, r, out), a view
-        else:  # see _index_add_transposed; a (U, r, out) sum over the used slots only, then into theirs
-            used, inverse = _slot_index(ctx, slots)
-            per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
-            grad_b.narrow(2, 0, r).index_copy_(0, used, per_slot.transpose(1, 2))
+        used, compact = _b_grad_per_used_slot(ctx, grad, xa, slots)
+        grad_b = compact.new_zeros(shape_b).index_copy_(0, used, compact)  # slots without rows get exactly zero
     return grad_x, grad_a, grad_b
 
 
-def _index_add_transposed(dest: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """`dest[index[i]] += rows[i].T` for `dest: (U, out, r)` (a view of B's gradient), `rows: (n, r, out)`. On CUDA
-    straight into the transposed view (one kernel); on CPU, where `index_add_` into a transposed view took 10-13x
-    the time of one into a contiguous tensor (16 rows at SmolLM2's MLP width), into a contiguous `(U, r, out)` and then
-    one copy. The same additions in the same order either way."""
+def _b_grad_per_used_slot(ctx, grad, xa, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """(used slots (U,), B's gradient of each `(U, out, R)`): `dB[slot[i]].T += xa[i].T @ grad[i]` summed per slot
+    with `index_add_`, rows in order. On CUDA the rows are added straight into the transposed view of the result (one
+    kernel); on CPU, where `index_add_` into a transposed view took 10-13x the time of one into a contiguous tensor
+    (16 rows at SmolLM2's MLP width), into a contiguous `(U, r, out)` and then one copy. The same additions in the
+    same order either way."""
+    shape_b, r, dtype = ctx.stacked[1], ctx.stacked[2], ctx.stacked[3]
+    used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
+    rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # (n, r, out)
+    compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
     if rows.is_cuda:
-        dest.transpose(1, 2).index_add_(0, index, rows)
+        compact.narrow(2, 0, r).transpose(1, 2).index_add_(0, inverse, rows)
     else:
-        dest.copy_(rows.new_zeros(dest.shape[0], *rows.shape[1:]).index_add_(0, index, rows).transpose(1, 2))
+        per_slot = rows.new_zeros(len(used), r, shape_b[1]).index_add_(0, inverse, rows)  # (U, r, out)
+        compact.narrow(2, 0, r).copy_(per_slot.transpose(1, 2))
+    return used, compact
 
 
 def one_gemm_weight_grads(t: torch.Tensor) -> bool:
