@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_grouped_lora import add, batch, cloned_grads, lora_layers, per_adapter_loss  # noqa: E402
+from test_grouped_lora import add, batch, bf16_base, cloned_grads, per_adapter_loss  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 from bench.gpu_check import SMOLLM2  # noqa: E402
@@ -38,9 +38,7 @@ def probe(model: str, setting: str, per: int, device: str) -> str:
     m = MultiLoRAModel.from_model(MODELS[model](), 8, 8, lora_autocast=setting == "bf16_base_autocast")
     add(m, {"a": (4, 9), "b": (4, 5)})
     if setting != "float32":
-        m.base_model.to(torch.bfloat16)
-        for layer in lora_layers(m):
-            layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+        bf16_base(m)
     m.to(device)
     m.use_slot_grads()
     ids = batch(rows=2 * per, length=16, seed=3, left_pad=False)[0].to(device)

@@ -39,6 +39,14 @@ def lora_layers(m: MultiLoRAModel) -> list[LoRALinear]:
     return [layer for layer in m.base_model.modules() if isinstance(layer, LoRALinear)]
 
 
+def bf16_base(m: MultiLoRAModel) -> MultiLoRAModel:
+    """The base to bf16 and the slots back to float32: PEFT's default dtypes (`autocast_adapter_dtype`)."""
+    m.base_model.to(torch.bfloat16)
+    for layer in lora_layers(m):
+        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    return m
+
+
 def randomize(m: MultiLoRAModel, name: str, seed: int) -> None:
     """Give the adapter non-zero B (and a new A) at its true rank in its covered modules; padding stays zero.
 
@@ -565,9 +573,7 @@ def check_lora_autocast(names, device):
     want = m(ids, attention_mask=mask, adapter_names=names, reference=True).logits
     mixed_loss(want, ids, names).backward()
     want_grads = cloned_grads(m, used)
-    m.base_model.to(torch.bfloat16)
-    for layer in lora_layers(m):  # the base to bf16, the slots back to float32 (PEFT's autocast_adapter_dtype)
-        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    bf16_base(m)
     outputs = {}
     for autocast in (False, True):
         m.lora_autocast = autocast
@@ -597,9 +603,7 @@ def test_float32_slots_over_a_bf16_base_one_slot_batch_equals_the_same_rows_in_a
     (autocast): a tenant's numbers do not depend on who shares its batch."""
     m = MultiLoRAModel.from_model(tiny_model("llama"), 8, 8, lora_autocast=autocast)
     add(m, {"a": (4, 9), "b": (4, 5)})
-    m.base_model.to(torch.bfloat16)
-    for layer in lora_layers(m):
-        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    bf16_base(m)
     ids, _ = batch(rows=6, length=7, seed=3, left_pad=False)
     names = ["a", "b", "a", "a", "b", "b"]
     rows = [i for i, n in enumerate(names) if n == "a"]
@@ -625,9 +629,7 @@ def test_float32_lora_over_a_bf16_base_trains_in_one_node_and_saves_less(names, 
     backward instead of a float32 copy (one slot: a view of it, not a per-row copy)."""
     m = make_model()
     add(m, {"a": (3, 5), "b": (8, 12.3)})
-    m.base_model.to(torch.bfloat16)
-    for layer in lora_layers(m):
-        layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    bf16_base(m)
     ids, _ = batch(rows=len(names), left_pad=False)
     with torch.no_grad():
         embeds = m.base_model.get_input_embeddings()(ids)
@@ -665,6 +667,12 @@ def test_float32_lora_over_a_bf16_base_trains_in_one_node_and_saves_less(names, 
             torch.testing.assert_close(g, h, atol=5e-3, rtol=0.05)
     # bytes saved for the backward, parameters left out: one slot 0.43x, mixed 0.83x (the per-row slot copies stay)
     assert one[3] < (0.5 if len(set(names)) == 1 else 0.9) * other[3], (one[3], other[3])
+
+
+def _dtype_model(setting: str, device="cpu") -> MultiLoRAModel:
+    m = MultiLoRAModel.from_model(tiny_model("llama"), 4, 8, lora_autocast=setting == "bf16_base_autocast")
+    add(m, {"a": (8, 16), "low": (3, 7)})  # a at the max rank; low below it (its padding must stay exact zeros)
+    return (m if setting == "float32" else bf16_base(m)).to(device)
 
 
 class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -714,14 +722,7 @@ def test_ops_a_lora_linear_adds_to_a_training_step(dtypes, one_gemm, monkeypatch
     import rl_multilora.lora.layer as layer_mod
 
     monkeypatch.setattr(layer_mod, "one_gemm_weight_grads", lambda t: one_gemm)
-    m = MultiLoRAModel.from_model(
-        tiny_model("llama"), 4, 8, lora_autocast=dtypes == "bf16_base_autocast"
-    )  # fmt: skip
-    add(m, {"a": (8, 16)})
-    if dtypes != "float32":
-        m.base_model.to(torch.bfloat16)
-        for layer in lora_layers(m):
-            layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
+    m = _dtype_model(dtypes)
     m.use_slot_grads()
     ids, _ = batch(rows=4, length=6, left_pad=False)
     with torch.no_grad():
@@ -746,16 +747,6 @@ def _one_slot_grads(m, ids, names, sink):
     logits = m(ids, adapter_names=names).logits
     per_adapter_loss(logits.float(), ids, names, names[0]).backward()
     return logits.detach(), cloned_grads(m, [names[0]])[names[0]]
-
-
-def _dtype_model(setting: str, device="cpu") -> MultiLoRAModel:
-    m = MultiLoRAModel.from_model(tiny_model("llama"), 4, 8, lora_autocast=setting == "bf16_base_autocast")
-    add(m, {"a": (8, 16), "low": (3, 7)})  # a at the max rank; low below it (its padding must stay exact zeros)
-    if setting != "float32":
-        m.base_model.to(torch.bfloat16)
-        for layer in lora_layers(m):
-            layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.float(), layer.lora_B.data.float()
-    return m.to(device)
 
 
 @pytest.mark.parametrize("sink", [False, True], ids=["stacked_grads", "sink"])
