@@ -606,3 +606,33 @@ def test_gradient_checkpointing_replays_routing_and_direct_enable_is_refused():
     m.base_model.activation_checkpointing_enable()
     with pytest.raises(RuntimeError, match="use MultiLoRAModel.gradient_checkpointing_enable"):
         m(ids, adapter_names=names)
+
+
+def _ops(fn) -> set[str]:
+    """The aten ops `fn` runs (the profiler's names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_frozen_head_folds_a_sliced_input_into_one_product(dtype):
+    """HF's `lm_head(hidden[:, -k:, :])` with k shorter than the sequence (an engine's prefill keeps the last
+    position): a strided input and a frozen head make `torch.matmul` broadcast the head over the rows into `bmm`,
+    on CPU in bf16 a copy of the whole head per row (1.2 s and 650 MiB for a 12-row SmolLM2 prefill). The wrapped
+    model's head runs one product over the rows instead, with the same logits."""
+    m = make_model("llama").to(dtype)
+    ids, mask = batch()
+    head = m.base_model.get_output_embeddings()
+    with torch.no_grad():
+        hidden = m(ids, attention_mask=mask, decoder_only=True).last_hidden_state  # (6, 7, H)
+        sliced = hidden[:, -1:, :]
+        assert not sliced.is_contiguous() and not head.weight.requires_grad
+        # the control: torch's own linear on this input goes through bmm, so the check below can fail
+        assert "aten::bmm" in _ops(lambda: torch.nn.functional.linear(sliced, head.weight))
+        ops = _ops(lambda: m(ids, attention_mask=mask, logits_to_keep=1))
+        assert "aten::bmm" not in ops and {"aten::mm", "aten::addmm"} & ops, sorted(ops)
+        logits = m(ids, attention_mask=mask, logits_to_keep=1).logits
+    assert torch.equal(logits, head(hidden[:, -1:, :].contiguous()))
