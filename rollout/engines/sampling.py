@@ -42,7 +42,10 @@ def sample_next_tokens(
     sample in sorted order, rows without in vocabulary order (no sort), decided per row so that a
     neighbour's settings never change which path a row takes. Returns (B,) token ids.
     """
-    tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
+    if not all(p.temperature > 0 for p in params):
+        tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
+    else:  # every row is sampled below (an argmax over (B, V) cost 5 ms a decode step for 96 rows of a 49k vocabulary)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     plain, filtered = [], []
     for i, p in enumerate(params):
         if p.temperature > 0:
