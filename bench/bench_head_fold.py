@@ -13,7 +13,7 @@ one engine, the two ways alternating round by round:
 - `prefill`: 32 distinct prompts of 25 tokens, one new token: the shape of a multi-turn episode's next turn.
 
 For each: the median wall and CPU seconds (min-max over the rounds) and the largest rise of the live heap (glibc's
-`mallinfo2`) during a call, and whether both ways generated the same tokens (greedy rows should; sampled rows can
+`mallinfo2`) during a call, and whether both ways generated the same tokens in the warm-up round (greedy rows should; sampled rows can
 differ, since the two products round differently and a last-bit change can flip a sampled token). The model has SmolLM2-135M's config
 with random weights (the shape is what matters); the rows run on the base, since the head's cost does not depend on
 the adapters.

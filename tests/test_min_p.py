@@ -36,3 +36,7 @@ def test_an_all_sampled_batch_skips_the_argmax_and_a_mixed_one_keeps_it():
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     mixed = sample_next_tokens(logits.clone(), mixed_params, gens)
     assert mixed[0] == logits[0].argmax() and torch.equal(mixed[1:], alone[1:])
+    # every row of the all-sampled batch is its own draw (none is left unwritten): each row sampled alone
+    for i in range(4):
+        row = sample_next_tokens(logits[i : i + 1].clone(), [sampled[i]], [torch.Generator().manual_seed(i)])
+        assert row.item() == alone[i].item(), i
