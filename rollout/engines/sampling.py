@@ -42,14 +42,14 @@ def sample_next_tokens(
     sample in sorted order, rows without in vocabulary order (no sort), decided per row so that a
     neighbour's settings never change which path a row takes. Returns (B,) token ids.
     """
-    if not all(p.temperature > 0 for p in params):
-        tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
-    else:  # every row is sampled below (an argmax over (B, V) cost 5 ms a decode step for 96 rows of a 49k vocabulary)
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     plain, filtered = [], []
     for i, p in enumerate(params):
         if p.temperature > 0:
             (filtered if p.top_k > 0 or p.top_p < 1 or p.min_p > 0 else plain).append(i)
+    if len(plain) + len(filtered) < len(params):
+        tokens = logits.argmax(dim=-1)  # (B,) greedy choice, kept for temperature-0 rows
+    else:  # every row is sampled below (an argmax over (B, V) cost 5 ms a decode step for 96 rows of a 49k vocabulary)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     for group, use_filters in ((plain, False), (filtered, True)):
         if group:
             index = torch.tensor(group, device=logits.device)
