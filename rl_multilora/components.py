@@ -197,7 +197,11 @@ def build_local_backend(
 
 
 def build_embedded_engine(
-    m: ModelConfig, max_batch_size: int = 256, device: str | None = None, prefix_cache_mb: int = 256
+    m: ModelConfig,
+    max_batch_size: int = 256,
+    device: str | None = None,
+    prefix_cache_mb: int = 256,
+    max_wave_tokens: int | None = None,
 ):
     """An embedded engine over its own copy of the base (what `engine-serve` serves and each Ray engine actor
     runs), and its tokenizer."""
@@ -205,7 +209,11 @@ def build_embedded_engine(
 
     tokenizer = build_tokenizer(m)
     engine = EmbeddedEngine(
-        build_model(m, device), tokenizer, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_mb * 2**20
+        build_model(m, device),
+        tokenizer,
+        max_batch_size=max_batch_size,
+        prefix_cache_bytes=prefix_cache_mb * 2**20,
+        max_wave_tokens=max_wave_tokens,
     )
     return engine, tokenizer
 
@@ -227,6 +235,7 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
                 max_batch_size=r.max_batch_size,
                 page_adapters=cfg.model.paging,
                 prefix_cache_bytes=r.prefix_cache_mb * 2**20,
+                max_wave_tokens=r.max_wave_tokens,
             )
             for _ in range(r.num_engines)
         ]
@@ -278,7 +287,11 @@ def _ray_engines(cfg: RunConfig, backend: TrainingBackend) -> list:
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False)
     build = (
-        functools.partial(build_embedded_engine, prefix_cache_mb=cfg.rollout.prefix_cache_mb),
+        functools.partial(
+            build_embedded_engine,
+            prefix_cache_mb=cfg.rollout.prefix_cache_mb,
+            max_wave_tokens=cfg.rollout.max_wave_tokens,
+        ),
         cfg.model,
         cfg.rollout.max_batch_size,
     )

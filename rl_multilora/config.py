@@ -351,6 +351,14 @@ class RolloutConfig(_Strict):
         "recently used evicted, an adapter's entries dropped when it is reloaded. 0 = off. A token costs "
         "layers x 2 x kv_heads x head_dim x dtype bytes (46 KiB for SmolLM2-135M in float32).",
     )
+    max_wave_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Embedded engine: most KV token positions one decode wave may come to hold (each row its prompt "
+        "and max_new_tokens, a prompt shared by a group's samples once); queued rows wait for room. Bounds the "
+        "memory of a batch of many distinct prompts, such as a held-out eval, for decode steps over fewer rows. "
+        "A token costs what prefix_cache_mb says. null: rows are bounded by max_batch_size only.",
+    )
     mode: Literal["sync", "async"] = Field(
         "sync",
         description="sync: rollout, then training, then one paused weight sync per step (on-policy, exact resume). "

@@ -296,7 +296,9 @@ def evaluate_checkpoints(
     if problems:
         raise ConfigError(problems)
 
-    engine, tokenizer = components.build_embedded_engine(cfg.model, cfg.rollout.max_batch_size)
+    engine, tokenizer = components.build_embedded_engine(
+        cfg.model, cfg.rollout.max_batch_size, max_wave_tokens=cfg.rollout.max_wave_tokens
+    )
     generator = GenerateState(engine, tokenizer, GenerateStateHooks(), components.build_sampling(cfg, tokenizer))
     scorer = components.build_scorer(cfg)
     out = []

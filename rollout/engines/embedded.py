@@ -90,6 +90,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import logging
 import math
 import random
@@ -452,6 +453,12 @@ class EmbeddedEngine(RolloutEngine):
     without their own seed, `eos_token_ids` overrides the EOS set, `prefix_cache_bytes` bounds the KV kept for reuse
     by later requests (0 = off; see the module docstring), `continuation_wait_s` caps how long the coalescing wait
     extends while continuations of `keep_prefix` rows are expected (multi-turn episodes' next turns).
+    `max_wave_tokens` bounds the KV a wave may come to hold, in token positions (None: no bound beyond
+    `max_batch_size`): rows join a wave, in queue order, while its positions stay within it, each row counting its
+    max_new_tokens and each distinct prompt (adapter and tokens) its length once, as a shared-prompt wave holds it;
+    rows joining a running wave count their prompts per row, as a merged wave holds them. The rest wait for room. A
+    row alone over the bound still runs (alone). What it trades: a batch of many distinct prompts (an eval) decodes in
+    steps over fewer rows, and its KV, which grows with the rows at once, stays bounded.
     """
 
     def __init__(
@@ -466,8 +473,14 @@ class EmbeddedEngine(RolloutEngine):
         page_adapters: bool = False,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         continuation_wait_s: float = 0.05,
+        max_wave_tokens: int | None = None,
     ) -> None:
         self.publishes_without_pause = True
+        if max_wave_tokens is not None and (
+            not isinstance(max_wave_tokens, int) or isinstance(max_wave_tokens, bool) or max_wave_tokens < 1
+        ):
+            allowed = "an integer >= 1 (token positions), or None for no bound"
+            raise ValueError(f"max_wave_tokens={max_wave_tokens!r} is not allowed; allowed: {allowed}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed; allowed: an integer >= 1")
         if not isinstance(prefix_cache_bytes, int) or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0:
@@ -481,6 +494,7 @@ class EmbeddedEngine(RolloutEngine):
         self._model = model
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
+        self._max_wave_tokens = max_wave_tokens
         self._batch_wait_s = batch_wait_s
         self._base = model.base_model
         self._config = self._base.config
@@ -892,7 +906,7 @@ class EmbeddedEngine(RolloutEngine):
                         deadline = min(time.monotonic() + self._batch_wait_s, start + self._continuation_wait_s)
                 if self._closed or self._paused or not self._queue:
                     continue  # paused while coalescing: wait for resume (or close) with the rows still queued
-                n = min(len(self._queue), self._max_batch_size)
+                n = self._fitting(list(itertools.islice(self._queue, self._max_batch_size)), 0, share=True)
                 self._busy = True
                 return [self._queue.popleft() for _ in range(n)]
 
@@ -1006,7 +1020,11 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             if self._paused or self._closed or not self._queue:
                 return
-            rows = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            queued = list(itertools.islice(self._queue, room))
+            held = sum(self._row_tokens(r) for r in batch.rows) if self._max_wave_tokens is not None else 0
+            rows = [self._queue.popleft() for _ in range(self._fitting(queued, held, share=False))]
+            if not rows:
+                return
         self._in_flight.extend(rows)
         new = self._start(rows)
         if new is not None:
@@ -1203,6 +1221,27 @@ class EmbeddedEngine(RolloutEngine):
             tokens += picked.tolist()
             logprobs += token_logprobs(part, picked).tolist()
         return tokens, logprobs
+
+    def _row_tokens(self, row: _Row) -> int:
+        """The positions `row` holds in a wave's KV by the time it finishes: its prompt, and every token it may
+        generate (those it has and those left)."""
+        return len(row.request.input_ids) + len(row.output_ids) + self._tokens_left(row)
+
+    def _fitting(self, rows: list[_Row], held: int, share: bool) -> int:
+        """How many of `rows` (a prefix, in order) join a wave already holding `held` positions within
+        `max_wave_tokens`: at least one when the wave is empty. `share`: a prompt seen before in `rows` (same adapter
+        and tokens) is counted once."""
+        if self._max_wave_tokens is None:
+            return len(rows)
+        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        for n, row in enumerate(rows):
+            key = (row.request.adapter, tuple(row.request.input_ids))
+            cost = self._row_tokens(row) - (len(row.request.input_ids) if share and key in seen else 0)
+            if held + cost > self._max_wave_tokens and (n > 0 or held > 0):
+                return n
+            seen.add(key)
+            held += cost
+        return len(rows)
 
     def _tokens_left(self, row: _Row) -> int:
         """The most tokens `row` can still generate: its max_new_tokens, capped by the model's context length."""

@@ -1,0 +1,113 @@
+"""`max_wave_tokens`: the embedded engine bounds the KV token positions a decode wave may come to hold (rows join in
+queue order while they fit, a shared prompt counted once), with each row's tokens and log-probs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_multilora.config import ConfigError, parse_run_config
+from rl_multilora.lora import MultiLoRAModel
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.types import GenerateRequest, SamplingParams
+from tests.test_embedded_engine import ADAPTERS, PROMPTS, make_peft_adapter
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return {
+        name: make_peft_adapter(tmp_path_factory.mktemp(f"wave_{name}"), rank, alpha, seed)[1:]
+        for name, (rank, alpha, seed) in ADAPTERS.items()
+        if name in ("a", "b")
+    }
+
+
+def _engine(adapters, **kw) -> EmbeddedEngine:
+    model = MultiLoRAModel.from_model(tiny_model(), max_loras=4, max_rank=16, target_modules="all-linear")
+    eng = EmbeddedEngine(model, tiny_tokenizer(), **kw)
+    for name, (tensors, config) in adapters.items():
+        eng.load_adapter(name, tensors, config)
+    return eng
+
+
+def _record_waves(eng: EmbeddedEngine) -> list[tuple[int, int, int]]:
+    """(rows, positions the rows will hold by their own count, positions as `_fitting` counts a fresh wave) of every
+    decode step."""
+    seen = []
+    real = eng._decode_step
+
+    def decode_step(batch):
+        rows = batch.rows
+        prompts = {(r.request.adapter, tuple(r.request.input_ids)) for r in rows}
+        own = sum(len(r.output_ids) + eng._tokens_left(r) for r in rows)
+        seen.append((len(rows), sum(eng._row_tokens(r) for r in rows), own + sum(len(p[1]) for p in prompts)))
+        return real(batch)
+
+    eng._decode_step = decode_step
+    return seen
+
+
+def _requests(max_new: int = 8) -> list[GenerateRequest]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=[])
+    return [GenerateRequest(p, name, params) for p in PROMPTS for name in (None, "a", "b")]  # 12 distinct prompts
+
+
+def test_distinct_prompts_run_in_waves_within_the_bound_with_the_same_outputs(adapters):
+    free = _engine(adapters)
+    bounded = _engine(adapters, max_wave_tokens=40)
+    try:
+        requests = _requests()
+        want = free.generate(requests)
+        waves = _record_waves(bounded)
+        got = bounded.generate(requests)
+    finally:
+        free.close()
+        bounded.close()
+    assert max(rows for rows, _, _ in waves) < len(requests)  # the bound split them
+    assert all(per_row <= 40 or rows == 1 for rows, per_row, _ in waves), waves
+    for g, w in zip(got, want, strict=True):
+        assert g.output_ids == w.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(w.output_logprobs))
+
+
+def test_a_group_sharing_its_prompt_counts_the_prompt_once(adapters):
+    # 6 samples of a 6-token prompt, 4 new tokens each: 6 + 6 x 4 = 30 positions shared; 6 x 10 = 60 if each row
+    # counted the prompt. A bound of 30 takes the whole group in one wave, and no more.
+    eng = _engine(adapters, max_wave_tokens=30)
+    try:
+        waves = _record_waves(eng)
+        group = [
+            GenerateRequest(
+                PROMPTS[0], "a", SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, stop_token_ids=[])
+            )
+            for s in range(6)
+        ]
+        eng.generate(group)
+    finally:
+        eng.close()
+    assert waves and waves[0][0] == 6 and waves[0][2] == 30, waves
+
+
+def test_a_row_over_the_bound_runs_alone(adapters):
+    eng = _engine(adapters, max_wave_tokens=5)
+    try:
+        waves = _record_waves(eng)
+        results = eng.generate(_requests(max_new=3)[:3])
+    finally:
+        eng.close()
+    assert [len(r.output_ids) for r in results] == [3, 3, 3]
+    assert {rows for rows, _, _ in waves} == {1}
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_bad_values_are_refused_with_what_is_allowed(value):
+    model = MultiLoRAModel.from_model(tiny_model(), max_loras=1, max_rank=4, target_modules="all-linear")
+    with pytest.raises(ValueError, match=r"max_wave_tokens=.* is not allowed; allowed: an integer >= 1"):
+        EmbeddedEngine(model, max_wave_tokens=value)
+
+
+def test_the_config_field_names_the_bad_value(tmp_path):
+    cfg = {"run_dir": str(tmp_path), "model": {"path": "x"}, "rollout": {"max_wave_tokens": 0}, "adapters": []}
+    with pytest.raises(ConfigError, match="rollout.max_wave_tokens"):
+        parse_run_config(cfg)
