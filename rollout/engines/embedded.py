@@ -1233,13 +1233,16 @@ class EmbeddedEngine(RolloutEngine):
         and tokens) is counted once."""
         if self._max_wave_tokens is None:
             return len(rows)
-        seen: set[tuple[str | None, tuple[int, ...]]] = set()
+        seen: set[tuple[str | None, tuple[int, ...]]] = set()  # with `share`: the prompts counted so far
         for n, row in enumerate(rows):
-            key = (row.request.adapter, tuple(row.request.input_ids))
-            cost = self._row_tokens(row) - (len(row.request.input_ids) if share and key in seen else 0)
+            cost = self._row_tokens(row)
+            if share:
+                key = (row.request.adapter, tuple(row.request.input_ids))
+                if key in seen:
+                    cost -= len(row.request.input_ids)
+                seen.add(key)
             if held + cost > self._max_wave_tokens and (n > 0 or held > 0):
                 return n
-            seen.add(key)
             held += cost
         return len(rows)
 
