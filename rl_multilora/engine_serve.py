@@ -44,6 +44,8 @@ def build_embedded_engine(
     device: str | None = None,
     max_batch_size: int = 256,
     dtype: str = "float32",
+    prefix_cache_mb: int = 256,
+    max_wave_tokens: int | None = None,
 ) -> tuple[RolloutEngine, Any]:
     """The embedded engine and tokenizer for an HF model folder (what `engine-serve` serves), from its flags: the
     model is built by `rl_multilora.components.build_embedded_engine`, as a run builds it."""
@@ -66,7 +68,7 @@ def build_embedded_engine(
         dtype=dtype,
         device=device or "auto",
     )
-    return build(m, max_batch_size=max_batch_size)
+    return build(m, max_batch_size=max_batch_size, prefix_cache_mb=prefix_cache_mb, max_wave_tokens=max_wave_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +105,27 @@ def main(argv: list[str] | None = None) -> int:
         "--expert-lora", choices=("per_expert", "shared_a"), default="per_expert", help="expert LoRA layout"
     )
     parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=256,
+        help="most rows one decode wave runs (SGLang: --max-running-requests)",
+    )
+    parser.add_argument(
+        "--max-wave-tokens",
+        type=int,
+        default=None,
+        help="bound on the KV positions a decode wave may hold: each row counts its prompt and max_new_tokens, a "
+        "group's shared prompt once; a row alone over it still runs, alone (rollout.max_wave_tokens; SGLang's "
+        "--max-total-tokens bounds its KV pool; default: no bound beyond --max-batch-size)",
+    )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="MiB of finished rows' KV kept, so a later request that starts with the same tokens under the same adapter "
+        "weights prefills only its new tokens (rollout.prefix_cache_mb; 0: off)",
+    )
+    parser.add_argument(
         "--max-body-mb",
         type=int,
         default=32,
@@ -115,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         help="largest /load_lora_adapter_from_tensors body in MiB (default 1024: a weight sync's base64 safetensors)",
     )
     args = parser.parse_args(argv)
-    for key in ("port", "max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb"):
+    for key in ("port", "max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb", "max_batch_size"):
         if getattr(args, key) < 1:
             flag = f"--{key.replace('_', '-')}"
             parser.error(f"{flag}={getattr(args, key)!r} is not allowed; allowed: a positive integer")
+    if args.max_wave_tokens is not None and args.max_wave_tokens < 1:
+        parser.error(
+            f"--max-wave-tokens={args.max_wave_tokens!r} is not allowed; allowed: a positive integer (or leave it out)"
+        )
+    if args.prefix_cache_mb < 0:
+        parser.error(f"--prefix-cache-mb={args.prefix_cache_mb!r} is not allowed; allowed: an integer >= 0 (0: off)")
     if not Path(args.model).is_dir():
         parser.error(f"--model={args.model!r} is not allowed; allowed: an existing model folder (HF format)")
     if _port_in_use(args.host, args.port):
@@ -127,7 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.server.http_server import serve
 
     engine, tokenizer = build_embedded_engine(
-        args.model, args.max_loras, args.max_rank, args.target_modules, args.target_parameters, args.expert_lora
+        args.model,
+        args.max_loras,
+        args.max_rank,
+        args.target_modules,
+        args.target_parameters,
+        args.expert_lora,
+        max_batch_size=args.max_batch_size,
+        prefix_cache_mb=args.prefix_cache_mb,
+        max_wave_tokens=args.max_wave_tokens,
     )
     try:
         serve(

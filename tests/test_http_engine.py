@@ -616,6 +616,57 @@ def test_expert_lora_served_over_http_matches_peft_generate(tmp_path):
     assert expected[0] != expected[1]
 
 
+def test_engine_serve_bounds_its_waves_with_the_same_outputs(tmp_path):
+    """`engine-serve --max-batch-size B` and `--max-wave-tokens N` (with `--prefix-cache-mb 0`): the served engine
+    runs distinct prompts sent in one batch in waves of at most B rows, or within N positions, with the greedy tokens
+    and log-probs of the unbounded engine served the same way."""
+    from rl_multilora.engine_serve import build_embedded_engine
+    from tests.test_wave_tokens import _record_waves
+    from tests.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "base")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[])
+    batch = [GenerateRequest([5 + i, 17, 33 + i, 48], None, greedy) for i in range(8)]  # 10 positions a row
+    bounds = {
+        "none": {},
+        "rows": {"max_batch_size": 3},
+        "tokens": {"max_wave_tokens": 25, "prefix_cache_mb": 0},  # 2 rows fit, 3 do not
+    }
+    served, waves = {}, {}
+    for name, kw in bounds.items():
+        engine, tokenizer = build_embedded_engine(str(model_dir), max_loras=2, max_rank=8, **kw)
+        waves[name] = _record_waves(engine)
+        try:
+            with BackgroundServer(engine, tokenizer=tokenizer) as server:
+                served[name] = SGLangEngine(server.url).generate(batch)
+        finally:
+            engine.close()
+    assert max(rows for rows, _, _ in waves["rows"]) == 3
+    assert max(rows for rows, _, _ in waves["tokens"]) == 2
+    assert all(per_row <= 25 for _, per_row, _ in waves["tokens"]), waves["tokens"]
+    for name in ("rows", "tokens"):
+        assert [r.output_ids for r in served[name]] == [r.output_ids for r in served["none"]]
+        for got, want in zip(served[name], served["none"], strict=True):
+            torch.testing.assert_close(torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs))
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("--max-wave-tokens", "0", "a positive integer (or leave it out)"),
+        ("--max-batch-size", "0", "a positive integer"),
+        ("--prefix-cache-mb", "-1", "an integer >= 0 (0: off)"),
+    ],
+)
+def test_engine_serve_cli_rejects_bad_engine_bounds(tmp_path, capsys, flag, value, allowed):
+    from rl_multilora.engine_serve import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path), flag, value])
+    assert exit_info.value.code == 2
+    assert f"{flag}={int(value)!r} is not allowed; allowed: {allowed}" in capsys.readouterr().err
+
+
 def test_engine_serve_cli_rejects_bad_arguments(tmp_path, capsys):
     from rl_multilora.engine_serve import main
 
