@@ -739,6 +739,15 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
                     f"at most trainer.world_size ({t.world_size}) with trainer.colocate_engines (one engine per rank)",
                 )
             )
+    if r.engine != "embedded" and r.max_wave_tokens is not None:
+        problems.append(
+            bad_value(
+                "rollout.max_wave_tokens",
+                r.max_wave_tokens,
+                f"null with engine {r.engine!r} (the embedded engine's bound; SGLang bounds its KV pool itself: "
+                "--max-total-tokens N in rollout.sglang_args, or on the server behind engine 'http')",
+            )
+        )
     if r.engine == "sglang" and r.num_engines > 1:
         problems.append(
             bad_value(

@@ -111,3 +111,17 @@ def test_the_config_field_names_the_bad_value(tmp_path):
     cfg = {"run_dir": str(tmp_path), "model": {"path": "x"}, "rollout": {"max_wave_tokens": 0}, "adapters": []}
     with pytest.raises(ConfigError, match="rollout.max_wave_tokens"):
         parse_run_config(cfg)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "http"])
+def test_engines_that_do_not_read_the_bound_refuse_it(tmp_path, engine):
+    rollout = {"engine": engine, "max_wave_tokens": 4096}
+    if engine == "http":
+        rollout["url"] = "http://127.0.0.1:30000"
+    cfg = {"run_dir": str(tmp_path), "model": {"path": "x"}, "rollout": rollout, "adapters": []}
+    with pytest.raises(
+        ConfigError, match=rf"rollout.max_wave_tokens.*null with engine '{engine}'.*--max-total-tokens"
+    ):
+        parse_run_config(cfg)
+    rollout.pop("max_wave_tokens")
+    parse_run_config(cfg)  # the same config without it is valid
