@@ -636,6 +636,7 @@ def test_engine_serve_bounds_its_waves_with_the_same_outputs(tmp_path):
     for name, kw in bounds.items():
         engine, tokenizer = build_embedded_engine(str(model_dir), max_loras=2, max_rank=8, **kw)
         waves[name] = _record_waves(engine)
+        assert (engine._prefix_cache is None) == (kw.get("prefix_cache_mb") == 0)  # the flag reached the engine
         try:
             with BackgroundServer(engine, tokenizer=tokenizer) as server:
                 served[name] = SGLangEngine(server.url).generate(batch)
