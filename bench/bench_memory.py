@@ -6,7 +6,7 @@
 
 In one process: builds the run from its config (eval off by default: `--eval` keeps it), then samples, every 10 ms
 while the steps run, the resident set size (RSS) of this process, the bytes malloc has handed out and not got back
-(the live heap, `host_memory.heap_in_use`; glibc only) and, apart, the RSS of its children (the reward workers), each
+(the live heap, `host_memory.heap_in_use`; glibc or jemalloc) and, apart, the RSS of its children (the reward workers), each
 sample tagged with the step phase it fell in (`rollout_s`, `reward_s`, `train_s`, ... as the step's own timings name
 them). Prints, and with `--json` writes:
 
@@ -47,8 +47,16 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl_multilora.host_memory import MKL_BUFFER_CACHE_ENV, heap_in_use, no_mkl_buffer_cache  # noqa: E402
+from rl_multilora.host_memory import (  # noqa: E402
+    MKL_BUFFER_CACHE_ENV,
+    exec_with_jemalloc,
+    heap_in_use,
+    jemalloc_loaded,
+    no_mkl_buffer_cache,
+    restore_child_env,
+)
 
+restore_child_env()  # started again under jemalloc (--set model.host_allocator=jemalloc): children get the old env
 no_mkl_buffer_cache()  # as `rl-multilora run` does, before torch is imported
 import torch  # noqa: E402
 
@@ -338,11 +346,15 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (`rl-multilora run` uses the machine's cores)"
     )
     args = p.parse_args()
+    from rl_multilora.config import load_run_config
+
+    if load_run_config(args.config, args.set).model.host_allocator == "jemalloc" and not jemalloc_loaded():
+        exec_with_jemalloc([__file__, *sys.argv[1:]])  # as `rl-multilora run` does: malloc is fixed at a start
     torch.set_num_threads(args.threads)
     res = profile(args.config, args.steps, args.eval, args.set)
     print(
         f"{res['config']}: {res['steps']} steps, torch threads {res['torch_threads']}, MKL's buffer cache "
-        f"{res['mkl_buffer_cache']}"
+        f"{res['mkl_buffer_cache']}, malloc {'jemalloc' if jemalloc_loaded() else 'the C library'}"
     )
     print(f"RSS before build {res['rss_before_build_mib']:.0f} MiB, after build {res['rss_after_build_mib']:.0f} MiB, "
           f"peak {res['rss_peak_mib']:.0f} MiB (sampled every 10 ms; the kernel's high-water mark, ru_maxrss: "

@@ -73,6 +73,8 @@ def cmd_run(args) -> int:
         check_run(cfg, args.config)  # the same checks `run` makes before it starts
         print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
         return 0
+    if cfg.model.host_allocator == "jemalloc":
+        _start_with_jemalloc(args)
     rt = run(cfg, source=args.config)
     summary = summarize(cfg.run_dir)
     print(f"run finished: {cfg.run_dir}")
@@ -89,6 +91,23 @@ def cmd_run(args) -> int:
             f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"
         )
     return 0
+
+
+def _start_with_jemalloc(args) -> None:
+    """model.host_allocator: jemalloc. A process's malloc is fixed when it starts, so the command starts itself again
+    with jemalloc preloaded (rl_multilora/host_memory.py); called in-process (`cli.main([...])`), it says so and
+    goes on with the malloc it has, as `loop.run` does."""
+    from rl_multilora.config import ConfigError
+    from rl_multilora.host_memory import exec_with_jemalloc, find_jemalloc, jemalloc_loaded
+
+    if jemalloc_loaded():
+        return
+    try:
+        find_jemalloc()
+    except ValueError as e:
+        raise ConfigError([str(e)], args.config) from None
+    if args.process_entry:
+        exec_with_jemalloc(["-m", "rl_multilora.cli", *sys.argv[1:]])
 
 
 def cmd_export(args) -> int:
@@ -256,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from rl_multilora.host_memory import no_mkl_buffer_cache
+    from rl_multilora.host_memory import no_mkl_buffer_cache, restore_child_env
 
+    restore_child_env()  # started again with jemalloc (model.host_allocator): the children get the user's environment
     no_mkl_buffer_cache()  # before anything imports torch: MKL's per-thread buffer cache is not kept (host_memory.py)
+    process_entry = argv is None  # the process's own command line, which `run` may start again (host_allocator)
     # Plugins (`module:function` rewards, `module:Class` hooks) resolve from the current directory, as with
     # `python -m`; the console script alone would not put it on sys.path (spawned reward workers inherit it).
     if os.getcwd() not in sys.path:
@@ -267,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["engine-serve"], ["tinker-serve"]):  # their own parsers: flags pass through untouched
         argv = [argv[0], "--", *argv[1:]] if argv[1:2] != ["--"] else argv
     args = build_parser().parse_args(argv)
+    args.process_entry = process_entry
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )

@@ -19,14 +19,24 @@ Intel MKL (torch's BLAS on x86) keeps the packing buffers of its matrix products
 and never hands them back: on the SmolLM2 example with two torch threads that cache held 45-70 MiB of the run's peak.
 `no_mkl_buffer_cache()` turns it off for a process that has not imported torch yet (the `rl-multilora` command does
 it first thing); MKL then takes its buffers from malloc and frees them after each product.
+
+jemalloc (`model.host_allocator: jemalloc`) is the other way out of glibc's holes, without the threshold's page
+faults for every tensor: it keeps freed memory in size classes and extents of their own and reuses it, and purges
+what it keeps when told (`release_freed_memory` does, between phases) or after its decay time. A malloc cannot be
+swapped inside a running process, so `rl-multilora run` starts itself again with jemalloc preloaded
+(`exec_with_jemalloc`). The library is the one Ray's wheel ships (`ray/core/libjemalloc.so`, jemalloc 5.3), or the
+file `RL_MULTILORA_JEMALLOC` names.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
@@ -60,8 +70,26 @@ def _malloc_trim():
     return trim
 
 
+@functools.cache
+def _jemalloc_mallctl():
+    """jemalloc's `mallctl` when jemalloc serves this process's malloc (LD_PRELOAD), else None."""
+    try:
+        fn = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_ARENAS_ALL = 4096  # jemalloc's MALLCTL_ARENAS_ALL
+
+
 def release_freed_memory() -> bool:
     """Return freed heap memory to the OS; True when some was released."""
+    mallctl = _jemalloc_mallctl()
+    if mallctl is not None:
+        return mallctl(f"arena.{_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
@@ -79,8 +107,17 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 
 def heap_in_use() -> int | None:
-    """Bytes malloc has handed out and not got back, over all its arenas and mappings (None without glibc 2.33+):
-    the live part of the resident size, without what malloc keeps free."""
+    """Bytes malloc has handed out and not got back, over all its arenas and mappings (None without glibc 2.33+ or
+    jemalloc): the live part of the resident size, without what malloc keeps free."""
+    mallctl = _jemalloc_mallctl()
+    if mallctl is not None:
+        epoch, value = ctypes.c_uint64(1), ctypes.c_size_t(0)  # a new epoch refreshes jemalloc's statistics
+        size = ctypes.c_size_t(ctypes.sizeof(epoch))
+        mallctl(b"epoch", ctypes.byref(epoch), ctypes.byref(size), ctypes.byref(epoch), ctypes.sizeof(epoch))
+        size = ctypes.c_size_t(ctypes.sizeof(value))
+        if mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+            return None
+        return value.value
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
@@ -100,3 +137,72 @@ def no_mkl_buffer_cache() -> bool:
         return False
     os.environ[MKL_BUFFER_CACHE_ENV] = "1"
     return True
+
+
+# --- jemalloc -------------------------------------------------------------------------------------------------------
+
+JEMALLOC_ENV = "RL_MULTILORA_JEMALLOC"  # a libjemalloc.so to preload instead of the one Ray's wheel ships
+# jemalloc's options when the user sets none (MALLOC_CONF): unused dirty pages go back to the OS after 1 s instead of
+# 10 s (docs/benchmarks.md, "jemalloc"); the purge between a run's phases returns the rest at once.
+JEMALLOC_CONF = "dirty_decay_ms:1000,muzzy_decay_ms:0"
+_RESTORE_ENV = "_RL_MULTILORA_ENV_BEFORE_JEMALLOC"  # LD_PRELOAD and MALLOC_CONF as they were, for child processes
+
+
+def jemalloc_loaded() -> bool:
+    """True when jemalloc serves this process's malloc."""
+    return _jemalloc_mallctl() is not None
+
+
+def find_jemalloc() -> Path:
+    """The jemalloc library `model.host_allocator: jemalloc` preloads; ValueError naming what is allowed when there
+    is none. `RL_MULTILORA_JEMALLOC` first, then Ray's wheel, then the system's (`ldconfig`)."""
+    if not sys.platform.startswith("linux"):
+        raise ValueError(
+            f"model.host_allocator='jemalloc' is not allowed on {sys.platform}; allowed: glibc (Linux only)"
+        )
+    named = os.environ.get(JEMALLOC_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise ValueError(f"{JEMALLOC_ENV}={named!r} is not allowed; allowed: the path of a libjemalloc.so file")
+        return Path(named)
+    spec = importlib.util.find_spec("ray")  # where Ray is installed, without importing it
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            bundled = Path(folder) / "core" / "libjemalloc.so"
+            if bundled.is_file():
+                return bundled
+    system = ctypes.util.find_library("jemalloc")
+    if system:
+        return Path(system)
+    raise ValueError(
+        "model.host_allocator='jemalloc' is not allowed here: no jemalloc library was found; allowed: glibc, or "
+        f"jemalloc after `pip install 'ray>=2.40'` (its wheel ships libjemalloc.so) or with {JEMALLOC_ENV} naming one"
+    )
+
+
+def exec_with_jemalloc(argv: list[str]) -> None:
+    """Replace this process with `python argv...` that has jemalloc preloaded (never returns; OSError if exec fails).
+    The new process's children get the environment back as it was (`restore_child_env`)."""
+    library = find_jemalloc()
+    env = dict(os.environ)
+    env[_RESTORE_ENV] = repr({k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")})
+    env["LD_PRELOAD"] = f"{library}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(library)
+    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def restore_child_env() -> None:
+    """After `exec_with_jemalloc`: put LD_PRELOAD and MALLOC_CONF back as they were, so the processes this one starts
+    (reward workers, Ray, engine servers) keep their own malloc. A no-op elsewhere."""
+    before = os.environ.pop(_RESTORE_ENV, None)
+    if before is None:
+        return
+    import ast
+
+    for key, value in ast.literal_eval(before).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -46,7 +46,7 @@ from rl_multilora.batch import AdapterStepStats
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
-from rl_multilora.host_memory import release_freed_memory, set_mmap_threshold
+from rl_multilora.host_memory import jemalloc_loaded, release_freed_memory, set_mmap_threshold
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.shares import fair_quotas
 from rl_multilora.tenants import TenantManager, TenantState
@@ -146,6 +146,13 @@ class Runtime:
     def build(cls, cfg: RunConfig) -> Runtime:
         if cfg.model.malloc_mmap_threshold_kb is not None:  # before the model's tensors are allocated
             set_mmap_threshold(cfg.model.malloc_mmap_threshold_kb * 1024)
+        if cfg.model.host_allocator == "jemalloc" and not jemalloc_loaded():
+            log.warning(
+                "model.host_allocator is jemalloc, but this process was started with the C library's malloc, which it "
+                "keeps: `rl-multilora run` starts itself with jemalloc; a Python caller must preload it (LD_PRELOAD)"
+            )
+        elif jemalloc_loaded():
+            log.info("host allocator: jemalloc (freed memory is purged between a step's phases)")
         components.seed_everything(cfg.seed)
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 """rl_multilora.host_memory: the glibc knobs a run uses to keep its resident size near its live bytes."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from rl_multilora.host_memory import (
     MKL_BUFFER_CACHE_ENV,
@@ -112,3 +115,111 @@ print(os.environ.get("MKL_DISABLE_FAST_MM"), "torch" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.split()  # fmt: skip
     assert out[-2:] == ["1", "False"], out
+
+
+# --- jemalloc (model.host_allocator) ------------------------------------------------------------------------------
+
+needs_jemalloc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or importlib.util.find_spec("ray") is None,
+    reason="jemalloc comes from Ray's wheel (the README's test command installs the ray extra); Linux only",
+)
+
+_UNDER_JEMALLOC = """
+import os, ctypes, psutil, torch
+from rl_multilora.host_memory import heap_in_use, jemalloc_loaded, release_freed_memory, restore_child_env
+restore_child_env()
+assert jemalloc_loaded()
+assert os.environ.get("LD_PRELOAD") == os.environ.get("EXPECT_PRELOAD"), os.environ.get("LD_PRELOAD")
+assert "MALLOC_CONF" not in os.environ, os.environ["MALLOC_CONF"]
+decay, size = ctypes.c_ssize_t(0), ctypes.c_size_t(8)
+ctypes.CDLL(None).mallctl(b"opt.dirty_decay_ms", ctypes.byref(decay), ctypes.byref(size), None, 0)
+assert decay.value == 1000, decay.value  # the options exec_with_jemalloc sets (JEMALLOC_CONF)
+before = heap_in_use()
+t = torch.ones(16 * 2**20 // 4)  # 16 MiB
+assert 15 * 2**20 < heap_in_use() - before < 17 * 2**20
+proc = psutil.Process()
+held = proc.memory_info().rss
+del t
+assert abs(heap_in_use() - before) < 2**20
+assert release_freed_memory()
+assert held - proc.memory_info().rss > 15 * 2**20, (held - proc.memory_info().rss) / 2**20  # purged, not kept
+print("ok")
+"""
+
+
+@needs_jemalloc
+def test_a_process_started_with_jemalloc_uses_it_purges_and_hands_children_the_old_environment(tmp_path):
+    from rl_multilora.host_memory import find_jemalloc
+
+    assert find_jemalloc().name == "libjemalloc.so"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    starter = "import sys; from rl_multilora.host_memory import exec_with_jemalloc; exec_with_jemalloc(sys.argv[1:])"
+    for preload in (None, "libm.so.6"):  # a user's own preload is kept, and comes back for the children
+        if preload:
+            env["LD_PRELOAD"] = env["EXPECT_PRELOAD"] = preload
+        out = subprocess.run([sys.executable, "-c", starter, "-c", _UNDER_JEMALLOC], env=env, capture_output=True,
+                             text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_jemalloc_library_that_is_not_there_is_refused_by_name(monkeypatch, tmp_path):
+    from rl_multilora.host_memory import JEMALLOC_ENV, find_jemalloc
+
+    monkeypatch.setenv(JEMALLOC_ENV, str(tmp_path / "nope.so"))
+    with pytest.raises(ValueError, match=f"{JEMALLOC_ENV}=.*nope.so.* allowed: the path of a libjemalloc.so file"):
+        find_jemalloc()
+
+
+def test_jemalloc_and_glibcs_threshold_are_not_set_together():
+    from rl_multilora.config import ModelConfig
+
+    with pytest.raises(ValueError, match="malloc_mmap_threshold_kb=512 is not allowed; allowed: null with"):
+        ModelConfig(path="m", host_allocator="jemalloc", malloc_mmap_threshold_kb=512)
+    with pytest.raises(ValueError, match="host_allocator"):
+        ModelConfig(path="m", host_allocator="tcmalloc")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # all but the timings
+
+
+@needs_jemalloc
+def test_run_under_jemalloc_with_junk_filled_memory_learns_the_same_bits(tmp_path):
+    # `rl-multilora run` with model.host_allocator: jemalloc starts itself again under jemalloc. Its junk option fills
+    # every new and freed block with 0xa5 / 0x5a bytes, so a read of memory nothing wrote (torch.empty used before it
+    # is filled) would change the numbers: the run must write the same metrics and adapters as glibc's.
+    from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
+
+    save_tiny_model(tmp_path / "model", hidden=32, layers=2)
+    for name, offset in (("a", 1), ("b", 3)):
+        write_sum_task(tmp_path / "data" / f"{name}.jsonl", 20, offset)
+    runs = {}
+    for allocator in ("glibc", "jemalloc"):
+        cfg = {
+            "run_dir": str(tmp_path / allocator),
+            "model": {"path": str(tmp_path / "model"), "max_loras": 2, "max_rank": 8, "device": "cpu",
+                      "host_allocator": allocator},
+            "rollout": {"n_samples_per_prompt": 4, "max_new_tokens": 6},
+            "logging": {"plot": False, "progress": False},
+            "rewards": {"num_workers": 1},
+            "adapters": [sum_task_adapter(tmp_path / "data", n, i, max_steps=2, rank=4 * (i + 1))
+                         for i, n in enumerate(("a", "b"))],
+        }  # fmt: skip
+        (tmp_path / f"{allocator}.yaml").write_text(yaml.safe_dump(cfg))
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+        env["MALLOC_CONF"] = "junk:true"  # glibc ignores it; jemalloc's own options then stay at theirs + junk
+        out = subprocess.run([sys.executable, "-m", "rl_multilora.cli", "run", str(tmp_path / f"{allocator}.yaml")],
+                             env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert ("host allocator: jemalloc" in out.stderr) == (allocator == "jemalloc"), out.stderr[-3000:]
+        runs[allocator] = _metrics(tmp_path / allocator)
+    assert len(runs["glibc"]) == 4 and all(r["stepped"] for r in runs["glibc"])
+    assert runs["jemalloc"] == runs["glibc"]
+    for name in ("a", "b"):
+        files = sorted(
+            p.relative_to(tmp_path / "glibc") for p in (tmp_path / "glibc" / "adapters" / name).rglob("*.safetensors")
+        )
+        assert files
+        for f in files:
+            assert (tmp_path / "jemalloc" / f).read_bytes() == (tmp_path / "glibc" / f).read_bytes(), f

