@@ -104,10 +104,10 @@ def _start_with_jemalloc(args) -> None:
         return
     try:
         find_jemalloc()
+        if args.process_entry:
+            exec_with_jemalloc(["-m", "rl_multilora.cli", *sys.argv[1:]])
     except ValueError as e:
         raise ConfigError([str(e)], args.config) from None
-    if args.process_entry:
-        exec_with_jemalloc(["-m", "rl_multilora.cli", *sys.argv[1:]])
 
 
 def cmd_export(args) -> int:

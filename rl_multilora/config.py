@@ -190,6 +190,14 @@ class EvalSettings(_Strict):
     greedy: bool = Field(True, description="One greedy answer per prompt: eval/reward_mean.")
     k: int = Field(0, ge=0, description="k samples per prompt at rollout temperature: eval/pass@k (0 = off).")
     pass_threshold: float = Field(1.0, description="A sample passes when its reward is >= this (pass@k).")
+    max_wave_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Run-level (an adapter's eval section cannot change it). Embedded engine: the evals' own "
+        "rollout.max_wave_tokens while they run, tighter than the rollout's so that a rollout still runs in one wave "
+        "while an eval's many distinct prompts, each with its own KV, decode fewer at a time: less memory for more "
+        "decode steps. null: the rollout's bound. The same outputs either way.",
+    )
 
 
 class EvalOverride(_Strict):
@@ -761,6 +769,14 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
                     f"at most trainer.world_size ({t.world_size}) with trainer.colocate_engines (one engine per rank)",
                 )
             )
+    if (r.engine != "embedded" or r.engine_actors) and cfg.eval.max_wave_tokens is not None:
+        problems.append(
+            bad_value(
+                "eval.max_wave_tokens",
+                cfg.eval.max_wave_tokens,
+                "null unless rollout.engine is 'embedded' in this process (not rollout.engine_actors)",
+            )
+        )
     if r.engine != "embedded" and r.max_wave_tokens is not None:
         problems.append(
             bad_value(

@@ -17,6 +17,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 from collections.abc import Sequence
@@ -185,9 +186,12 @@ class EvalGeneration(GenerateState):
         return sample.metadata["engine_adapter"], sampling
 
 
-def run_evals(generator: GenerateState, scorer, jobs: Sequence[EvalJob]) -> list[EvalResult]:
+def run_evals(
+    generator: GenerateState, scorer, jobs: Sequence[EvalJob], max_wave_tokens: int | None = None
+) -> list[EvalResult]:
     """Every job's prompts in one engine batch, scored with each tenant's reward; one result per job.
-    `generator`: the run's rollout driver (its engine, tokenizer and sampling settings)."""
+    `generator`: the run's rollout driver (its engine, tokenizer and sampling settings). `max_wave_tokens`: the
+    engine's wave bound while the evals run (`eval.max_wave_tokens`; None: the engine's own)."""
     if not jobs:
         return []
     per_job = [job.eval_set.samples(job.engine_adapter) for job in jobs]
@@ -197,7 +201,9 @@ def run_evals(generator: GenerateState, scorer, jobs: Sequence[EvalJob]) -> list
     plain = [s for s in flat if s.environment is None]
     episodes = [s for s in flat if s.environment is not None]
     gen = EvalGeneration(generator.engine, generator.tokenizer, GenerateStateHooks(), generator.sampling)
-    gen.run_sync([g for g in (plain, episodes) if g])
+    bound = generator.engine.waves_within(max_wave_tokens) if max_wave_tokens is not None else contextlib.nullcontext()
+    with bound:
+        gen.run_sync([g for g in (plain, episodes) if g])
     scorer.score_samples(flat)
     return [
         job.eval_set.summarize(samples, job.adapter_step, job.base) for job, samples in zip(jobs, per_job, strict=True)
@@ -205,10 +211,15 @@ def run_evals(generator: GenerateState, scorer, jobs: Sequence[EvalJob]) -> list
 
 
 def evaluate_adapters(
-    generator: GenerateState, scorer, jobs: Sequence[EvalJob], weights: dict[str, AdapterWeights], width: int
+    generator: GenerateState,
+    scorer,
+    jobs: Sequence[EvalJob],
+    weights: dict[str, AdapterWeights],
+    width: int,
+    max_wave_tokens: int | None = None,
 ) -> list[EvalResult]:
     """Evaluate adapters that are not in the engine: load each job's `weights[job.engine_adapter]`, at most `width`
-    at a time (the engine's slots), run their jobs, unload them."""
+    at a time (the engine's slots), run their jobs (`run_evals`), unload them."""
     results: list[EvalResult] = []
     for start in range(0, len(jobs), width):
         chunk = jobs[start : start + width]
@@ -216,7 +227,7 @@ def evaluate_adapters(
             w = weights[job.engine_adapter]
             generator.engine.load_adapter(job.engine_adapter, w.tensors, w.peft_config, version=job.adapter_step)
         try:
-            results += run_evals(generator, scorer, chunk)
+            results += run_evals(generator, scorer, chunk, max_wave_tokens)
         finally:
             for job in chunk:
                 generator.engine.unload_adapter(job.engine_adapter)
@@ -297,7 +308,7 @@ def evaluate_checkpoints(
         raise ConfigError(problems)
 
     engine, tokenizer = components.build_embedded_engine(
-        cfg.model, cfg.rollout.max_batch_size, max_wave_tokens=cfg.rollout.max_wave_tokens
+        cfg.model, cfg.rollout.max_batch_size, max_wave_tokens=cfg.eval.max_wave_tokens or cfg.rollout.max_wave_tokens
     )
     generator = GenerateState(engine, tokenizer, GenerateStateHooks(), components.build_sampling(cfg, tokenizer))
     scorer = components.build_scorer(cfg)

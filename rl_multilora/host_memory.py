@@ -146,6 +146,7 @@ JEMALLOC_ENV = "RL_MULTILORA_JEMALLOC"  # a libjemalloc.so to preload instead of
 # 10 s (docs/benchmarks.md, "jemalloc"); the purge between a run's phases returns the rest at once.
 JEMALLOC_CONF = "dirty_decay_ms:1000,muzzy_decay_ms:0"
 _RESTORE_ENV = "_RL_MULTILORA_ENV_BEFORE_JEMALLOC"  # LD_PRELOAD and MALLOC_CONF as they were, for child processes
+_started_again = False  # this process is the one `exec_with_jemalloc` started
 
 
 def jemalloc_loaded() -> bool:
@@ -182,8 +183,14 @@ def find_jemalloc() -> Path:
 
 def exec_with_jemalloc(argv: list[str]) -> None:
     """Replace this process with `python argv...` that has jemalloc preloaded (never returns; OSError if exec fails).
-    The new process's children get the environment back as it was (`restore_child_env`)."""
+    The new process's children get the environment back as it was (`restore_child_env`). ValueError when this
+    process is already such a start and still has no jemalloc (the loader could not preload the library)."""
     library = find_jemalloc()
+    if _started_again:
+        raise ValueError(
+            f"model.host_allocator='jemalloc' is not allowed here: {library} could not be preloaded (see the loader's "
+            f"message above); allowed: glibc, or {JEMALLOC_ENV} naming a libjemalloc.so this system can load"
+        )
     env = dict(os.environ)
     env[_RESTORE_ENV] = repr({k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")})
     env["LD_PRELOAD"] = f"{library}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(library)
@@ -196,9 +203,11 @@ def exec_with_jemalloc(argv: list[str]) -> None:
 def restore_child_env() -> None:
     """After `exec_with_jemalloc`: put LD_PRELOAD and MALLOC_CONF back as they were, so the processes this one starts
     (reward workers, Ray, engine servers) keep their own malloc. A no-op elsewhere."""
+    global _started_again
     before = os.environ.pop(_RESTORE_ENV, None)
     if before is None:
         return
+    _started_again = True
     import ast
 
     for key, value in ast.literal_eval(before).items():

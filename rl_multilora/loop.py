@@ -189,7 +189,7 @@ class Runtime:
             samples = ready + (self.generator.run_sync(groups) if groups else [])
             self._start_ahead(names)
         with clock("eval_s"):  # on the versions the rollout used, never trained on
-            res.evals = run_evals(self.generator, self.scorer, self._due_evals())
+            res.evals = run_evals(self.generator, self.scorer, self._due_evals(), self.cfg.eval.max_wave_tokens)
             tenants.apply_evals(res.evals)
         with clock("reward_s"):
             report = self.scorer.score_samples(samples)
@@ -347,7 +347,9 @@ class Runtime:
         ]
         checkpoints = {t.name: self.ckpt.read_weights(t.name, folder=t.last_checkpoint) for t, _ in todo}
         jobs = [EvalJob(es, t.name, t.adapter_step) for t, es in todo]
-        results = evaluate_adapters(self.generator, self.scorer, jobs, checkpoints, self.cfg.model.max_loras)
+        results = evaluate_adapters(
+            self.generator, self.scorer, jobs, checkpoints, self.cfg.model.max_loras, self.cfg.eval.max_wave_tokens
+        )
         self.tenants.apply_evals(results)
         self._log_evals(self.tenants.global_step, results)
         return results

@@ -302,3 +302,37 @@ def test_a_run_stopped_by_max_global_steps_checkpoints_and_evaluates_its_running
             (0, True), (2, False), (3, False)
         ]  # fmt: skip
     assert summarize(run_dir)["a"]["eval_final_step"] == 3
+
+
+def test_evals_own_wave_bound_holds_only_while_they_run_and_scores_the_same(runs, ws, monkeypatch):
+    # eval.max_wave_tokens: the engine bounds its waves by it while the evals run (an eval row here: a prompt of
+    # about 5 tokens and 6 new ones, so 24 positions hold 2 rows) and by the rollout's own bound (none) otherwise;
+    # the evals score what the unbounded run's did, and training is the same.
+    from rollout.engines.embedded import EmbeddedEngine
+
+    waves = []  # (the engine's bound when the decode step ran, rows, positions the rows hold)
+    base_rows = []  # the bound of every decode step with base rows: only the base's evals have those
+    real = EmbeddedEngine._decode_step
+
+    def decode_step(self, batch):
+        waves.append((self._max_wave_tokens, len(batch.rows), sum(self._row_tokens(r) for r in batch.rows)))
+        if any(r.request.adapter is None for r in batch.rows):
+            base_rows.append(self._max_wave_tokens)
+        return real(self, batch)
+
+    monkeypatch.setattr(EmbeddedEngine, "_decode_step", decode_step)
+    on, _ = runs
+    bounded = ws / "runs" / "eval_bounded"
+    cfg = _cfg(ws, bounded, True)
+    cfg["eval"]["max_wave_tokens"] = 24
+    cfg["logging"]["plot"] = False
+    run(parse_run_config(cfg))
+    in_evals = [w for w in waves if w[0] == 24]
+    assert in_evals and all(held <= 24 or rows == 1 for _, rows, held in in_evals), in_evals
+    assert {bound for bound, _, _ in waves} == {None, 24}  # the rollouts ran under the engine's own bound
+    assert base_rows and set(base_rows) == {24}  # the base's evals (in the step) too, not only the final ones
+    assert max(rows for bound, rows, _ in waves if bound is None) > max(rows for _, rows, _ in in_evals)
+    drop = TIMINGS | APPROX
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(bounded)] == [
+        {k: v for k, v in r.items() if k not in drop} for r in read_metrics(on)
+    ]

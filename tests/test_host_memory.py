@@ -223,3 +223,24 @@ def test_run_under_jemalloc_with_junk_filled_memory_learns_the_same_bits(tmp_pat
         assert files
         for f in files:
             assert (tmp_path / "jemalloc" / f).read_bytes() == (tmp_path / "glibc" / f).read_bytes(), f
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD: Linux")
+def test_a_library_the_loader_cannot_preload_is_an_error_not_a_loop(tmp_path):
+    # The loader skips a preload it cannot load (and says so); the started-again process must then stop with a clear
+    # error instead of starting itself again.
+    broken = tmp_path / "libjemalloc.so"
+    broken.write_bytes(b"not a shared object")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"),
+        "model": {"path": str(tmp_path / "model"), "host_allocator": "jemalloc"},
+        "adapters": [{"name": "a", "dataset": {"path": "json", "data_files": "x.jsonl"}, "reward": {"name": "format"},
+                      "max_steps": 1}],
+    }))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    env["RL_MULTILORA_JEMALLOC"] = str(broken)
+    out = subprocess.run([sys.executable, "-m", "rl_multilora.cli", "run", str(cfg)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "could not be preloaded" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

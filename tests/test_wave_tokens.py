@@ -125,3 +125,49 @@ def test_engines_that_do_not_read_the_bound_refuse_it(tmp_path, engine):
         parse_run_config(cfg)
     rollout.pop("max_wave_tokens")
     parse_run_config(cfg)  # the same config without it is valid
+
+
+def test_waves_within_bounds_only_its_block_with_the_same_outputs(adapters):
+    from rollout.engines.multi import MultiEngine
+
+    eng = _engine(adapters)
+    try:
+        requests = _requests()
+        want = eng.generate(requests)
+        waves = _record_waves(eng)
+        with eng.waves_within(40):
+            got = eng.generate(requests)
+        inside = list(waves)
+        after = eng.generate(requests)
+        with eng.waves_within(None):  # None: the engine's own bound (none here)
+            assert eng._max_wave_tokens is None
+        with pytest.raises(ValueError, match=r"max_wave_tokens=0 is not allowed; allowed: an integer >= 1"):
+            with eng.waves_within(0):
+                pass
+        assert eng._max_wave_tokens is None
+        other = _engine(adapters, max_wave_tokens=100)
+        both = MultiEngine([eng, other])
+        with both.waves_within(40):
+            assert (eng._max_wave_tokens, other._max_wave_tokens) == (40, 40)
+        assert (eng._max_wave_tokens, other._max_wave_tokens) == (None, 100)
+        other.close()
+    finally:
+        eng.close()
+    assert max(rows for rows, _, _ in inside) < len(requests)
+    assert all(per_row <= 40 or rows == 1 for rows, per_row, _ in inside), inside
+    assert max(rows for rows, _, _ in waves[len(inside) :]) == len(requests)  # after the block: one wave again
+    for g, a, w in zip(got, after, want, strict=True):
+        assert g.output_ids == a.output_ids == w.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(w.output_logprobs))
+
+
+@pytest.mark.parametrize(
+    "rollout", [{"engine": "sglang"}, {"engine": "embedded", "engine_actors": True, "num_engines": 1}]
+)
+def test_the_evals_bound_needs_an_embedded_engine_in_this_process(tmp_path, rollout):
+    cfg = {"run_dir": str(tmp_path), "model": {"path": "x"}, "rollout": rollout, "eval": {"max_wave_tokens": 2048},
+           "adapters": []}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"eval.max_wave_tokens=2048 is not allowed; allowed: null unless"):
+        parse_run_config(cfg)
+    cfg["eval"].pop("max_wave_tokens")
+    parse_run_config(cfg)

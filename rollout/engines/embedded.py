@@ -441,6 +441,14 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     return (~torch.isfinite(logits).all(dim=-1)).nonzero().squeeze(1).tolist()
 
 
+def _check_wave_tokens(max_wave_tokens: int | None) -> None:
+    if max_wave_tokens is not None and (
+        not isinstance(max_wave_tokens, int) or isinstance(max_wave_tokens, bool) or max_wave_tokens < 1
+    ):
+        allowed = "an integer >= 1 (token positions), or None for no bound"
+        raise ValueError(f"max_wave_tokens={max_wave_tokens!r} is not allowed; allowed: {allowed}")
+
+
 class EmbeddedEngine(RolloutEngine):
     """Serves many LoRA adapters of one `MultiLoRAModel` in shared decode batches.
 
@@ -476,11 +484,7 @@ class EmbeddedEngine(RolloutEngine):
         max_wave_tokens: int | None = None,
     ) -> None:
         self.publishes_without_pause = True
-        if max_wave_tokens is not None and (
-            not isinstance(max_wave_tokens, int) or isinstance(max_wave_tokens, bool) or max_wave_tokens < 1
-        ):
-            allowed = "an integer >= 1 (token positions), or None for no bound"
-            raise ValueError(f"max_wave_tokens={max_wave_tokens!r} is not allowed; allowed: {allowed}")
+        _check_wave_tokens(max_wave_tokens)
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed; allowed: an integer >= 1")
         if not isinstance(prefix_cache_bytes, int) or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0:
@@ -1221,6 +1225,24 @@ class EmbeddedEngine(RolloutEngine):
             tokens += picked.tolist()
             logprobs += token_logprobs(part, picked).tolist()
         return tokens, logprobs
+
+    @contextlib.contextmanager
+    def waves_within(self, max_wave_tokens: int | None) -> Iterator[None]:
+        """Within the block, rows join waves within `max_wave_tokens` positions instead of the engine's own bound
+        (None: the engine's own): a held-out eval's many distinct prompts under a tighter bound than the rollout's.
+        Admissions made meanwhile follow it, whoever's rows they are; rows already running keep their room. Not for
+        two threads at once (the run's evals come from its one step loop)."""
+        if max_wave_tokens is None:
+            yield
+            return
+        _check_wave_tokens(max_wave_tokens)
+        with self._cond:
+            own, self._max_wave_tokens = self._max_wave_tokens, max_wave_tokens
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._max_wave_tokens = own
 
     def _row_tokens(self, row: _Row) -> int:
         """The positions `row` holds in a wave's KV by the time it finishes: its prompt, and every token it may

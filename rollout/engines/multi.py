@@ -17,8 +17,9 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,14 @@ class MultiEngine(RolloutEngine):
         """Requests each engine has taken so far."""
         with self._lock:
             return list(self._served)
+
+    @contextlib.contextmanager
+    def waves_within(self, max_wave_tokens: int | None) -> Iterator[None]:
+        """Every engine's `waves_within` (embedded engines) for the block."""
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.waves_within(max_wave_tokens))
+            yield
 
     # -- generation ---------------------------------------------------------------------------------------------
 
