@@ -17,7 +17,6 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from collections.abc import Sequence
@@ -201,8 +200,7 @@ def run_evals(
     plain = [s for s in flat if s.environment is None]
     episodes = [s for s in flat if s.environment is not None]
     gen = EvalGeneration(generator.engine, generator.tokenizer, GenerateStateHooks(), generator.sampling)
-    bound = generator.engine.waves_within(max_wave_tokens) if max_wave_tokens is not None else contextlib.nullcontext()
-    with bound:
+    with generator.engine.waves_within(max_wave_tokens):
         gen.run_sync([g for g in (plain, episodes) if g])
     scorer.score_samples(flat)
     return [

@@ -171,3 +171,14 @@ def test_the_evals_bound_needs_an_embedded_engine_in_this_process(tmp_path, roll
         parse_run_config(cfg)
     cfg["eval"].pop("max_wave_tokens")
     parse_run_config(cfg)
+
+
+def test_engines_without_waves_take_no_bound_and_run_evals_unchanged_without_one():
+    from tests.tiny_models import ScriptedEngine
+
+    eng = ScriptedEngine(tiny_tokenizer(), [])
+    with eng.waves_within(None):  # what run_evals asks of every engine when eval.max_wave_tokens is null
+        pass
+    with pytest.raises(ValueError, match=r"max_wave_tokens=64 is not allowed with ScriptedEngine; allowed: None"):
+        with eng.waves_within(64):
+            pass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,6 +64,17 @@ class RolloutEngine(abc.ABC):
     def adapter_versions(self) -> dict[str, int]:
         """Loaded adapters and their current weight versions."""
         return {}
+
+    @contextlib.contextmanager
+    def waves_within(self, max_wave_tokens: int | None) -> Iterator[None]:
+        """A KV bound on the engine's waves for the block (evals: `eval.max_wave_tokens`); None leaves the engine's
+        own. Engines that take one (the embedded engine) override this; the others refuse a bound."""
+        if max_wave_tokens is not None:
+            raise ValueError(
+                f"max_wave_tokens={max_wave_tokens!r} is not allowed with {type(self).__name__}; allowed: None "
+                "(only the embedded engine bounds its waves)"
+            )
+        yield
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, processes, connections)."""
