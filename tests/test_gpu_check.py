@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tiny_models import gemm_rows_independent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -89,7 +91,12 @@ def test_isolation_probe_on_cpu_finds_every_check_bit_exact():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 9  # 3 dtype settings x 3 batch sizes
+    exact = gemm_rows_independent()  # a CPU whose matrix products round a row by how many share it: to rounding
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[3] == "True" and cells[6:] == ["True", "True"], row
-        assert cells[4] == cells[5] == "True (0.00e+00)", row
+        assert cells[3] == "True" and cells[6:] == ["True", "True"], row  # every step repeats, to the bit
+        for cell in cells[4:6]:
+            if exact:
+                assert cell == "True (0.00e+00)", row
+            else:
+                assert float(cell.split("(")[1].rstrip(")")) < 1e-6, row

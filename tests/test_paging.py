@@ -1,6 +1,9 @@
 """More tenants than slots: gradients only for the slots that hold rows, the host tenant store and its paging.
 
-The exactness tests compare tensors bit for bit (`torch.equal`): paging moves bytes, it never recomputes them.
+The exactness tests compare tensors bit for bit (`torch.equal`): paging moves bytes, it never recomputes them. Where
+a run on fewer slots puts a tenant's rows in differently shaped products, they compare to the bit where this
+machine's matrix products give a row the same bits in any product (`tiny_models.gemm_rows_independent`), else to
+float rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from rl_multilora.lora import MultiLoRAModel
 from rl_multilora.lora.routing import SlotGradSink
 from rl_multilora.rows import Row
 from rl_multilora.train_ops import TrainOps
-from tests.tiny_models import PAD_ID, tiny_model
+from tests.tiny_models import PAD_ID, assert_same_bits, tiny_model
 
 VOCAB = 128
 
@@ -104,14 +107,17 @@ def _state(backend, name: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _assert_same_state(a, b) -> None:
     (wa, oa), (wb, ob) = a, b
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert_same_bits(wb[k], wa[k], ulps=1024)  # ten steps of Adam from gradients equal to float rounding
     assert oa["scheduler"] == ob["scheduler"]
     assert oa["optimizer"]["param_groups"] == ob["optimizer"]["param_groups"]
     sa, sb = oa["optimizer"]["state"], ob["optimizer"]["state"]
     assert sa.keys() == sb.keys() and sa
     for i in sa:
         assert sa[i].keys() == sb[i].keys()
-        assert all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+        for k in sa[i]:
+            assert_same_bits(sb[i][k], sa[i][k], ulps=1024)
 
 
 def test_16_tenants_on_4_slots_end_bit_identical_to_16_slots(tmp_path):
@@ -141,14 +147,17 @@ def test_a_forward_backward_of_more_tenants_than_slots_runs_in_parts_with_the_sa
     rows = _rows(names, 12, seed=5)
     algos = {n: client_algo("importance_sampling", None) for n in names}
     a, b = full.forward_backward(rows, algos), paged.forward_backward(rows, algos)
-    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
-    assert a.row_loss == b.row_loss and a.backwarded == b.backwarded == set(names)
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert_same_bits(y, x)
+    assert_same_bits(torch.tensor(b.row_loss), torch.tensor(a.row_loss))
+    assert a.backwarded == b.backwarded == set(names)
     for n in names:
         ga, gb = full.trainer.ops.tenant(n).grads, paged.trainer.ops.tenant(n).grads
         if not paged.trainer.ops.is_resident(n):
             paged.trainer.ops.ensure_resident([n])
             gb = paged.trainer.ops.tenant(n).grads
-        assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+        for x, y in zip(ga, gb, strict=True):
+            assert_same_bits(y, x)
 
 
 def test_places_resident_and_removal():

@@ -9,6 +9,7 @@ specials) whose ids fit in the default vocabulary, so the folder loads with `Aut
 
 from __future__ import annotations
 
+import functools
 import json
 import string
 from pathlib import Path
@@ -162,3 +163,37 @@ class ScriptedEngine(RolloutEngine):
     def resume(self): ...
     def health(self):
         return True
+
+
+@functools.cache
+def gemm_rows_independent() -> bool:
+    """Whether this machine's matrix products give a row the same bits however many rows share the product. The
+    tests that compare a tenant alone with the same rows in a mixed batch, or a paged run with an unpaged one, to the
+    bit rely on it. On Intel CPUs (MKL, AVX512/AMX) it held; on an AMD EPYC (2026-11-28, the same torch 2.13.0+cpu
+    wheel) MKL gives products of 1-3, 5-7 and 9-11 rows a kernel of their own, whose sums round differently, so a
+    per-row product of a 7-token row differs in the last bits from the same row inside a larger product. There the
+    tests hold the numbers to float rounding instead (`assert_same_bits`)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((32, 32), (32, 64), (64, 32), (8, 32), (32, 8)):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(64, k, generator=g).to(dtype)
+            whole = x @ w.T
+            for m in range(1, 17):
+                if not torch.equal(x[:m] @ w.T, whole[:m]) or not torch.equal(
+                    torch.bmm(x[None, :m], w.T[None]), whole[None, :m]
+                ):
+                    return False
+    return True
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, ulps: int = 64) -> None:
+    """`got` equals `want` bit for bit where `gemm_rows_independent()`; elsewhere within `ulps` units of float
+    rounding at `want`'s scale (a fault that moves a number further, a row from another tenant say, still fails)."""
+    got, want = got.detach(), want.detach()
+    if gemm_rows_independent():
+        assert torch.equal(got, want), f"not bit-identical: max diff {float((got - want).abs().max()):.3e}"
+        return
+    eps = torch.finfo(want.dtype).eps * ulps
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=eps, atol=eps * max(scale, 1e-30))
