@@ -4,6 +4,11 @@ default) against every row padded on its own, side by side in one process on the
 Usage: `python bench/bench_packing.py [--model artifacts/smollm2-135m/model] [--groups 3] [--group-size 8]
 [--prompt 110] [--completion 24] [--micro 16] [--runs 5] [--threads 1] [--tinker]`
 
+"packed" packs every group; the trainer packs a group only where its estimate (`rl_multilora.packing.pair_cost`)
+says packing is cheaper, and the bench prints that estimate and choice beside the measured ratio. `--layers N`: the
+random SmolLM2 shape with N decoder layers (the ratio is per layer but for the output head); `--tiny`: the tiny
+preset's shape (hidden 128, 4 layers, random).
+
 `--tinker`: the rows are Tinker datums as the server makes them (`ClientOps._row`: every position a target, the
 `importance_sampling` loss, advantages zero over the prompt, so the datum's prompt is where its advantages start).
 
@@ -31,21 +36,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from rl_multilora.config import GRPOSettings, OptimSettings  # noqa: E402
 from rl_multilora.lora import MultiLoRAModel  # noqa: E402
-from rl_multilora.packing import pack  # noqa: E402
+from rl_multilora.packing import groups, pack, worth_packing  # noqa: E402
 from rl_multilora.rows import Row, TokenIndex  # noqa: E402
 from rl_multilora.train_ops import TrainOps  # noqa: E402
 
 
-def base_model(path: str | None):
+def base_model(path: str | None, layers: int = 30, tiny: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if tiny:
+        from tests.tiny_models import tiny_model
+
+        return tiny_model(hidden=128, layers=4)
     config = LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
-        num_hidden_layers=30,
+        num_hidden_layers=layers,
         num_attention_heads=9,
         num_key_value_heads=3,
         max_position_embeddings=2048,
@@ -101,12 +110,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tinker", action="store_true", help="rows made from Tinker datums (importance_sampling)")
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers of the random SmolLM2 shape (default 30)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny preset's shape instead (hidden 128, 4 layers)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = base_model(args.model)
+    base = base_model(args.model, args.layers, args.tiny)
     model = MultiLoRAModel.from_model(base, max_loras=args.groups, max_rank=8)
     ops = {share: TrainOps(model, GRPOSettings(share_prompts=share), pad_token_id=0) for share in (True, False)}
+    pair = ops[True].pair_cost
+    ops[True].pair_cost = 0.0  # "packed" packs every group, whatever the trainer's estimate would choose
     for k in range(args.groups):
         model.add_adapter(f"t{k}", rank=8, alpha=16, seed=k)
         with torch.no_grad():
@@ -153,6 +166,19 @@ def main() -> None:
         f"rows {len(rows)} in {len(micro)} micro-batches; tokens forwarded: {plain_tokens} unpacked, {packed} packed "
         f"({plain_tokens / packed:.2f}x fewer); max |log-prob diff| {worst_lp:.2e}, max grad diff / grad scale "
         f"{worst_g:.2e}",
+        flush=True,
+    )
+    estimate = {True: 0.0, False: 0.0}  # tokens + pair_cost x attention pairs, summed over the groups
+    chosen = 0
+    for members in groups(rows):
+        lengths = [len(rows[i].input_ids) for i in members]
+        width = args.prompt + sum(n - args.prompt for n in lengths)
+        estimate[True] += width + pair * width * width
+        estimate[False] += sum(lengths) + pair * sum(n * n for n in lengths)
+        chosen += worth_packing(lengths, args.prompt, pair)
+    print(
+        f"the trainer's estimate (pair_cost {pair:.5f}): packed / unpacked {estimate[True] / estimate[False]:.2f}; "
+        f"it packs {chosen} of {len(groups(rows))} groups",
         flush=True,
     )
 

@@ -447,7 +447,9 @@ class GRPOSettings(_Strict):
         description="Rows of a micro-batch with the same tenant and prompt (a group's samples) train as one packed "
         "sequence: the prompt once, each completion attending to it, so its forward and backward run once per group "
         "instead of once per sample. Same losses and gradients up to float rounding; models with eager or SDPA "
-        "attention and no sliding window (others train each row on its own). false: each row padded on its own.",
+        "attention and no sliding window (others train each row on its own). A group packs only where that is "
+        "estimated cheaper: its attention is dense over prompt + every completion, which long completions beside a "
+        "short prompt (multi-turn episodes) make dearer than the prompt saved. false: each row padded on its own.",
     )
     ppo_epochs: int = Field(
         1, ge=1, description="Optimizer steps per rollout batch; each counts against the adapter's max_steps."

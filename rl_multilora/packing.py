@@ -12,6 +12,13 @@ The attention pattern goes to the model as a 4D additive mask `(P, 1, W, W)` (0 
 not), which transformers passes to its eager and SDPA attention as it is; `packable` says when a model takes one.
 Padding positions attend to themselves only, so no query row is fully masked (a fully masked softmax row is NaN,
 and NaN times a zero gradient would still reach the LoRA weights' gradients).
+
+Packing is not always cheaper. The packed sequence's attention is dense over its whole width W = prompt + every
+continuation, W^2 (query, key) pairs, most of them masked, where the rows on their own cost the sum of their lengths
+squared. A group with a short prompt and long continuations (a multi-turn episode, a long reasoning trace) saves
+little linear work and pays much attention work. So a group is packed only when the estimate (`pair_cost`: a pair's
+cost in tokens' worth of a layer's linear work) says it saves; the decision reads the group's own rows only, so a
+tenant's layout never depends on who else shares its micro-batch.
 """
 
 from __future__ import annotations
@@ -56,6 +63,39 @@ class ForwardInputs:
     position_ids: torch.Tensor | None = None
 
 
+# A (query, key) pair's cost against its multiply-adds' share. Measured packed / unpacked training passes on CPU put the
+# break-even between 0.42 and 1.92 at the tiny and SmolLM2-135M shapes (14 shapes of prompt, completion and group;
+# docs/benchmarks.md, "Shared-prompt packing: which groups pack"): 1 is the multiply-adds themselves.
+ATTENTION_OVERHEAD = 1.0
+
+
+def pair_cost(config) -> float:
+    """One (query, key) pair of dense attention in one layer, in tokens' worth of that layer's linear work: the
+    attention's multiply-adds per pair (Q.K and the value sum, 2 x heads x head_dim) over the layer's linear
+    weights per token (the experts a token is routed to, for an MoE), times `ATTENTION_OVERHEAD`. An estimate for
+    choosing a layout, never a matter of the numbers: both layouts give the same results up to float rounding."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, heads = config.hidden_size, config.num_attention_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    attention = 2 * h * heads * d + 2 * h * kv * d  # q and o, k and v
+    inter = getattr(config, "intermediate_size", None) or 4 * h
+    routed = getattr(config, "num_experts_per_tok", None)
+    if routed:
+        inter = (getattr(config, "moe_intermediate_size", None) or inter) * routed
+    return ATTENTION_OVERHEAD * 2 * heads * d / (attention + 3 * h * inter)
+
+
+def worth_packing(lengths: Sequence[int], prompt: int, pair: float) -> bool:
+    """Whether rows of `lengths` tokens sharing their first `prompt` train cheaper as one packed sequence than each on
+    its own: tokens plus `pair` x attention pairs, packed (one width, squared) against unpacked (each length,
+    squared). `pair` 0: whenever two rows share the prompt."""
+    if len(lengths) < 2:
+        return False
+    width = prompt + sum(n - prompt for n in lengths)
+    return width + pair * width * width < sum(lengths) + pair * sum(n * n for n in lengths)
+
+
 def groups(rows: Sequence[Row]) -> list[list[int]]:
     """Indices of `rows` grouped by (adapter, shared prompt), in first-seen order; a row without `prompt_len` is a
     group of its own."""
@@ -67,14 +107,32 @@ def groups(rows: Sequence[Row]) -> list[list[int]]:
 
 
 def pack(
-    rows: Sequence[Row], tok_row: torch.Tensor, tok_pos: torch.Tensor, pad_token_id: int, dtype: torch.dtype, device
+    rows: Sequence[Row],
+    tok_row: torch.Tensor,
+    tok_pos: torch.Tensor,
+    pad_token_id: int,
+    dtype: torch.dtype,
+    device,
+    pair: float = 0.0,
 ) -> ForwardInputs | None:
     """Pack `rows` by (adapter, shared prompt); None when no two rows share one (nothing to save). `tok_row`,
     `tok_pos`: each loss token's row and position (`TokenIndex.row` / `.pos`); the state predicting it is at
-    `pos - 1` of its row. `dtype`: the mask's (the model's compute dtype)."""
-    parts = groups(rows)
-    if len(parts) == len(rows):
+    `pos - 1` of its row. `dtype`: the mask's (the model's compute dtype). `pair`: `pair_cost` of the model; a
+    group that `worth_packing` refuses is laid out as one sequence per row (0: every group of two or more packs).
+
+    Which layout a group's rows get depends on that group alone: a refused group is still laid out here (its rows
+    one sequence each) rather than in the plain padded batch, so its rounding never depends on whether another
+    tenant's group in the micro-batch packed."""
+    found = groups(rows)
+    if len(found) == len(rows):
         return None
+    parts = []
+    for members in found:
+        lengths = [len(rows[i].input_ids) for i in members]
+        if worth_packing(lengths, rows[members[0]].prompt_len or 0, pair):
+            parts.append(members)
+        else:
+            parts += [[i] for i in members]
     # Per row: its packed sequence, the length of the prompt it shares and where its own tokens start there.
     seq_of, shared_len, start_of = [0] * len(rows), [0] * len(rows), [0] * len(rows)
     layouts: list[tuple[list[int], list[int], list[int]]] = []  # per packed sequence: ids, positions, segment ids

@@ -40,7 +40,7 @@ from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.errors import bad_value
 from rl_multilora.grpo import TokenSettings, per_adapter_sum, token_loss
 from rl_multilora.losses import TenantAlgo
-from rl_multilora.packing import ForwardInputs, pack, packable
+from rl_multilora.packing import ForwardInputs, pack, packable, pair_cost
 from rl_multilora.ranks import RankCoordinator
 from rl_multilora.rows import Row, TokenIndex, pad
 from rl_multilora.saved_activations import recompute_elementwise
@@ -134,6 +134,8 @@ class TrainOps:
         self._peft_configs: dict[str, tuple[tuple, dict[str, Any]]] = {}  # paging: per tenant, see _peft_config
         # called with every tensor a training forward keeps for its backward as it is (a memory probe's; None: none)
         self.saved_observer = None
+        # shared-prompt packing: a group packs only where that is estimated cheaper (rl_multilora.packing; 0: always)
+        self.pair_cost = pair_cost(model.base_model.config)
         if store is not None and self.ranks.world > 1:
             raise ValueError(bad_value("store", "a TenantStore", "None on a model sharded over ranks"))
         if self.ranks.world == 1:  # sharded, the reduce-scatter needs the stacked grads
@@ -492,7 +494,7 @@ class TrainOps:
         base = self.model.base_model
         if self.cfg.share_prompts and packable(base.config):
             dtype = base.get_input_embeddings().weight.dtype
-            packed = pack(rows, tok.row, tok.pos, self.pad_token_id, dtype, device)
+            packed = pack(rows, tok.row, tok.pos, self.pad_token_id, dtype, device, self.pair_cost)
             if packed is not None:
                 return packed
         input_ids, attention_mask = pad(rows, self.pad_token_id, device)  # (B, T), (B, T)

@@ -12,7 +12,7 @@ import torch
 from rl_multilora.batch import build_batch, micro_batches
 from rl_multilora.config import GRPOSettings, OptimSettings
 from rl_multilora.lora import MultiLoRAModel
-from rl_multilora.packing import groups, pack, packable
+from rl_multilora.packing import groups, pack, packable, worth_packing
 from rl_multilora.rows import Row, TokenIndex
 from rl_multilora.train_ops import TrainOps
 from rollout.types import AdapterRef, Sample, SampleStatus
@@ -124,6 +124,37 @@ def test_a_group_trains_its_prompt_once():
     assert allowed[10, :7].all() and not allowed[10, 7:10].any() and allowed[10, 10]
     # padding attends to itself only among the padded positions, so no softmax row is empty
     assert allowed.any(dim=-1).all()
+
+
+def test_a_group_packs_only_where_the_estimate_says_it_saves():
+    """A group whose continuations are long beside its prompt trains each row on its own: packed, its attention would
+    be dense over prompt + every continuation. The decision is per group (a group's own rows), the layouts mix in one
+    micro-batch, and the numbers still equal the unpacked batch's."""
+    assert worth_packing([30, 30, 30], 20, 0.01)  # long prompt, short continuations
+    assert not worth_packing([200, 200, 200, 200], 20, 0.01)  # short prompt, long continuations
+    assert worth_packing([200, 200, 200, 200], 20, 0.0)  # pair cost 0: every group of two or more packs
+    assert not worth_packing([30], 20, 0.0)  # one row shares with nobody
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    pa, pb = ids(3), ids(20)
+    rows = [Row("a", pa + ids(60), list(range(3, 63)), 0.5 - 0.5 * k, None, prompt_len=3) for k in range(3)]
+    rows += [Row("b", pb + ids(4 + k), list(range(20, 24 + k)), 1.0 - k, None, prompt_len=20) for k in range(3)]
+    ops = _ops("qwen2", True)
+    assert 0 < ops.pair_cost < 0.1
+    assert not worth_packing([63] * 3, 3, ops.pair_cost) and worth_packing([24, 25, 26], 20, ops.pair_cost)
+    tok = TokenIndex.build(rows, {"a": 0, "b": 1}, None, "cpu")
+    p = pack(rows, tok.row, tok.pos, PAD_ID, torch.float32, "cpu", ops.pair_cost)
+    assert p.input_ids.shape[0] == 4  # a's three rows on their own, b's group as one sequence
+    assert p.tokens == 3 * 63 + 20 + 4 + 5 + 6
+    forced = pack(rows, tok.row, tok.pos, PAD_ID, torch.float32, "cpu")
+    assert forced.input_ids.shape[0] == 2  # pair cost 0: both groups pack
+    tok_a = TokenIndex.build(rows[:3], {"a": 0}, None, "cpu")
+    alone = pack(rows[:3], tok_a.row, tok_a.pos, PAD_ID, torch.float32, "cpu", ops.pair_cost)
+    assert alone.input_ids.shape[0] == 3  # a refused group alone keeps the layout it has beside a packed one
+    _assert_same(_run(ops, rows), _run(_ops("qwen2", False), rows))
 
 
 def test_the_grpo_batch_marks_each_rows_prompt():
