@@ -17,8 +17,7 @@ Packing is not always cheaper. The packed sequence's attention is dense over its
 continuation, W^2 (query, key) pairs, most of them masked, where the rows on their own cost the sum of their lengths
 squared. A group with a short prompt and long continuations (a multi-turn episode, a long reasoning trace) saves
 little linear work and pays much attention work. So a group is packed only when the estimate (`pair_cost`: a pair's
-cost in tokens' worth of a layer's linear work) says it saves; the decision reads the group's own rows only, so a
-tenant's layout never depends on who else shares its micro-batch.
+cost in tokens' worth of a layer's linear work) says it saves; the decision reads the group's own rows only.
 """
 
 from __future__ import annotations
@@ -120,19 +119,19 @@ def pack(
     `pos - 1` of its row. `dtype`: the mask's (the model's compute dtype). `pair`: `pair_cost` of the model; a
     group that `worth_packing` refuses is laid out as one sequence per row (0: every group of two or more packs).
 
-    Which layout a group's rows get depends on that group alone: a refused group is still laid out here (its rows
-    one sequence each) rather than in the plain padded batch, so its rounding never depends on whether another
-    tenant's group in the micro-batch packed."""
-    found = groups(rows)
-    if len(found) == len(rows):
-        return None
+    Whether a group packs depends on that group alone. Where nothing in the micro-batch packs, the rows take the
+    plain padded batch (None), whose causal attention skips the masked half; beside a packed group, a refused
+    group's rows are one sequence each here. The two agree to float rounding, as rows that share no prompt always
+    did."""
     parts = []
-    for members in found:
+    for members in groups(rows):
         lengths = [len(rows[i].input_ids) for i in members]
         if worth_packing(lengths, rows[members[0]].prompt_len or 0, pair):
             parts.append(members)
         else:
             parts += [[i] for i in members]
+    if len(parts) == len(rows):
+        return None
     # Per row: its packed sequence, the length of the prompt it shares and where its own tokens start there.
     seq_of, shared_len, start_of = [0] * len(rows), [0] * len(rows), [0] * len(rows)
     layouts: list[tuple[list[int], list[int], list[int]]] = []  # per packed sequence: ids, positions, segment ids

@@ -129,7 +129,7 @@ def test_a_group_trains_its_prompt_once():
 def test_a_group_packs_only_where_the_estimate_says_it_saves():
     """A group whose continuations are long beside its prompt trains each row on its own: packed, its attention would
     be dense over prompt + every continuation. The decision is per group (a group's own rows), the layouts mix in one
-    micro-batch, and the numbers still equal the unpacked batch's."""
+    micro-batch, and the numbers still equal the unpacked batch's; alone, the refused group takes the plain batch."""
     assert worth_packing([30, 30, 30], 20, 0.01)  # long prompt, short continuations
     assert not worth_packing([200, 200, 200, 200], 20, 0.01)  # short prompt, long continuations
     assert worth_packing([200, 200, 200, 200], 20, 0.0)  # pair cost 0: every group of two or more packs
@@ -152,8 +152,7 @@ def test_a_group_packs_only_where_the_estimate_says_it_saves():
     forced = pack(rows, tok.row, tok.pos, PAD_ID, torch.float32, "cpu")
     assert forced.input_ids.shape[0] == 2  # pair cost 0: both groups pack
     tok_a = TokenIndex.build(rows[:3], {"a": 0}, None, "cpu")
-    alone = pack(rows[:3], tok_a.row, tok_a.pos, PAD_ID, torch.float32, "cpu", ops.pair_cost)
-    assert alone.input_ids.shape[0] == 3  # a refused group alone keeps the layout it has beside a packed one
+    assert pack(rows[:3], tok_a.row, tok_a.pos, PAD_ID, torch.float32, "cpu", ops.pair_cost) is None  # plain batch
     _assert_same(_run(ops, rows), _run(_ops("qwen2", False), rows))
 
 
