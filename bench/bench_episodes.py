@@ -6,7 +6,10 @@ an episode of `turns` model turns of exactly `turn_tokens` tokens (EOS off), the
 but the last with a fixed message (the chat template's tokens for it, loss-masked). Single-turn, the same tokens:
 each sample's prompt is the episode's prompt followed by as many tokens as its environment turns had (prefilled,
 as the episode's environment tokens are), and it generates all `turns * turn_tokens` model tokens in one turn; the
-trainer gets rows of the same length with the same number of loss positions.
+trainer gets rows of the same length with the same number of loss positions. Those prompt tokens are by default
+the same for every sample of a group, so the single-turn path prefills and trains them once per group, which the
+episodes cannot (their environment tokens follow each sample's own turns); `--baseline own` gives every sample
+filler of its own instead, so that neither path shares what the other cannot.
 
 Two engines over the one model and trainer: `cache` (the default `prefix_cache_bytes`) and `no cache` (0, the
 engine before the prefix cache: every turn prefills the whole growing context again). Each timed run does the four
@@ -17,12 +20,14 @@ time and of this process's CPU time (steadier than wall time on a machine others
 
     python bench/bench_episodes.py [--quick]                               # tiny preset shape (hidden 128, 4 layers)
     python bench/bench_episodes.py --model artifacts/smollm2-135m/model    # a real HF folder (SmolLM2-135M)
+    python bench/bench_episodes.py --baseline own                          # single-turn shares no more than episodes
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import sys
 import time
@@ -103,6 +108,21 @@ def main() -> None:
         help="train every row on its own (grpo.share_prompts false), as the trainer did before a group's prompt "
         "trained once; default: the trainer's default (shared)",
     )
+    ap.add_argument(
+        "--baseline",
+        choices=("shared", "own"),
+        default="shared",
+        help="the single-turn rows' environment tokens: `shared` (default), the same filler for every sample of a "
+        "group, so the engine prefills and the trainer trains the group's prompt once; `own`, a filler of each "
+        "sample's own, as the episodes' environment tokens are (each follows its sample's own turns, so nothing "
+        "after the first prompt can be shared): then neither path shares what the other cannot",
+    )
+    ap.add_argument(
+        "--always-pack",
+        action="store_true",
+        help="pack every group of shared-prompt rows, as the trainer did before it estimated which groups save by it "
+        "(rl_multilora.packing.worth_packing); default: the trainer's estimate",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,6 +144,8 @@ def main() -> None:
         shape = f"tiny, hidden {hidden}, {layers} layers"
     grpo = GRPOSettings(micro_batch_size=64, drop_uniform_groups=False, share_prompts=not args.no_share_prompts)
     trainer = MultiLoRATrainer(model, grpo, pad_token_id=0)
+    if args.always_pack:
+        trainer.ops.pair_cost = 0.0
     for t in range(tenants):
         model.add_adapter(f"t{t}", rank=8, alpha=16, seed=t)
         trainer.add_adapter(f"t{t}", OptimSettings(), lr=1e-3, max_steps=10_000)
@@ -144,6 +166,7 @@ def main() -> None:
     multi_sampling = SamplingParams(temperature=1.0, max_new_tokens=turn_tokens)
     single_sampling = SamplingParams(temperature=1.0, max_new_tokens=turns * turn_tokens)
 
+    filler = [tok.convert_tokens_to_ids(c) for c in "xyzwvutsrqponmlk"]  # single letters, one token each
     env_tokens: list[int] = []  # per sample, how many environment tokens its episode had (set by the warm-up)
 
     def step(engine: EmbeddedEngine, env: EnvironmentSpec | None) -> dict[str, float]:
@@ -151,8 +174,12 @@ def main() -> None:
         groups_ = _samples(tok, tenants, groups, group, env)
         if env is None:  # the episode's environment tokens move into the prompt: the same prefill work
             flat = [s for g in groups_ for s in g]
-            for s, n in zip(flat, env_tokens, strict=True):
-                s.prompt_ids = s.prompt_ids + [tok.convert_tokens_to_ids("x")] * n
+            for k, (s, n) in enumerate(zip(flat, env_tokens, strict=True)):
+                if args.baseline == "shared":
+                    s.prompt_ids = s.prompt_ids + [filler[0]] * n
+                else:  # each sample's own tokens (seeded by its place in the step)
+                    pick = random.Random(k)
+                    s.prompt_ids = s.prompt_ids + [pick.choice(filler) for _ in range(n)]
         prompt0, reused0 = engine.prompt_tokens, engine.reused_tokens
         c0, t0 = time.process_time(), time.perf_counter()
         samples = GenerateState(engine, tok, MultiLoRAHooks(), sampling).run_sync(groups_)
@@ -193,7 +220,7 @@ def main() -> None:
         f"# {tenants} tenants x {groups} groups x {group} samples; episodes of {turns} turns x {turn_tokens} tokens; "
         f"model {shape}; prefix cache {DEFAULT_PREFIX_CACHE_BYTES // 2**20} MiB vs off; {repeats} runs each, "
         f"medians (min-max); torch {torch.__version__}, {torch.get_num_threads()} threads; trainer share_prompts "
-        f"{grpo.share_prompts}"
+        f"{grpo.share_prompts}{' (every group packs)' if args.always_pack else ''}; single-turn baseline's environment tokens: {args.baseline}"
     )
     print(
         "| engine | path | model tokens | all tokens | tokens prefilled | rollout s | train s | step s | "
