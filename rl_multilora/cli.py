@@ -155,14 +155,14 @@ def cmd_engine_serve(args) -> int:
     from rl_multilora.engine_serve import main as serve_main
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    return serve_main(rest) or 0
+    return serve_main(rest, process_entry=args.process_entry) or 0
 
 
 def cmd_tinker_serve(args) -> int:
     from rl_multilora.tinker.server import main as tinker_main
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    return tinker_main(rest) or 0
+    return tinker_main(rest, process_entry=args.process_entry) or 0
 
 
 def cmd_service(args) -> int:

@@ -71,9 +71,14 @@ def build_embedded_engine(
     return build(m, max_batch_size=max_batch_size, prefix_cache_mb=prefix_cache_mb, max_wave_tokens=max_wave_tokens)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, process_entry: bool | None = None) -> int:
     """`rl-multilora engine-serve`: serve the embedded engine over SGLang's HTTP API."""
-    parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__)
+    from rl_multilora.host_memory import allocator_name, restore_child_env, serve_with
+
+    restore_child_env()  # started again with jemalloc (--host-allocator): its children get the user's environment
+    process_entry = argv is None if process_entry is None else process_entry
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model folder (HF format) to serve")
     parser.add_argument("--port", type=int, default=30000, help="TCP port (default 30000, as SGLang)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this host only)")
@@ -137,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1024,
         help="largest /load_lora_adapter_from_tensors body in MiB (default 1024: a weight sync's base64 safetensors)",
     )
+    parser.add_argument(
+        "--host-allocator",
+        choices=("glibc", "jemalloc"),
+        default="glibc",
+        help="the server's malloc: jemalloc (the jemalloc extra, Ray's wheel; Linux) reuses freed memory by size "
+        "class; the command starts itself again with it preloaded, as `rl-multilora run` does (default glibc)",
+    )
     args = parser.parse_args(argv)
     for key in ("port", "max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb", "max_batch_size"):
         if getattr(args, key) < 1:
@@ -152,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model={args.model!r} is not allowed; allowed: an existing model folder (HF format)")
     if _port_in_use(args.host, args.port):
         parser.error(f"--port={args.port!r} is not allowed; allowed: a free port ({args.host}:{args.port} is in use)")
+    try:  # before the key: a start again with jemalloc would write a second one
+        serve_with(args.host_allocator, ["engine-serve", *argv], process_entry)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"engine-serve: host allocator {allocator_name()}", file=sys.stderr, flush=True)
     api_key = _resolve_api_key(parser, args)
     from rollout.server.http_server import serve
 

@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -154,13 +155,12 @@ def jemalloc_loaded() -> bool:
     return _jemalloc_mallctl() is not None
 
 
-def find_jemalloc() -> Path:
-    """The jemalloc library `model.host_allocator: jemalloc` preloads; ValueError naming what is allowed when there
-    is none. `RL_MULTILORA_JEMALLOC` first, then Ray's wheel, then the system's (`ldconfig`)."""
+def find_jemalloc(setting: str = "model.host_allocator") -> Path:
+    """The jemalloc library `model.host_allocator: jemalloc` (or the serving commands' `--host-allocator`: `setting`)
+    preloads; ValueError naming what is allowed when there is none. `RL_MULTILORA_JEMALLOC` first, then Ray's wheel,
+    then the system's (`ldconfig`)."""
     if not sys.platform.startswith("linux"):
-        raise ValueError(
-            f"model.host_allocator='jemalloc' is not allowed on {sys.platform}; allowed: glibc (Linux only)"
-        )
+        raise ValueError(f"{setting}='jemalloc' is not allowed on {sys.platform}; allowed: glibc (Linux only)")
     named = os.environ.get(JEMALLOC_ENV)
     if named:
         if not Path(named).is_file():
@@ -176,19 +176,19 @@ def find_jemalloc() -> Path:
     if system:
         return Path(system)
     raise ValueError(
-        "model.host_allocator='jemalloc' is not allowed here: no jemalloc library was found; allowed: glibc, or "
+        f"{setting}='jemalloc' is not allowed here: no jemalloc library was found; allowed: glibc, or "
         f"jemalloc after `pip install 'ray>=2.40'` (its wheel ships libjemalloc.so) or with {JEMALLOC_ENV} naming one"
     )
 
 
-def exec_with_jemalloc(argv: list[str]) -> None:
+def exec_with_jemalloc(argv: list[str], setting: str = "model.host_allocator") -> None:
     """Replace this process with `python argv...` that has jemalloc preloaded (never returns; OSError if exec fails).
     The new process's children get the environment back as it was (`restore_child_env`). ValueError when this
     process is already such a start and still has no jemalloc (the loader could not preload the library)."""
-    library = find_jemalloc()
+    library = find_jemalloc(setting)
     if _started_again:
         raise ValueError(
-            f"model.host_allocator='jemalloc' is not allowed here: {library} could not be preloaded (see the loader's "
+            f"{setting}='jemalloc' is not allowed here: {library} could not be preloaded (see the loader's "
             f"message above); allowed: glibc, or {JEMALLOC_ENV} naming a libjemalloc.so this system can load"
         )
     env = dict(os.environ)
@@ -215,3 +215,27 @@ def restore_child_env() -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def serve_with(allocator: str, command: list[str], process_entry: bool) -> None:
+    """`--host-allocator` of a serving command (`rl-multilora tinker-serve`, `engine-serve`): with `jemalloc` and a
+    process that does not have it yet, start `python -m rl_multilora.cli COMMAND...` again with it preloaded, as
+    `rl-multilora run` does for `model.host_allocator` (a long-running server's heap is where glibc's holes pile up
+    longest). Called in-process (`process_entry` false) it warns and keeps the malloc it has. ValueError naming the
+    flag when no jemalloc can be used."""
+    if allocator != "jemalloc" or jemalloc_loaded():
+        return
+    find_jemalloc("--host-allocator")
+    if not process_entry:
+        logging.getLogger("rl_multilora").warning(
+            "--host-allocator jemalloc: this process was started with the C library's malloc, which it keeps; "
+            "`rl-multilora %s` started as a command starts itself with jemalloc",
+            command[0],
+        )
+        return
+    exec_with_jemalloc(["-m", "rl_multilora.cli", *command], "--host-allocator")
+
+
+def allocator_name() -> str:
+    """The malloc serving this process, for a server's start line: `jemalloc` or `glibc`."""
+    return "jemalloc" if jemalloc_loaded() else "glibc"

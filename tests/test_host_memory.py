@@ -244,3 +244,65 @@ def test_a_library_the_loader_cannot_preload_is_an_error_not_a_loop(tmp_path):
                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert "could not be preloaded" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+# --- jemalloc for the serving commands (--host-allocator) -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_line(cmd: list[str], needle: str, env: dict[str, str], stream: str) -> str:
+    """Start `cmd`, return its first output line (stdout or stderr) containing `needle`, then stop it."""
+    proc = subprocess.Popen(cmd, env=env, text=True, cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE if stream == "stdout" else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE if stream == "stderr" else subprocess.DEVNULL)  # fmt: skip
+    try:
+        for line in getattr(proc, stream):
+            if needle in line:
+                return line
+        raise AssertionError(f"{cmd[3]} exited ({proc.wait()}) before printing {needle!r}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@needs_jemalloc
+@pytest.mark.parametrize("command", ["tinker-serve", "engine-serve"])
+def test_a_serving_command_starts_itself_again_with_jemalloc(tmp_path, command):
+    """`--host-allocator jemalloc`: the server process that comes up has jemalloc serving its malloc (its start line
+    says which; `allocator_name` reads jemalloc's mallctl, which only a preloaded jemalloc has)."""
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    env["RL_MULTILORA_TINKER_TOKEN"] = "tml-t0ken"
+    cli = [sys.executable, "-m", "rl_multilora.cli", command, "--model", str(model), "--port", str(_free_port())]
+    if command == "tinker-serve":
+        args, needle, stream = ["--state-dir", str(tmp_path / "state")], "tinker API on", "stdout"
+    else:
+        args, needle, stream = ["--key-file", str(tmp_path / "key")], "host allocator", "stderr"
+    for allocator in ("jemalloc", "glibc"):
+        line = _start_line([*cli, *args, "--host-allocator", allocator], needle, env, stream)
+        assert f"host allocator {allocator}" in line, line
+
+
+def test_a_serving_command_without_a_jemalloc_library_exits_2_naming_the_flag(tmp_path):
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    env = {**os.environ, "RL_MULTILORA_JEMALLOC": str(tmp_path / "nope.so"), "RL_MULTILORA_TINKER_TOKEN": "tml-t0ken"}
+    for command, args in (("tinker-serve", ["--state-dir", str(tmp_path / "s")]), ("engine-serve", ["--no-api-key"])):
+        out = subprocess.run(
+            [sys.executable, "-m", "rl_multilora.cli", command, "--model", str(model), "--port", str(_free_port()),
+             *args, "--host-allocator", "jemalloc"],
+            env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        )  # fmt: skip
+        assert out.returncode == 2, (command, out.stderr[-2000:])
+        assert "RL_MULTILORA_JEMALLOC=" in out.stderr and "nope.so" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr

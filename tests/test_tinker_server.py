@@ -539,3 +539,18 @@ def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
         assert list(np.frombuffer(out.sequences[0].tokens, dtype=np.int32)) == tokens
     finally:
         again.close()
+
+
+def test_tinker_serve_refuses_a_token_the_sdk_would_refuse_without_a_traceback(tmp_path):
+    """A user mistake exits 2 with the reason and no traceback (the token check ran after the CLI's error handling)."""
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    env = {**os.environ, "RL_MULTILORA_TINKER_TOKEN": "not-a-tinker-key"}
+    out = subprocess.run(
+        [sys.executable, "-m", "rl_multilora.cli", "tinker-serve", "--model", str(model), "--state-dir",
+         str(tmp_path / "state"), "--port", "1"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "token must start with 'tml-'" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -55,6 +55,7 @@ import math
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -1184,7 +1185,14 @@ def resolve_token(state_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, process_entry: bool | None = None) -> int:
+    """`rl-multilora tinker-serve ARGS` (`argv`: ARGS; None: this process's own). `process_entry`: whether this call
+    is the process's command, which `--host-allocator jemalloc` may start again (default: `argv` is None)."""
+    from rl_multilora.host_memory import allocator_name, restore_child_env, serve_with
+
+    restore_child_env()  # started again with jemalloc: the processes it starts get the user's environment
+    process_entry = argv is None if process_entry is None else process_entry
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m rl_multilora.tinker.server", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="base model folder (e.g. artifacts/tiny/model)")
     p.add_argument("--state-dir", required=True, type=Path, help="request journal, checkpoints and token live here")
@@ -1215,18 +1223,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens of stability records (record_stability_info samples, for stable_reinforce) kept at "
                    "most; past it the least recently used are evicted; unused ones go after a day "
                    f"(default {MAX_TOKENS})")  # fmt: skip
+    p.add_argument("--host-allocator", choices=("glibc", "jemalloc"), default="glibc",
+                   help="the server's malloc: jemalloc (the jemalloc extra, Ray's wheel; Linux) reuses freed memory "
+                   "by size class where glibc's heap keeps holes between live tensors; the command starts itself "
+                   "again with it preloaded, as `rl-multilora run` does for model.host_allocator (default glibc)")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    token = resolve_token(args.state_dir)
-    server = build_server(
-        args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
-        max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
-        max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
-        max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb, unembed_lora=args.unembed_lora,
-        stability_max_tokens=args.stability_max_tokens,
-    )  # fmt: skip
+    try:
+        serve_with(args.host_allocator, ["tinker-serve", *argv], process_entry)
+        token = resolve_token(args.state_dir)
+        server = build_server(
+            args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
+            max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
+            max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
+            max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb, unembed_lora=args.unembed_lora,
+            stability_max_tokens=args.stability_max_tokens,
+        )  # fmt: skip
+    except ValueError as e:  # a setting or token the server refuses (each message names it and what is allowed)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
-          f"{args.state_dir / 'token'})", flush=True)  # fmt: skip
+          f"{args.state_dir / 'token'}; host allocator {allocator_name()})", flush=True)  # fmt: skip
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
     return 0
 
