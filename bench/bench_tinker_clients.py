@@ -24,6 +24,8 @@ one-time growth once paging starts: the allocator's arenas keep freed spill buff
 checked by the run.
 
     python bench/bench_tinker_clients.py --model artifacts/smollm2-135m/model --clients 32 --every 8   # SmolLM2
+
+`--host-allocator jemalloc` starts the server with jemalloc (its `--host-allocator`).
 """
 
 from __future__ import annotations
@@ -139,13 +141,16 @@ def run(
     every: int,
     state_dir: Path,
     max_rank: int = 16,
+    host_allocator: str = "glibc",
 ) -> Report:
     import numpy as np
     import tinker
     from tinker import types
 
     port = _free_port()
-    proc = start_server(model, state_dir, port, max_loras, clients, budget_gb, max_rank)
+    proc = start_server(
+        model, state_dir, port, max_loras, clients, budget_gb, max_rank, ["--host-allocator", host_allocator]
+    )
     url = f"http://127.0.0.1:{port}"
     report = Report(clients, max_loras, rank, int(budget_gb * 2**30))
     greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
@@ -234,6 +239,7 @@ def main() -> int:
     p.add_argument("--host-budget-gb", type=float, default=1 / 16, help="default 64 MiB")
     p.add_argument("--every", type=int, default=100, help="read the server's memory every this many clients")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--host-allocator", choices=("glibc", "jemalloc"), default="glibc", help="the server's malloc")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         r = run(
@@ -245,6 +251,7 @@ def main() -> int:
             args.every,
             Path(tmp),
             args.max_rank,
+            args.host_allocator,
         )
     print_report(r)
     if args.json:
