@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from rl_multilora.config import GRPOSettings, OptimSettings  # noqa: E402
 from rl_multilora.lora import MultiLoRAModel  # noqa: E402
-from rl_multilora.packing import groups, pack, worth_packing  # noqa: E402
+from rl_multilora.packing import groups, layout_costs, pack, worth_packing  # noqa: E402
 from rl_multilora.rows import Row, TokenIndex  # noqa: E402
 from rl_multilora.train_ops import TrainOps  # noqa: E402
 
@@ -172,9 +172,9 @@ def main() -> None:
     chosen = 0
     for members in groups(rows):
         lengths = [len(rows[i].input_ids) for i in members]
-        width = args.prompt + sum(n - args.prompt for n in lengths)
-        estimate[True] += width + pair * width * width
-        estimate[False] += sum(lengths) + pair * sum(n * n for n in lengths)
+        packed_cost, unpacked_cost = layout_costs(lengths, args.prompt, pair)
+        estimate[True] += packed_cost
+        estimate[False] += unpacked_cost
         chosen += worth_packing(lengths, args.prompt, pair)
     print(
         f"the trainer's estimate (pair_cost {pair:.5f}): packed / unpacked {estimate[True] / estimate[False]:.2f}; "

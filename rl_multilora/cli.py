@@ -98,14 +98,10 @@ def _start_with_jemalloc(args) -> None:
     with jemalloc preloaded (rl_multilora/host_memory.py); called in-process (`cli.main([...])`), it says so and
     goes on with the malloc it has, as `loop.run` does."""
     from rl_multilora.config import ConfigError
-    from rl_multilora.host_memory import exec_with_jemalloc, find_jemalloc, jemalloc_loaded
+    from rl_multilora.host_memory import start_with_jemalloc
 
-    if jemalloc_loaded():
-        return
     try:
-        find_jemalloc()
-        if args.process_entry:
-            exec_with_jemalloc(["-m", "rl_multilora.cli", *sys.argv[1:]])
+        start_with_jemalloc(sys.argv[1:], args.process_entry)
     except ValueError as e:
         raise ConfigError([str(e)], args.config) from None
 

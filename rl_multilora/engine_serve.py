@@ -73,9 +73,8 @@ def build_embedded_engine(
 
 def main(argv: list[str] | None = None, process_entry: bool | None = None) -> int:
     """`rl-multilora engine-serve`: serve the embedded engine over SGLang's HTTP API."""
-    from rl_multilora.host_memory import allocator_name, restore_child_env, serve_with
+    from rl_multilora.host_memory import allocator_name, start_with_jemalloc
 
-    restore_child_env()  # started again with jemalloc (--host-allocator): its children get the user's environment
     process_entry = argv is None if process_entry is None else process_entry
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="rl-multilora engine-serve", description=main.__doc__.splitlines()[0])
@@ -165,7 +164,8 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
     if _port_in_use(args.host, args.port):
         parser.error(f"--port={args.port!r} is not allowed; allowed: a free port ({args.host}:{args.port} is in use)")
     try:  # before the key: a start again with jemalloc would write a second one
-        serve_with(args.host_allocator, ["engine-serve", *argv], process_entry)
+        if args.host_allocator == "jemalloc":  # `rl-multilora` (cli.main) restores the children's environment
+            start_with_jemalloc(["engine-serve", *argv], process_entry, "--host-allocator")
     except ValueError as e:
         parser.error(str(e))
     print(f"engine-serve: host allocator {allocator_name()}", file=sys.stderr, flush=True)

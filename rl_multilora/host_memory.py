@@ -34,7 +34,6 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
-import logging
 import os
 import sys
 from pathlib import Path
@@ -217,23 +216,16 @@ def restore_child_env() -> None:
             os.environ[key] = value
 
 
-def serve_with(allocator: str, command: list[str], process_entry: bool) -> None:
-    """`--host-allocator` of a serving command (`rl-multilora tinker-serve`, `engine-serve`): with `jemalloc` and a
-    process that does not have it yet, start `python -m rl_multilora.cli COMMAND...` again with it preloaded, as
-    `rl-multilora run` does for `model.host_allocator` (a long-running server's heap is where glibc's holes pile up
-    longest). Called in-process (`process_entry` false) it warns and keeps the malloc it has. ValueError naming the
-    flag when no jemalloc can be used."""
-    if allocator != "jemalloc" or jemalloc_loaded():
+def start_with_jemalloc(command: list[str], process_entry: bool, setting: str = "model.host_allocator") -> None:
+    """Start `python -m rl_multilora.cli COMMAND...` again with jemalloc preloaded (`exec_with_jemalloc`) unless
+    jemalloc already serves this process; `rl-multilora run` (`model.host_allocator`) and the serving commands
+    (`--host-allocator`: `setting`) call it. Called in-process (`process_entry` false) it only checks that a library
+    is there: the caller keeps the malloc it has. ValueError naming `setting` when no jemalloc can be used."""
+    if jemalloc_loaded():
         return
-    find_jemalloc("--host-allocator")
-    if not process_entry:
-        logging.getLogger("rl_multilora").warning(
-            "--host-allocator jemalloc: this process was started with the C library's malloc, which it keeps; "
-            "`rl-multilora %s` started as a command starts itself with jemalloc",
-            command[0],
-        )
-        return
-    exec_with_jemalloc(["-m", "rl_multilora.cli", *command], "--host-allocator")
+    find_jemalloc(setting)
+    if process_entry:
+        exec_with_jemalloc(["-m", "rl_multilora.cli", *command], setting)
 
 
 def allocator_name() -> str:

@@ -85,14 +85,20 @@ def pair_cost(config) -> float:
     return ATTENTION_OVERHEAD * 2 * heads * d / (attention + 3 * h * inter)
 
 
+def layout_costs(lengths: Sequence[int], prompt: int, pair: float) -> tuple[float, float]:
+    """The estimated cost of rows of `lengths` tokens sharing their first `prompt`, (packed, unpacked): tokens plus
+    `pair` x attention pairs, one width squared packed, each length squared unpacked."""
+    width = prompt + sum(n - prompt for n in lengths)
+    return width + pair * width * width, sum(lengths) + pair * sum(n * n for n in lengths)
+
+
 def worth_packing(lengths: Sequence[int], prompt: int, pair: float) -> bool:
     """Whether rows of `lengths` tokens sharing their first `prompt` train cheaper as one packed sequence than each on
-    its own: tokens plus `pair` x attention pairs, packed (one width, squared) against unpacked (each length,
-    squared). `pair` 0: whenever two rows share the prompt."""
+    its own (`layout_costs`). `pair` 0: whenever two rows share the prompt."""
     if len(lengths) < 2:
         return False
-    width = prompt + sum(n - prompt for n in lengths)
-    return width + pair * width * width < sum(lengths) + pair * sum(n * n for n in lengths)
+    packed, unpacked = layout_costs(lengths, prompt, pair)
+    return packed < unpacked
 
 
 def groups(rows: Sequence[Row]) -> list[list[int]]:

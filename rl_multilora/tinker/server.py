@@ -1188,9 +1188,8 @@ def resolve_token(state_dir: Path) -> str:
 def main(argv: list[str] | None = None, process_entry: bool | None = None) -> int:
     """`rl-multilora tinker-serve ARGS` (`argv`: ARGS; None: this process's own). `process_entry`: whether this call
     is the process's command, which `--host-allocator jemalloc` may start again (default: `argv` is None)."""
-    from rl_multilora.host_memory import allocator_name, restore_child_env, serve_with
+    from rl_multilora.host_memory import allocator_name, start_with_jemalloc
 
-    restore_child_env()  # started again with jemalloc: the processes it starts get the user's environment
     process_entry = argv is None if process_entry is None else process_entry
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m rl_multilora.tinker.server", description=__doc__.split("\n")[0])
@@ -1230,7 +1229,8 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
-        serve_with(args.host_allocator, ["tinker-serve", *argv], process_entry)
+        if args.host_allocator == "jemalloc":  # `rl-multilora` (cli.main) restores the children's environment
+            start_with_jemalloc(["tinker-serve", *argv], process_entry, "--host-allocator")
         token = resolve_token(args.state_dir)
         server = build_server(
             args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
