@@ -42,4 +42,8 @@ def test_bench_episodes_own_baseline_shares_nothing_past_the_first_prompt():
     shared, own = tables["shared"], tables["own"]
     assert shared["single"][0] == own["single"][0] == own["multi"][0]  # the same tokens in every path
     assert own["single"][1] == 2 * shared["single"][1]  # groups of 2: every sample prefills its own prompt
-    assert own["multi"][1] == shared["multi"][1]  # the episodes do not depend on the baseline
+    assert own["multi"][0] == shared["multi"][0]  # the episodes' tokens do not depend on the baseline
+    # What the episodes prefill does: which of a turn's tokens the prefix cache finds depends on the tokens sampled,
+    # and those on the adapters the baseline's steps trained (CI's machine once printed 499 against 488). The cache
+    # still finds every earlier turn: the episodes prefill fewer tokens than they hold.
+    assert 0 < own["multi"][1] < own["multi"][0] and 0 < shared["multi"][1] < shared["multi"][0]
