@@ -108,13 +108,15 @@ class ModelConfig(_Strict):
     )
     host_allocator: Literal["glibc", "jemalloc"] = Field(
         "glibc",
-        description="The host malloc of `rl-multilora run`'s process (tensors, on CPU). glibc: the C library's. "
-        "jemalloc: the command starts itself again with jemalloc preloaded (from Ray's wheel: the jemalloc extra, "
-        "`pip install -e '.[jemalloc]'`; or the file RL_MULTILORA_JEMALLOC names; Linux only), which reuses freed "
-        "tensor memory by size class instead of leaving glibc's heap holes, and purges it between a step's phases. "
-        "The same numbers, bit for bit; on the SmolLM2 example (2 CPU cores) the peak fell from 1,602-1,662 to "
-        "1,394-1,398 MiB for 1.05x the wall time (docs/benchmarks.md, 'jemalloc'). Child processes (reward "
-        "workers, Ray, engine servers) keep their own malloc; a Python caller of loop.run must preload it itself.",
+        description="The host malloc (tensors, on CPU) of `rl-multilora run`'s process and of `rl-multilora "
+        "serve`'s service actor. glibc: the C library's. jemalloc (from Ray's wheel: the jemalloc extra, `pip "
+        "install -e '.[jemalloc]'`; or the file RL_MULTILORA_JEMALLOC names; Linux only): `run` starts itself again "
+        "with it preloaded, `serve` starts its actor with it (Ray's runtime_env; the banner names the allocator). "
+        "It reuses freed tensor memory by size class instead of leaving glibc's heap holes, and purges it between a "
+        "step's phases. The same numbers, bit for bit; on the SmolLM2 example (2 CPU cores) the peak fell from "
+        "1,602-1,662 to 1,394-1,398 MiB for 1.05x the wall time (docs/benchmarks.md, 'jemalloc'). Child processes "
+        "(reward workers, Ray, engine servers, trainer ranks) keep their own malloc; a Python caller of loop.run "
+        "must preload it itself.",
     )
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')
     max_tenants: int | None = Field(

@@ -190,13 +190,38 @@ def exec_with_jemalloc(argv: list[str], setting: str = "model.host_allocator") -
             f"{setting}='jemalloc' is not allowed here: {library} could not be preloaded (see the loader's "
             f"message above); allowed: glibc, or {JEMALLOC_ENV} naming a libjemalloc.so this system can load"
         )
-    env = dict(os.environ)
-    env[_RESTORE_ENV] = repr({k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")})
-    env["LD_PRELOAD"] = f"{library}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(library)
-    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    env = {**os.environ, **_preload_env(library)}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def _preload_env(library: Path) -> dict[str, str]:
+    """The variables that start a process with `library` preloaded and jemalloc's options, and that tell it
+    (`restore_child_env`) what LD_PRELOAD and MALLOC_CONF were before, for the processes it starts."""
+    env = {_RESTORE_ENV: repr({k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")})}
+    before = os.environ.get("LD_PRELOAD")
+    env["LD_PRELOAD"] = f"{library}:{before}" if before else str(library)
+    env["MALLOC_CONF"] = os.environ.get("MALLOC_CONF", JEMALLOC_CONF)
+    return env
+
+
+def jemalloc_env(setting: str = "model.host_allocator") -> dict[str, str]:
+    """The environment variables that start another process with jemalloc preloaded, for a starter that is not this
+    process's exec: a Ray actor's `runtime_env` (`rl-multilora serve`). The process calls `restore_child_env` first,
+    then `check_jemalloc_started` (the loader only warns when it cannot preload a file). ValueError naming `setting`
+    when no jemalloc can be used."""
+    return _preload_env(find_jemalloc(setting))
+
+
+def check_jemalloc_started(setting: str = "model.host_allocator") -> None:
+    """In a process started with `jemalloc_env`: ValueError naming `setting` when jemalloc does not serve it."""
+    if not jemalloc_loaded():
+        raise ValueError(
+            f"{setting}='jemalloc' is not allowed here: this process started without it ({find_jemalloc(setting)} "
+            f"could not be preloaded: see the loader's message); allowed: glibc, or {JEMALLOC_ENV} naming a "
+            "libjemalloc.so this system can load"
+        )
 
 
 def restore_child_env() -> None:

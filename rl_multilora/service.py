@@ -419,9 +419,16 @@ class ServiceActor:
 
     def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None, tinker: dict[str, Any] | None = None):
         _setup_worker(workdir)
+        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
         from rl_multilora.loop import Runtime
 
+        restore_child_env()  # started with jemalloc preloaded (serve's runtime_env): the reward workers get glibc
         cfg = parse_run_config(cfg_data, source="serve")
+        if cfg.model.host_allocator == "jemalloc":
+            try:
+                check_jemalloc_started()
+            except ValueError as e:
+                raise ServiceError(str(e)) from None
         if tinker is not None and cfg.checkpoint.resume == "never":
             # --fresh: the earlier run (its Tinker journal too) is archived before the Tinker app opens the journal.
             CheckpointManager(Path(cfg.run_dir)).archive_previous()
@@ -452,8 +459,11 @@ class ServiceActor:
             self.tinker = BackgroundApp(server, tinker["host"], tinker["port"])
         log.info("service ready: %d slot(s), run dir %s", cfg.model.max_loras, cfg.run_dir)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """The malloc serving the actor (`host_memory.allocator_name`), for the banner."""
+        from rl_multilora.host_memory import allocator_name
+
+        return allocator_name()
 
     def model_config(self) -> dict[str, Any]:
         return self.core.model_config().model_dump(mode="json")
@@ -670,6 +680,14 @@ def serve(
             raise ServiceError("--tinker-port needs the embedded engine: " + "; ".join(problems))
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
     check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
+    actor_env = {}
+    if cfg.model.host_allocator == "jemalloc":  # the actor's process starts with it preloaded (Ray's runtime_env)
+        from rl_multilora.host_memory import jemalloc_env
+
+        try:
+            actor_env = {"runtime_env": {"env_vars": jemalloc_env()}}
+        except ValueError as e:
+            raise ServiceError(str(e)) from None
     # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,
     # or a detached actor would outlive this process on a cluster we joined.
     stop = threading.Event()
@@ -691,7 +709,7 @@ def serve(
             )
         except ValueError:
             pass
-        opts = _actor_resources(cfg)
+        opts = {**_actor_resources(cfg), **actor_env}
         handle = (
             ray.remote(ServiceActor)
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
@@ -704,7 +722,7 @@ def serve(
             log.info("%s during startup: stopping", received[0])
             return 0
         try:
-            ray.get(ready)
+            allocator = ray.get(ready)
         except Exception as e:  # noqa: BLE001 - a bad model path etc. surfaces as RayActorError with the cause
             raise ServiceError(f"the service failed to start: {_cause(e)}") from None
         client = ServiceClient(handle)
@@ -715,7 +733,7 @@ def serve(
                 else tinker_state_dir(cfg) / "token"
             )
             print(f"  tinker API: http://{tinker['host']}:{tinker['port']} (token in {token_at})", flush=True)
-        code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None)
+        code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None, allocator=allocator)
         log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
         print(client.shutdown().table(), flush=True)
         return code
@@ -734,7 +752,12 @@ def _cause(e: BaseException) -> str:
 
 
 def _run_until_signal(
-    client: ServiceClient, cfg: RunConfig, stop: threading.Event, health_every_s: float, started: bool
+    client: ServiceClient,
+    cfg: RunConfig,
+    stop: threading.Event,
+    health_every_s: float,
+    started: bool,
+    allocator: str = "glibc",
 ) -> int:
     """Print the banner, then watch the service until a signal (0) or a training error (1)."""
     import ray
@@ -749,7 +772,8 @@ def _run_until_signal(
     address = "" if started else f" --address {ctx.gcs_address}"
     print(
         f"rl-multilora service ready (Ray {ctx.gcs_address}, namespace {NAMESPACE!r}, actor {ACTOR_NAME!r})\n"
-        f"  run dir: {cfg.run_dir}   slots: {cfg.model.max_loras}   max rank: {cfg.model.max_rank}\n"
+        f"  run dir: {cfg.run_dir}   slots: {cfg.model.max_loras}   max rank: {cfg.model.max_rank}   "
+        f"host allocator: {allocator}\n"
         f"  auth: {auth}\n"
         f"  submit: rl-multilora submit ADAPTER.yaml{address} | status: rl-multilora status{address} | stop: Ctrl-C",
         flush=True,

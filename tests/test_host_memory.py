@@ -162,6 +162,35 @@ def test_a_process_started_with_jemalloc_uses_it_purges_and_hands_children_the_o
         assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@needs_jemalloc
+def test_a_process_another_starter_starts_with_jemalloc_env_has_it_or_refuses(tmp_path):
+    # What `rl-multilora serve` hands Ray for its actor (runtime_env env_vars): a process started with these variables
+    # runs under jemalloc and gives its children the environment back; where the loader could not preload the file
+    # (it only warns), check_jemalloc_started refuses by name.
+    from rl_multilora.host_memory import JEMALLOC_ENV, jemalloc_env
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", JEMALLOC_ENV)}
+    check = "from rl_multilora.host_memory import check_jemalloc_started; check_jemalloc_started('x.allocator')\n"
+    out = subprocess.run([sys.executable, "-c", check + _UNDER_JEMALLOC], env={**clean, **jemalloc_env()},
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+    out = subprocess.run([sys.executable, "-c", check], env=clean, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode != 0 and "x.allocator='jemalloc' is not allowed here: this process started without it" in (
+        out.stderr
+    ), out.stderr[-2000:]
+
+    broken = tmp_path / "libjemalloc.so"
+    broken.write_text("not a shared object")
+    env = {**clean, JEMALLOC_ENV: str(broken)}
+    starter = "import os; from rl_multilora.host_memory import jemalloc_env; os.environ.update(jemalloc_env())\n"
+    starter += f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {check!r}]).returncode)"
+    out = subprocess.run([sys.executable, "-c", starter], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode != 0 and f"{broken} could not be preloaded" in out.stderr, out.stderr[-2000:]
+
+
 def test_a_jemalloc_library_that_is_not_there_is_refused_by_name(monkeypatch, tmp_path):
     from rl_multilora.host_memory import JEMALLOC_ENV, find_jemalloc
 

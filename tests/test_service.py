@@ -302,6 +302,9 @@ def workspace(tmp_path_factory) -> Path:
         (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         write_yaml(root / f"{name}.yaml", adapter_yaml(root, name))
     write_yaml(root / "service.yaml", service_config(root, root / "run"))
+    jemalloc = service_config(root, root / "run")  # the same service, its actor under jemalloc (model.host_allocator)
+    jemalloc["model"]["host_allocator"] = "jemalloc"
+    write_yaml(root / "service-jemalloc.yaml", jemalloc)
     return root
 
 
@@ -468,8 +471,12 @@ def test_service_lifecycle(workspace, ray_client_cleanup):
     first_global_steps = json.loads((run / "run_state.json").read_text())["global_step"]
     assert steps["a"] == a.adapter_step
 
+    assert "host allocator: glibc" in first.log.read_text()
     # Restart on the same run dir: finished tenants are remembered, resubmitted ones resume from their checkpoints.
-    second = Served(root)
+    # The restarted actor runs under jemalloc (Ray's runtime_env preloads it): b's trajectory below, across both
+    # allocators, must still equal b trained alone.
+    second = Served(root, config="service-jemalloc.yaml")
+    assert "host allocator: jemalloc" in second.log.read_text(), second.tail()
     try:
         client = connect(second.address)
         st = client.status()
