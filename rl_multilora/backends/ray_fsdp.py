@@ -23,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ from rl_multilora.rows import Row
 from rl_multilora.tenant_optim import AdamSettings
 from rl_multilora.train_ops import FwdBwdOut
 
+log = logging.getLogger(__name__)
+
 PLACEMENT_TIMEOUT_S = 120.0  # how long the trainer ranks' placement group may wait for resources
 CLOSE_TIMEOUT_S = 30.0  # how long closing waits for the ranks to leave their process group before killing them
 
@@ -52,8 +55,13 @@ class _TrainerRank:
     """One trainer rank (inside its Ray actor): a shard of the model and the GRPO trainer over it."""
 
     def __init__(self, rank: int, world: int, cfg_json: dict[str, Any], pad_token_id: int):
+        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
+
+        restore_child_env()  # started with jemalloc preloaded (model.host_allocator): its children get glibc
         self.rank, self.world = rank, world
         self.cfg = RunConfig.model_validate(cfg_json)
+        if self.cfg.model.host_allocator == "jemalloc":
+            check_jemalloc_started()
         self.pad_token_id = pad_token_id
         self.model = None
         self.trainer = None
@@ -97,7 +105,10 @@ class _TrainerRank:
         )
         self.local = LocalBackend(self.model, self.trainer)  # this rank's shard behind the one-process interface
         shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
+        from rl_multilora.host_memory import allocator_name
+
         return {
+            "allocator": allocator_name(),
             "lora_modules": self.model.lora_modules,
             "lora_parameters": self.model.lora_parameters,
             "meta": meta_tensors(self.model),
@@ -207,9 +218,14 @@ class RayFSDPBackend(TrainingBackend):
                 "nodes"
             ) from None
         actor = ray.remote(_TrainerRank)
+        env = {}
+        if cfg.model.host_allocator == "jemalloc":  # each rank's process starts with it preloaded (Ray's runtime_env)
+            from rl_multilora.host_memory import jemalloc_env
+
+            env = {"runtime_env": {"env_vars": jemalloc_env()}}
         self._ranks = [
             actor.options(
-                num_cpus=self._share, num_gpus=self._share if gpu else 0,
+                num_cpus=self._share, num_gpus=self._share if gpu else 0, **env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
             ).remote(i, self._world, cfg.model_dump(mode="json"), pad_token_id)
             for i in range(self._world)
@@ -222,6 +238,7 @@ class RayFSDPBackend(TrainingBackend):
             self._release()  # a rank that failed to start must not leave the others and the placement group behind
             raise
         self._info = info[0]
+        log.info("trainer ranks: %d, host allocator %s", self._world, "/".join(sorted({i["allocator"] for i in info})))
         self.rank_info = info  # per rank: its LoRA targets, meta tensors (none) and shard shapes
         self._gathered = 0
 
