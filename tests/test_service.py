@@ -41,7 +41,9 @@ def adapter_yaml(root: Path, name: str, **over) -> dict:
         "reward": REWARD,
         "lr": 1.0e-2,
         "prompts_per_step": 2,
-        "max_steps": 500,
+        # Far past what a test trains: on a quiet machine a tiny step takes 35-50 ms, and a budget of 500 ran out
+        # while the lifecycle test's CLI calls ran (c drained on its own before the test removed it).
+        "max_steps": 100_000,
         "seed": {"a": 1, "b": 2, "c": 3}.get(name, 0),
     }
     data.update(over)
