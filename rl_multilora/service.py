@@ -710,6 +710,17 @@ def serve(
         except ValueError:
             pass
         opts = {**_actor_resources(cfg), **actor_env}
+        if actor_env:  # a worker with the actor's environment first: the loader only warns when it cannot preload
+            from rl_multilora.host_memory import allocator_name
+
+            got = ray.get(ray.remote(allocator_name).options(num_cpus=0, **actor_env).remote())
+            if got != "jemalloc":
+                raise ServiceError(
+                    f"model.host_allocator='jemalloc' is not allowed here: a Ray worker started with "
+                    f"LD_PRELOAD={actor_env['runtime_env']['env_vars']['LD_PRELOAD']} has {got} (see the loader's "
+                    "message above); allowed: glibc, or RL_MULTILORA_JEMALLOC naming a libjemalloc.so this system "
+                    "can load"
+                )
         handle = (
             ray.remote(ServiceActor)
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)

@@ -9,6 +9,7 @@ character tokenizer (hidden 32) and three small JSON datasets. Run them with `py
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -576,3 +577,22 @@ def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup, co
     log = served.log.read_text()
     assert f"host allocator: {allocator}" in log, log[-3000:]
     assert f"trainer ranks: 2, host allocator {allocator}" in log, log[-3000:]
+
+
+@pytest.mark.ray
+def test_serve_refuses_a_jemalloc_its_workers_cannot_preload(workspace, tmp_path):
+    """model.host_allocator: jemalloc with RL_MULTILORA_JEMALLOC naming a file the loader cannot preload: serve
+    exits 2 with the reason before the service actor is built, without a traceback, and trains nothing."""
+    broken = tmp_path / "libjemalloc.so"
+    broken.write_text("not a shared object")
+    cfg = service_config(workspace, tmp_path / "run")
+    cfg["model"]["host_allocator"] = "jemalloc"
+    write_yaml(tmp_path / "service.yaml", cfg)
+    env = {**os.environ, "RL_MULTILORA_JEMALLOC": str(broken)}
+    out = subprocess.run([sys.executable, "-m", "rl_multilora.cli", "serve", str(tmp_path / "service.yaml")],
+                         cwd=workspace, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert f"a Ray worker started with LD_PRELOAD={broken} has glibc" in out.stderr, text[-3000:]
+    assert "Traceback" not in text and 'File "' not in text, text[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
