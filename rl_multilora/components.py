@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from rollout.engines.base import RolloutEngine
     from rollout.generate_state import GenerateState
     from rollout.sglang.launcher import SGLangLauncher
+
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -296,10 +299,14 @@ def _ray_engines(cfg: RunConfig, backend: TrainingBackend) -> list:
         cfg.rollout.max_batch_size,
     )
     n = cfg.rollout.num_engines
+    jemalloc = cfg.model.host_allocator == "jemalloc"  # each actor's process starts with it (Ray's runtime_env)
     if cfg.trainer.colocate_engines:
-        return [RayEngine(build, **backend.engine_placement(i)) for i in range(n)]
-    gpus = 1 if torch.cuda.is_available() and cfg.model.device != "cpu" else 0
-    return [RayEngine(build, num_gpus=gpus) for _ in range(n)]
+        engines = [RayEngine(build, **backend.engine_placement(i), jemalloc=jemalloc) for i in range(n)]
+    else:
+        gpus = 1 if torch.cuda.is_available() and cfg.model.device != "cpu" else 0
+        engines = [RayEngine(build, num_gpus=gpus, jemalloc=jemalloc) for _ in range(n)]
+    log.info("engine actors: %d, host allocator %s", n, "/".join(sorted({e.allocator() for e in engines})))
+    return engines
 
 
 def _one_or_many(engines: list) -> RolloutEngine:

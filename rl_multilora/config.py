@@ -112,11 +112,12 @@ class ModelConfig(_Strict):
         "serve`'s service actor. glibc: the C library's. jemalloc (from Ray's wheel: the jemalloc extra, `pip "
         "install -e '.[jemalloc]'`; or the file RL_MULTILORA_JEMALLOC names; Linux only): `run` starts itself again "
         "with it preloaded, `serve` starts its actor with it, and both start trainer ranks (trainer.world_size > 1) "
-        "with it (Ray's runtime_env; the serve banner and the ranks' log line name the allocator). "
+        "and engine actors (rollout.engine_actors) with it (Ray's runtime_env; the serve banner and the ranks' and "
+        "engines' log lines name the allocator). "
         "It reuses freed tensor memory by size class instead of leaving glibc's heap holes, and purges it between a "
         "step's phases. The same numbers, bit for bit; on the SmolLM2 example (2 CPU cores) the peak fell from "
         "1,602-1,662 to 1,394-1,398 MiB for 1.05x the wall time (docs/benchmarks.md, 'jemalloc'). Child processes "
-        "(reward workers, Ray, engine servers and engine actors) keep their own malloc; a Python caller of loop.run "
+        "(reward workers, Ray itself, engine servers) keep their own malloc; a Python caller of loop.run "
         "must preload it itself.",
     )
     device: str = Field("auto", description='"auto" (cuda if available, else cpu), "cpu" or "cuda[:N]".')

@@ -559,8 +559,9 @@ def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup, co
     cfg["trainer"] = {"world_size": 2, "colocate_engines": colocated}
     if colocated:
         cfg["rollout"].update(engine_actors=True, num_engines=2)
-    else:  # the service actor and both ranks start under jemalloc (model.host_allocator; Ray's runtime_env)
-        cfg["model"]["host_allocator"] = "jemalloc"
+    # The service actor, both ranks and (colocated) both engine actors start under jemalloc (model.host_allocator;
+    # Ray's runtime_env).
+    cfg["model"]["host_allocator"] = "jemalloc"
     write_yaml(root / f"service_{name}.yaml", cfg)
     served = Served(root, config=f"service_{name}.yaml")
     try:
@@ -573,10 +574,10 @@ def test_service_trains_with_two_trainer_ranks(workspace, ray_client_cleanup, co
     finally:
         served.kill()
     assert checkpoint_step(root / name, "a") >= 2
-    allocator = "jemalloc" if not colocated else "glibc"
     log = served.log.read_text()
-    assert f"host allocator: {allocator}" in log, log[-3000:]
-    assert f"trainer ranks: 2, host allocator {allocator}" in log, log[-3000:]
+    assert "host allocator: jemalloc" in log, log[-3000:]
+    assert "trainer ranks: 2, host allocator jemalloc" in log, log[-3000:]
+    assert ("engine actors: 2, host allocator jemalloc" in log) == colocated, log[-3000:]
 
 
 @pytest.mark.ray

@@ -36,7 +36,12 @@ def actor_placement() -> dict[str, Any]:
 class _EngineActor:
     """Runs inside the actor process: an embedded engine built from the model folder."""
 
-    def __init__(self, build: tuple, device: str | None):
+    def __init__(self, build: tuple, device: str | None, jemalloc: bool = False):
+        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
+
+        restore_child_env()  # started with jemalloc preloaded (RayEngine's jemalloc): its children get glibc
+        if jemalloc:
+            check_jemalloc_started()
         fn, *args = build
         self.engine, _ = fn(*args, device=device)
 
@@ -64,6 +69,11 @@ class _EngineActor:
     def placement(self) -> dict[str, Any]:
         return actor_placement()
 
+    def allocator(self) -> str:
+        from rl_multilora.host_memory import allocator_name
+
+        return allocator_name()
+
     def close(self) -> None:
         self.engine.close()
 
@@ -72,7 +82,9 @@ class RayEngine(RolloutEngine):
     """A proxy to one `_EngineActor`; every call waits for the actor's answer (errors re-raise here).
 
     `build`: `(fn, *args)`; the actor runs `fn(*args, device=...)`, which returns `(engine, tokenizer)`. Ray ships
-    `fn` by reference, so it must be importable in the actor's process."""
+    `fn` by reference, so it must be importable in the actor's process. `jemalloc`: the actor's process starts with
+    jemalloc preloaded (Ray's runtime_env, `host_memory.jemalloc_env`; `model.host_allocator: jemalloc`) and refuses
+    to start without it."""
 
     def __init__(
         self,
@@ -81,14 +93,20 @@ class RayEngine(RolloutEngine):
         num_cpus: float = 1,
         max_concurrency: int = 256,
         scheduling_strategy: Any = None,
+        jemalloc: bool = False,
     ):
         import ray
 
+        env = {}
+        if jemalloc:
+            from rl_multilora.host_memory import jemalloc_env
+
+            env = {"runtime_env": {"env_vars": jemalloc_env()}}
         actor_cls = ray.remote(_EngineActor).options(
             num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency,
-            scheduling_strategy=scheduling_strategy,
+            scheduling_strategy=scheduling_strategy, **env,
         )  # fmt: skip
-        self._actor = actor_cls.remote(build, "cuda" if num_gpus else None)
+        self._actor = actor_cls.remote(build, "cuda" if num_gpus else None, jemalloc)
         ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
         # The actor is threaded: a load runs beside generate calls, into an embedded engine that publishes without
         # a pause.
@@ -127,6 +145,10 @@ class RayEngine(RolloutEngine):
 
     def placement(self) -> dict[str, Any]:
         return self._get(self._actor.placement.remote())
+
+    def allocator(self) -> str:
+        """The malloc serving the actor's process: `jemalloc` or `glibc`."""
+        return self._get(self._actor.allocator.remote())
 
     def close(self) -> None:
         import ray
