@@ -214,6 +214,22 @@ def jemalloc_env(setting: str = "model.host_allocator") -> dict[str, str]:
     return _preload_env(find_jemalloc(setting))
 
 
+def jemalloc_ray_options(wanted: bool, setting: str = "model.host_allocator") -> dict:
+    """Options for a Ray actor or task (`.options(**...)`) that start its process with jemalloc preloaded when
+    `wanted` (its `runtime_env`, `jemalloc_env`); `{}` otherwise. The process calls `enter_ray_process(wanted)`
+    first."""
+    return {"runtime_env": {"env_vars": jemalloc_env(setting)}} if wanted else {}
+
+
+def enter_ray_process(wanted: bool, setting: str = "model.host_allocator") -> None:
+    """First thing in a Ray actor started with `jemalloc_ray_options(wanted)`: give its children the environment back
+    (`restore_child_env`; a no-op without jemalloc) and, when `wanted`, refuse to go on without jemalloc
+    (`check_jemalloc_started`)."""
+    restore_child_env()
+    if wanted:
+        check_jemalloc_started(setting)
+
+
 def check_jemalloc_started(setting: str = "model.host_allocator") -> None:
     """In a process started with `jemalloc_env`: ValueError naming `setting` when jemalloc does not serve it."""
     if not jemalloc_loaded():

@@ -66,6 +66,7 @@ from rl_multilora.config import (
     parse_adapter_config,
     parse_run_config,
 )
+from rl_multilora.host_memory import allocator_name, enter_ray_process, jemalloc_ray_options
 from rl_multilora.tenants import TenantError, TenantState
 
 log = logging.getLogger("rl_multilora.service")
@@ -419,16 +420,13 @@ class ServiceActor:
 
     def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None, tinker: dict[str, Any] | None = None):
         _setup_worker(workdir)
-        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
         from rl_multilora.loop import Runtime
 
-        restore_child_env()  # started with jemalloc preloaded (serve's runtime_env): the reward workers get glibc
         cfg = parse_run_config(cfg_data, source="serve")
-        if cfg.model.host_allocator == "jemalloc":
-            try:
-                check_jemalloc_started()
-            except ValueError as e:
-                raise ServiceError(str(e)) from None
+        try:  # started with jemalloc preloaded (serve's runtime_env); the reward workers get the environment back
+            enter_ray_process(cfg.model.host_allocator == "jemalloc")
+        except ValueError as e:
+            raise ServiceError(str(e)) from None
         if tinker is not None and cfg.checkpoint.resume == "never":
             # --fresh: the earlier run (its Tinker journal too) is archived before the Tinker app opens the journal.
             CheckpointManager(Path(cfg.run_dir)).archive_previous()
@@ -461,8 +459,6 @@ class ServiceActor:
 
     def ready(self) -> str:
         """The malloc serving the actor (`host_memory.allocator_name`), for the banner."""
-        from rl_multilora.host_memory import allocator_name
-
         return allocator_name()
 
     def model_config(self) -> dict[str, Any]:
@@ -680,14 +676,10 @@ def serve(
             raise ServiceError("--tinker-port needs the embedded engine: " + "; ".join(problems))
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
     check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
-    actor_env = {}
-    if cfg.model.host_allocator == "jemalloc":  # the actor's process starts with it preloaded (Ray's runtime_env)
-        from rl_multilora.host_memory import jemalloc_env
-
-        try:
-            actor_env = {"runtime_env": {"env_vars": jemalloc_env()}}
-        except ValueError as e:
-            raise ServiceError(str(e)) from None
+    try:  # the actor's process starts with jemalloc preloaded (model.host_allocator; Ray's runtime_env)
+        actor_env = jemalloc_ray_options(cfg.model.host_allocator == "jemalloc")
+    except ValueError as e:
+        raise ServiceError(str(e)) from None
     # Handlers first: a signal while the actor is still building (a large model takes minutes) must still kill it,
     # or a detached actor would outlive this process on a cluster we joined.
     stop = threading.Event()
@@ -711,8 +703,6 @@ def serve(
             pass
         opts = {**_actor_resources(cfg), **actor_env}
         if actor_env:  # a worker with the actor's environment first: the loader only warns when it cannot preload
-            from rl_multilora.host_memory import allocator_name
-
             got = ray.get(ray.remote(allocator_name).options(num_cpus=0, **actor_env).remote())
             if got != "jemalloc":
                 raise ServiceError(

@@ -34,6 +34,7 @@ from rl_multilora.backends.base import TrainingBackend
 from rl_multilora.backends.local import LocalBackend
 from rl_multilora.batch import AdapterStepStats
 from rl_multilora.config import AdapterConfig, RunConfig
+from rl_multilora.host_memory import allocator_name, enter_ray_process, jemalloc_ray_options
 from rl_multilora.losses import TenantAlgo
 from rl_multilora.rows import Row
 from rl_multilora.tenant_optim import AdamSettings
@@ -55,13 +56,9 @@ class _TrainerRank:
     """One trainer rank (inside its Ray actor): a shard of the model and the GRPO trainer over it."""
 
     def __init__(self, rank: int, world: int, cfg_json: dict[str, Any], pad_token_id: int):
-        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
-
-        restore_child_env()  # started with jemalloc preloaded (model.host_allocator): its children get glibc
         self.rank, self.world = rank, world
         self.cfg = RunConfig.model_validate(cfg_json)
-        if self.cfg.model.host_allocator == "jemalloc":
-            check_jemalloc_started()
+        enter_ray_process(self.cfg.model.host_allocator == "jemalloc")  # started under it (model.host_allocator)
         self.pad_token_id = pad_token_id
         self.model = None
         self.trainer = None
@@ -105,8 +102,6 @@ class _TrainerRank:
         )
         self.local = LocalBackend(self.model, self.trainer)  # this rank's shard behind the one-process interface
         shard = {n: list(p.to_local().shape) for n, p in self.model.named_parameters()}
-        from rl_multilora.host_memory import allocator_name
-
         return {
             "allocator": allocator_name(),
             "lora_modules": self.model.lora_modules,
@@ -218,11 +213,7 @@ class RayFSDPBackend(TrainingBackend):
                 "nodes"
             ) from None
         actor = ray.remote(_TrainerRank)
-        env = {}
-        if cfg.model.host_allocator == "jemalloc":  # each rank's process starts with it preloaded (Ray's runtime_env)
-            from rl_multilora.host_memory import jemalloc_env
-
-            env = {"runtime_env": {"env_vars": jemalloc_env()}}
+        env = jemalloc_ray_options(cfg.model.host_allocator == "jemalloc")  # each rank's process starts with it
         self._ranks = [
             actor.options(
                 num_cpus=self._share, num_gpus=self._share if gpu else 0, **env,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rl_multilora.host_memory import allocator_name, enter_ray_process, jemalloc_ray_options
 from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult
 
@@ -37,11 +38,7 @@ class _EngineActor:
     """Runs inside the actor process: an embedded engine built from the model folder."""
 
     def __init__(self, build: tuple, device: str | None, jemalloc: bool = False):
-        from rl_multilora.host_memory import check_jemalloc_started, restore_child_env
-
-        restore_child_env()  # started with jemalloc preloaded (RayEngine's jemalloc): its children get glibc
-        if jemalloc:
-            check_jemalloc_started()
+        enter_ray_process(jemalloc)  # started with it preloaded when asked (RayEngine's jemalloc)
         fn, *args = build
         self.engine, _ = fn(*args, device=device)
 
@@ -70,8 +67,6 @@ class _EngineActor:
         return actor_placement()
 
     def allocator(self) -> str:
-        from rl_multilora.host_memory import allocator_name
-
         return allocator_name()
 
     def close(self) -> None:
@@ -83,7 +78,7 @@ class RayEngine(RolloutEngine):
 
     `build`: `(fn, *args)`; the actor runs `fn(*args, device=...)`, which returns `(engine, tokenizer)`. Ray ships
     `fn` by reference, so it must be importable in the actor's process. `jemalloc`: the actor's process starts with
-    jemalloc preloaded (Ray's runtime_env, `host_memory.jemalloc_env`; `model.host_allocator: jemalloc`) and refuses
+    jemalloc preloaded (Ray's runtime_env, `host_memory.jemalloc_ray_options`; `model.host_allocator: jemalloc`) and refuses
     to start without it."""
 
     def __init__(
@@ -97,14 +92,9 @@ class RayEngine(RolloutEngine):
     ):
         import ray
 
-        env = {}
-        if jemalloc:
-            from rl_multilora.host_memory import jemalloc_env
-
-            env = {"runtime_env": {"env_vars": jemalloc_env()}}
         actor_cls = ray.remote(_EngineActor).options(
             num_gpus=num_gpus, num_cpus=num_cpus, max_concurrency=max_concurrency,
-            scheduling_strategy=scheduling_strategy, **env,
+            scheduling_strategy=scheduling_strategy, **jemalloc_ray_options(jemalloc),
         )  # fmt: skip
         self._actor = actor_cls.remote(build, "cuda" if num_gpus else None, jemalloc)
         ray.get(self._actor.health.remote())  # fail here, with the actor's error, if it cannot start
