@@ -33,6 +33,16 @@ class _OnPort(_Running):
         self.url = f"http://127.0.0.1:{port}"
 
 
+def _retrieve(server, request_id: str) -> dict:
+    """A future's result as JSON (an SDK before the protos asks for it so)."""
+    import httpx
+
+    r = httpx.post(server.url + "/api/v1/retrieve_future", json={"request_id": request_id},
+                   headers={"X-API-Key": TOKEN, "Accept": "application/json"}, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def _weights(server, tc) -> dict:
     name = server.server.ops.tenants[tc.model_id].name
     return {k: v.clone() for k, v in server.server.ops.backend.adapter_state_dict(name).items()}
@@ -60,6 +70,9 @@ def test_the_journal_stays_bounded_and_a_restart_from_a_snapshot_continues_exact
     assert journal.size() <= 1 + 2 * 3 + 2, journal.size()
     [snap] = journal.snapshots()
     assert snap.next_seq == 13  # after optim_step 6 (seq 12): the create is request 0
+    compacted = f"{tc.model_id}.1"  # the first forward_backward: its result is kept in the journal, not in memory
+    assert compacted not in first.server.state.results
+    assert "loss_fn_outputs" in _retrieve(first, compacted)
     adapter_dir = first.server.ops.ckpt.adapter_dir(first.server.ops.tenants[tc.model_id].name)
     snapshots_on_disk = [
         d for d in adapter_dir.iterdir() if "_journal-snapshot" in (d / "checkpoint.json").read_text()
@@ -70,6 +83,7 @@ def test_the_journal_stays_bounded_and_a_restart_from_a_snapshot_continues_exact
     first.close()
 
     second = _OnPort(state, port, snapshot_every=3)  # the same state dir: restore the snapshot, replay the rest
+    assert "loss_fn_outputs" in _retrieve(second, compacted)  # still found after the restart
     losses += _sft(tc, 2, TOKENS)
     np.testing.assert_array_equal(np.array(losses), np.array(expected))  # bit for bit: same math, same order
     for key, value in _weights(second, tc).items():

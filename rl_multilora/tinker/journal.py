@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+FINISHED_KEPT = 1024  # results of finished model-less requests (samples of the base) a journal keeps, newest first
+
 
 @dataclass
 class Snapshot:
@@ -100,11 +102,40 @@ class Journal:
                 out.append(Snapshot(model_id, next_seq, generation, json.loads(info), samplers))
             return out
 
-    def done(self) -> list[tuple[str, bytes | dict[str, Any]]]:
-        """(request id, result) of the compacted requests whose results are kept."""
+    def result(self, key: str) -> bytes | dict[str, Any] | None:
+        """The kept result of compacted (or finished) request `key`; None when there is none."""
         with self._lock:
-            rows = list(self._db.execute("SELECT key, result, is_json FROM done"))
-        return [(key, json.loads(result) if is_json else bytes(result)) for key, result, is_json in rows]
+            row = self._db.execute("SELECT result, is_json FROM done WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        return json.loads(row[0]) if row[1] else bytes(row[0])
+
+    def has_result(self, key: str) -> bool:
+        """Whether compacted (or finished) request `key` has a kept result."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM done WHERE key = ?", (key,)).fetchone() is not None
+
+    def finish(self, key: str, result: bytes | dict[str, Any], keep: int = FINISHED_KEPT) -> None:
+        """Swap a finished request that belongs to no model (a sample of the base, or of sampler weights no client
+        model here owns) for its result, in one transaction; the results of the `keep` latest such requests are kept."""
+        blob, is_json = (result, 0) if isinstance(result, bytes) else (json.dumps(result).encode(), 1)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, '', 0, ?, ?)",
+                    (key, blob, is_json),
+                )
+                self._db.execute("DELETE FROM requests WHERE key = ? AND model_id IS NULL", (key,))
+                self._db.execute(
+                    "DELETE FROM done WHERE model_id = '' AND rowid NOT IN "
+                    "(SELECT rowid FROM done WHERE model_id = '' ORDER BY rowid DESC LIMIT ?)",
+                    (keep,),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def compact(
         self,

@@ -85,6 +85,17 @@ class UserError(ValueError):
     """A request the client must change (bad loss inputs, unknown model, ...): category "user"."""
 
 
+class PartialBatch(Exception):  # noqa: N818 - not an error of its own: it carries the finished part of a batch
+    """A mixed batch that failed after some of its items' backend calls had run (their gradients are accumulated):
+    `done` maps those items' indices to their results; the other items did not run at all. `__cause__` is the
+    failure. A caller that retries the batch runs only the others (running a finished item again would add its
+    gradient twice)."""
+
+    def __init__(self, done: dict[int, tuple[list[dict[str, np.ndarray]], dict[str, float]]]) -> None:
+        super().__init__(f"{len(done)} items of the batch finished before it failed")
+        self.done = done
+
+
 def model_id_of(session_id: Any, model_seq_id: Any) -> str:
     """The id of a session's n-th model, as the SDK derives it itself when it creates a model by loading weights.
 
@@ -93,7 +104,7 @@ def model_id_of(session_id: Any, model_seq_id: Any) -> str:
     """
     model_id = f"{session_id}:train:{model_seq_id}"
     if not MODEL_ID_PATTERN.fullmatch(model_id):
-        raise _bad_model_id(model_id)
+        raise bad_model_id(model_id)
     return model_id
 
 
@@ -112,11 +123,11 @@ def slot_name(model_id: Any) -> str:
     if isinstance(model_id, str) and PLAIN_NAME_PATTERN.fullmatch(model_id):
         return model_id
     if not isinstance(model_id, str) or not MODEL_ID_PATTERN.fullmatch(model_id):
-        raise _bad_model_id(model_id)
+        raise bad_model_id(model_id)
     return model_id.replace(":", ".")
 
 
-def _bad_model_id(model_id: Any) -> UserError:
+def bad_model_id(model_id: Any) -> UserError:
     return UserError(
         f"model_id={model_id!r} is not allowed; allowed: <session>:train:<n>, the session 1 to 64 letters, "
         "digits, '_' or '-'"
@@ -355,7 +366,7 @@ class ClientOps:
         if model_id in self.tenants:
             return self.tenants[model_id]
         name = slot_name(model_id)
-        wanted = {leaf for key, leaves in _LAYER_GROUPS.items() if layers.get(key, True) for leaf in leaves}
+        wanted = {leaf for key, leaves in _LAYER_GROUPS.items() if layers.get(key) is not False for leaf in leaves}
         targets = [m for m in self.backend.lora_modules if m.rsplit(".", 1)[-1] in wanted]
         if not targets:
             served = [key for key, leaves in _LAYER_GROUPS.items()
@@ -443,9 +454,11 @@ class ClientOps:
             top_ids[first:], top_lp[first:] = index.cpu().numpy(), values.cpu().numpy()
             return PromptScores(logprobs, top_ids, top_lp)
 
-    def check_sample(self, prompt: list[int], params: dict[str, Any]) -> int:
+    def check_sample(self, prompt: list[int], params: Any) -> int:
         """The new tokens a sample of `prompt` with sampling `params` may generate; a UserError for a token id out
-        of the vocabulary, a prompt or `max_tokens` beyond the context or the cap."""
+        of the vocabulary, a prompt or `max_tokens` beyond the context or the cap, or a sampling setting out of its
+        range (`sampling_settings`)."""
+        sampling_settings(params)
         check_tokens("prompt", prompt, self.limits.vocab_size)
         return self.limits.new_tokens(len(prompt), params.get("max_tokens"))
 
@@ -466,29 +479,44 @@ class ClientOps:
             rows.append([self._row(t.name, item, j, d) for j, d in enumerate(item.data)])
         outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in items]
         totals = [0.0] * len(items)
-        # One call per (forward only?, wave): a call holds each tenant once, with its own loss.
-        pending = list(range(len(items)))
-        while pending:
-            wave: dict[tuple[bool, str], int] = {}
-            for i in pending:
-                wave.setdefault((items[i].forward_only, self.tenants[items[i].model_id].name), i)
-            pending = [i for i in pending if i not in wave.values()]
-            for forward_only in (False, True):
-                chosen = [i for (fo, _), i in wave.items() if fo == forward_only and rows[i]]
-                if not chosen:
-                    continue
-                batch = [r for i in chosen for r in rows[i]]
-                algos = {rows[i][0].adapter: losses[i] for i in chosen}
-                out = self.backend.forward_backward(batch, algos, backward=not forward_only)
-                start = 0
-                for i in chosen:
-                    n = len(rows[i])
-                    for logp in out.logprobs[start : start + n]:
-                        outputs[i].append({"logprobs": logp.float().cpu().numpy()})
-                    totals[i] = float(sum(out.row_loss[start : start + n]))
-                    start += n
+        finished: list[int] = [i for i in range(len(items)) if not rows[i]]  # items whose calls have run
+        # One call per (forward only?, wave, at most max_loras tenants): a call holds each tenant once, with its own
+        # loss, and no more tenants than the backend runs in one pass, so that a call is all or nothing (a backend
+        # that pages splits a bigger call into passes itself, and a failure in a later pass would leave the earlier
+        # passes' gradients accumulated).
+        pending = [i for i in range(len(items)) if rows[i]]
+        try:
+            while pending:
+                wave: dict[tuple[bool, str], int] = {}
+                for i in pending:
+                    wave.setdefault((items[i].forward_only, self.tenants[items[i].model_id].name), i)
+                pending = [i for i in pending if i not in wave.values()]
+                for forward_only in (False, True):
+                    chosen = [i for (fo, _), i in wave.items() if fo == forward_only]
+                    for k in range(0, len(chosen), self.backend.max_loras):
+                        call = chosen[k : k + self.backend.max_loras]
+                        self._call(call, rows, losses, forward_only, outputs, totals)
+                        finished += call
+        except Exception as e:
+            if finished:
+                done = {i: (outputs[i], {"loss:sum": totals[i]}) for i in finished}
+                raise PartialBatch(done) from e
+            raise
         self.spill_over_budget()  # paging the batch's tenants in may have paged others out
         return [(outputs[i], {"loss:sum": totals[i]}) for i in range(len(items))]
+
+    def _call(self, call, rows, losses, forward_only, outputs, totals) -> None:
+        """One backend call over items `call` (one tenant each); their outputs and loss sums into `outputs` and
+        `totals`."""
+        batch = [r for i in call for r in rows[i]]
+        algos = {rows[i][0].adapter: losses[i] for i in call}
+        out = self.backend.forward_backward(batch, algos, backward=not forward_only)
+        start = 0
+        for i in call:
+            n = len(rows[i])
+            outputs[i] = [{"logprobs": logp.float().cpu().numpy()} for logp in out.logprobs[start : start + n]]
+            totals[i] = float(sum(out.row_loss[start : start + n]))
+            start += n
 
     def _row(self, name: str, item: FwdBwdItem, j: int, d: Datum) -> Row:
         """Datum `j` of `item` as a training row; for a loss that reads provenance, with the recorded sampler
@@ -850,21 +878,14 @@ class ClientOps:
         max_new = self.check_sample(prompt, params)
         if max_new == 0:
             return [([], [], "length") for _ in range(n)]
-        stop = params.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        base = params.get("seed")
+        settings = sampling_settings(params)
+        base = settings.pop("seed")
         requests = [
             GenerateRequest(
                 input_ids=list(prompt),
                 adapter=v.engine_name,
                 sampling=SamplingParams(
-                    temperature=float(params.get("temperature", 1.0)),
-                    top_p=float(params.get("top_p", 1.0)),
-                    top_k=int(params.get("top_k", -1)),
-                    max_new_tokens=max_new,
-                    stop=[s for s in stop if isinstance(s, str)],
-                    stop_token_ids=[s for s in stop if isinstance(s, int)],
-                    seed=(int(base) if base is not None else seed) + i,
+                    **settings, max_new_tokens=max_new, seed=((base if base is not None else seed) + i) % 2**63
                 ),
             )
             for i in range(n)
@@ -979,6 +1000,74 @@ def _adam_settings(adam: dict[str, Any]) -> AdamSettings:
         if values[key] >= 1.0:
             raise UserError(f"adam_params.{key}={values[key]!r} is not allowed; allowed: a number in [0, 1)")
     return AdamSettings(**values)
+
+
+def sampling_settings(params: Any) -> dict[str, Any]:
+    """A sample request's `sampling_params` as the engine's settings (`temperature`, `top_p`, `top_k`, `stop`,
+    `stop_token_ids`, `seed`), each checked: a UserError names the field, its value and what is allowed. Missing or
+    null fields take the SDK's defaults (temperature 1, top_p 1, top_k -1, no stop, no seed).
+
+    >>> sampling_settings({"temperature": 0.5, "stop": ["\\n", 2]})["stop_token_ids"]
+    [2]
+    >>> sampling_settings({"top_k": "a"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rl_multilora.tinker.ops.UserError: sampling_params.top_k='a' is not allowed; allowed: -1 (off) or an int >= 1
+    """
+    if not isinstance(params, dict):
+        raise UserError(f"sampling_params={params!r} is not allowed; allowed: an object (the SDK's SamplingParams)")
+
+    def get(key: str, default: Any) -> Any:
+        value = params.get(key)
+        return default if value is None else value
+
+    temperature, top_p, top_k, seed, stop = (get("temperature", 1.0), get("top_p", 1.0), get("top_k", -1),
+                                             params.get("seed"), get("stop", []))  # fmt: skip
+    try:
+        temperature = finite_number("sampling_params.temperature", temperature, low=0.0)
+        top_p = finite_number("sampling_params.top_p", top_p)
+    except ValueError as e:
+        raise UserError(f"{e} (temperature: >= 0, 0 = greedy; top_p: in (0, 1])") from None
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"sampling_params.top_p={top_p!r} is not allowed; allowed: a number in (0, 1]")
+    if type(top_k) is not int or not (top_k == -1 or top_k >= 1):
+        raise UserError(f"sampling_params.top_k={top_k!r} is not allowed; allowed: -1 (off) or an int >= 1")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise UserError(f"sampling_params.seed={seed!r} is not allowed; allowed: null or an int in [0, 2**63)")
+    stops = [stop] if isinstance(stop, str) else stop
+    ok = isinstance(stops, list) and all(isinstance(x, str) or (type(x) is int and x >= 0) for x in stops)
+    if not ok:
+        raise UserError(
+            f"sampling_params.stop={stop!r} is not allowed; allowed: a string, or a list of strings and token ids"
+        )
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+            "stop": [x for x in stops if isinstance(x, str)], "stop_token_ids": [x for x in stops if type(x) is int]}  # fmt: skip
+
+
+def lora_settings(lora_config: Any, max_rank: int) -> tuple[int, int | None, dict[str, Any]]:
+    """A create_model request's `lora_config` (the SDK's LoraConfig; null: its defaults) as (rank, seed, the
+    config), each field checked: a UserError names the field, its value and what is allowed.
+
+    >>> lora_settings({"rank": 8, "train_unembed": False}, 32)
+    (8, None, {'rank': 8, 'train_unembed': False})
+    >>> lora_settings({"rank": 4.7}, 32)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rl_multilora.tinker.ops.UserError: lora_config.rank=4.7 is not allowed; allowed: an int in [1, 32]
+    """
+    lc = {} if lora_config is None else lora_config
+    if not isinstance(lc, dict):
+        raise UserError(f"lora_config={lora_config!r} is not allowed; allowed: an object (the SDK's LoraConfig)")
+    rank = lc.get("rank", 32)
+    if type(rank) is not int or not 1 <= rank <= max_rank:
+        raise UserError(f"lora_config.rank={rank!r} is not allowed; allowed: an int in [1, {max_rank}]")
+    seed = lc.get("seed")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise UserError(f"lora_config.seed={seed!r} is not allowed; allowed: null or an int in [0, 2**63)")
+    for key in _LAYER_GROUPS:
+        if lc.get(key) is not None and not isinstance(lc[key], bool):
+            raise UserError(f"lora_config.{key}={lc[key]!r} is not allowed; allowed: true, false or null")
+    return rank, seed, lc
 
 
 def finite_number(field_name: str, value: Any, low: float | None = None) -> float:

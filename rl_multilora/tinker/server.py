@@ -28,7 +28,21 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
 - Limits: every input is checked before it touches a tenant: loss inputs finite, token ids inside the model's
   vocabulary, a sample's prompt and `max_tokens` inside the context and `--max-tokens-cap` (a sample is refused at
   once, before it is acknowledged; a model's request fails in its turn, so its seq_id order goes on). JSON answers
-  never hold a bare NaN (non-finite numbers are null), which the SDK could not parse.
+  never hold a bare NaN (non-finite numbers are null), which the SDK could not parse. A request that could never
+  run is refused at once (400), since its future would never resolve: a request of a model no create (or
+  create-via-load) made, a seq_id of its model that ran already (a retried POST has the same request id and gets
+  its future), a seq_id 0 outside a create, a model id that is not `<session>:train:<n>`. A session the server
+  does not know (a client of a server restarted with `--fresh`) is taken on, so that it expires like the others. A create_model's `lora_config` and `optimizer_config` are checked before it is
+  acknowledged; every optimizer but AdamW is refused (SDK 0.38's Dimuon included), never run as Adam.
+- A mixed batch that fails runs its requests alone, each once: the requests whose backend call had run before the
+  failure (their gradients are in) resolve with their outputs (`ops.PartialBatch`), only the others run again. A
+  backend call holds at most `max_loras` tenants, so a call is all or nothing.
+- Memory and the journal stay bounded: a compacted request's result is in the journal only (`done`; retrieve_future
+  and a retried POST find it there); a sample that no model's snapshot compacts (of the base, or of sampler weights
+  no client model here owns) is swapped for its result once done (the newest 1,024 kept), so a restart does not
+  sample it again. A recording sample stays: its replay rebuilds its stability records.
+- Samples without a seed of their own are seeded by a hash of their whole request id: a replay samples the same
+  tokens, and two sessions' first samples differ.
 - Sessions expire: a session that sent no heartbeat (nor any request or poll) for `session_timeout_s` has its queued
   requests failed, its samples in flight cancelled, and its models unloaded (slots, optimizer state and sampler
   versions freed; checkpoints kept) and compacted out of the journal; its later heartbeats get 410, which stops
@@ -48,6 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -72,10 +87,14 @@ from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
 from rl_multilora.tinker.ops import (
     MODEL_ID_PATTERN,
+    PLAIN_NAME_PATTERN,
     ClientOps,
     FwdBwdItem,
     ModelLimits,
+    PartialBatch,
     UserError,
+    bad_model_id,
+    lora_settings,
     model_id_of,
     slot_name,
 )
@@ -119,6 +138,7 @@ class ServerState:
     results: dict[str, Result] = field(default_factory=dict)
     queues: dict[str, dict[int, Op]] = field(default_factory=dict)  # model_id -> seq_id -> op
     next_seq: dict[str, int] = field(default_factory=dict)
+    models: set[str] = field(default_factory=set)  # every model a create, a create-via-load or a snapshot made
     creates: list[Op] = field(default_factory=list)
     unloads: list[tuple[int, Op]] = field(default_factory=list)  # (run once next_seq[model] is past this, op)
 
@@ -212,9 +232,6 @@ class TinkerServer:
 
     async def _on_startup(self, app) -> None:
         self.loop = asyncio.get_running_loop()
-        for key, value in self.journal.done():  # compacted requests: their results, not their work
-            self.state.results[key] = Result(asyncio.Event(), value)
-            self.state.results[key].event.set()
         for snap in self.journal.snapshots():  # each model from its snapshot, before the requests after it
             key = f"restore.{snap.model_id}"
             self._dispatch(key, "restore", snap, replay=True)
@@ -224,8 +241,27 @@ class TinkerServer:
             self._dispatch(key, kind, decoded, replay=True, model_id=model_id, seq=seq)
             if kind not in ("create_session", "create_sampling_session", "sample"):
                 self._replayed.append(self.state.results[key])
+        self._drop_unreachable()
         self._worker.start()
         app[_REAPER] = self.loop.create_task(self._reap_sessions())
+
+    def _drop_unreachable(self) -> None:
+        """Fail the replayed requests that could never run, which a journal written before `_check_order` may hold
+        (a request of a model never created, a seq_id 0 only a create has, a seq_id a snapshot is past): their futures
+        would never resolve, and a restart's wait for replayed requests (`_replay_done`) would wait on them for ever."""
+        with self.lock:
+            bad = []
+            for model_id, queue in self.state.queues.items():
+                floor = self.state.next_seq.get(model_id, 0)
+                for seq, op in list(queue.items()):
+                    never = model_id not in self.state.models or seq < floor
+                    if never or (seq == 0 and op.kind != "load_weights"):
+                        bad.append(queue.pop(seq))
+        for op in bad:
+            log.warning("journal: %s %s can never run (its model was not created, or its seq_id is taken); failing it",
+                        op.kind, op.request_id)  # fmt: skip
+            why = f"{op.kind} {op.request_id!r} can never run: its model was never created here or its seq_id is taken"
+            self._resolve(self.state.results[op.request_id], {"error": why, "category": "user"})
 
     async def _on_cleanup(self, app) -> None:
         app[_REAPER].cancel()
@@ -430,7 +466,7 @@ class TinkerServer:
         if session in self._expired:
             raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
                             "models were unloaded; create a new ServiceClient")  # fmt: skip
-        if key not in self.state.results:
+        if not self._known(key):
             self.journal.append(key, kind, raw, model_id, seq)
             self._dispatch(key, kind, body, model_id=model_id, seq=seq)
         return self._json({"request_id": key, **(extra or {})})
@@ -440,16 +476,60 @@ class TinkerServer:
         self._check_base(body.get("base_model"))
         key = f"{body['session_id']}.create.{body['model_seq_id']}"
         model_id = model_id_of(body["session_id"], body["model_seq_id"])
+        if not self._known(key):  # a retry gets its future whatever the session's state now
+            self._check_session(body["session_id"])
+            lora_settings(body.get("lora_config"), self.ops.backend.max_rank)
+            _check_optimizer("optimizer_config", body.get("optimizer_config"))
         return await self._ack(key, "create_model", body, {"model_id": model_id}, model_id, 0)
 
-    @staticmethod
-    def _model_request(body: dict[str, Any]) -> tuple[str, str, int]:
-        """(request id, model id, seq_id) of a model's request."""
+    def _known(self, key: str) -> bool:
+        """Whether request `key` was acknowledged before: its future is in memory, or its result is in the journal
+        (a compacted request's: `_compact` keeps it there, not here)."""
+        return key in self.state.results or self.journal.has_result(key)
+
+    def _check_session(self, session: Any) -> None:
+        """A UserError when `session` has ended. A session this server does not know (a client of a server started
+        again with `--fresh`, which archived the journal that had it) is taken on as if it had just been created, so
+        it expires like any other and its models are unloaded then (a model of an untracked session held its slot for
+        ever)."""
+        if session in self._expired:
+            raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
+                            "models were unloaded; create a new ServiceClient")  # fmt: skip
+        if session not in self.state.sessions:
+            if not isinstance(session, str) or not PLAIN_NAME_PATTERN.fullmatch(session):
+                raise UserError(f"session_id={session!r} is not allowed; allowed: 1 to 64 letters, digits, '_' or '-'")
+            self.journal.append(f"session.{session}", "create_session", json.dumps({"session_id": session}).encode())
+            self._dispatch(f"session.{session}", "create_session", {"session_id": session})
+
+    def _check_order(self, kind: str, model_id: str, seq: int, key: str) -> None:
+        """A UserError for a model request that could never run (so its future would never resolve): its model was
+        never created here, or its seq_id has run already (not a retry: a retry has the same request id), or it
+        is a seq_id 0 that only a create (or a create-via-load) may have."""
+        if self._known(key):
+            return  # a retried POST: the same future
+        self._check_session(session_of(model_id))
+        with self.lock:
+            known = model_id in self.state.models
+            nxt = self.state.next_seq.get(model_id)
+        if seq == 0 and kind != "load_weights":
+            raise UserError(f"seq_id=0 is not allowed for {kind} of {model_id!r}; allowed: an int >= 1 (0 is the "
+                            "request that creates the model)")  # fmt: skip
+        if not known and not (kind == "load_weights" and seq == 0):
+            raise UserError(f"model_id={model_id!r} is not allowed: no create_model or load_weights made it here; "
+                            "allowed: a model of this session created first")  # fmt: skip
+        if nxt is not None and seq < nxt:
+            raise UserError(f"seq_id={seq} of {model_id!r} is not allowed: it ran already with another request; "
+                            f"allowed: an int >= {nxt} (the model's next)")  # fmt: skip
+
+    def _model_request(self, body: dict[str, Any], kind: str) -> tuple[str, str, int]:
+        """(request id, model id, seq_id) of a model's request, checked (`_check_order`)."""
         model_id, seq = body["model_id"], body["seq_id"]
-        slot_name(model_id)  # a UserError for an id that is not <session>:train:<n>
+        _api_model_id(model_id)
         if type(seq) is not int or not 0 <= seq < 2**62:
             raise UserError(f"seq_id={seq!r} is not allowed; allowed: an int in [0, 2**62)")
-        return f"{model_id}.{seq}", model_id, seq
+        key = f"{model_id}.{seq}"
+        self._check_order(kind, model_id, seq, key)
+        return key, model_id, seq
 
     async def forward_backward(self, r: web.Request) -> web.Response:
         """A ForwardBackwardRequest proto (zstd-compressed or not), or the JSON of an SDK before the protos (a
@@ -461,24 +541,26 @@ class TinkerServer:
             raise UserError(str(e)) from None
         except DecodeError as e:
             raise UserError(f"forward_backward body is not a ForwardBackwardRequest protobuf ({e})") from None
-        slot_name(fb.model_id)  # a UserError for an id that is not <session>:train:<n>
-        return await self._ack(
-            f"{fb.model_id}.{fb.seq_id}", "forward_backward", raw, {"model_id": fb.model_id}, fb.model_id, fb.seq_id
-        )
+        _api_model_id(fb.model_id)
+        if not 0 <= fb.seq_id < 2**62:
+            raise UserError(f"seq_id={fb.seq_id!r} is not allowed; allowed: an int in [0, 2**62)")
+        key = f"{fb.model_id}.{fb.seq_id}"
+        self._check_order("forward_backward", fb.model_id, fb.seq_id, key)
+        return await self._ack(key, "forward_backward", raw, {"model_id": fb.model_id}, fb.model_id, fb.seq_id)
 
     async def optim_step(self, r: web.Request) -> web.Response:
         body = await r.json()
-        key, model_id, seq = self._model_request(body)
+        key, model_id, seq = self._model_request(body, "optim_step")
         return await self._ack(key, "optim_step", body, None, model_id, seq)
 
     async def save_weights(self, r: web.Request) -> web.Response:
         body = await r.json()
-        key, model_id, seq = self._model_request(body)
+        key, model_id, seq = self._model_request(body, "save_weights")
         return await self._ack(key, "save_weights", body, None, model_id, seq)
 
     async def save_weights_for_sampler(self, r: web.Request) -> web.Response:
         body = await r.json()
-        key, model_id, seq = self._model_request(body)
+        key, model_id, seq = self._model_request(body, "save_weights_for_sampler")
         return await self._ack(key, "save_weights_for_sampler", body, None, model_id, seq)
 
     async def load_weights(self, r: web.Request) -> web.Response:
@@ -486,13 +568,21 @@ class TinkerServer:
         if body.get("model_id") is None:  # create-via-load: the load is the new model's request 0
             self._check_base(body.get("base_model"))
             body["model_id"], body["seq_id"] = model_id_of(body["session_id"], body["model_seq_id"]), 0
-        key, model_id, seq = self._model_request(body)
+        key, model_id, seq = self._model_request(body, "load_weights")
         return await self._ack(key, "load_weights", body, {"model_id": model_id}, model_id, seq)
 
     async def unload_model(self, r: web.Request) -> web.Response:
         model_id = (await r.json())["model_id"]
-        slot_name(model_id)
-        return await self._ack(f"{model_id}.unload", "unload_model", {"model_id": model_id}, None, model_id)
+        _api_model_id(model_id)
+        key = f"{model_id}.unload"
+        if not self._known(key):
+            self._check_session(session_of(model_id))
+            with self.lock:
+                known = model_id in self.state.models
+            if not known:
+                raise UserError(f"model_id={model_id!r} is not allowed: no create_model or load_weights made it "
+                                "here; allowed: a model of this session")  # fmt: skip
+        return await self._ack(key, "unload_model", {"model_id": model_id}, None, model_id)
 
     async def create_sampling_session(self, r: web.Request) -> web.Response:
         body = await r.json()
@@ -551,21 +641,25 @@ class TinkerServer:
         key = (await r.json())["request_id"]
         self._touch(key)  # a client polling for its results is alive
         res = self.state.results.get(key)
-        if res is None:
-            return web.json_response({"detail": f"unknown request_id {key!r}"}, status=404)
-        try:
-            await asyncio.wait_for(res.event.wait(), self.poll_s)
-        except TimeoutError:
-            return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
-        if isinstance(res.value, bytes):
+        if res is None:  # a compacted request's result is in the journal only
+            value = await asyncio.to_thread(self.journal.result, key)
+            if value is None:
+                return web.json_response({"detail": f"unknown request_id {key!r}"}, status=404)
+        else:
+            try:
+                await asyncio.wait_for(res.event.wait(), self.poll_s)
+            except TimeoutError:
+                return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
+            value = res.value
+        if isinstance(value, bytes):
             accept = r.headers.get("Accept", "")
             if "json" not in accept.lower() or PROTO_ACCEPT.search(accept):
-                return web.Response(body=res.value, content_type=wire.PROTO_CONTENT_TYPE)
+                return web.Response(body=value, content_type=wire.PROTO_CONTENT_TYPE)
             # an SDK before the protos (it accepts application/json only): the result as its pydantic models read it
             fwdbwd = FWDBWD_KEY.fullmatch(key) is not None  # `<model_id>.<seq_id>`; samples are keyed by sampler
             as_json = wire.forward_backward_output_json if fwdbwd else wire.sample_response_json
-            return self._json(as_json(res.value))
-        return self._json(res.value)
+            return self._json(as_json(value))
+        return self._json(value)
 
     async def _replay_done(self, path: str | None, sid: str | None = None) -> None:
         """Sampler weights at `path`, or a sampling session `sid`, not published (yet): wait for the replayed
@@ -658,11 +752,12 @@ class TinkerServer:
             res.sequence_ids = body.get(SEQUENCE_IDS)
             with self.lock:
                 self._recording.update(res.sequence_ids or ())
-            task = self.loop.create_task(self._sample(key, body, res))
+            task = self.loop.create_task(self._sample(key, body, res, finish=model_id is None))
             self._samples[key] = task
             task.add_done_callback(lambda _t: self._samples.pop(key, None))
         elif kind == "restore":
             with self.lock:
+                self.state.models.add(body.model_id)
                 self.state.creates.append(Op(key, kind, body.model_id, 0, body))
                 self.state.next_seq[body.model_id] = body.next_seq
                 if body.info.get("owned", True):
@@ -676,6 +771,8 @@ class TinkerServer:
                 model_id = body.get("model_id") or model_id_of(body["session_id"], body["model_seq_id"])
                 op = Op(key, kind, model_id, int(body.get("seq_id") or 0), body)
             with self.lock:
+                if kind == "create_model" or (kind == "load_weights" and op.seq_id == 0):
+                    self.state.models.add(op.model_id)
                 if kind == "create_model":
                     self.state.creates.append(op)
                 elif kind == "unload_model":
@@ -788,6 +885,15 @@ class TinkerServer:
                  for op in ops]  # fmt: skip
         try:
             outs = self.ops.forward_backward(items)
+        except PartialBatch as e:  # some items' calls ran (their gradients are in): those are done, the rest alone
+            log.warning("a mixed batch failed after %d of its %d requests ran (%s); running the others alone",
+                        len(e.done), len(ops), e.__cause__)  # fmt: skip
+            for i, out in e.done.items():
+                self._resolve(self.state.results[ops[i].request_id], wire.encode_forward_backward_output(*out))
+            for i, op in enumerate(ops):
+                if i not in e.done:
+                    self._run_batch([op])
+            return
         except Exception:  # noqa: BLE001 - one bad request must not fail the others of the batch: run them alone
             if len(ops) > 1:
                 for op in ops:
@@ -811,16 +917,14 @@ class TinkerServer:
         b = op.body
         try:
             if op.kind == "create_model":
-                lc = b.get("lora_config") or {}
-                self.ops.create(op.model_id, int(lc.get("rank", 32)), lc.get("seed"), lc)
+                rank, seed, lc = lora_settings(b.get("lora_config"), self.ops.backend.max_rank)
+                self.ops.create(op.model_id, rank, seed, lc)
+                self._unless_expired(op.model_id)
                 with self.lock:
                     self.state.next_seq.setdefault(op.model_id, 1)
                 value: dict[str, Any] = {"type": "create_model", "model_id": op.model_id}
             elif op.kind == "optim_step":
-                params = b.get("adam_params") or b.get("optim_params") or {}
-                if "type" in params and params["type"] != "adamw":
-                    raise UserError(f"optimizer {params['type']!r} is not supported; allowed: Adam")
-                value = {"metrics": self.ops.optim_step(op.model_id, params)}
+                value = {"metrics": self.ops.optim_step(op.model_id, _optim_params(b))}
             elif op.kind == "save_weights":
                 name = b.get("path") or f"step{self.ops.steps(op.model_id)}"
                 value = {"type": "save_weights", "path": self.ops.save(op.model_id, name, key=op.request_id)}
@@ -833,7 +937,9 @@ class TinkerServer:
                         self.state.sampling[sid] = path
                     value = {"type": "save_weights_for_sampler", "sampling_session_id": sid}  # SDK 0.16: no path
             elif op.kind == "load_weights":
+                _check_optimizer("optimizer_config", b.get("optimizer_config"))
                 self.ops.load(op.model_id, b["path"], bool(b.get("optimizer")))
+                self._unless_expired(op.model_id)
                 value = {"type": "load_weights", "path": b["path"], "model_id": op.model_id}
             elif op.kind == "unload_model":
                 self.ops.unload(op.model_id)
@@ -850,6 +956,17 @@ class TinkerServer:
             return
         self._record_live(op)
         self._resolve(self.state.results[op.request_id], value)
+
+    def _unless_expired(self, model_id: str) -> None:
+        """After a create (or a load) made `model_id`: when its session ended meanwhile (`_expire` ran while the
+        request waited for its turn and did not see the model yet), unload it at once and fail the request, so no
+        slot is held for a session that is gone. `_expire` marks the session before it lists the session's models,
+        so either it sees this model or this check sees the session expired."""
+        session = session_of(model_id)
+        if session in self._expired and model_id in self.ops.tenants:
+            self.ops.unload(model_id)
+            raise UserError(f"session {session!r} expired while this request waited for its turn; its model was "
+                            "unloaded")  # fmt: skip
 
     # -- the bounded journal ----------------------------------------------------------------------------------------
     def _compact_after(self, ran: list[Op]) -> None:
@@ -894,6 +1011,8 @@ class TinkerServer:
         self.journal.compact(model_id, next_seq if next_seq is not None else 2**62, info, blobs, results, samples)
         with self.lock:
             self._model_keys[model_id] = [(k, q) for k, q in self._model_keys.get(model_id, []) if k not in results]
+        for key in results:  # kept in the journal (`done`), where retrieve_future and a retried POST find them
+            self.state.results.pop(key, None)
         old = self._snap_folder.pop(model_id, None)  # a checkpoint the journal wrote for its last snapshot
         if info is not None:
             if info["owned"]:
@@ -908,14 +1027,24 @@ class TinkerServer:
         if op.kind in ("create_model", "load_weights", "unload_model"):
             self.journal.set_live(op.model_id, op.model_id in self.ops.tenants)
 
-    async def _sample(self, key: str, body: dict[str, Any], res: Result) -> None:
+    async def _sample(self, key: str, body: dict[str, Any], res: Result, finish: bool = False) -> None:
+        """Run sample request `key` and resolve `res`. `finish`: a sample no model's snapshot compacts (of the base, or
+        of sampler weights whose model is not a client model here): once done, its journal row is swapped for its
+        result (`Journal.finish`), so restarts do not sample it again and the journal does not grow with the
+        server's sampling history. Not a recording sample: its replay rebuilds the stability records."""
+        await self._run_sample(key, body, res)
+        if finish and not body.get(SEQUENCE_IDS) and res.value is not None:
+            await asyncio.to_thread(self.journal.finish, key, res.value)
+            self.state.results.pop(key, None)
+
+    async def _run_sample(self, key: str, body: dict[str, Any], res: Result) -> None:
         try:
             sid = body.get("sampling_session_id")
             await self._replay_done(None, sid)
             path = self.state.sampling.get(sid) if sid is not None else body.get("model_path")
             await self._replay_done(path)
             prompt = _prompt_tokens(body)
-            seed = int.from_bytes(key.encode()[-8:], "little") % (2**31)  # replay samples the same tokens
+            seed = _sample_seed(key)  # replay samples the same tokens; another session's request, others
             version = self.ops.sampler(path)
             want_logprobs, last_n, topk = _prompt_scoring(body, len(prompt))
             scores = None
@@ -944,6 +1073,44 @@ class TinkerServer:
                 with self.lock:
                     self._recording.difference_update(res.sequence_ids)
                     self.lock.notify_all()
+
+
+def _api_model_id(model_id: Any) -> None:
+    """A UserError unless `model_id` is an API model id, `<session>:train:<n>` (not a plain adapter name, which
+    `slot_name` takes for the server's own callers: over HTTP it would name a GRPO tenant or a made-up model)."""
+    if not isinstance(model_id, str) or not MODEL_ID_PATTERN.fullmatch(model_id):
+        raise bad_model_id(model_id)
+
+
+def _optim_params(body: dict[str, Any]) -> dict[str, Any]:
+    """An optim_step's optimizer parameters, under any of the SDK's names (`adam_params`; `optimizer_params` for
+    another family, e.g. Dimuon, since SDK 0.38; `optim_params`); a UserError for a family other than AdamW."""
+    params = body.get("adam_params") or body.get("optimizer_params") or body.get("optim_params") or {}
+    if not isinstance(params, dict):
+        raise UserError(f"adam_params={params!r} is not allowed; allowed: an object (the SDK's AdamParams)")
+    _check_optimizer("optimizer_params", params)
+    return {k: v for k, v in params.items() if k != "type"}
+
+
+def _check_optimizer(field_name: str, config: Any) -> None:
+    """A UserError when an optimizer config or optimizer params name a family other than AdamW (the SDK's
+    `DimuonOptimizerConfig` / `DimuonParams`): this server trains every model with AdamW, and would otherwise run a
+    Dimuon client's steps as Adam at its default settings without a word."""
+    if config is None:
+        return
+    kind = config.get("type", "adamw") if isinstance(config, dict) else config
+    if kind != "adamw":
+        raise UserError(f"{field_name}.type={kind!r} is not allowed; allowed: 'adamw' (this server trains with AdamW)")
+
+
+def _sample_seed(key: str) -> int:
+    """The seed of a sample request without a seed of its own: a hash of its whole request id (the sampling session,
+    with its session, and the seq_id), so a replay samples the same tokens and two sessions do not.
+
+    >>> _sample_seed("s1.sampler.0.0") != _sample_seed("s2.sampler.0.0")
+    True
+    """
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % (2**31)
 
 
 def _finite(value: Any) -> Any:
