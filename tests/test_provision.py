@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -312,6 +313,41 @@ def test_bad_input_names_the_field(tmp_path, capsys):
     assert not (tmp_path / MARKER).exists()
     assert main(["--preset", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "'tiny', 'tiny-moe'" in capsys.readouterr().err
+
+
+def test_the_console_command_refuses_mistakes_with_exit_2_and_no_traceback(tmp_path, capsys, monkeypatch):
+    """`rl-multilora provision` (cli.main) reports a mistake as `python -m rl_multilora.provision` does: exit 2 and the
+    reason; only a marker is written here, so nothing is built."""
+    from rl_multilora import cli
+
+    monkeypatch.setattr("sys.path", list(sys.path))  # cli.main puts the working directory on it
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"preset": "tiny", "seed": 0, "settings": PRESETS["tiny"].settings()}))
+    assert cli.main(["provision", "--out", str(out), "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds preset='tiny' seed=0" in err and "--force" in err and "Traceback" not in err
+    assert cli.main(["provision", "--preset", "tinyy", "--out", str(tmp_path / "x")]) == 2
+    assert "preset='tinyy' is not allowed" in capsys.readouterr().err
+    for flag in ("--seed", "--pretrain-steps"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["provision", "--out", str(out), flag, "-1"])
+        assert exit_.value.code == 2
+        assert f"argument {flag}: '-1' is not allowed; allowed: an int >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_without_out_a_preset_goes_to_artifacts_preset(tmp_path, capsys, monkeypatch, preset):
+    from rl_multilora import cli
+
+    monkeypatch.setattr("sys.path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    recipe = {"preset": preset, "seed": 0, "settings": PRESETS[preset].settings()}
+    (tmp_path / "artifacts" / preset).mkdir(parents=True)
+    (tmp_path / "artifacts" / preset / MARKER).write_text(json.dumps(recipe))  # already provisioned: nothing built
+    assert cli.main(["provision", "--preset", preset]) == 0
+    assert f"provisioned {preset} (seed 0) in artifacts/{preset}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("task", TASKS)
