@@ -219,8 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("run", help="train every adapter in CONFIG until all are done")
     s.add_argument("config")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. grpo.kl_coef=0.01")
-    s.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
-    s.add_argument("--fresh", action="store_true", help="ignore checkpoints in the run dir")
+    resume = s.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
+    resume.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start anew: an earlier run's run state, checkpoints and metrics move to RUN_DIR/archive/<time>/",
+    )
     s.add_argument("--dry-run", action="store_true", help="validate the config, datasets and rewards, then exit")
     s.set_defaults(fn=cmd_run)
 

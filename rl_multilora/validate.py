@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl_multilora.checkpoint import CheckpointManager, check_compatible
+from rl_multilora.checkpoint import CheckpointManager, RunStateError, check_compatible
 from rl_multilora.config import (
     AdapterConfig,
     ConfigError,
@@ -265,6 +265,39 @@ def _unmatched(wanted: Sequence[str], names: Sequence[str] | None) -> list[str]:
     return [t for t in wanted if not any(matches_target(n, t) for n in names)]
 
 
+def allocator_problems(model: ModelConfig) -> list[str]:
+    """`model.host_allocator: jemalloc` needs a library `run` can preload (`rl-multilora run` starts itself again
+    with it; `host_memory.find_jemalloc`). Whether the loader then accepts the file shows only in that new process."""
+    from rl_multilora.host_memory import find_jemalloc, jemalloc_loaded
+
+    if model.host_allocator != "jemalloc" or jemalloc_loaded():
+        return []
+    try:
+        find_jemalloc()
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def resume_problems(ckpt: CheckpointManager, mode: str) -> list[str]:
+    """`checkpoint.resume` against the run dir: "always" (--resume) needs run state or a checkpoint there, and a
+    damaged run_state.json stops any resume (`TenantManager.restore_run_state` reads it)."""
+    try:
+        state = ckpt.read_run_state()
+    except RunStateError as e:
+        return [str(e)]
+    if mode == "always" and state is None and not ckpt.has_checkpoints():
+        return [
+            bad_value(
+                "checkpoint.resume",
+                mode,
+                f"'auto' or 'never' here: {ckpt.run_dir} has no run_state.json and no checkpoint to resume from "
+                "(run without --resume to start a new run)",
+            )
+        ]
+    return []
+
+
 def run_problems(cfg: RunConfig) -> list[str]:
     """Everything `run` needs before it starts: model, device, targets, hooks, and each adapter's I/O checks."""
     from rollout.generate_state import HooksError, load_hooks
@@ -287,7 +320,10 @@ def run_problems(cfg: RunConfig) -> list[str]:
             load_hooks(cfg.rollout.hooks)
         except HooksError as e:
             problems.append(f"rollout.hooks: {e}")
+    problems += allocator_problems(cfg.model)
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
+    if ckpt is not None:
+        problems += resume_problems(ckpt, cfg.checkpoint.resume)
     for a in cfg.adapters:
         admission = Admission(lora_modules, lora_parameters, cfg.eval_for(a), ckpt)
         problems += adapter_problems(a, admission)

@@ -153,6 +153,11 @@ CASES = [
     ("max-loras-0", lambda d, ws: d["model"].update(max_loras=0), "max_loras=0"),
     ("max-idle-0", lambda d, ws: d.update(faults={"max_idle_steps": 0}), "max_idle_steps=0"),
     ("betas-bad", lambda d, ws: _adapter(d).update(optim={"betas": [0.9, 1.5]}), "betas"),
+    (
+        "resume-always-nothing-to-resume",
+        lambda d, ws: d.update(checkpoint={"resume": "always"}),
+        "checkpoint.resume='always' is not allowed",
+    ),
     ("top-level-list", None, "YAML mapping"),
 ]
 
@@ -246,3 +251,31 @@ def test_temp_files_left_by_a_kill_are_removed_at_the_next_start(ws, capsys):
     assert code == 0, err
     assert not (run_dir / ".tmp-run_state.json-xyz").exists()
     assert not (run_dir / "adapters" / "a" / ".tmp-step_3-abc").exists()
+
+
+def test_resume_and_fresh_flags(ws, capsys):
+    """--resume on a run dir with nothing to resume is refused by --dry-run as by run; --resume --fresh is a usage
+    error (they used to be accepted together, --fresh winning)."""
+    path = _write(ws, "flags", lambda d, ws: d.update(run_dir=str(ws / "runs" / "empty")))
+    dry_code, dry_err = _cli(["run", str(path), "--resume", "--dry-run"], capsys)
+    run_code, run_err = _cli(["run", str(path), "--resume"], capsys)
+    assert (dry_code, run_code) == (2, 2) and dry_err == run_err, (dry_err, run_err)
+    assert "has no run_state.json and no checkpoint" in dry_err and "Traceback" not in dry_err
+    assert _cli(["run", str(path), "--dry-run"], capsys)[0] == 0
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", str(path), "--resume", "--fresh", "--dry-run"])
+    assert exit_.value.code == 2
+    assert "argument --fresh: not allowed with argument --resume" in capsys.readouterr().err
+
+
+def test_dry_run_refuses_a_jemalloc_run_cannot_find(ws, capsys, monkeypatch):
+    from rl_multilora.host_memory import JEMALLOC_ENV, jemalloc_loaded
+
+    if jemalloc_loaded():
+        pytest.skip("this process runs under jemalloc: model.host_allocator needs no library to preload")
+    monkeypatch.setenv(JEMALLOC_ENV, str(ws / "nonexistent.so"))
+    path = _write(ws, "jemalloc", lambda d, ws: d["model"].update(host_allocator="jemalloc"))
+    dry_code, dry_err = _cli(["run", str(path), "--dry-run"], capsys)
+    run_code, run_err = _cli(["run", str(path)], capsys)
+    assert (dry_code, run_code) == (2, 2) and dry_err == run_err, (dry_err, run_err)
+    assert f"{JEMALLOC_ENV}='{ws / 'nonexistent.so'}' is not allowed" in dry_err
