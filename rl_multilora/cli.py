@@ -128,6 +128,17 @@ def cmd_run(args) -> int:
             f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
             f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"
         )
+    # A FAILED adapter (its reward kept raising, its loss was not finite, ...) is the run's failure, not a success:
+    # exit 1 for scripts and CI, after the summary; the others trained on and their checkpoints are kept.
+    failed = {name: t.reason for name, t in rt.tenants.tenants.items() if t.state.value == "FAILED"}
+    if failed:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in sorted(failed.items()))
+        print(
+            f"error: {len(failed)} of {len(rt.tenants.tenants)} adapter(s) FAILED ({reasons}); the checkpoints of "
+            f"every adapter are in {cfg.run_dir}/adapters",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -216,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_provision_arguments(s)
     s.set_defaults(fn=cmd_provision)
 
-    s = sub.add_parser("run", help="train every adapter in CONFIG until all are done")
+    s = sub.add_parser(
+        "run",
+        help="train every adapter in CONFIG until all are done; exit 1 when one ended FAILED (after the summary)",
+    )
     s.add_argument("config")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. grpo.kl_coef=0.01")
     resume = s.add_mutually_exclusive_group()

@@ -279,3 +279,29 @@ def test_dry_run_refuses_a_jemalloc_run_cannot_find(ws, capsys, monkeypatch):
     run_code, run_err = _cli(["run", str(path)], capsys)
     assert (dry_code, run_code) == (2, 2) and dry_err == run_err, (dry_err, run_err)
     assert f"{JEMALLOC_ENV}='{ws / 'nonexistent.so'}' is not allowed" in dry_err
+
+
+def test_run_exits_1_when_an_adapter_failed_and_keeps_the_others(ws, capsys):
+    """An adapter whose reward always raises ends FAILED: `run` prints the summary, then exits 1 naming it and why;
+    the healthy adapter trained to its budget and its checkpoint is there."""
+    run_dir = ws / "runs" / "failed"
+
+    def mutate(d, ws):
+        d["run_dir"] = str(run_dir)
+        d["faults"] = {"max_reward_fail_steps": 1}
+        raising = sum_task_adapter(
+            ws / "data", "a", 2, max_steps=2, reward={"path": "tests.reward_plugins:raising_reward"}
+        )
+        d["adapters"].append({**raising, "name": "boom"})
+
+    path = _write(ws, "failed", mutate)
+    logging.getLogger("rl_multilora").setLevel(logging.WARNING)
+    code = cli.main(["run", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 1, err[-2000:]
+    assert "run finished" in out and "Traceback" not in err
+    assert "error: 1 of 2 adapter(s) FAILED (boom: " in err, err[-2000:]
+    from rl_multilora.checkpoint import CheckpointManager
+
+    healthy = CheckpointManager(run_dir).latest("a")
+    assert healthy is not None and json.loads((healthy / "checkpoint.json").read_text())["adapter_step"] == 2
