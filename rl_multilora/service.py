@@ -790,6 +790,13 @@ def _run_until_signal(
 # -- CLI ------------------------------------------------------------------------------------------------------------
 def cli(args) -> int:
     """Entry point for `rl-multilora serve | submit | remove | status` (routed here by rl_multilora.cli)."""
+    try:
+        import ray  # noqa: F401 - every verb talks to a Ray cluster: say so before a config is read
+    except ImportError:
+        raise ServiceError(
+            f'`rl-multilora {args.command}` needs Ray, which is not installed: pip install -e ".[ray]" in the '
+            "checkout (the ray extra)"
+        ) from None
     if args.command == "serve":
         tinker = None
         if args.tinker_port is not None:

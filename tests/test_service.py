@@ -104,6 +104,20 @@ def test_client_rejects_missing_file(tmp_path):
         _LocalOnlyClient().submit(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(
+    "argv", [["serve", "config.yaml"], ["submit", "adapter.yaml"], ["remove", "a"], ["status"]], ids=lambda a: a[0]
+)
+def test_every_service_verb_without_ray_names_the_extra(monkeypatch, capsys, argv):
+    from rl_multilora import cli
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as when it is not installed
+    monkeypatch.setattr("sys.path", list(sys.path))  # cli.main puts the working directory on it
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f'`rl-multilora {argv[0]}` needs Ray, which is not installed: pip install -e ".[ray]"' in err, err
+    assert "Traceback" not in err
+
+
 def test_status_table_shows_every_column():
     st = ServiceStatus(
         global_step=7,
