@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 default_config=examples/multi_lora/configs/tiny.yaml
-config="${1:-$default_config}"
-[ $# -gt 0 ] && shift
+config=$default_config
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--set ...) is for `run`, not the config
+  config=$1
+  shift
+fi
 preset=artifacts/tiny
 
 if [ -f "$preset/PROVISIONED.json" ]; then

@@ -5,8 +5,11 @@
 #   bash examples/multi_lora/start_service.sh [CONFIG] [--address HOST:PORT] [--set key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-config="${1:-examples/multi_lora/configs/service.yaml}"
-[ $# -gt 0 ] && shift
+config=examples/multi_lora/configs/service.yaml
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--address, --set ...) is for `serve`, not the config
+  config=$1
+  shift
+fi
 bash examples/multi_lora/provision.sh artifacts/tiny
 # exec: the signals reach `rl-multilora serve` itself, which handles them.
 exec rl-multilora serve "$config" "$@"
