@@ -1359,7 +1359,7 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
 
     process_entry = argv is None if process_entry is None else process_entry
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m rl_multilora.tinker.server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="rl-multilora tinker-serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="base model folder (e.g. artifacts/tiny/model)")
     p.add_argument("--state-dir", required=True, type=Path, help="request journal, checkpoints and token live here")
     p.add_argument("--base-model-name", default=None, help="name clients pass as base_model (default: --model)")
@@ -1394,6 +1394,34 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
                    "by size class where glibc's heap keeps holes between live tensors; the command starts itself "
                    "again with it preloaded, as `rl-multilora run` does for model.host_allocator (default glibc)")  # fmt: skip
     args = p.parse_args(argv)
+    # A flag's mistake is a usage error (exit 2) naming the flag, before a model is read or a token written.
+    from pydantic import ValidationError
+
+    from rl_multilora.config import ModelConfig
+    from rl_multilora.errors import bad_value
+
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(bad_value("--model", args.model, "a model folder in HF format, with its config.json"))
+    for flag in ("--port", "--max-sampler-versions", "--snapshot-every", "--stability-max-tokens", "--max-tokens-cap"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not 1 <= value <= (65535 if flag == "--port" else math.inf):
+            p.error(bad_value(flag, value, "a port from 1 to 65535" if flag == "--port" else "an integer >= 1"))
+    if not 0 < args.session_timeout_s < math.inf:
+        p.error(bad_value("--session-timeout-s", args.session_timeout_s, "seconds > 0"))
+    sized = {"max_loras": args.max_loras, "max_rank": args.max_rank, "max_tenants": args.max_tenants,
+             "host_budget_gb": args.host_budget_gb}  # fmt: skip
+    try:  # the bounds the server's ModelConfig holds them to
+        ModelConfig(path=args.model, **sized)
+    except ValidationError as e:
+        problems = [
+            bad_value(
+                "--" + str(err["loc"][0]).replace("_", "-"), err["input"], err["msg"].removeprefix("Input should be ")
+            )
+            for err in e.errors()
+        ]
+        p.error("; ".join(problems))
+    if args.max_tenants is not None and args.max_tenants < args.max_loras:
+        p.error(bad_value("--max-tenants", args.max_tenants, f"an integer >= --max-loras ({args.max_loras}) or none"))
     logging.basicConfig(level=logging.INFO)
     try:
         if args.host_allocator == "jemalloc":  # `rl-multilora` (cli.main) restores the children's environment
