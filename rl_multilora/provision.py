@@ -462,7 +462,7 @@ def _build_locked(out: Path, recipe: dict, force: bool, build, tasks: tuple[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl_multilora.cli import add_provision_arguments
+    from rl_multilora.presets.arguments import add_provision_arguments
 
     parser = argparse.ArgumentParser(prog="rl-multilora provision", description=__doc__.splitlines()[0])
     add_provision_arguments(parser)

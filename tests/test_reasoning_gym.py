@@ -261,6 +261,9 @@ def test_a_run_scores_both_tenants_in_the_reward_workers(model_dir, tmp_path, ca
     data["eval"]["enabled"] = False
     data["logging"] = {"plot": False, "progress": False}
     data["rewards"] = {"num_workers": 1}
+    # two global steps: a tiny model may score a whole group alike (no GRPO signal, no optimizer step), and a tenant
+    # that never steps ends FAILED after faults.max_idle_steps, which `run` reports with exit 1
+    data["max_global_steps"] = 2
     for a in data["adapters"]:
         a.update(max_steps=2, prompts_per_step=2)
         a["dataset"].update(size=8, test_size=0, apply_chat_template=False)
