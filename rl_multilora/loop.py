@@ -283,8 +283,8 @@ class Runtime:
 
     def idle_step(self) -> None:
         """No tenant RUNNING (the service between submissions): retire drained adapters, admit pending ones and
-        sync, without spending a global step."""
-        self.tenants.retire_finished()
+        sync, without spending a global step (so a drained adapter's final checkpoint is not the step's)."""
+        self.tenants.retire_finished(in_step=False)
         self.tenants.admit_pending()
         self.sync_now()
         self.tenants.save_run_state()

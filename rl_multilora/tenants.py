@@ -547,15 +547,17 @@ class TenantManager:
         """Its step budget is spent, or its data is (unless it has groups `in_flight`, drawn and not trained)."""
         return t.steps_left() == 0 or (t.name not in in_flight and self.data.exhausted(t.name))
 
-    def retire_finished(self, in_flight: Collection[str] = ()) -> None:
+    def retire_finished(self, in_flight: Collection[str] = (), in_step: bool = True) -> None:
         """Budgets and drains: checkpoint and free every adapter that is done (DRAINING -> DRAINED). `in_flight`:
         tenants with groups drawn but not trained yet (an asynchronous run's next rollout), whose data is not used
-        up while those groups wait."""
+        up while those groups wait. `in_step`: called inside a global step that will be committed (`finish_step`);
+        False between steps (the service with no tenant running), where a checkpoint marked as the uncommitted step's
+        would be discarded by the next restore of the name as a step that never finished."""
         for t in self.running():
             if self.budget_done(t, in_flight):
                 self.drain(t.name, "budget reached")
         for t in self.in_state(TenantState.DRAINING):
-            self.save_checkpoint(t)
+            self.save_checkpoint(t, in_step=in_step)
             self._release(t)
             self.table.mark_drained(t.name)
 

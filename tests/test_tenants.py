@@ -104,3 +104,78 @@ def test_fault_policy_counts_all_failing_reward_steps_per_tenant():
     assert m.get("boom2").reward_fail_streak == 0 and m.get("mixed").reward_fail_streak == 2
     step({"boom2": "x"})
     assert len(failed) == 1 and (m.get("boom2").reward_fail_streak, m.get("mixed").reward_fail_streak) == (1, 0)
+
+
+class _Backend:
+    """A backend with one LoRA module's tensors: enough for a checkpoint."""
+
+    def adapter_state_dict(self, name):
+        import torch
+
+        return {"base_model.model.l.q_proj.lora_A.weight": torch.zeros(2, 4),
+                "base_model.model.l.q_proj.lora_B.weight": torch.zeros(4, 2)}  # fmt: skip
+
+    def peft_config(self, name):
+        return {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+    def optimizer_state_dict(self, name):
+        return {}
+
+    def remove_adapter(self, name):
+        pass
+
+    def load_adapter_state_dict(self, *args, **kwargs):
+        pass
+
+    def load_optimizer_state_dict(self, *args):
+        pass
+
+
+class _Data:
+    """A data cursor per tenant: its position is what a checkpoint's data state records."""
+
+    def __init__(self):
+        self.cursor, self.loaded = 0, None
+
+    def state_dict(self, name):
+        return {"cursor": self.cursor}
+
+    def exhausted(self, name):
+        return False
+
+    def remove_adapter(self, name):
+        pass
+
+    def load_state_dict(self, name, state):
+        self.loaded = state
+
+
+def test_an_adapter_drained_between_steps_resumes_from_its_final_checkpoint(tmp_path):
+    """The service with no tenant running retires a removed adapter between global steps (`Runtime.idle_step`). Its
+    final checkpoint used to be marked as taken in the step in progress, which never finished; submitting the name
+    again (or a restart) then discarded it as uncommitted and resumed from the last periodic checkpoint, 3 adapter
+    steps and their data earlier."""
+    from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+    from rl_multilora.loop import Runtime
+    from rl_multilora.tenants import TenantManager
+
+    data = _Data()
+    ckpt = CheckpointManager(tmp_path, keep_last=1)
+    manager = TenantManager(None, _Backend(), data, ckpt)
+    t = manager.table.register(_cfg("a", max_steps=100))
+    manager.table.activate("a", 0)
+    t.adapter_step, data.cursor = 2, 16
+    manager.save_checkpoint(t)  # a periodic checkpoint in global step 0
+    manager.finish_step()
+    for _ in range(3):  # steps 1-3 train it to adapter step 5, no checkpoint
+        t.adapter_step, data.cursor = t.adapter_step + 1, data.cursor + 8
+        manager.finish_step()
+    manager.drain("a", "removed by request")
+    # the runtime's weight sync has nothing to push; it frees the drained adapter (DRAINED -> REMOVED)
+    idle = type("Idle", (), {"tenants": manager, "sync_now": lambda self: manager.apply_sync({}, [])})()
+    Runtime.idle_step(idle)  # what the service runs while no tenant is RUNNING
+    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir("a"))] == [5]
+    again = manager.table.register(_cfg("a", max_steps=100))
+    manager.table.activate("a", 0)
+    manager._restore(again)
+    assert again.adapter_step == 5 and data.loaded == {"cursor": 40}
