@@ -69,6 +69,7 @@ from rl_multilora.lora import CONFIG_NAME, WEIGHTS_NAME, AdapterFolderError, rea
 
 CKPT_META = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = ".damaged-"  # a checkpoint folder restore could not use, set aside (kept, never a candidate)
 METRICS_FILE = "metrics.jsonl"
 METRICS_JOURNAL = ".metrics.jsonl.rewrite"
 TINKER_JOURNAL = "tinker/requests.sqlite"  # with SQLite's -wal and -shm files beside it
@@ -151,7 +152,7 @@ def _complete(adapter_dir: Path) -> list[tuple[tuple[int, int], Path, dict]]:
         return found
     for d in adapter_dir.iterdir():
         meta_file = d / CKPT_META
-        if d.name.startswith(TMP_PREFIX) or not d.is_dir() or not meta_file.is_file():
+        if d.name.startswith((TMP_PREFIX, DAMAGED_PREFIX)) or not d.is_dir() or not meta_file.is_file():
             continue
         try:
             meta = json.loads(meta_file.read_text())
@@ -465,6 +466,19 @@ class CheckpointManager:
         if self.run_dir.resolve() not in ck.resolve().parents:
             raise ValueError(f"{ck} is not a checkpoint of the run in {self.run_dir}")
         return self._discard(ck)
+
+    def set_aside(self, ck: Path) -> Path:
+        """Rename a checkpoint folder restore could not use (damaged, or not loadable) to `.damaged-<name>` and
+        return the new path. Left where it was, it stayed a candidate: pruning counted it among the `keep_last`
+        newest and removed good ones, and a later save at its step, finding the same data cursor, returned it instead
+        of writing a new checkpoint. Kept for inspection; nothing reads or prunes it."""
+        target = ck.with_name(f"{DAMAGED_PREFIX}{ck.name}")
+        n = 1
+        while target.exists():
+            target = ck.with_name(f"{DAMAGED_PREFIX}{ck.name}.{n}")
+            n += 1
+        os.rename(ck, target)
+        return target
 
     def _discard(self, ck: Path) -> Path:
         """Remove a checkpoint folder; renamed first, so a kill during rmtree leaves nothing that looks complete."""

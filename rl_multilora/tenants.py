@@ -503,7 +503,8 @@ class TenantManager:
                 snap = self.ckpt.read_snapshot(path, meta)
                 check_compatible(t.name, t.cfg.model_dump(mode="json"), snap.meta.get("config", {}), path)
             except DamagedCheckpoint as e:
-                log.warning("adapter %s: skipped damaged checkpoint %s", t.name, e)
+                aside = self.ckpt.set_aside(path)
+                log.warning("adapter %s: skipped damaged checkpoint %s; set aside as %s", t.name, e, aside.name)
                 continue
             try:
                 self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(path))
@@ -511,9 +512,9 @@ class TenantManager:
                 self.data.load_state_dict(t.name, snap.data_state)
                 adapter_step = snap.adapter_step
             except Exception as e:  # noqa: BLE001 - tensors of another model, a garbage cursor: try an older one
-                log.warning(
-                    "adapter %s: skipped checkpoint %s: it does not load (%s: %s)", t.name, path, type(e).__name__, e
-                )
+                aside = self.ckpt.set_aside(path)
+                log.warning("adapter %s: skipped checkpoint %s: it does not load (%s: %s); set aside as %s", t.name,
+                            path, type(e).__name__, e, aside.name)  # fmt: skip
                 continue
             t.adapter_step = adapter_step
             t.last_checkpoint = str(path)

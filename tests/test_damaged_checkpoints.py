@@ -63,6 +63,8 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(workspace, reference,
     assert not any(r.exc_info for r in caplog.records)  # no traceback in the log
     resumed = [r.getMessage() for r in caplog.records if "adapter t1 resumed from" in r.getMessage()]
     assert resumed and "step_4" in resumed[0] and "adapter step 4" in resumed[0]
+    aside = newest.with_name(f".damaged-{newest.name}")  # set aside: kept, no longer a candidate nor pruned
+    assert aside.is_dir() and aside not in [p for _, p in list_checkpoints(run_dir / "adapters" / "t1")]
     assert_same_as_reference(run_dir, reference)
 
 

@@ -179,3 +179,40 @@ def test_an_adapter_drained_between_steps_resumes_from_its_final_checkpoint(tmp_
     manager.table.activate("a", 0)
     manager._restore(again)
     assert again.adapter_step == 5 and data.loaded == {"cursor": 40}
+
+
+def test_a_checkpoint_restore_skipped_is_set_aside_and_outranks_nothing(tmp_path):
+    """A damaged newest checkpoint that restore skipped stayed where it was: pruning kept it among the `keep_last`
+    newest and removed good ones, and a save at its adapter step (the same data cursor, as a deterministic replay
+    gives) returned the damaged folder instead of writing one, so the next resume fell back further still."""
+    from rl_multilora.checkpoint import CheckpointManager, list_checkpoints
+    from rl_multilora.tenants import TenantManager
+
+    data = _Data()
+    ckpt = CheckpointManager(tmp_path, keep_last=2)
+    manager = TenantManager(None, _Backend(), data, ckpt)
+
+    def start():
+        t = manager.table.register(_cfg("a", max_steps=100))
+        manager.table.activate("a", 0)
+        return t
+
+    t = start()
+    for step in (5, 10):
+        t.adapter_step = data.cursor = step
+        manager.save_checkpoint(t)
+        manager.finish_step()
+    (ckpt.latest("a") / "adapter_model.safetensors").write_bytes(b"garbage")  # step 10 damaged on disk
+    manager.table.tenants.pop("a")  # a restart
+    t = start()
+    manager._restore(t)
+    assert t.adapter_step == 5 and (ckpt.adapter_dir("a") / ".damaged-step_10").is_dir()
+    for step in (6, 8, 10):  # trains on: the replay reaches adapter step 10 with the damaged one's cursor
+        t.adapter_step = data.cursor = step
+        manager.save_checkpoint(t)
+        manager.finish_step()
+    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir("a"))] == [8, 10]
+    manager.table.tenants.pop("a")
+    t = start()
+    manager._restore(t)
+    assert t.adapter_step == 10 and data.loaded == {"cursor": 10}
