@@ -239,7 +239,7 @@ class TISSettings(_Strict):
 
 
 class AdapterConfig(_Strict):
-    name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+; used as a folder name.")
+    name: str = Field(description="Unique adapter name, [A-Za-z0-9._-]+, 1 to 128 characters; used as a folder name.")
     rank: int = Field(8, ge=1, description="LoRA rank r (<= model.max_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; scaling is alpha / r (as PEFT and SGLang).")
     target_modules: str | list[str] | None = Field(

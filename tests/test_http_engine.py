@@ -351,7 +351,7 @@ def test_pause_modes_other_than_abort_are_refused(served):
 
 
 BAD_NAMES = ["../x", "a/b", "", "a\n", ".", "..", 5]
-NAME_RULE = "a non-empty string of letters, digits, '.', '_' and '-', other than '.' and '..'"
+NAME_RULE = "a string of 1 to 128 letters, digits, '.', '_' and '-', other than '.' and '..'"
 
 
 @pytest.mark.parametrize("bad", BAD_NAMES)

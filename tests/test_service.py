@@ -81,7 +81,7 @@ _DROP = object()
         ({"name": _DROP}, r"name is missing"),
         ({"rank": 64}, r"rank=64 is not allowed; allowed: an integer <= model.max_rank \(8\)"),
         ({"learning_rate": 0.1}, r"learning_rate=0.1 is not allowed; allowed: no such key"),
-        ({"name": "bad/name"}, r"name='bad/name' is not allowed; allowed: a non-empty string of letters"),
+        ({"name": "bad/name"}, r"name='bad/name' is not allowed; allowed: a string of 1 to 128 letters"),
         ({"max_steps": None}, r"max_steps=None is not allowed; allowed: .*needs a budget"),
     ],
 )

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     import torch
 
 ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")  # used with fullmatch: "a\n" is refused
+# Names become folder and file names (RUN_DIR/adapters/<name>/, a paged tenant's <name>.pt): far under the 255 bytes
+# a file name may have, so a long name is refused when it is submitted, not by the file system in a training step.
+MAX_ADAPTER_NAME = 128
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -76,14 +79,15 @@ def validate_adapter_name(name: Any) -> str:
     >>> validate_adapter_name("a\\n")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: adapter name='a\\n' is not allowed; allowed: a non-empty string of letters, digits, ...
+    ValueError: adapter name='a\\n' is not allowed; allowed: a string of 1 to 128 letters, digits, ...
     """
-    if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.fullmatch(name) or name in (".", ".."):
+    ok = isinstance(name, str) and ADAPTER_NAME_PATTERN.fullmatch(name) and name not in (".", "..")
+    if not ok or len(name) > MAX_ADAPTER_NAME:
         raise ValueError(
             bad_value(
                 "adapter name",
                 name,
-                "a non-empty string of letters, digits, '.', '_' and '-', other than '.' and '..'",
+                f"a string of 1 to {MAX_ADAPTER_NAME} letters, digits, '.', '_' and '-', other than '.' and '..'",
             )
         )
     return name
