@@ -167,9 +167,10 @@ class Runtime:
         return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer, ahead_generator=ahead)
 
     # -- tenants --------------------------------------------------------------------------------------------------
-    def register(self, a: AdapterConfig):
-        """Admit an adapter as PENDING after every admission check (`TenantManager.submit`)."""
-        return self.tenants.submit(a)
+    def register(self, a: AdapterConfig, facts=None):
+        """Admit an adapter as PENDING after every admission check (`TenantManager.submit`; `facts`: its outside
+        facts when the caller read them, `TenantManager.outside_facts`)."""
+        return self.tenants.submit(a, facts=facts)
 
     def remove(self, name: str, reason: str = "removed by request") -> None:
         """Drain an adapter: no new prompts; it is checkpointed and unloaded at the end of the step."""

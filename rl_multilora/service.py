@@ -185,6 +185,7 @@ class Reply:
 class _Mutation:
     kind: Literal["submit", "remove"]
     adapter: AdapterConfig | None = None
+    facts: Any = None  # a submission's validate.OutsideFacts, read in the caller's thread
     name: str | None = None
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -251,11 +252,15 @@ class ServiceCore:
         """Validate and register `a` as PENDING before the next step; raise ServiceError with the reason if not."""
         self._check_open()
         # The admission checks run here too, in the caller's thread, so a bad submission is rejected at once instead
-        # of after the current step; rt.register repeats them, authoritative, between steps.
-        problems = self.rt.tenants.admission_problems(a)
+        # of after the current step. What they read from the outside world (reward, environment, dataset and eval
+        # split: seconds for a large dataset) is read here only; rt.register repeats the checks against the run's
+        # state, authoritative, between steps, with these facts, so a submission does not pause every tenant's
+        # training for as long as its dataset takes to load.
+        facts = self.rt.tenants.outside_facts(a)
+        problems = self.rt.tenants.admission_problems(a, facts=facts)
         if problems:
             raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
-        return self._enqueue(_Mutation("submit", adapter=a))
+        return self._enqueue(_Mutation("submit", adapter=a, facts=facts))
 
     def remove(self, name: str) -> AdapterStatus:
         """Drain `name` (PENDING: removed at once; RUNNING: checkpointed and unloaded at the end of the next step)."""
@@ -337,7 +342,7 @@ class ServiceCore:
             if self.error is not None:
                 raise ServiceError(f"the service stopped training after an error: {self.error}")
             if m.kind == "submit":
-                tenant = self.rt.register(m.adapter)
+                tenant = self.rt.register(m.adapter, facts=m.facts)
                 free = len(self.rt.tenants.free_slots())
                 log.info("submitted %s: PENDING (%d free slot(s))", tenant.name, free)
             else:

@@ -337,17 +337,24 @@ class TenantManager:
         self.save_run_state()
 
     # -- submission -------------------------------------------------------------------------------------------------
-    def admission_problems(self, a: AdapterConfig, restart: bool = False) -> list[str]:
+    def admission_problems(self, a: AdapterConfig, restart: bool = False, facts=None) -> list[str]:
         """Everything that keeps `a` from being registered now (`validate.adapter_problems` judges it against what
         this run knows), each naming the field, the value and what is allowed.
 
         `restart`: `a` is an adapter of the run's own config being registered again at start; one whose checkpoint
         is at its budget was killed before the run state recorded it done, and leaves at once instead of being
-        refused."""
+        refused. `facts`: its `validate.OutsideFacts` when the caller read them already (`outside_facts`)."""
         from rl_multilora import validate
 
         admission = self.admission(a, restart)
-        return validate.adapter_problems(a, admission)
+        return validate.adapter_problems(a, admission, facts)
+
+    def outside_facts(self, a: AdapterConfig):
+        """`validate.outside_facts` of `a` under this run's eval settings: its reward, environment and datasets read
+        (seconds for a large dataset), with no lock held, so the checks that need the run's state can reuse them."""
+        from rl_multilora import validate
+
+        return validate.outside_facts(a, self.cfg.eval_for(a))
 
     def admission(self, a: AdapterConfig, restart: bool = False) -> Admission:
         """The facts adapter `a` is admitted against: the model's LoRA, its eval, this run's checkpoints (when it
@@ -370,11 +377,12 @@ class TenantManager:
             name_holder=holder,
         )
 
-    def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False) -> Tenant:
+    def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False, facts=None) -> Tenant:
         """Register `a` as PENDING after `admission_problems` (skipped when `checked`: the caller just ran the same
-        checks, as `run` does through `validate.check_run`); raises `ConfigError` listing every problem."""
+        checks, as `run` does through `validate.check_run`); raises `ConfigError` listing every problem. `facts`:
+        `a`'s outside facts, read by the caller (`outside_facts`): only the checks against the run's state run here."""
         if not checked:
-            problems = self.admission_problems(a, restart)
+            problems = self.admission_problems(a, restart, facts)
             if problems:
                 raise ConfigError(problems)
         return self.table.register(a)

@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rl_multilora.checkpoint import CheckpointManager, RunStateError, check_compatible
 from rl_multilora.config import (
@@ -137,25 +138,27 @@ class Admission:
     where: str | None = None
 
 
-def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
-    """Everything that keeps adapter `a` from starting, each naming the field, the value and what is allowed.
+@dataclass
+class OutsideFacts:
+    """What `adapter_problems` reads from the outside world about an adapter (`outside_facts`): each failed probe's
+    message by field ("reward", "environment", "dataset", "eval"), the dataset's row count and first usable row, and
+    the eval split's row count (None: eval off or not read). Reading them loads the dataset and builds an
+    environment, which can take seconds; a caller that just read them passes them on instead of reading again."""
 
-    It reads the facts first (its targets against the model's LoRA, then the reward, environment, dataset, eval split
-    and checkpoint from the outside world, each failure kept as its message) and then judges them in one place, in
-    a fixed order: reward, environment, dataset, targets, expert parameters, eval split, checkpoint, name, staleness."""
+    failed: dict[str, str]
+    n_rows: int | None
+    usable: Any
+    eval_rows: int | None
+
+
+def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> OutsideFacts:
+    """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
     import dataclasses
 
     import rewards
     from rollout.data_source import first_usable_row, load_dataset_rows
     from rollout.environments import load_environment
 
-    ctx = admission
-    where = f"adapters.{a.name}." if ctx.where is None else ctx.where
-    targets = [a.target_modules] if isinstance(a.target_modules, str) else list(a.target_modules or [])
-    unmatched_modules = _unmatched([] if targets == ["all-linear"] else targets, ctx.lora_modules)
-    unmatched_parameters = _unmatched(a.target_parameters or [], ctx.lora_parameters)
-
-    # -- facts from the outside world --------------------------------------------------------------------------------
     failed: dict[str, str] = {}  # field -> message, for each probe that raised
     if a.reward is not None:
         try:
@@ -170,19 +173,40 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
         else:
             with contextlib.suppress(Exception):
                 env.close()
-    rows, usable = None, None
+    n_rows, usable = None, None
     try:
         rows = load_dataset_rows(a.dataset)
-        usable = first_usable_row(rows, a.dataset)
+        n_rows, usable = len(rows), first_usable_row(rows, a.dataset)
     except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
         failed["dataset"] = str(e)
-    eval_on, eval_rows = ctx.eval_settings is not None and ctx.eval_settings.enabled, None
-    if eval_on:
-        split, files = ctx.eval_settings.split, ctx.eval_settings.data_files or a.dataset.data_files
+    eval_rows = None
+    if eval_settings is not None and eval_settings.enabled:
+        split, files = eval_settings.split, eval_settings.data_files or a.dataset.data_files
         try:
             eval_rows = len(load_dataset_rows(dataclasses.replace(a.dataset, split=split, data_files=files)))
         except Exception as e:  # noqa: BLE001
             failed["eval"] = str(e)
+    return OutsideFacts(failed, n_rows, usable, eval_rows)
+
+
+def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts | None = None) -> list[str]:
+    """Everything that keeps adapter `a` from starting, each naming the field, the value and what is allowed.
+
+    It reads the facts first (its targets against the model's LoRA, then the reward, environment, dataset, eval split
+    (`outside_facts`, unless `facts` holds them already) and checkpoint from the outside world, each failure kept as
+    its message) and then judges them in one place, in a fixed order: reward, environment, dataset, targets, expert
+    parameters, eval split, checkpoint, name, staleness."""
+    ctx = admission
+    where = f"adapters.{a.name}." if ctx.where is None else ctx.where
+    targets = [a.target_modules] if isinstance(a.target_modules, str) else list(a.target_modules or [])
+    unmatched_modules = _unmatched([] if targets == ["all-linear"] else targets, ctx.lora_modules)
+    unmatched_parameters = _unmatched(a.target_parameters or [], ctx.lora_parameters)
+
+    # -- facts from the outside world --------------------------------------------------------------------------------
+    if facts is None:
+        facts = outside_facts(a, ctx.eval_settings)
+    failed, eval_rows = facts.failed, facts.eval_rows
+    eval_on = ctx.eval_settings is not None and ctx.eval_settings.enabled
     found = ctx.ckpt.latest_meta(a.name) if ctx.ckpt is not None else None
     clients = found is not None and found[1].get("label") is not None  # a Tinker client's save_weights wrote it
     resume = []
@@ -196,10 +220,10 @@ def adapter_problems(a: AdapterConfig, admission: Admission) -> list[str]:
     problems = [
         f"{where}{field}: {failed[field]}" for field in ("reward", "environment", "dataset") if field in failed
     ]
-    if rows is not None and usable is None:
+    if facts.n_rows is not None and facts.usable is None:
         what = (
             "has no rows"
-            if len(rows) == 0
+            if facts.n_rows == 0
             else f"has no row with a non-empty {a.dataset.prompt_key!r} and {a.dataset.label_key!r}"
         )
         problems.append(

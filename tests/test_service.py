@@ -158,7 +158,13 @@ class _OneSlotTenants(TenantTable):
             self.mark_drained(t.name)
             self.mark_removed(t.name)  # no engine here: what the sync's apply_sync does once it is unloaded
 
-    def admission_problems(self, a) -> list[str]:
+    read_in: list = []  # the threads outside_facts ran in
+
+    def outside_facts(self, a):
+        self.read_in.append(threading.current_thread())
+        return ("facts of", a.name)
+
+    def admission_problems(self, a, restart: bool = False, facts=None) -> list[str]:
         return []
 
     def admit_pending(self) -> None:
@@ -194,12 +200,14 @@ class _GatedRuntime:
         self.in_step = False
         self.fail_next = False
         self.events: list = []
+        self.registered_with: list = []  # (facts, thread) of each register
 
     def start(self) -> None:
         self.events.append("start")
 
-    def register(self, a):
+    def register(self, a, facts=None):
         self.events.append(("register", a.name, self.in_step))
+        self.registered_with.append((facts, threading.current_thread()))
         return self.tenants.register(a)
 
     def remove(self, name: str, reason: str = "removed by request") -> None:
@@ -261,6 +269,10 @@ def test_core_applies_mutations_between_steps_only(tmp_path):
             rt.gate.release()
             assert sub_b.result(10).state == "PENDING" and rm_a.result(10).state == "DRAINING"
         assert all(not e[2] for e in rt.events if isinstance(e, tuple)), rt.events
+        # What a submission reads from the outside world (dataset, reward, environment) is read in the caller's
+        # thread and handed to the training thread, which does not read it again under the turn lock.
+        assert [facts for facts, _ in rt.registered_with] == [("facts of", "a"), ("facts of", "b")]
+        assert not {thread for _, thread in rt.registered_with} & set(rt.tenants.read_in)
         # One slot: b is admitted once a has drained; a is then REMOVED (its name may be submitted again).
         assert rt.started.acquire(timeout=10)
         st = core.status()
