@@ -18,10 +18,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-Item = tuple[str, str, Any, dict[str, Any]]  # (prompt, response, label, metadata)
+Item = tuple[str, str, Any, dict[str, Any]]  # (prompt, response, label, metadata); rewards.registry.Item
 Outcome = tuple[str, Any]
 
 
@@ -48,27 +49,32 @@ def run_task(spec: Any, items: list[Item], resolved: dict[Any, Any]) -> list[Out
 
     A per-sample sync reward is called once per item with its own try, so one bad item costs one sample;
     `async def` rewards run concurrently in one event loop, each under `asyncio.wait_for(timeout_s)`; a batched
-    reward is one call, so its failure fails all its items.
+    reward is one call, so a call that raises fails all its items, but each value it returns is checked on its own:
+    a bad one (NaN, None) costs its own sample, with its index in the message.
     """
-    from rewards.registry import call_reward, is_async, is_batched, resolve
+    from rewards.registry import call_reward, check_reward, is_async, is_batched, resolve, reward_values
 
     try:
         if spec not in resolved:
             resolved[spec] = resolve(spec)
         fn = resolved[spec]
         if is_batched(fn):
-            return [("ok", value) for value in call_reward(fn, spec, items)]
-        if is_async(fn):
+            values = reward_values(fn, spec, items)  # one value per item, or it raised
+        elif is_async(fn):
             return asyncio.run(_run_async_chunk(fn, spec, items))
     except Exception as exc:
         return [("error", format_exc(exc))] * len(items)
-    outcomes: list[Outcome] = []
-    for item in items:
-        try:
-            outcomes.append(("ok", call_reward(fn, spec, [item])[0]))
-        except Exception as exc:
-            outcomes.append(("error", format_exc(exc)))
-    return outcomes
+    if is_batched(fn):
+        return [_outcome(check_reward, fn, spec, items[k], value, k) for k, value in enumerate(values)]
+    return [_outcome(lambda item: call_reward(fn, spec, [item])[0], item) for item in items]
+
+
+def _outcome(score: Callable[..., float], *args: Any) -> Outcome:
+    """("ok", score(*args)), or ("error", message) if it raises."""
+    try:
+        return ("ok", score(*args))
+    except Exception as exc:
+        return ("error", format_exc(exc))
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

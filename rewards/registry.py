@@ -9,8 +9,10 @@ Design choices:
 - Validation binds the signature against the exact call the executor makes, `fn(prompt, response, label,
   metadata, **spec.kwargs)` (or the same four by keyword for keyword-only functions), so an unknown kwarg or a
   missing parameter is a config error at adapter registration, not a failure counted at every step.
-- `call_reward` is the single place that invokes a reward (sync or async, per-sample or batched), checks that
-  the value is a finite number and adds the format bonus; `score` and the executor's workers both use it.
+- `reward_values` is the single place that invokes a reward (sync or async, per-sample or batched) and
+  `check_reward` the one that checks a value (a finite number) and adds the format bonus, each value on its own, so
+  one bad value of a batch costs that sample only. `call_reward` runs both and raises on the first failure
+  (`score`); the executor's workers call them separately.
 """
 
 from __future__ import annotations
@@ -277,14 +279,15 @@ def validate(spec: RewardSpec) -> None:
     resolve(spec)
 
 
-def _as_reward(value: Any, spec: RewardSpec) -> float:
+def _as_reward(value: Any, spec: RewardSpec, index: int | None = None) -> float:
+    at = "" if index is None else f" at index {index} of its batch"
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(
-            f"reward {spec_label(spec)!r} returned {value!r} ({type(value).__name__}); a reward must be a float"
+            f"reward {spec_label(spec)!r} returned {value!r} ({type(value).__name__}){at}; a reward must be a float"
         )
     reward = float(value)
     if not math.isfinite(reward):
-        raise ValueError(f"reward {spec_label(spec)!r} returned {reward}; a reward must be finite")
+        raise ValueError(f"reward {spec_label(spec)!r} returned {reward}{at}; a reward must be finite")
     return reward
 
 
@@ -335,32 +338,48 @@ def _check_batch(out: Any, spec: RewardSpec, n: int) -> list[Any]:
     return list(out)
 
 
-def call_reward(fn: RewardFn, spec: RewardSpec, items: list[tuple[str, str, Any, dict[str, Any]]]) -> list[float]:
-    """Score `items` (prompt, response, label, metadata) with `fn`, synchronously, in this thread.
+Item = tuple[str, str, Any, dict[str, Any]]  # (prompt, response, label, metadata)
 
-    A batched function gets one call with four lists; a per-sample one is called once per item (async ones are
-    driven to completion). Raises on the first failure; the executor sends one sample per call to isolate them.
+
+def reward_values(fn: RewardFn, spec: RewardSpec, items: list[Item]) -> list[Any]:
+    """What `fn` returns for `items`, one value per item, not checked yet (`check_reward` checks each).
+
+    A batched function gets one call with four lists (raises unless it returns one value per item); a per-sample
+    one is called once per item (async ones are driven to completion), raising on the first failure: the executor
+    sends one sample per call to isolate them.
     """
     mode = _bind_mode(fn, spec)
     if is_batched(fn):
         columns = tuple(list(col) for col in zip(*items, strict=True)) if items else ([], [], [], [])
         out = _invoke(fn, spec, mode, columns)
-        values = _check_batch(_run_coroutine(out) if inspect.isawaitable(out) else out, spec, len(items))
-    else:
-        values = []
-        for item in items:
-            out = _invoke(fn, spec, mode, item)
-            values.append(_run_coroutine(out) if inspect.isawaitable(out) else out)
+        return _check_batch(_run_coroutine(out) if inspect.isawaitable(out) else out, spec, len(items))
+    values = []
+    for item in items:
+        out = _invoke(fn, spec, mode, item)
+        values.append(_run_coroutine(out) if inspect.isawaitable(out) else out)
+    return values
+
+
+def check_reward(fn: RewardFn, spec: RewardSpec, item: Item, value: Any, index: int | None = None) -> float:
+    """The reward of `item` from the value `fn` returned for it, plus the format bonus; raises naming the value (and
+    `index`, its position in a batch) unless it is a finite number."""
+    return add_format_bonus(fn, spec, item[1], _as_reward(value, spec, index))
+
+
+def call_reward(fn: RewardFn, spec: RewardSpec, items: list[Item]) -> list[float]:
+    """Score `items` (prompt, response, label, metadata) with `fn`, synchronously, in this thread; raises on the
+    first failure (`reward_values`, then `check_reward` on each value)."""
+    batch = is_batched(fn)
     return [
-        add_format_bonus(fn, spec, item[1], _as_reward(value, spec)) for item, value in zip(items, values, strict=True)
+        check_reward(fn, spec, item, value, k if batch else None)
+        for k, (item, value) in enumerate(zip(items, reward_values(fn, spec, items), strict=True))
     ]
 
 
-async def acall_reward(fn: RewardFn, spec: RewardSpec, item: tuple[str, str, Any, dict[str, Any]]) -> float:
+async def acall_reward(fn: RewardFn, spec: RewardSpec, item: Item) -> float:
     """Score one item with a per-sample reward from async code (awaits `async def` rewards in this loop)."""
     out = _invoke(fn, spec, _bind_mode(fn, spec), item)
-    value = await out if inspect.isawaitable(out) else out
-    return add_format_bonus(fn, spec, item[1], _as_reward(value, spec))
+    return check_reward(fn, spec, item, await out if inspect.isawaitable(out) else out)
 
 
 def score(spec: RewardSpec, prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:

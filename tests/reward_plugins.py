@@ -46,6 +46,15 @@ def batched_reward(
 
 
 @rewards.batched
+def partly_bad_batched_reward(
+    prompts: list[str], responses: list[str], labels: list[Any], metadatas: list[dict[str, Any]]
+) -> list[Any]:
+    """Like `batched_reward`, but NaN for a "NAN" response and None for a "NONE" one (a judge that gave up on them)."""
+    bad = {"NAN": float("nan"), "NONE": None}
+    return [bad[r] if r in bad else float(r.strip() == str(y)) for r, y in zip(responses, labels, strict=True)]
+
+
+@rewards.batched
 async def batch_size_reward(
     prompts: list[str], responses: list[str], labels: list[Any], metadatas: list[dict[str, Any]]
 ) -> list[float]:

@@ -17,6 +17,7 @@ import pytest
 
 import rewards
 from rewards import RewardConfigError, RewardExecutor, score, validate
+from rewards._worker import run_task
 from rollout.types import AdapterRef, RewardSpec, Sample
 
 try:  # importable as tests.reward_plugins from the repo root, or as reward_plugins when pytest puts tests/ first
@@ -300,6 +301,21 @@ def test_executor_bad_return_values_and_config_fail_only_their_samples(executor)
     assert [s.reward for s in samples] == [-1.0, 0.0, -2.0, -2.0, 1.0]
     assert report.errors == {"str": 1, "nan": 1, "badpath": 2}
     assert "not found" in report.last_error["badpath"]
+
+
+def test_executor_batched_bad_values_fail_only_their_own_samples(executor):
+    spec = plugin("partly_bad_batched_reward", failure_value=-1.0)
+    samples = make_samples("badbatch", spec, ["4", "NAN", "5", "NONE", "4"])
+    report = executor.score_samples(samples)
+    assert [s.reward for s in samples] == [1.0, -1.0, 0.0, -1.0, 1.0]  # the good values of the batch count
+    assert report.errors == {"badbatch": 2} and report.all_failed == {}
+    assert "returned None (NoneType) at index 3 of its batch" in report.last_error["badbatch"]
+    outcomes = run_task(spec, [(s.prompt, s.response, s.label, s.metadata) for s in samples], {})
+    assert outcomes[1] == (
+        "error",
+        f"ValueError: reward '{PLUGINS}:partly_bad_batched_reward' returned nan at index 1 of its batch; "
+        "a reward must be finite",
+    )
 
 
 def test_executor_overhead_for_100_samples(executor):
