@@ -3,6 +3,8 @@
 Protocol on the socket (multiprocessing `Connection`, pickle between our own processes only):
 the worker first sends ("ready", pid); then for each (task_id, sys_path, spec, items) it answers
 (task_id, outcomes), one ("ok", reward) | ("error", message) | ("timeout", message) per item; None ends it.
+While it runs an `async def` reward's chunk it also sends (task_id, None) each time one of the chunk's samples
+starts or finishes, so the executor can tell a chunk that makes progress from an event loop blocked for good.
 
 The worker is a fresh interpreter (fork + exec) rather than a multiprocessing child: it is safe next to torch's
 threads like "spawn", and unlike spawn/forkserver it never re-imports the parent's `__main__` (an unguarded
@@ -13,6 +15,7 @@ worker when its parent is gone, even if a reward hangs the main thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import sys
@@ -30,25 +33,39 @@ def format_exc(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def _run_async_chunk(fn: Any, spec: Any, items: list[Item]) -> list[Outcome]:
+async def _run_async_chunk(fn: Any, spec: Any, items: list[Item], progress: Callable[[], None]) -> list[Outcome]:
     from rewards.registry import acall_reward, spec_label
 
     async def one(item: Item) -> Outcome:
+        progress()  # a sample started
+        # Its own clock starts now, not when the chunk did: sync work inside an `async def` holds the event loop, so
+        # a chunk's samples may start one after another. (`asyncio.wait_for` starts its clock where it is called
+        # and, before Python 3.12, runs the reward in a task of its own that starts later.)
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(spec.timeout_s, asyncio.current_task().cancel)
         try:
-            return ("ok", await asyncio.wait_for(acall_reward(fn, spec, item), spec.timeout_s))
-        except asyncio.TimeoutError:
-            return ("timeout", f"reward {spec_label(spec)!r} ran past timeout_s={spec.timeout_s}")
+            return ("ok", await acall_reward(fn, spec, item))
+        except asyncio.CancelledError as exc:
+            if loop.time() >= expiry.when():  # its clock ran out
+                return ("timeout", f"reward {spec_label(spec)!r} ran past timeout_s={spec.timeout_s}")
+            return ("error", format_exc(exc))  # the reward's own (it awaited something cancelled)
         except Exception as exc:
             return ("error", format_exc(exc))
+        finally:
+            expiry.cancel()
+            progress()  # a sample finished
 
     return list(await asyncio.gather(*(one(item) for item in items)))
 
 
-def run_task(spec: Any, items: list[Item], resolved: dict[Any, Any]) -> list[Outcome]:
+def run_task(
+    spec: Any, items: list[Item], resolved: dict[Any, Any], progress: Callable[[], None] = lambda: None
+) -> list[Outcome]:
     """Score one task; every failure becomes an outcome, nothing escapes.
 
     A per-sample sync reward is called once per item with its own try, so one bad item costs one sample;
-    `async def` rewards run concurrently in one event loop, each under `asyncio.wait_for(timeout_s)`; a batched
+    `async def` rewards run concurrently in one event loop, each cancelled `timeout_s` after it starts running,
+    and `progress()` is called each time one starts or finishes (the executor then keeps the worker); a batched
     reward is one call, so a call that raises fails all its items, but each value it returns is checked on its own:
     a bad one (NaN, None) costs its own sample, with its index in the message.
     """
@@ -61,7 +78,7 @@ def run_task(spec: Any, items: list[Item], resolved: dict[Any, Any]) -> list[Out
         if is_batched(fn):
             values = reward_values(fn, spec, items)  # one value per item, or it raised
         elif is_async(fn):
-            return asyncio.run(_run_async_chunk(fn, spec, items))
+            return asyncio.run(_run_async_chunk(fn, spec, items, progress))
     except Exception as exc:
         return [("error", format_exc(exc))] * len(items)
     if is_batched(fn):
@@ -105,4 +122,5 @@ def main(fd: int, parent_pid: int) -> None:
         task_id, sys_path, spec, items = msg
         if sys.path != sys_path:  # import custom rewards exactly as the parent would
             sys.path[:] = sys_path
-        conn.send((task_id, run_task(spec, items, resolved)))
+        progress = functools.partial(conn.send, (task_id, None))
+        conn.send((task_id, run_task(spec, items, resolved, progress)))

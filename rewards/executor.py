@@ -8,10 +8,15 @@ Design choices:
   process with torch loaded and threads running. Workers persist between calls and preload `rewards` and
   math_verify; each runs in its own session, so a kill takes the rewards' own child processes with it.
 - Task granularity: a sync reward runs one sample per task, so one bad sample costs one sample. An `async def`
-  reward gets chunks of up to `async_concurrency` samples run concurrently in the worker's event loop, each under
-  its own `asyncio.wait_for`. A `@batched` reward gets one task per adapter per call.
+  reward gets chunks of up to `async_concurrency` samples run concurrently in the worker's event loop, each with
+  its own timeout. A `@batched` reward gets one task per adapter per call.
 - Timeout: each task has `spec.timeout_s` from the moment a worker takes it; past it the worker is killed and
-  replaced, and the task's samples score `spec.failure_value`.
+  replaced, and the task's samples score `spec.failure_value`. An async chunk's samples each have `timeout_s` from
+  when they start running, and the worker cancels them itself; since sync work inside an `async def` blocks the
+  event loop, they may start one after another, so the chunk's clock restarts each time one of its samples starts
+  or finishes (the worker reports it). Its worker is killed only when `timeout_s` (plus a short grace) passes without
+  that, i.e. the loop is blocked for good, or at the latest `timeout_s` per sample of the chunk after it started: a
+  reward that blocks for ever costs one `timeout_s`, a chunk of slow but progressing samples is not cut short.
 - Fairness: the next free worker takes a task from the adapter with the fewest tasks in flight, so a tenant whose
   reward hangs holds at most one worker while others have work. After one of its tasks times out, that tenant's
   tasks still queued in the same call are not started (they count as timeouts): a reward that hangs on every
@@ -58,7 +63,7 @@ from rewards._worker import Item, Outcome, format_exc
 from rewards.registry import RewardConfigError, RewardFn, is_async, is_batched, resolve, spec_label
 from rollout.types import RewardSpec, Sample
 
-# A worker answering an async chunk reports its own per-sample timeouts; give it this long to send them.
+# A worker answering an async chunk reports its own per-sample timeouts and progress; give it this long to send them.
 _ASYNC_GRACE_S = 0.25
 # A fresh worker imports rewards and math_verify (sympy) before it takes work; past this it is broken.
 _STARTUP_TIMEOUT_S = 120.0
@@ -95,7 +100,8 @@ class _Task:
     adapter: str
     spec: RewardSpec
     sample_ids: list[int]
-    deadline: float = math.inf
+    deadline: float = math.inf  # its worker is killed past it
+    limit: float = math.inf  # the latest the deadline may move to as an async chunk's samples progress
 
 
 _Finish = Callable[..., None]  # finish(task, outcomes, started=True): record a task's outcomes
@@ -365,17 +371,21 @@ class RewardExecutor:
             message = f"could not send samples to a reward worker: {format_exc(exc)}"
             finish(task, [("error", message)] * len(items), started=False)
             return True
-        grace = _ASYNC_GRACE_S if is_async(self._resolved[task.spec]) else 0.0
-        task.deadline = time.monotonic() + task.spec.timeout_s + grace
+        now = time.monotonic()
+        if is_async(self._resolved[task.spec]):  # `_receive` moves the deadline on as the chunk progresses
+            task.deadline = now + task.spec.timeout_s + _ASYNC_GRACE_S
+            task.limit = now + task.spec.timeout_s * len(task.sample_ids) + _ASYNC_GRACE_S
+        else:
+            task.deadline = task.limit = now + task.spec.timeout_s
         worker.task = task
         return True
 
     def _receive(self, worker: _Worker, finish: _Finish) -> None:
         task = worker.task
-        worker.task = None
         try:
             task_id, results = worker.conn.recv()
         except (EOFError, OSError):  # the worker died mid-task (os._exit, segfault, SIGKILL, OOM)
+            worker.task = None
             try:
                 # its socket closed as it exited: the status follows at once; this blocks every tenant, so not long
                 code = worker.process.wait(0.25)
@@ -387,6 +397,10 @@ class RewardExecutor:
             return
         if task_id != task.task_id:
             raise RuntimeError(f"reward worker answered task {task_id}, expected {task.task_id}")
+        if results is None:  # a sample of its async chunk started or finished: the event loop is not blocked
+            task.deadline = min(task.limit, time.monotonic() + task.spec.timeout_s + _ASYNC_GRACE_S)
+            return
+        worker.task = None
         finish(task, results)
 
     def _apply(self, samples: list[Sample], outcomes: list[Outcome | None], report: RewardReport) -> None:

@@ -107,6 +107,14 @@ async def blocking_async_reward(prompt: str, response: str, label: Any, metadata
     return 1.0
 
 
+async def sync_work_async_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """An `async def` that does 0.2 s of sync work (parsing, sympy) before it awaits: a chunk's samples run one after
+    another."""
+    time.sleep(0.2)
+    await asyncio.sleep(0)
+    return 1.0
+
+
 def exiting_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
     """Kills its own process, like a segfault in a native extension."""
     os._exit(3)

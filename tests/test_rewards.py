@@ -367,13 +367,23 @@ def test_executor_partial_hang_costs_only_that_sample(executor):
 def test_executor_async_timeouts_per_sample_and_blocked_loop(executor):
     executor.wait_ready()  # time the call, not the workers' start-up
     cooperative = make_samples("coop", plugin("async_reward", timeout_s=0.5), ["4", "SLOW", "4"])
-    blocking = make_samples("block", plugin("blocking_async_reward", timeout_s=0.5, failure_value=-1.0), ["x"])
+    blocking = make_samples("block", plugin("blocking_async_reward", timeout_s=0.5, failure_value=-1.0), ["x"] * 4)
     start = time.monotonic()
     report = executor.score_samples(cooperative + blocking)
-    assert time.monotonic() - start < 0.5 + 1.0
-    assert [s.reward for s in cooperative] == [1.0, 0.0, 1.0]  # wait_for cancels only the slow one
-    assert blocking[0].reward == -1.0
-    assert report.timeouts == {"coop": 1, "block": 1}
+    assert time.monotonic() - start < 0.5 + 1.0  # a loop blocked for good costs one timeout_s, not one per sample
+    assert [s.reward for s in cooperative] == [1.0, 0.0, 1.0]  # the worker cancels only the slow one
+    assert [s.reward for s in blocking] == [-1.0] * 4
+    assert report.timeouts == {"coop": 1, "block": 4}
+
+
+def test_executor_async_sync_work_gets_timeout_s_per_sample(executor):
+    # 6 samples of 0.2 s sync work each run one after another in one event loop (1.2 s): each is within its
+    # timeout_s=0.5, so none times out (the whole chunk used to get one timeout_s and all 6 timed out).
+    executor.wait_ready()
+    samples = make_samples("syncwork", plugin("sync_work_async_reward", timeout_s=0.5), ["x"] * 6)
+    report = executor.score_samples(samples)
+    assert [s.reward for s in samples] == [1.0] * 6
+    assert report.timeouts == {} and report.errors == {} and report.seconds < 0.5 * 6
 
 
 def test_executor_worker_death_is_an_error_and_worker_is_replaced(executor):
