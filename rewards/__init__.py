@@ -27,7 +27,8 @@ Entry points:
 - `RewardExecutor(num_workers=2)`: the training loop's scorer. `executor.score_samples(samples)` sets
   `sample.reward` on every sample and returns a `RewardReport` with per-adapter error / timeout counts. Rewards run
   in persistent worker processes; a reward that raises or runs past `spec.timeout_s` scores `spec.failure_value`
-  for that sample only, and a hung worker is killed and replaced. `executor.wait_ready()` blocks until the
+  for that sample only, and a hung worker is killed and replaced (the adapter's samples still queued then are not
+  started: no reward, marked FAILED). `executor.wait_ready()` blocks until the
   workers have started. Workers isolate faults, not privileges: they run your code as the trainer's user.
 """
 

@@ -19,23 +19,26 @@ Design choices:
   reward that blocks for ever costs one `timeout_s`, a chunk of slow but progressing samples is not cut short.
 - Fairness: the next free worker takes a task from the adapter with the fewest tasks in flight, so a tenant whose
   reward hangs holds at most one worker while others have work. After one of its tasks times out, that tenant's
-  tasks still queued in the same call are not started (they count as timeouts): a reward that hangs on every
-  sample costs one timeout of wall time per call, not one per sample. An adapter whose reward crashed a worker in
-  its previous call goes last: its tasks are started only when no other adapter has a task queued, so that it
-  cannot take the last live worker (the others may still be starting) from the tenants it would otherwise block.
+  tasks still queued in the same call are not started: a reward that hangs on every sample costs one timeout of
+  wall time per call, not one per sample. An adapter whose reward crashed a worker in its previous call goes last:
+  its tasks are started only when no other adapter has a task queued, so that it cannot take the last live worker
+  (the others may still be starting) from the tenants it would otherwise block.
+- Not started is not scored: those samples were never checked, so they get no reward (None) and are marked FAILED
+  with the reason in `metadata["error"]`, like a sample whose generation failed; the trainer leaves them out (its
+  `excluded`, the step's `failed_samples`) and the rest of their group trains on. Scoring them `failure_value`
+  would train the tenant on correct answers as wrong ones. They count in `RewardReport.skipped`, not as errors.
 - Crashes: a worker that dies while running a task (the reward segfaults, calls `os._exit`, kills its process, or
-  the OOM killer picks it) is treated like a timeout: the task's samples score `spec.failure_value`, the tenant's
-  tasks still queued in the same call are not started (they score `failure_value` too), and the worker is replaced
-  once, in the background, while the other workers keep serving the other tenants. All of them count in
-  `RewardReport.errors` and in `RewardReport.crashes`. So a reward that crashes on some or all of its samples adds
-  at most its own `timeout_s` (its tasks already running elsewhere) plus one worker start to a step, not a worker
-  start per sample.
-- Failure report: a call lists an adapter in `RewardReport.all_failed` when every one of its samples failed
-  (raised, timed out, bad value) or when its reward crashed a worker, even if its other samples scored. The
-  executor keeps no count across calls: the limit (`faults.max_reward_fail_steps` calls in a row) is the tenant's
-  own counter (`rl_multilora.tenants`), so it starts clean when a name is submitted again. A reward that crashes
-  its worker on only some inputs is thus failed like one that raises on every input: it would otherwise cost a
-  worker start every step for ever.
+  the OOM killer picks it) is treated like a timeout: the task's samples score `spec.failure_value` (they count in
+  `RewardReport.errors` and in `RewardReport.crashes`), the tenant's tasks still queued in the same call are not
+  started, and the worker is replaced once, in the background, while the other workers keep serving the other
+  tenants. So a reward that crashes on some or all of its samples adds at most its own `timeout_s` (its tasks
+  already running elsewhere) plus one worker start to a step, not a worker start per sample.
+- Failure report: a call lists an adapter in `RewardReport.all_failed` when none of its samples scored (each
+  raised, timed out, returned a bad value or was not started) or when its reward crashed a worker, even if its
+  other samples scored. The executor keeps no count across calls: the limit (`faults.max_reward_fail_steps` calls
+  in a row) is the tenant's own counter (`rl_multilora.tenants`), so it starts clean when a name is submitted
+  again. A reward that crashes its worker on only some inputs is thus failed like one that raises on every input:
+  it would otherwise cost a worker start every step for ever.
 - The parent resolves each spec (cached) only to learn its shape (sync, async, batched); a spec that does not
   resolve fails its own samples with the config error, never the call.
 - Data goes to our own workers over a socket pair (pickle between our own processes only).
@@ -61,7 +64,7 @@ from pathlib import Path
 
 from rewards._worker import Item, Outcome, format_exc
 from rewards.registry import RewardConfigError, RewardFn, is_async, is_batched, resolve, spec_label
-from rollout.types import RewardSpec, Sample
+from rollout.types import RewardSpec, Sample, SampleStatus
 
 # A worker answering an async chunk reports its own per-sample timeouts and progress; give it this long to send them.
 _ASYNC_GRACE_S = 0.25
@@ -79,10 +82,11 @@ class RewardReport:
     """What one `score_samples` call did, per adapter name ("" for samples without an adapter).
 
     `errors` / `timeouts`: samples whose reward raised / ran past `timeout_s` (they scored `failure_value`);
-    `all_failed`: adapters whose rewards failed on every sample, or crashed a worker, in this call, with the
-    reason; `samples`: samples scored per adapter; `last_error`: the last failure
-    message per adapter; `seconds`: wall time; `crashes`: the part of `errors` lost to a worker that died under the
-    adapter's reward: the samples of the task it was running and those of the adapter's tasks not started after.
+    `skipped`: samples not started after an earlier task of the adapter timed out or crashed (no reward, marked
+    FAILED); `all_failed`: adapters none of whose samples scored, or whose reward crashed a worker, in this call,
+    with the reason; `samples`: samples per adapter; `last_error`: the last failure message per adapter; `seconds`:
+    wall time; `crashes`: the part of `errors` lost to a worker that died under the adapter's reward (the samples of
+    the task it was running).
     """
 
     errors: dict[str, int] = field(default_factory=dict)
@@ -92,6 +96,7 @@ class RewardReport:
     samples: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, str] = field(default_factory=dict)
     crashes: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,15 +223,16 @@ class RewardExecutor:
     def score_samples(self, samples: list[Sample]) -> RewardReport:
         """Set `sample.reward` on every sample (its reward, or `failure_value` on error / timeout); report counts.
 
-        A multi-turn episode (`sample.environment` set) already holds the reward its environment gave: without a
-        RewardSpec it keeps it; with one, its reward function's score is added to it (a failed episode, whose
-        reward is None, keeps None)."""
+        A sample not started because an earlier task of its adapter timed out or crashed gets None and is marked
+        FAILED (see the module docstring). A multi-turn episode (`sample.environment` set) already holds the reward
+        its environment gave: without a RewardSpec it keeps it; with one, its reward function's score is added to it
+        (a failed episode, whose reward is None, keeps None; a not started one gets None)."""
         episodes = {id(s): s.reward for s in samples if s.environment is not None}
         samples = [s for s in samples if s.environment is None or s.reward_spec is not None]
         report = self._score(samples)
         for s in samples:
             if id(s) in episodes:
-                s.reward = None if episodes[id(s)] is None else episodes[id(s)] + s.reward
+                s.reward = None if episodes[id(s)] is None or s.reward is None else episodes[id(s)] + s.reward
         return report
 
     def _score(self, samples: list[Sample]) -> RewardReport:
@@ -291,14 +297,14 @@ class RewardExecutor:
             for i, outcome in zip(task.sample_ids, results, strict=True):
                 outcomes[i] = outcome
             if started and results and results[0][0] == "crash":  # its worker died (see `_receive`)
-                skip_rest(task.adapter, "crash", results[0][1])
+                skip_rest(task.adapter, results[0][1])
 
-        def skip_rest(adapter: str, status: str, message: str) -> None:
-            """Score the adapter's tasks still queued in this call `failure_value` without starting them."""
+        def skip_rest(adapter: str, message: str) -> None:
+            """Drop the adapter's tasks still queued in this call without starting them; their samples stay unscored."""
             skipped = f"not started: an earlier call in this step: {message}"
             while queues[adapter]:
                 rest = queues[adapter].popleft()
-                finish(rest, [(status, skipped)] * len(rest.sample_ids), started=False)
+                finish(rest, [("skipped", skipped)] * len(rest.sample_ids), started=False)
 
         while any(queues.values()) or any(w.task is not None for w in self._workers):
             for worker in self._workers:
@@ -325,7 +331,7 @@ class RewardExecutor:
                 self._replace(worker)
                 message = f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
                 finish(task, [("timeout", message)] * len(task.sample_ids))
-                skip_rest(task.adapter, "timeout", message)
+                skip_rest(task.adapter, message)
 
     def _wait_and_collect(self, finish: _Finish) -> None:
         """Block until a worker answers, a worker becomes ready, or the nearest task deadline passes."""
@@ -410,22 +416,30 @@ class RewardExecutor:
             if status == "ok":
                 sample.reward = float(value)
                 continue
+            report.last_error[adapter] = value
+            if status == "skipped":  # never scored: not trained on (see the module docstring)
+                sample.reward = None
+                sample.status = SampleStatus.FAILED
+                sample.metadata.setdefault("error", value)
+                report.skipped[adapter] = report.skipped.get(adapter, 0) + 1
+                continue
             sample.reward = float(sample.reward_spec.failure_value)
             counter = report.timeouts if status == "timeout" else report.errors
             counter[adapter] = counter.get(adapter, 0) + 1
             if status == "crash":
                 report.crashes[adapter] = report.crashes.get(adapter, 0) + 1
-            report.last_error[adapter] = value
         for adapter, n in report.samples.items():
             failed = report.errors.get(adapter, 0) + report.timeouts.get(adapter, 0)
             crashed = report.crashes.get(adapter, 0)
+            skipped = report.skipped.get(adapter, 0)
             if crashed:
                 self._crashed.add(adapter)
             else:
                 self._crashed.discard(adapter)
-            if failed == n or crashed:
+            if failed + skipped == n or crashed:
                 report.all_failed[adapter] = (
-                    f"{failed}/{n} failed this step, {crashed} to a crash; last: {report.last_error[adapter]}"
+                    f"{failed}/{n} failed this step, {crashed} to a crash, {skipped} not started; "
+                    f"last: {report.last_error[adapter]}"
                 )
 
 

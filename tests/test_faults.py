@@ -164,7 +164,9 @@ def test_hanging_reward_times_out_then_fails_its_tenant(runs):
     faulty, rt, log, _ = runs
     rows = _rows(faulty, "f_hang")
     assert len(rows) == 2
-    assert all(r["reward_timeouts"] == r["n_samples"] == 8 for r in rows)
+    # One worker: the first sample timed out (failure_value); the other 7 were not started, so never scored: FAILED,
+    # left out of training, not trained as failure_value.
+    assert all(r["n_samples"] == 8 and r["reward_timeouts"] == 1 and r["failed_samples"] == 7 for r in rows)
     _assert_failed(rt, faulty, log, "f_hang", "timeout_s=0.5")
 
 

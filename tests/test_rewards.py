@@ -18,7 +18,7 @@ import pytest
 import rewards
 from rewards import RewardConfigError, RewardExecutor, score, validate
 from rewards._worker import run_task
-from rollout.types import AdapterRef, RewardSpec, Sample
+from rollout.types import AdapterRef, RewardSpec, Sample, SampleStatus
 
 try:  # importable as tests.reward_plugins from the repo root, or as reward_plugins when pytest puts tests/ first
     from tests import reward_plugins
@@ -341,10 +341,13 @@ def test_executor_contains_raising_and_hanging_rewards(executor):
     report = executor.score_samples(samples)
     elapsed = time.monotonic() - start
     assert elapsed < timeout + 0.75, elapsed
-    assert [s.reward for s in hang] == [-1.0] * 4
+    # Its first task hung; the second worker may have taken its second once the others' queues ran dry. The rest
+    # were not started after the first timeout: never scored, so no reward.
+    timed_out = report.timeouts["hang"]
+    assert [s.reward for s in hang] == [-1.0] * timed_out + [None] * (4 - timed_out) and timed_out in (1, 2)
     assert [s.reward for s in boom] == [-0.5] * 3
     assert [s.reward for s in good] == [1.0, 0.0] * 3  # untouched by the neighbours
-    assert report.timeouts == {"hang": 4} and report.errors == {"boom": 3}
+    assert report.skipped == {"hang": 4 - timed_out} and report.errors == {"boom": 3}
     assert "timeout_s=1.0" in report.last_error["hang"] and "ZeroDivisionError" in report.last_error["boom"]
     assert pids - set(executor.worker_pids), "a hung worker is replaced"
     for pid in pids - set(executor.worker_pids):
@@ -362,6 +365,35 @@ def test_executor_partial_hang_costs_only_that_sample(executor):
     report = executor.score_samples(samples)
     assert [s.reward for s in samples] == [0.0, 1.0, 1.0, 1.0]
     assert report.timeouts == {"partial": 1}
+
+
+def test_executor_samples_not_started_after_a_timeout_get_no_reward():
+    # One worker, so the hang stops the tenant's queued samples: never checked, they must not train as failure_value
+    # (6 correct answers trained as wrong ones). They get no reward and are FAILED, which the trainer leaves out.
+    from rl_multilora.batch import build_batch
+
+    with RewardExecutor(num_workers=1) as ex:
+        spec = plugin("hang_on_marker_reward", timeout_s=0.5, failure_value=-1.0)
+        samples = make_samples("skip", spec, ["ok", "HANG"] + ["ok"] * 6)
+        report = ex.score_samples(samples)
+        assert [s.reward for s in samples] == [1.0, -1.0] + [None] * 6  # the hung one keeps failure_value
+        assert [s.status for s in samples] == [SampleStatus.PENDING] * 2 + [SampleStatus.FAILED] * 6
+        assert all(
+            s.metadata["error"].startswith("not started") and "timeout_s=0.5" in s.metadata["error"]
+            for s in samples[2:]
+        )
+        assert report.timeouts == {"skip": 1} and report.skipped == {"skip": 6} and report.errors == {}
+        assert report.all_failed == {}  # one sample scored
+
+        # A reward that hangs on every sample still fails the call (the tenant's fault streak counts it).
+        report = ex.score_samples(make_samples("skipall", plugin("hanging_reward", timeout_s=0.5), ["a"] * 3))
+        assert report.timeouts == {"skipall": 1} and report.skipped == {"skipall": 2}
+        assert "1/3 failed this step, 0 to a crash, 2 not started" in report.all_failed["skipall"]
+
+    for s in samples:  # as the rollout leaves them: one group of one adapter
+        s.prompt_ids, s.response_ids = [1, 2], [3]
+    stats = build_batch(samples, drop_uniform_groups=False).stats["skip"]
+    assert stats.error is None and stats.excluded == 6 and stats.n_rows == 2
 
 
 def test_executor_async_timeouts_per_sample_and_blocked_loop(executor):
@@ -409,13 +441,14 @@ def test_executor_worker_crash_fails_rest_of_tenant_within_one_timeout():
         # One crash costs at most one respawn, never one per crashing sample (12 here: about 6 startups before).
         assert elapsed < spec.timeout_s + startup + 0.5, (elapsed, startup)
         assert [s.reward for s in good] == [1.0, 0.0] * 8
-        # The first sample killed its worker; the tenant's queued samples were not started ("4" would score 1.0).
-        # The other worker may have taken crashy[1] (a "4") and then crashy[2] (a crash) before the first crash was
-        # seen, if the healthy tenant's queue ran dry first; nothing after that.
+        # The first sample killed its worker; the tenant's queued samples were not started (no reward: never
+        # scored). The other worker may have taken crashy[1] (a "4") and then crashy[2] (a crash) before the first
+        # crash was seen, if the healthy tenant's queue ran dry first; nothing after that.
         rewards_ = [s.reward for s in crashy]
-        assert rewards_ in ([-1.0] * 16, [-1.0, 1.0] + [-1.0] * 14), rewards_
+        assert rewards_ in ([-1.0] + [None] * 15, [-1.0, 1.0] + [None] * 14, [-1.0, 1.0, -1.0] + [None] * 13)
         failed = rewards_.count(-1.0)
         assert report.errors == {"crashy": failed} and report.crashes == {"crashy": failed}
+        assert report.skipped == {"crashy": rewards_.count(None)}
         assert report.timeouts == {} and set(report.all_failed) == {"crashy"}  # one failing call: the tenant counts it
         assert "exit code -9" in report.last_error["crashy"] and "not started" in report.last_error["crashy"]
 
@@ -430,8 +463,8 @@ def test_executor_worker_crash_fails_rest_of_tenant_within_one_timeout():
         report = ex.score_samples(crashy + good)
         elapsed = time.monotonic() - start
         assert elapsed < startup / 2, (elapsed, startup)
-        assert [s.reward for s in good] == [1.0, 0.0] * 8 and [s.reward for s in crashy] == [-1.0, -1.0]
-        assert report.crashes == {"crashy": 2} and report.errors == {"crashy": 2}
+        assert [s.reward for s in good] == [1.0, 0.0] * 8 and [s.reward for s in crashy] == [-1.0, None]
+        assert report.crashes == {"crashy": 1} and report.errors == {"crashy": 1} and report.skipped == {"crashy": 1}
 
         # The next call is served as usual, the crashed tenant included.
         ex.wait_ready()
@@ -470,10 +503,11 @@ def test_executor_healthy_tenant_unaffected_by_crashing_neighbour(executor):
         elapsed = time.monotonic() - start
         assert elapsed < crash.timeout_s + 1.0, elapsed  # was one respawn per crashing sample: 16 of them
         assert [s.reward for s in healthy] == [1.0, 0.0, 0.0] * 5 + [2.0, 0.0]
-        assert [s.reward for s in crashy] == [-2.0] * 16
+        crashed = report.crashes["allcrash"]  # the rest were not started: no reward
+        assert [s.reward for s in crashy] == [-2.0] * crashed + [None] * (16 - crashed)
         assert "healthy" not in report.errors and "healthy" not in report.timeouts
         assert "healthy" not in report.crashes and "healthy" not in report.all_failed
-        assert report.crashes == {"allcrash": 16}
+        assert report.skipped == {"allcrash": 16 - crashed}
         assert "allcrash" in report.all_failed
 
 
