@@ -236,9 +236,19 @@ def _bind_mode(fn: RewardFn, spec: RewardSpec) -> str:
     raise RewardConfigError(f"reward.path: {where} has the wrong signature ({data_errors[0]}); allowed: {shape}")
 
 
+# The longest a tenant may let one sample's reward run: the step's other tenants wait for it (their rewards are in the
+# same step), so a day-long timeout on a reward that hangs would stall every tenant for a day.
+MAX_TIMEOUT_S = 600.0
+
+
 def _check_numbers(spec: RewardSpec) -> None:
     for field_name, allowed, ok in (
-        ("timeout_s", "a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+        (
+            "timeout_s",
+            f"a number in (0, {MAX_TIMEOUT_S:g}] (seconds a sample's check may take; a step waits for its "
+            "slowest, every tenant's training with it)",
+            lambda v: math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+        ),
         ("failure_value", "a finite number", math.isfinite),
         ("format_bonus", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
     ):

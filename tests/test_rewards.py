@@ -190,7 +190,9 @@ def test_format_builtin():
         (RewardSpec(name="gsm8k", kwargs={"mode": "lenient"}), ["reward.kwargs", "mode", "'lenient'", "'flexible'"]),
         (RewardSpec(name="format"), ["pattern", "None", "regular expression"]),
         (RewardSpec(name="format", kwargs={"pattern": "(unclosed"}), ["pattern", "'(unclosed'", "not a valid"]),
-        (RewardSpec(name="gsm8k", timeout_s=0), ["reward.timeout_s", "0", "> 0"]),
+        (RewardSpec(name="gsm8k", timeout_s=0), ["reward.timeout_s", "0", "(0, 600]"]),
+        # a tenant's hanging reward stalls every tenant's step for as long as its timeout: bounded
+        (RewardSpec(name="gsm8k", timeout_s=86400), ["reward.timeout_s", "86400", "(0, 600]", "every tenant"]),
         (RewardSpec(name="gsm8k", failure_value=float("nan")), ["reward.failure_value", "nan"]),
         (RewardSpec(name="exact_match", format_bonus=0.1), ["reward.format_bonus", "exact_match", "declares none"]),
         (plugin("sync_reward", format_bonus=0.1), ["reward.format_bonus", "with_format_check"]),
