@@ -632,7 +632,7 @@ class TenantManager:
         f = self.cfg.faults
         if t.reward_fail_streak >= f.max_reward_fail_steps:
             return (
-                f"reward failing: rewards failed on every sample or crashed a worker in each of {t.reward_fail_streak} "
+                f"reward failing: no sample was scored, or a worker crashed, in each of {t.reward_fail_streak} "
                 f"consecutive steps (faults.max_reward_fail_steps); this step: {reward_failure}"
             )
         if st is not None and st.error is not None:
