@@ -501,16 +501,21 @@ class TinkerServer:
             self.journal.append(f"session.{session}", "create_session", json.dumps({"session_id": session}).encode())
             self._dispatch(f"session.{session}", "create_session", {"session_id": session})
 
-    def _check_order(self, kind: str, model_id: str, seq: int, key: str) -> None:
+    def _check_order(self, kind: str, model_id: str, seq: int | None, key: str) -> None:
         """A UserError for a model request that could never run (so its future would never resolve): its model was
         never created here, or its seq_id has run already (not a retry: a retry has the same request id), or it
-        is a seq_id 0 that only a create (or a create-via-load) may have."""
+        is a seq_id 0 that only a create (or a create-via-load) may have. `seq` None: an unload (no seq_id)."""
         if self._known(key):
             return  # a retried POST: the same future
         self._check_session(session_of(model_id))
         with self.lock:
             known = model_id in self.state.models
             nxt = self.state.next_seq.get(model_id)
+        if seq is None:
+            if not known:
+                raise UserError(f"model_id={model_id!r} is not allowed: no create_model or load_weights made it "
+                                "here; allowed: a model of this session")  # fmt: skip
+            return
         if seq == 0 and kind != "load_weights":
             raise UserError(f"seq_id=0 is not allowed for {kind} of {model_id!r}; allowed: an int >= 1 (0 is the "
                             "request that creates the model)")  # fmt: skip
@@ -522,14 +527,19 @@ class TinkerServer:
                             f"allowed: an int >= {nxt} (the model's next)")  # fmt: skip
 
     def _model_request(self, body: dict[str, Any], kind: str) -> tuple[str, str, int]:
-        """(request id, model id, seq_id) of a model's request, checked (`_check_order`)."""
+        """(request id, model id, seq_id) of a model's JSON request, checked (`_model_key`)."""
         model_id, seq = body["model_id"], body["seq_id"]
+        return self._model_key(kind, model_id, seq), model_id, seq
+
+    def _model_key(self, kind: str, model_id: Any, seq: Any) -> str:
+        """The request id `<model_id>.<seq_id>` of a model's request, after its id, its seq_id's range and its order
+        are checked (`_check_order`)."""
         _api_model_id(model_id)
         if type(seq) is not int or not 0 <= seq < 2**62:
             raise UserError(f"seq_id={seq!r} is not allowed; allowed: an int in [0, 2**62)")
         key = f"{model_id}.{seq}"
         self._check_order(kind, model_id, seq, key)
-        return key, model_id, seq
+        return key
 
     async def forward_backward(self, r: web.Request) -> web.Response:
         """A ForwardBackwardRequest proto (zstd-compressed or not), or the JSON of an SDK before the protos (a
@@ -541,11 +551,7 @@ class TinkerServer:
             raise UserError(str(e)) from None
         except DecodeError as e:
             raise UserError(f"forward_backward body is not a ForwardBackwardRequest protobuf ({e})") from None
-        _api_model_id(fb.model_id)
-        if not 0 <= fb.seq_id < 2**62:
-            raise UserError(f"seq_id={fb.seq_id!r} is not allowed; allowed: an int in [0, 2**62)")
-        key = f"{fb.model_id}.{fb.seq_id}"
-        self._check_order("forward_backward", fb.model_id, fb.seq_id, key)
+        key = self._model_key("forward_backward", fb.model_id, fb.seq_id)
         return await self._ack(key, "forward_backward", raw, {"model_id": fb.model_id}, fb.model_id, fb.seq_id)
 
     async def optim_step(self, r: web.Request) -> web.Response:
@@ -575,13 +581,7 @@ class TinkerServer:
         model_id = (await r.json())["model_id"]
         _api_model_id(model_id)
         key = f"{model_id}.unload"
-        if not self._known(key):
-            self._check_session(session_of(model_id))
-            with self.lock:
-                known = model_id in self.state.models
-            if not known:
-                raise UserError(f"model_id={model_id!r} is not allowed: no create_model or load_weights made it "
-                                "here; allowed: a model of this session")  # fmt: skip
+        self._check_order("unload_model", model_id, None, key)
         return await self._ack(key, "unload_model", {"model_id": model_id}, None, model_id)
 
     async def create_sampling_session(self, r: web.Request) -> web.Response:
