@@ -150,3 +150,14 @@ def test_the_routing_holds_the_used_slots_so_no_layer_backward_computes_them(mon
     for names in (["a", "b", "a", "b"], ["a", None, "b", "a"]):  # every row on an adapter / base rows mixed in
         m(ids, adapter_names=names).logits.float().mean().backward()
     assert calls == []
+
+
+def test_concat_probe_computes_what_the_trainer_node_does():
+    """bench/bench_lora_concat.py's concatenated GEMMs (an idea measured and not taken, docs/benchmarks.md) check
+    their outputs, input and per-slot gradients against `_LinearLoRA` before timing: one slot and one slot per row."""
+    from bench.bench_lora_concat import linear_variants
+
+    variants = linear_variants(24, 16, rows=3, seq_len=5)  # raises where the probe's numbers differ
+    assert set(variants) == {"base", "one slot, now", "one slot, concat", "mixed, now", "mixed, concat"}
+    for run in variants.values():
+        run()
