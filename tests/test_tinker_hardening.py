@@ -350,3 +350,34 @@ def test_a_backend_call_holds_at_most_max_loras_tenants_and_a_partial_batch_says
     assert err.value.done[0][1] == {"loss:sum": 1.0}
     ops, calls = _fwdbwd_ops(fail_on_call=None, max_loras=2)
     assert [m for _, m in ops.forward_backward(items)] == [{"loss:sum": 1.0}] * 3 and len(calls) == 2
+
+
+def test_a_recording_base_sample_leaves_the_journal_once_its_records_are_gone(tmp_path):
+    """A recording sample of the base stayed in the journal for ever (no snapshot compacts it) and ran again at every
+    restart, long after its stability records had expired."""
+
+    async def main():
+        now = [0.0]
+        ops = _Ops()
+        ops.records = StabilityRecords(ttl_s=60.0, clock=lambda: now[0])
+        async with _Client(ops, tmp_path / "j.sqlite") as c:
+            sid = await c.base_sampler(await c.session())
+            body = {"sampling_session_id": sid, "seq_id": 0, "num_samples": 2, "prompt": PROMPT,
+                    "sampling_params": {"max_tokens": 2}, "record_stability_info": True}  # fmt: skip
+            status, out = await c.post("asample", body)
+            assert status == 200, out
+            key = out["request_id"]
+            assert (await c.result(key))["type"] == "sample"
+            assert ops.records.stats()["records"] == 2
+            await c.server._finish_recorded()
+            assert [k for k, kind, *_ in c.server.journal.replay() if kind == "sample"] == [key]  # records held
+            now[0] += 61.0  # the records expire unused
+            await c.server._finish_recorded()
+            assert not [k for k, kind, *_ in c.server.journal.replay() if kind == "sample"]
+            assert (await c.result(key))["type"] == "sample"  # its result from the journal's kept results
+        again = _Ops()
+        async with _Client(again, tmp_path / "j.sqlite"):
+            await asyncio.sleep(0.2)
+            assert again.seeds == []  # not sampled again
+
+    _run(main())

@@ -40,7 +40,8 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
 - Memory and the journal stay bounded: a compacted request's result is in the journal only (`done`; retrieve_future
   and a retried POST find it there); a sample that no model's snapshot compacts (of the base, or of sampler weights
   no client model here owns) is swapped for its result once done (the newest 1,024 kept), so a restart does not
-  sample it again. A recording sample stays: its replay rebuilds its stability records.
+  sample it again. A recording sample stays until none of its stability records is left (expired, evicted or its
+  session ended): until then its replay rebuilds them.
 - Samples without a seed of their own are seeded by a hash of their whole request id: a replay samples the same
   tokens, and two sessions' first samples differ.
 - Sessions expire: a session that sent no heartbeat (nor any request or poll) for `session_timeout_s` has its queued
@@ -166,6 +167,8 @@ class TinkerServer:
         self._expired: set[str] = set()
         self._samples: dict[str, asyncio.Task] = {}  # sample request id -> its task, while it runs
         self._recording: set[str] = set()  # sequence ids of recording samples not done yet (under `lock`)
+        # recording samples no snapshot compacts, done: their journal rows go once none of their records is left
+        self._recorded: dict[str, tuple[list[str], bytes | dict[str, Any]]] = {}  # key -> (sequence ids, result)
         if type(snapshot_every) is not int or snapshot_every < 1:
             raise ValueError(
                 f"snapshot_every={snapshot_every!r} is not allowed; allowed: an int >= 1 (a model's optimizer steps "
@@ -687,6 +690,10 @@ class TinkerServer:
         """End the sessions whose last heartbeat (or request) is older than `session_timeout_s`."""
         while True:
             await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))
+            try:
+                await self._finish_recorded()
+            except Exception:  # noqa: BLE001 - a journal write that fails now is tried again next time
+                log.exception("finishing recorded samples failed")
             now = time.monotonic()
             for sid in [s for s, seen in self._last_seen.items() if now - seen > self.session_timeout_s]:
                 try:
@@ -1031,10 +1038,24 @@ class TinkerServer:
         """Run sample request `key` and resolve `res`. `finish`: a sample no model's snapshot compacts (of the base, or
         of sampler weights whose model is not a client model here): once done, its journal row is swapped for its
         result (`Journal.finish`), so restarts do not sample it again and the journal does not grow with the
-        server's sampling history. Not a recording sample: its replay rebuilds the stability records."""
+        server's sampling history. A recording sample once its stability records are gone (its replay would rebuild
+        them until then)."""
         await self._run_sample(key, body, res)
-        if finish and not body.get(SEQUENCE_IDS) and res.value is not None:
-            await asyncio.to_thread(self.journal.finish, key, res.value)
+        if not finish or res.value is None:
+            return
+        ids = body.get(SEQUENCE_IDS)
+        if ids and self.ops.records.holds_any(ids):
+            self._recorded[key] = (ids, res.value)  # finished by `_finish_recorded` once its records are gone
+            return
+        await asyncio.to_thread(self.journal.finish, key, res.value)
+        self.state.results.pop(key, None)
+
+    async def _finish_recorded(self) -> None:
+        """Finish the recording samples (`_sample`) none of whose stability records is left (expired, evicted, or
+        their session ended): replaying them would record what nobody can name any more."""
+        for key in [k for k, (ids, _) in self._recorded.items() if not self.ops.records.holds_any(ids)]:
+            _, value = self._recorded.pop(key)
+            await asyncio.to_thread(self.journal.finish, key, value)
             self.state.results.pop(key, None)
 
     async def _run_sample(self, key: str, body: dict[str, Any], res: Result) -> None:

@@ -151,6 +151,12 @@ class StabilityRecords:
             self._records.move_to_end(sequence_id)
             return rec
 
+    def holds_any(self, ids: list[str]) -> bool:
+        """Whether any of `ids` still has a record (expired ones dropped first); uses none of them."""
+        with self._lock:
+            self._sweep(self.clock())
+            return any(sid in self._records for sid in ids)
+
     def drop_session(self, session: str) -> None:
         with self._lock:
             for sid in [k for k, r in self._records.items() if r.session == session]:
