@@ -116,12 +116,10 @@ def check_step(result: Any) -> EnvStep:
     """`result` as an EnvStep, or ValueError saying what is wrong with it (garbage from an environment)."""
     if not isinstance(result, EnvStep):
         raise ValueError(f"step returned {type(result).__name__}, not an EnvStep")
-    if (
-        isinstance(result.reward, bool)
-        or not isinstance(result.reward, int | float)
-        or not math.isfinite(result.reward)
-    ):
-        raise ValueError(f"step returned reward={result.reward!r}; allowed: a finite number")
+    reward = result.reward  # what a reward function may return: anything float() takes but text (numpy scalars, bool)
+    if isinstance(reward, str | bytes) or not hasattr(reward, "__float__") or not math.isfinite(float(reward)):
+        raise ValueError(f"step returned reward={reward!r}; allowed: a finite number")
+    result.reward = float(reward)
     if not result.done:
         obs = result.observation
         if not isinstance(obs, list) or not obs:

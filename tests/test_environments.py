@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,3 +280,20 @@ def test_environment_tokens_get_no_gradient():
     got = trainer.train_step(rows)["a"].grad_norm
     assert got == pytest.approx(reference_norm(keep_all=False), rel=1e-5)
     assert got != pytest.approx(reference_norm(keep_all=True), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("reward", "ok"),
+    [(np.float32(0.5), 0.5), (np.int64(1), 1.0), (True, 1.0), (torch.tensor(0.25), 0.25), (2, 2.0),
+     ("1", None), (b"1", None), (None, None), (float("inf"), None), (np.float64("nan"), None)],
+)  # fmt: skip
+def test_an_environment_reward_is_taken_as_a_reward_function_s_would_be(reward, ok):
+    """A reward function's numpy scalar or bool counted; the same value from an environment failed the episode."""
+    from rollout.environments import check_step
+
+    if ok is None:
+        with pytest.raises(ValueError, match="allowed: a finite number"):
+            check_step(EnvStep(reward=reward, done=True))
+        return
+    step = check_step(EnvStep(reward=reward, done=True))
+    assert type(step.reward) is float and step.reward == ok
