@@ -84,6 +84,8 @@ def cmd_run(args) -> int:
                 f" | held-out: base {s['eval_base']:.3f} -> {s['eval_final']:.3f} at step {s['eval_final_step']} "
                 f"({s['eval_final'] - s['eval_base']:+.3f})"
             )
+            if s["eval_final_errors"]:
+                held += f", {s['eval_final_errors']} answers failed (counted 0)"
         print(
             f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
             f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"

@@ -6,7 +6,8 @@ Design choices:
   the base's included, scores the same prompts.
 - Greedy answers give `eval/reward_mean`; with `k > 0`, k samples per prompt at the rollout temperature (seeded per
   prompt and sample) give `eval/pass@k` (share of prompts with a sample whose reward >= `pass_threshold`) and
-  `eval/sample_reward_mean`.
+  `eval/sample_reward_mean`. An answer that failed (its episode's environment raised, its reward was never scored)
+  counts 0 in all three, so failures cannot raise a score; `eval/errors` says how many there were.
 - All due evaluations of a step (every tenant's, base rows included) go to the engine as one batch, right after the
   step's rollout and on the same adapter versions; they are never trained on, and they are not mixed into the
   rollout's own batches, so turning eval on cannot change a training sample (a test checks the adapters end
@@ -136,7 +137,7 @@ class EvalSet:
         return out
 
     def summarize(self, samples: Sequence[Sample], adapter_step: int, base: bool) -> EvalResult:
-        greedy = [s.reward for s in samples if s.metadata["eval_kind"] == "greedy" and s.reward is not None]
+        greedy = [float(s.reward or 0.0) for s in samples if s.metadata["eval_kind"] == "greedy"]  # a failure: 0
         drawn = [s for s in samples if s.metadata["eval_kind"] != "greedy"]
         pass_at_k = sample_mean = None
         if self.settings.k:
@@ -334,8 +335,10 @@ def evaluate_checkpoints(
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The `rl-multilora eval` table: base vs adapter held-out reward per adapter."""
-    lines = [f"{'adapter':<14} {'step':>5} {'split':<6} {'prompts':>7} {'base':>6} {'adapter':>8} {'gain':>7}  pass@k"]
+    """The `rl-multilora eval` table: base vs adapter held-out reward per adapter (`failed`: answers that failed, base /
+    adapter, each counted 0)."""
+    head = f"{'adapter':<14} {'step':>5} {'split':<6} {'prompts':>7} {'base':>6} {'adapter':>8} {'gain':>7}"
+    lines = [f"{head}  {'failed':>9}  pass@k"]
     for row in rows:
         b, a = row["base"], row["adapter_result"]
         gain = a["reward_mean"] - b["reward_mean"] if None not in (a["reward_mean"], b["reward_mean"]) else None
@@ -346,6 +349,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         passk = f"{f(b['pass_at_k'])} -> {f(a['pass_at_k'])} (k={a['k']})" if a["k"] else "-"
         lines.append(
             f"{row['adapter']:<14} {f(row['adapter_step'], '{}'):>5} {row['split']:<6} {a['n_prompts']:>7} "
-            f"{f(b['reward_mean']):>6} {f(a['reward_mean']):>8} {f(gain, '{:+.3f}'):>7}  {passk}"
+            f"{f(b['reward_mean']):>6} {f(a['reward_mean']):>8} {f(gain, '{:+.3f}'):>7}  "
+            f"{str(b['errors']) + ' / ' + str(a['errors']):>9}  {passk}"
         )
     return "\n".join(lines)

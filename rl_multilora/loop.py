@@ -577,7 +577,11 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
         last = statistics.fmean(vals[-window:])
         mine = evals.get(name, [])
         base = [r["eval/reward_mean"] for r in mine if r.get("eval/base")]
-        held = sorted((r["adapter_step"], r["step"], r["eval/reward_mean"]) for r in mine if not r.get("eval/base"))
+        held = sorted(
+            (r["adapter_step"], r["step"], r["eval/reward_mean"], r.get("eval/errors", 0))
+            for r in mine
+            if not r.get("eval/base")
+        )
         out[name] = {
             "first": first,
             "last": last,
@@ -587,5 +591,6 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
             "eval_base": base[-1] if base else None,
             "eval_final": held[-1][2] if held else None,
             "eval_final_step": held[-1][0] if held else None,
+            "eval_final_errors": held[-1][3] if held else None,
         }
     return out

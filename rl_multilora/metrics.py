@@ -155,9 +155,10 @@ def eval_line(row: dict[str, Any]) -> str:
         f" | {k.removeprefix('eval/')} {v:.3f}" for k, v in row.items() if k.startswith("eval/pass@") and v is not None
     )
     reward = "-" if value is None else f"{value:.3f}"
+    failed = f" | {row['eval/errors']} answers failed (counted 0)" if row.get("eval/errors") else ""
     return (
         f"step {row['step']:>4} | {row['adapter']:<12} | held-out reward {reward} on {row['eval/n_prompts']} prompts, "
-        f"{what}{extra}"
+        f"{what}{extra}{failed}"
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -336,3 +337,33 @@ def test_evals_own_wave_bound_holds_only_while_they_run_and_scores_the_same(runs
     assert [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(bounded)] == [
         {k: v for k, v in r.items() if k not in drop} for r in read_metrics(on)
     ]
+
+
+def test_failed_answers_count_zero_and_are_shown(capsys):
+    """A failed greedy answer (its environment raised; reward None) was left out of `eval/reward_mean`: an environment
+    failing on half the held-out prompts reported 1.0, and the table and summary never said anything had failed."""
+    from types import SimpleNamespace
+
+    from rl_multilora.evaluate import EvalSet, format_table
+    from rl_multilora.metrics import eval_line
+    from rollout.types import Sample, SampleStatus
+
+    es = EvalSet.__new__(EvalSet)  # summarize reads only these
+    es.name, es.prompts = "env", [None] * 4
+    es.settings = SimpleNamespace(k=2, pass_threshold=1.0, greedy=True)
+    samples = []
+    for i, (greedy, drawn) in enumerate(
+        [(1.0, (1.0, 0.0)), (None, (None, None)), (1.0, (0.0, 0.0)), (None, (1.0, None))]
+    ):
+        for kind, reward in [("greedy", greedy), ("sample0", drawn[0]), ("sample1", drawn[1])]:
+            status = SampleStatus.FAILED if reward is None else SampleStatus.COMPLETED
+            samples.append(
+                Sample(prompt="p", group_index=i, reward=reward, status=status, metadata={"eval_kind": kind})
+            )
+    r = es.summarize(samples, adapter_step=3, base=False)
+    assert (r.reward_mean, r.pass_at_k, r.sample_reward_mean, r.errors) == (0.5, 0.5, 0.25, 5)
+    assert eval_line(r.to_row(7)).endswith("| 5 answers failed (counted 0)")
+    base = dataclasses.replace(r, base=True, errors=0)
+    table = format_table([{"adapter": "env", "adapter_step": 3, "split": "test", "base": dataclasses.asdict(base),
+                           "adapter_result": dataclasses.asdict(r)}])  # fmt: skip
+    assert "failed" in table.splitlines()[0] and "0 / 5" in table.splitlines()[1]
