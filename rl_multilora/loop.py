@@ -32,6 +32,7 @@ Design choices:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -205,6 +206,9 @@ class Runtime:
             res.records = [
                 self._record(res.step, n, mine[n], len(samples), stats.get(n), report, lag_from.get(n)) for n in names
             ]
+            for rec in res.records:  # what the fault policy's message quotes when a tenant goes idle on failures
+                if rec.failed_reason is not None:
+                    tenants.get(rec.adapter).last_failed_reason = rec.failed_reason
             tenants.enforce_faults(names, stats, report.all_failed)
             tenants.retire_finished(in_flight=self._ahead.names if self._ahead is not None else ())
             tenants.admit_pending()
@@ -387,6 +391,7 @@ class Runtime:
             n_samples=len(mine),
             truncated_frac=(sum(s.status == SampleStatus.TRUNCATED for s in mine) / len(mine)) if mine else None,
             failed_samples=sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in mine),
+            failed_reason=_failed_reason(mine),
             reward_errors=report.errors.get(name, 0),
             reward_timeouts=report.timeouts.get(name, 0),
             reward_crashes=report.crashes.get(name, 0),
@@ -465,6 +470,17 @@ def _paging_row(before, after, engine) -> dict[str, float] | None:
     if bank is not None:
         row["engine_page_ins"] = bank
     return row
+
+
+def _failed_reason(samples: list[Sample]) -> str | None:
+    """The most common reason among the failed samples (`metadata["error"]`, shortened to 500 characters): why an
+    environment, a chat template or an engine request failed, which nothing else reports."""
+    reasons = [
+        str(s.metadata.get("error") or s.status.value)[:500]
+        for s in samples
+        if s.status in (SampleStatus.FAILED, SampleStatus.ABORTED)
+    ]
+    return collections.Counter(reasons).most_common(1)[0][0] if reasons else None
 
 
 def _reward_stats(mine: list[Sample]) -> tuple[float | None, float | None]:

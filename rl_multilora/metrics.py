@@ -50,6 +50,7 @@ class StepRecord:
     adapters_pushed: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_s, train_s, checkpoint_s, sync_s
     paging: dict[str, float] | None = None  # more tenants than slots: resident vs paged, page-ins and their time
+    failed_reason: str | None = None  # the most common reason of this step's failed samples (`failed_samples` > 0)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -62,6 +63,7 @@ class StepRecord:
             "n_samples": self.n_samples,
             "truncated_frac": self.truncated_frac,
             "failed_samples": self.failed_samples,
+            "failed_reason": self.failed_reason,
             "reward_errors": self.reward_errors,
             "reward_timeouts": self.reward_timeouts,
             "reward_crashes": self.reward_crashes,
@@ -173,7 +175,17 @@ def console_line(record: StepRecord) -> str:
         f"step {rec['step']:>4} | {rec['adapter']:<12} | astep {rec['adapter_step']:>3} | reward {f('reward_mean')} "
         f"± {f('reward_std')} | len {f('response_len_mean', '{:.1f}')} | loss {f('loss', '{:+.4f}')} "
         f"| kl {f('kl', '{:.4f}')} | gnorm {f('grad_norm')} | lr {f('lr', '{:.2e}')} | v{rec.get('weight_version')}"
+        + _failed_part(rec)
     )
+
+
+def _failed_part(rec: dict[str, Any]) -> str:
+    """` | failed 57/64: <why>` when samples failed this step (the reason shortened), else nothing."""
+    if not rec.get("failed_samples"):
+        return ""
+    why = rec.get("failed_reason") or "?"
+    why = why if len(why) <= 160 else why[:157] + "..."
+    return f" | failed {rec['failed_samples']}/{rec['n_samples']}: {why}"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -101,6 +101,7 @@ class Tenant:
     # Fault counters (`faults.*` limits); a new registration of the name is a new Tenant, so they start at 0.
     nonfinite_streak: int = 0  # consecutive steps skipped for non-finite loss/grads; reset by a good step
     idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
+    last_failed_reason: str | None = None  # why its samples last failed (environment, template, engine), if ever
     reward_fail_streak: int = 0  # consecutive steps whose rewards all failed (or crashed a worker); reset otherwise
     last_eval_step: int | None = None  # adapter step of its last held-out evaluation in this process
 
@@ -643,6 +644,7 @@ class TenantManager:
             return (
                 f"no optimizer step for {t.idle_steps} consecutive steps (faults.max_idle_steps): every group "
                 "had uniform rewards or every sample failed, so it had nothing to learn from"
+                + (f"; its samples last failed with: {t.last_failed_reason}" if t.last_failed_reason else "")
             )
         return None
 

@@ -180,3 +180,31 @@ def test_service_poisoned_submissions_never_touch_the_healthy_tenant(ws, tmp_pat
     assert _series(tmp_path / "poisoned", "h") == pytest.approx(_series(tmp_path / "clean", "h"))
     w_p, w_c = _final_weights(tmp_path / "poisoned", "h"), _final_weights(tmp_path / "clean", "h")
     assert w_p.keys() == w_c.keys() and all(torch.equal(w_p[k], w_c[k]) for k in w_p)
+
+
+def test_a_tenant_whose_episodes_all_fail_says_why(ws, tmp_path):
+    """An environment that raised on every episode (a typo in it, say) ended its tenant FAILED with only 'no optimizer
+    step for N consecutive steps': the reason was in no log line, metrics row or message."""
+    from rl_multilora.metrics import console_line
+
+    broken = sum_task_adapter(ws / "data", "p", 7, max_steps=50)
+    broken["environment"] = {"path": "tests.env_plugins:Raising"}
+    cfg = _cfg(ws, tmp_path / "r", [_healthy(ws), broken], faults={"max_idle_steps": 2})
+    rt = run(parse_run_config(cfg))
+    p = rt.tenants.get("p")
+    why = "environment raised RuntimeError: environment bug"
+    assert p.state.value == "FAILED" and f"its samples last failed with: {why}" in p.reason
+    rows = [r for r in read_metrics(tmp_path / "r") if r["adapter"] == "p"]
+    assert rows and all(r["failed_samples"] == r["n_samples"] > 0 and why in r["failed_reason"] for r in rows)
+    healthy = [r for r in read_metrics(tmp_path / "r") if r["adapter"] == "h"]
+    assert all(r["failed_samples"] == 0 and r["failed_reason"] is None for r in healthy)
+    line = console_line(rt_record(rows[0]))
+    assert f"| failed {rows[0]['n_samples']}/{rows[0]['n_samples']}: {why}" in line
+
+
+def rt_record(row: dict):
+    """A StepRecord carrying a metrics row's fields that `console_line` reads."""
+    from rl_multilora.metrics import StepRecord
+
+    fields = {k: row[k] for k in StepRecord.__dataclass_fields__ if k in row and k not in ("train", "timings")}
+    return StepRecord(**fields)
