@@ -71,3 +71,20 @@ class Calculator(ToolEnv):
 
     def answer(self, text: str) -> float:
         return float(text.strip() == str(self.task.label))
+
+
+class GatedEcho(Echo):
+    """Echo whose first step holds until `release` is set (`entered` says it got there): a test publishes a new
+    adapter version while the episode waits between turns."""
+
+    import threading as _threading
+
+    entered = _threading.Event()
+    release = _threading.Event()
+
+    async def step(self, action: str) -> EnvStep:
+        if self.seen == 0:
+            GatedEcho.entered.set()
+            while not GatedEcho.release.is_set():
+                await asyncio.sleep(0.01)
+        return Echo.step(self, action)
