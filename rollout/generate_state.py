@@ -516,9 +516,9 @@ class _Episode:
             if step.done:
                 self.status, self.finish_reason = SampleStatus.COMPLETED, "stop"
                 return
-            obs = observation_ids(
-                state.tokenizer, step.observation, ended_turn=bool(out) and out[-1] in _eos_ids(state)
-            )
+            ended = bool(out) and out[-1] in _stop_ids(state, request.sampling)
+            end_text = state.tokenizer.decode(out[-1:]) if ended else None  # the turn-end marker it generated
+            obs = observation_ids(state.tokenizer, step.observation, ended_turn=ended, end_text=end_text)
             if len(self.ids) + len(obs) >= spec.max_tokens:
                 return  # TRUNCATED: the environment's answer does not fit
             self.ids += obs
@@ -560,9 +560,14 @@ class _Episode:
             s.reward = float(sum(self.turn_rewards))
 
 
-def _eos_ids(state: GenerateState) -> set[int]:
+def _stop_ids(state: GenerateState, sampling: SamplingParams) -> set[int]:
+    """The token ids a model turn can end on: the tokenizer's EOS, the engine's (the embedded one adds the model's
+    `generation_config` EOS ids, e.g. a Gemma-style `<end_of_turn>` that is not the tokenizer's `eos_token`) and
+    the request's `stop_token_ids`."""
+    ids: set[int] = set(getattr(state.engine, "eos_ids", ())) | set(sampling.stop_token_ids or ())
     eos = state.tokenizer.eos_token_id
-    return {eos} if isinstance(eos, int) else set(eos or [])
+    ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return ids
 
 
 _OBS_CACHE_SIZE = 1024  # observations kept per tokenizer
@@ -582,17 +587,18 @@ def _freeze(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-def observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[int]:
+def observation_ids(tokenizer, messages: list[dict], ended_turn: bool, end_text: str | None = None) -> list[int]:
     """The token ids of an environment turn after a model turn: what the chat template writes after an assistant
-    message's content (its end-of-turn marker, unless the model already produced it as EOS), the observation
-    messages, and the next generation prompt. Computed as text differences of the template, so the model's own
-    tokens are never re-tokenized.
+    message's content (its end-of-turn marker, unless the model already produced it), the observation messages, and
+    the next generation prompt. Computed as text differences of the template, so the model's own tokens are never
+    re-tokenized. `ended_turn`: the model's turn ended on a stop token, whose text is `end_text` (default the
+    tokenizer's `eos_token`): the template's marker is left out when it starts with that text.
 
     Cached per tokenizer (LRU, keyed by the messages' exact content, `ended_turn` and the chat template): an
     environment that answers alike (a fixed prompt, a common tool error) renders and tokenizes it once, not twice per
     turn per episode. Messages with values other than JSON-like ones are rendered every time."""
     try:
-        key = (_freeze(messages), bool(ended_turn), getattr(tokenizer, "chat_template", None))
+        key = (_freeze(messages), bool(ended_turn), end_text, getattr(tokenizer, "chat_template", None))
         hash(key)
         with _obs_lock:
             cache = _obs_caches.get(tokenizer)
@@ -603,8 +609,8 @@ def observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[i
                 cache.move_to_end(key)
                 return list(ids)
     except TypeError:  # unhashable chat template, messages that are not JSON-like, or a tokenizer without weakrefs
-        return _observation_ids(tokenizer, messages, ended_turn)
-    ids = tuple(_observation_ids(tokenizer, messages, ended_turn))  # outside the lock: rollouts in other threads
+        return _observation_ids(tokenizer, messages, ended_turn, end_text)
+    ids = tuple(_observation_ids(tokenizer, messages, ended_turn, end_text))  # outside the lock: other threads
     with _obs_lock:
         cache[key] = ids
         if len(cache) > _OBS_CACHE_SIZE:
@@ -612,14 +618,14 @@ def observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[i
     return list(ids)
 
 
-def _observation_ids(tokenizer, messages: list[dict], ended_turn: bool) -> list[int]:
+def _observation_ids(tokenizer, messages: list[dict], ended_turn: bool, end_text: str | None = None) -> list[int]:
     probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00MARK\x00"}]
     before = tokenizer.apply_chat_template(probe, tokenize=False)
     after = tokenizer.apply_chat_template([*probe, *messages], tokenize=False, add_generation_prompt=True)
     if not after.startswith(before):
         raise _EpisodeError("the chat template renders a conversation differently once messages are appended")
     tail = before[before.rindex("\x00MARK\x00") + len("\x00MARK\x00") :]
-    eos_text = tokenizer.eos_token or ""
-    if ended_turn and eos_text and tail.startswith(eos_text):
-        tail = tail[len(eos_text) :]
+    marker = (tokenizer.eos_token or "") if end_text is None else end_text
+    if ended_turn and marker and tail.startswith(marker):
+        tail = tail[len(marker) :]
     return list(tokenizer(tail + after[len(before) :], add_special_tokens=False)["input_ids"])

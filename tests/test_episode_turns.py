@@ -119,3 +119,40 @@ def test_environment_calls_reuse_threads_and_a_hung_call_holds_only_its_own():
         return fast
 
     assert asyncio.run(episode_calls()) == [0, 1, 4, 9]
+
+
+@pytest.mark.parametrize("where", ["engine", "request"])
+def test_a_turn_ended_on_a_stop_token_other_than_eos_does_not_get_the_marker_again(where):
+    """A Gemma-style model ends its turns on a token that is not the tokenizer's `eos_token` (`<end_of_turn>`, in the
+    model's generation_config EOS ids or the request's stop_token_ids): the environment turn after it held the
+    template's end-of-turn marker again, so the model trained on `...<end><end>` contexts the template never makes."""
+    from rollout.generate_state import GenerateState, MultiLoRAHooks
+    from rollout.types import AdapterRef, EnvironmentSpec, Sample, SampleStatus
+    from tests.tiny_models import ScriptedEngine
+
+    tok = tiny_tokenizer()
+    (newline,) = tok("\n", add_special_tokens=False)["input_ids"]  # the tiny template's end-of-turn marker
+
+    class EndsOnNewline(ScriptedEngine):  # ends each turn on "\n" (its own stop id), not on the tokenizer's EOS
+        def generate(self, requests):
+            out = super().generate(requests)
+            for r in out:
+                r.output_ids[-1] = newline
+            return out
+
+        @property
+        def eos_ids(self) -> frozenset[int]:
+            return frozenset({newline}) if where == "engine" else frozenset()
+
+    engine = EndsOnNewline(tok, ["12", "3"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    sample = Sample(prompt=prompt, prompt_ids=tok(prompt, add_special_tokens=False)["input_ids"], label="3",
+                    environment=EnvironmentSpec(path="tests.env_plugins:Echo", kwargs={"turns": 2}),
+                    adapter=AdapterRef("env", 0), metadata={"sampling_seed": 1})  # fmt: skip
+    stops = [newline] if where == "request" else []
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=stops)
+    (s,) = GenerateState(engine, tok, MultiLoRAHooks(), sampling).run_sync([[sample]])
+    assert s.status == SampleStatus.COMPLETED, s.metadata.get("error")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert s.response_ids == ids("12") + [newline] + ids("<user>again\n<assistant>") + ids("3") + [newline]
+    assert tok.decode(s.response_ids) == "12\n<user>again\n<assistant>3\n"  # the template's text, one marker

@@ -28,6 +28,12 @@ class RolloutEngine(abc.ABC):
 
     publishes_without_pause: bool = False
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids every request stops on besides its own `stop_token_ids` (an environment turn that ends on one
+        does not get the chat template's end-of-turn marker again); empty where the engine does not say."""
+        return frozenset()
+
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Run a batch of requests to completion; results are in request order."""

@@ -557,6 +557,12 @@ class EmbeddedEngine(RolloutEngine):
         self._worker = threading.Thread(target=self._worker_loop, name="embedded-engine", daemon=True)
         self._worker.start()
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids every request stops on (besides its own `stop_token_ids`): the tokenizer's EOS and the model's
+        `generation_config` EOS ids, or the `eos_token_ids` given."""
+        return self._eos_ids
+
     def _default_eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         eos = getattr(self._tokenizer, "eos_token_id", None) if self._tokenizer is not None else None

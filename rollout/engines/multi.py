@@ -43,6 +43,10 @@ class MultiEngine(RolloutEngine):
 
     # -- placement ----------------------------------------------------------------------------------------------
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset().union(*(e.eos_ids for e in self.engines))
+
     def _claim(self, n: int) -> int:
         with self._lock:
             index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
