@@ -21,7 +21,9 @@ Design choices:
   only when the rows' activations or upstream gradient are, which makes the ranks below non-finite too.
 - The budget counts host bytes of paged tenants; past it the least recently paged-out ones are written to
   `spill_dir` (one `torch.save` file each, read back with `weights_only`) and their host copies dropped. Spill files
-  are a cache, not checkpoints: resume reads checkpoints, and the store starts empty.
+  are a cache, not checkpoints: resume reads checkpoints, and the store starts empty. So `close` deletes the spill
+  files it wrote (and the folder, when it made it or it is left empty): a finished run on a small budget would
+  otherwise leave 3x every idle tenant's adapter bytes in `run_dir/paged` for good.
 - Page-in time is measured by the caller that pages (it includes the eviction that made room); the store counts
   its own spills and loads.
 - Prefetch (`stage`): a tenant that a coming step will page in can be prepared in one background thread while the
@@ -98,6 +100,7 @@ class TenantStore:
             raise ValueError(bad_value("budget_bytes", budget_bytes, "a number of bytes >= 0 or None"))
         self.budget_bytes = budget_bytes
         self._spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self._made_spill_dir = False  # a temporary folder of its own (removed with its files on close)
         self._tenants: OrderedDict[str, PagedTenant] = OrderedDict()  # least recently paged out first
         self._staged: dict[str, concurrent.futures.Future[PagedTenant]] = {}  # prefetched (or being prefetched)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first prefetch
@@ -192,10 +195,20 @@ class TenantStore:
                 paged.spilled.unlink()
 
     def close(self) -> None:
-        """Stop the prefetch thread (after what it is doing)."""
+        """Stop the prefetch thread (after what it is doing), then delete the spill files (a cache nothing reads
+        after the store: resume starts from checkpoints) and the spill folder when the store made it or it is now
+        empty. Tenants in host memory stay readable (`peek`) until the store is dropped."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        with self._lock:
+            for name in self.spilled():
+                paged = self._pop(name)
+                self.disk_bytes -= paged.spilled.stat().st_size
+                paged.spilled.unlink()
+            if self._spill_dir is not None and self._spill_dir.is_dir():
+                if self._made_spill_dir or not any(self._spill_dir.iterdir()):
+                    self._spill_dir.rmdir()
 
     def _pop(self, name: str) -> PagedTenant:
         """Out of the books: `name`'s state as held (maybe spilled)."""
@@ -229,6 +242,7 @@ class TenantStore:
     def _spill(self, name: str, paged: PagedTenant) -> None:
         if self._spill_dir is None:
             self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-paged-"))
+            self._made_spill_dir = True
         self._spill_dir.mkdir(parents=True, exist_ok=True)
         path = self._spill_dir / f"{name}.pt"
         torch.save({"weights": paged.weights, "moments": paged.moments, "grads": paged.grads}, path)

@@ -359,3 +359,33 @@ def test_paging_config_errors_name_the_field_value_and_what_is_allowed():
     assert "model.host_budget_gb=1.0 is not allowed; allowed: null unless model.max_tenants > max_loras" in msg
     msg = problems(model={"path": "m", "max_loras": 4, "max_tenants": 8}, rollout={"max_tenants_per_step": 5})
     assert "rollout.max_tenants_per_step=5 is not allowed; allowed: null or <= model.max_loras (4)" in msg
+
+
+def _spilling_store(spill_dir):
+    from rl_multilora.tenant_store import PagedTenant, TenantStore
+
+    store = TenantStore(budget_bytes=1000, spill_dir=spill_dir)  # one tenant's 4 KiB is over it: all spill
+    for i in range(3):
+        store.put(f"t{i}", PagedTenant(8, 16.0, frozenset({"q"}), torch.full((1024,), float(i)), [], None))
+    return store
+
+
+def test_close_deletes_the_spill_files_and_a_folder_it_made_but_nothing_else(tmp_path):
+    given = tmp_path / "paged"
+    given.mkdir()
+    (given / "notes.txt").write_text("the user's")
+    store = _spilling_store(given)
+    assert sorted(p.name for p in given.iterdir()) == ["notes.txt", "t0.pt", "t1.pt", "t2.pt"]
+    assert store.disk_bytes > 0 and store.peek("t1").weights[0] == 1.0  # spilled, and read back from its file
+    store.close()
+    assert [p.name for p in given.iterdir()] == ["notes.txt"] and store.disk_bytes == 0
+
+    empty = tmp_path / "empty"  # made by the store on its first spill: gone with its files
+    _spilling_store(empty).close()
+    assert not empty.exists()
+
+    store = _spilling_store(None)  # a temporary folder of its own
+    made = store._spill_dir
+    assert made is not None and len(list(made.iterdir())) == 3
+    store.close()
+    assert not made.exists()
