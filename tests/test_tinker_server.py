@@ -8,9 +8,11 @@ Each test starts a server on a free local port; the SDK talks to it over HTTP ex
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +34,7 @@ from tests.tiny_models import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(tempfile.mkdtemp(prefix="tinker-model-")) / "model"
+atexit.register(shutil.rmtree, MODEL.parent, ignore_errors=True)  # each test process's copy, gone when it ends
 TOKEN = "tml-test-token"
 BASE = "tiny"
 
