@@ -721,9 +721,14 @@ def unembed_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+CASE_REASON = (
+    "its checkpoints and exports are folders named after it, and macOS's and Windows' file systems ignore case"
+)
+
+
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
-    seen: set[str] = set()
+    seen: dict[str, tuple[int, str]] = {}  # casefolded name -> (index, the name)
     for i, a in enumerate(cfg.adapters):
         where = f"adapters.{i}."
         problems += adapter_problems(a, cfg.model, where)
@@ -731,9 +736,13 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         own_temp = a.sampling.temperature if a.sampling is not None else None
         if a.tis is not None and own_temp is None and cfg.rollout.temperature not in (0.0, 1.0):
             problems.append(_tis_temperature_problem(f"{where}tis", cfg.rollout.temperature))
-        if a.name in seen:
+        j, other = seen.get(a.name.casefold(), (None, None))
+        if other == a.name:
             problems.append(bad_value(f"{where}name", a.name, "a name no other adapter of this config has"))
-        seen.add(a.name)
+        elif other is not None:
+            problems.append(bad_value(f"{where}name", a.name, f"a name that differs from adapters.{j}.name "
+                                      f"({other!r}) in more than letter case ({CASE_REASON})"))  # fmt: skip
+        seen.setdefault(a.name.casefold(), (i, a.name))
     r = cfg.rollout
     problems += paging_problems(cfg)
     problems += unembed_problems(cfg)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_multilora.backends.base import paging_stats_of
 from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
-from rl_multilora.config import AdapterConfig, ConfigError
+from rl_multilora.config import CASE_REASON, AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rl_multilora.turns import TurnScheduler
 from rollout.types import AdapterRef
@@ -192,6 +192,13 @@ class TenantTable:
         return [t.to_status() for t in sorted(everyone, key=lambda t: t.registered_at)]
 
     # -- transitions ----------------------------------------------------------------------------------------------
+    def case_twin(self, name: str) -> str | None:
+        """Another live adapter's or running client's name equal to `name` but for letter case (their folders would
+        be one folder on a case-insensitive file system), else None."""
+        live = [n for n, t in self.tenants.items() if t.state in LIVE | {TenantState.DRAINED}]
+        live += [n for n, c in self.clients.items() if c.state == TenantState.RUNNING]
+        return next((n for n in live if n != name and n.casefold() == name.casefold()), None)
+
     def register(self, cfg: AdapterConfig) -> Tenant:
         """Add a validated adapter as PENDING. A name may be reused only after its previous tenant left."""
         old = self.tenants.get(cfg.name)
@@ -199,6 +206,9 @@ class TenantTable:
             raise TenantError(
                 bad_value("name", cfg.name, f"a name no live adapter has (it is already {old.state.value})")
             )
+        if (twin := self.case_twin(cfg.name)) is not None:
+            raise TenantError(bad_value("name", cfg.name, f"a name no live adapter has ({twin!r} differs from it in "
+                                        f"letter case only, and {CASE_REASON})"))  # fmt: skip
         t = Tenant(cfg=cfg)
         self.tenants[cfg.name] = t
         return t
@@ -368,6 +378,8 @@ class TenantManager:
             holder = "a Tinker client tenant has it"
         elif old is not None and old.state in LIVE | {TenantState.DRAINED}:
             holder = f"it is already {old.state.value}"
+        elif (twin := self.table.case_twin(a.name)) is not None:
+            holder = f"{twin!r} differs from it in letter case only, and {CASE_REASON}"
         return Admission(
             lora_modules=self.backend.lora_modules,
             lora_parameters=self.backend.lora_parameters,

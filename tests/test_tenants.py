@@ -216,3 +216,22 @@ def test_a_checkpoint_restore_skipped_is_set_aside_and_outranks_nothing(tmp_path
     t = start()
     manager._restore(t)
     assert t.adapter_step == 10 and data.loaded == {"cursor": 10}
+
+
+def test_a_name_equal_to_a_live_ones_but_for_case_is_refused_in_the_config_and_at_runtime():
+    """Their checkpoint folders would be one folder on macOS's and Windows' file systems."""
+    from rl_multilora.config import ConfigError, parse_run_config
+
+    adapter = {"dataset": {"path": "json"}, "reward": {"name": "gsm8k"}, "max_steps": 2, "rank": 4}
+    data = {"model": {"path": "m"}, "adapters": [{**adapter, "name": "math"}, {**adapter, "name": "Math"}]}
+    with pytest.raises(ConfigError, match="adapters.1.name='Math' is not allowed; allowed: a name that differs from "
+                       "adapters.0.name \\('math'\\) in more than letter case .*file systems ignore case"):  # fmt: skip
+        parse_run_config(data)
+
+    c = TenantTable()
+    c.register(_cfg("math"))
+    with pytest.raises(TenantError, match="'math' differs from it in letter case only"):
+        c.register(_cfg("MATH"))
+    c.drain("math")
+    c.register(_cfg("MATH"))  # the other one left: its folders are no one's now
+    assert c.get("MATH").state == TenantState.PENDING
