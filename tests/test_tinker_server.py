@@ -558,3 +558,50 @@ def test_tinker_serve_refuses_a_token_the_sdk_would_refuse_without_a_traceback(t
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert "token must start with 'tml-'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_leaving_a_service_clients_with_block_finishes_its_session_after_its_requests(tmp_path):
+    """`with tinker.ServiceClient() as sc:` (SDK 0.38) ends in `close("success")`, a POST to the session's `finish`
+    (a 404 here raised at the end of every such script): the session's models are unloaded after every request of
+    theirs that was acknowledged (a save_state the script never waited for is still written), later requests of the
+    session are refused, a second finish answers as the first, and a restart does not load the models again."""
+    import httpx
+
+    first = _Running(tmp_path / "state")
+    try:
+        with tinker.ServiceClient(base_url=first.url, api_key=TOKEN) as sc:
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+            _sft(tc, 2, list(range(5, 15)))
+            saved = tc.save_state("unwaited")  # a future nobody reads before the block ends
+            model_id, session = tc.model_id, tc.model_id.split(":")[0]
+            other = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+            kept = other.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+        ops = first.server.ops
+        deadline = time.monotonic() + 30
+        while model_id in ops.tenants and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert model_id not in ops.tenants and kept.model_id in ops.tenants  # the other session's model stays
+        assert saved.result().path.endswith("/weights/unwaited")  # ran before the unload
+        headers = {"X-API-Key": TOKEN}
+        body = {"session_id": session, "model_seq_id": 7, "base_model": BASE, "lora_config": {"rank": 4}}
+        r = httpx.post(first.url + "/api/v1/create_model", json=body, headers=headers)
+        assert r.status_code == 400 and "was finished by its client (success)" in r.json()["detail"], r.text
+        r = httpx.post(first.url + f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "errored"}},
+                       headers=headers)  # fmt: skip
+        assert r.status_code == 200 and first.server._finished[session] == "success"  # the first reason wins
+        r = httpx.post(first.url + "/api/v1/sessions/a%2Fb/finish", json={}, headers=headers)
+        assert r.status_code == 400 and "session_id='a/b' is not allowed" in r.json()["detail"], r.text
+        r = httpx.post(first.url + f"/api/v1/sessions/{session}/finish", json={})
+        assert r.status_code == 401  # it changes state: a token is required
+        assert _sft(kept, 1, list(range(5, 15)))
+    finally:
+        first.close()
+    again = _Running(tmp_path / "state")
+    try:
+        deadline = time.monotonic() + 30
+        while again.server._replayed and not all(res.event.is_set() for res in again.server._replayed):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert model_id not in again.server.ops.tenants and kept.model_id in again.server.ops.tenants
+    finally:
+        again.close()

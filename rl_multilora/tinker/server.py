@@ -164,6 +164,7 @@ class TinkerServer:
             )
         self.session_timeout_s = float(session_timeout_s)
         self._last_seen: dict[str, float] = {}  # session -> time.monotonic() of its last heartbeat or request
+        self._finished: dict[str, str] = {}  # session -> the reason its client finished it with (`finish_session`)
         self._expired: set[str] = set()
         self._samples: dict[str, asyncio.Task] = {}  # sample request id -> its task, while it runs
         self._recording: set[str] = set()  # sequence ids of recording samples not done yet (under `lock`)
@@ -224,6 +225,7 @@ class TinkerServer:
         for name, handler in post.items():
             app.router.add_post(f"{API}/{name}", handler)
         app.router.add_get(API + "/samplers/{sid}", self.get_sampler)
+        app.router.add_post(API + "/sessions/{sid}/finish", self.finish_session)
         app.router.add_get(API + "/training_runs", self.list_training_runs)
         app.router.add_get(API + "/training_runs/{run}", self.get_training_run)
         app.router.add_get(API + "/training_runs/{run}/checkpoints", self.list_checkpoints)
@@ -430,10 +432,45 @@ class TinkerServer:
         if sid in self._expired:
             why = f"session {sid!r} expired: no heartbeat for {self.session_timeout_s:g} s; create a new ServiceClient"
             return web.json_response({"detail": why}, status=410)
+        if sid in self._finished:
+            why = f"session {sid!r} was finished by its client ({self._finished[sid]}); create a new ServiceClient"
+            return web.json_response({"detail": why}, status=410)
         if sid not in self.state.sessions:
             return web.json_response({"detail": f"unknown session_id {sid!r}"}, status=404)
         self._last_seen[sid] = time.monotonic()
         return self._json({"type": "session_heartbeat"})
+
+    async def finish_session(self, r: web.Request) -> web.Response:
+        """`ServiceClient.close(status)` (SDK 0.38; also what leaving `with ServiceClient() as sc:` calls): the session
+        ends. Its models are unloaded as `unload_model` would unload them, after every request of theirs that was
+        acknowledged (a `save_state` the script did not wait for still runs; slots are freed); its checkpoints stay;
+        its sampling sessions end; any later request of the session is refused. First reason wins, and finishing a
+        session that ended already (finished, expired, or unknown here) answers as the first time did."""
+        sid = r.match_info["sid"]
+        if not PLAIN_NAME_PATTERN.fullmatch(sid):
+            raise UserError(f"session_id={sid!r} is not allowed; allowed: 1 to 64 letters, digits, '_' or '-'")
+        body = await r.json() if r.can_read_body else {}
+        reason = (body.get("reason") or {}).get("type", "success") if isinstance(body, dict) else "success"
+        if reason not in ("success", "errored", "interrupted"):
+            raise UserError(f"reason.type={reason!r} is not allowed; allowed: 'success', 'errored' or 'interrupted'")
+        if sid in self._finished or sid in self._expired or sid not in self.state.sessions:
+            return self._json({})
+        prefix = f"{sid}:train:"
+        with self.lock:
+            models = {m for m in [*self.ops.tenants, *self.state.queues, *(op.model_id for op in self.state.creates)]
+                      if m.startswith(prefix)}  # fmt: skip
+        for m in sorted(models):  # journaled like the SDK's own unload_model: a restart unloads them too
+            await self._ack(f"{m}.unload", "unload_model", {"model_id": m}, None, m)
+        detail = body.get("detail") if isinstance(body, dict) else None
+        log.info("session %s finished by its client (%s%s); unloading its %d model(s)", sid, reason,
+                 f": {detail}" if isinstance(detail, str) and detail else "", len(models))  # fmt: skip
+        self._finished[sid] = reason
+        self._last_seen.pop(sid, None)
+        self.state.sessions.discard(sid)
+        for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
+            del self.state.sampling[name]
+        self.ops.records.drop_session(sid)
+        return self._json({})
 
     async def create_session(self, _r) -> web.Response:
         sid = "s" + uuid.uuid4().hex[:16]
@@ -466,6 +503,7 @@ class TinkerServer:
     ):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         session = self._touch(model_id or key)
+        self._unless_finished(session)
         if session in self._expired:
             raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
                             "models were unloaded; create a new ServiceClient")  # fmt: skip
@@ -495,6 +533,7 @@ class TinkerServer:
         again with `--fresh`, which archived the journal that had it) is taken on as if it had just been created, so
         it expires like any other and its models are unloaded then (a model of an untracked session held its slot for
         ever)."""
+        self._unless_finished(session)
         if session in self._expired:
             raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
                             "models were unloaded; create a new ServiceClient")  # fmt: skip
@@ -503,6 +542,11 @@ class TinkerServer:
                 raise UserError(f"session_id={session!r} is not allowed; allowed: 1 to 64 letters, digits, '_' or '-'")
             self.journal.append(f"session.{session}", "create_session", json.dumps({"session_id": session}).encode())
             self._dispatch(f"session.{session}", "create_session", {"session_id": session})
+
+    def _unless_finished(self, session: Any) -> None:
+        if session in self._finished:
+            raise UserError(f"session {session!r} was finished by its client ({self._finished[session]}); its models "
+                            "were unloaded (their checkpoints stay); create a new ServiceClient")  # fmt: skip
 
     def _check_order(self, kind: str, model_id: str, seq: int | None, key: str) -> None:
         """A UserError for a model request that could never run (so its future would never resolve): its model was
@@ -608,6 +652,7 @@ class TinkerServer:
         if sid is None:  # stateless form: model_path or base_model on the request itself
             sid = body.get("model_path") or "base"
         elif sid not in self.state.sampling:
+            self._unless_finished(session_of(sid))
             raise UserError(f"unknown sampling_session_id {sid!r}")
         key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = body.get("num_samples", 1)
