@@ -253,6 +253,43 @@ def test_rest_client_lists_inspects_and_deletes_checkpoints(server):
     assert httpx.get(f"{server.url}/api/v1/training_runs/..%2Fx/checkpoints", headers=HEADERS).status_code == 400
 
 
+def test_rest_client_lists_every_checkpoint_and_the_sessions_and_refuses_hosted_features_saying_so(server):
+    """`list_user_checkpoints` (every model's, newest first, paged with a cursor), `list_sessions` / `get_session`
+    (a session's models and sampling sessions) through the SDK's RestClient; publishing, a TTL and download URLs are
+    refused with a 400 that says this server does not keep them (a 404 / 405 before, which read as a wrong URL)."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    rest = tinker.RestClient(base_url=server.url, api_key=TOKEN)
+    a = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    b = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    paths = [a.save_state("a1").result().path, b.save_state("b1").result().path]
+    time.sleep(0.01)
+    paths.append(a.save_state("a2").result().path)
+    sampler = a.save_weights_and_get_sampling_client()
+    sampler = sampler if isinstance(sampler, tinker.SamplingClient) else sampler.result()
+
+    every = rest.list_user_checkpoints().result()
+    assert [c.tinker_path for c in every.checkpoints] == paths[::-1]
+    assert (every.cursor.offset, every.cursor.limit, every.cursor.total_count) == (0, 100, 3)
+    page = rest.list_user_checkpoints(limit=1, offset=1).result()
+    assert [c.tinker_path for c in page.checkpoints] == [paths[1]] and page.cursor.total_count == 3
+
+    session = a.model_id.split(":")[0]
+    assert rest.list_sessions().result().sessions == [session]
+    got = rest.get_session(session).result()
+    assert got.training_run_ids == [a.model_id, b.model_id] and len(got.sampler_ids) == 1
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_session("nosuchsession").result()
+
+    for call in (lambda: rest.publish_checkpoint_from_tinker_path(paths[0]).result(),
+                 lambda: rest.unpublish_checkpoint_from_tinker_path(paths[0]).result(),
+                 lambda: rest.set_checkpoint_ttl_from_tinker_path(paths[0], 3600).result()):  # fmt: skip
+        with pytest.raises(tinker.BadRequestError, match="is not supported by this server"):
+            call()
+    assert [c.tinker_path for c in rest.list_checkpoints(a.model_id).result().checkpoints] == [paths[0], paths[2]]
+    r = httpx.get(server.url + "/api/v1/checkpoints", headers={"X-API-Key": "tml-no"})
+    assert r.status_code == 401
+
+
 def test_unreadable_forward_backward_fails_in_its_turn_and_the_model_goes_on(server):
     """A forward_backward whose data the server does not serve (here a bfloat16 tensor) is acknowledged and fails
     with a user error in its turn, so the model's next seq_id still runs (refusing it at once would leave a gap)."""

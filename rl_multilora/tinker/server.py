@@ -226,6 +226,25 @@ class TinkerServer:
             app.router.add_post(f"{API}/{name}", handler)
         app.router.add_get(API + "/samplers/{sid}", self.get_sampler)
         app.router.add_post(API + "/sessions/{sid}/finish", self.finish_session)
+        # the SDK's RestClient calls for what a hosted Tinker keeps and this server does not: refused, saying so,
+        # before the checkpoint route below could take a publish for a checkpoint named ".../publish"
+        checkpoint = API + "/training_runs/{run}/checkpoints/{checkpoint_id:.+}"
+        for method, path, what in [
+            ("POST", checkpoint + "/publish", "publishing a checkpoint"),
+            ("DELETE", checkpoint + "/publish", "unpublishing a checkpoint"),
+            ("PUT", checkpoint + "/ttl", "a checkpoint's time to live"),
+            ("GET", checkpoint + "/external_weights_urls", "download URLs of a checkpoint's weights"),
+            ("PUT", API + "/sessions/{sid}/project", "session projects"),
+            ("GET", API + "/sessions/{sid}/trace_export", "session traces"),
+            ("POST", API + "/sessions/search", "session search"),
+            ("GET", API + "/audit", "the audit log"),
+            ("GET", API + "/billing/usage/events", "billing"),
+            ("GET", API + "/billing/usage/checkpoints/current", "checkpoint storage billing"),
+        ]:
+            app.router.add_route(method, path, self._unsupported(what))
+        app.router.add_get(API + "/checkpoints", self.list_user_checkpoints)
+        app.router.add_get(API + "/sessions", self.list_sessions)
+        app.router.add_get(API + "/sessions/{sid}", self.get_session)
         app.router.add_get(API + "/training_runs", self.list_training_runs)
         app.router.add_get(API + "/training_runs/{run}", self.get_training_run)
         app.router.add_get(API + "/training_runs/{run}/checkpoints", self.list_checkpoints)
@@ -361,16 +380,65 @@ class TinkerServer:
     async def list_training_runs(self, r: web.Request) -> web.Response:
         """Models that hold a slot or have a client checkpoint: a page (`limit`, `offset`), the SDK's
         `TrainingRunsResponse`."""
-        try:
-            limit, offset = int(r.query.get("limit", 20)), int(r.query.get("offset", 0))
-        except ValueError:
-            raise UserError("limit and offset must be integers") from None
-        if limit < 1 or offset < 0:
-            raise UserError(f"limit={limit}, offset={offset} are not allowed; allowed: limit >= 1, offset >= 0")
+        limit, offset = self._page(r, 20)
         runs = await asyncio.to_thread(self.ops.training_runs)
         page = [await asyncio.to_thread(self._training_run, m) for m in runs[offset : offset + limit]]
         cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
         return self._json({"training_runs": page, "cursor": cursor})
+
+    @staticmethod
+    def _unsupported(what: str):
+        async def refuse(r: web.Request) -> web.Response:
+            raise UserError(f"{r.method} {r.path}: {what} is not supported by this server (a local Tinker-API server; "
+                            "its checkpoints are folders in --state-dir: `rl-multilora export` copies one out as a "
+                            "PEFT adapter)")  # fmt: skip
+
+        return refuse
+
+    @staticmethod
+    def _page(r: web.Request, default_limit: int) -> tuple[int, int]:
+        try:
+            limit, offset = int(r.query.get("limit", default_limit)), int(r.query.get("offset", 0))
+        except ValueError:
+            raise UserError("limit and offset must be integers") from None
+        if limit < 1 or offset < 0:
+            raise UserError(f"limit={limit}, offset={offset} are not allowed; allowed: limit >= 1, offset >= 0")
+        return limit, offset
+
+    async def list_user_checkpoints(self, r: web.Request) -> web.Response:
+        """Every model's `save_state` checkpoints, newest first: a page (`limit`, `offset`), the SDK's
+        `CheckpointsListResponse` with its cursor (`RestClient.list_user_checkpoints`)."""
+        limit, offset = self._page(r, 100)
+
+        def every() -> list[dict[str, Any]]:
+            saved = [c for m in self.ops.training_runs() for c in self.ops.training_checkpoints(m)]
+            return sorted(saved, key=lambda c: c["time"], reverse=True)
+
+        saved = await asyncio.to_thread(every)
+        cursor = {"offset": offset, "limit": limit, "total_count": len(saved)}
+        return self._json({"checkpoints": saved[offset : offset + limit], "cursor": cursor})
+
+    def _session_ids(self) -> list[str]:
+        """Every session this server knows: live, finished by its client or expired."""
+        with self.lock:
+            return sorted({*self.state.sessions, *self._finished, *self._expired})
+
+    async def list_sessions(self, r: web.Request) -> web.Response:
+        """The sessions this server knows (live, finished or expired), a page (`limit`, `offset`): the SDK's
+        `ListSessionsResponse` (`RestClient.list_sessions`)."""
+        limit, offset = self._page(r, 20)
+        return self._json({"sessions": self._session_ids()[offset : offset + limit]})
+
+    async def get_session(self, r: web.Request) -> web.Response:
+        """A session's models and sampling sessions, the SDK's `GetSessionResponse` (`RestClient.get_session`); 404
+        for a session this server does not know."""
+        sid = r.match_info["sid"]
+        if sid not in self._session_ids():
+            return web.json_response({"detail": f"unknown session_id {sid!r}"}, status=404)
+        with self.lock:
+            runs = sorted((m for m in self.state.models if session_of(m) == sid), key=lambda m: (len(m), m))
+            samplers = sorted(k for k in self.state.sampling if session_of(k) == sid)
+        return self._json({"training_run_ids": runs, "sampler_ids": samplers})
 
     async def get_training_run(self, r: web.Request) -> web.Response:
         """One model as the SDK's `TrainingRun` (rank, newest checkpoint); 404 for a model with neither slot nor
