@@ -253,6 +253,40 @@ def test_rest_client_lists_inspects_and_deletes_checkpoints(server):
     assert httpx.get(f"{server.url}/api/v1/training_runs/..%2Fx/checkpoints", headers=HEADERS).status_code == 400
 
 
+def test_save_weights_external_writes_a_peft_folder_in_the_models_turn_and_the_model_goes_on(server, tmp_path):
+    """`save_weights_external(name)` (a 404 before, which left a hole in the model's seq_ids: its next request
+    waited for ever) writes the adapter as a PEFT folder PEFT loads, with the client's log-probs; the same name again
+    replaces it; age encryption fails that request alone, and the model's later requests still run."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_tinker_server import MODEL, _logprobs
+
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    _sft(tc, 2, list(range(5, 15)), lr=5e-2)
+    saved = tc.save_weights_external("hf").result()
+    name = server.server.ops.tenants[tc.model_id].name
+    folder = server.server.ops.ckpt.run_dir / "external" / name / "hf"
+    assert saved.path == f"tinker://{tc.model_id}/external/hf"
+    assert sorted(f.name for f in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    tokens = list(range(5, 15))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), str(folder))
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.tensor([tokens[:-1]])).logits[0].double()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    np.testing.assert_allclose(_logprobs(tc, tokens), expected.numpy(), rtol=1e-4, atol=1e-5)
+
+    with pytest.raises(tinker.RequestFailedError, match="age_encryption_recipients is not supported"):
+        tc.save_weights_external("enc", age_encryption_recipients=["age1xyz"]).result(timeout=30)
+    assert not (folder.parent / "enc").exists()
+    before = (folder / "adapter_model.safetensors").read_bytes()
+    _sft(tc, 1, tokens, lr=5e-2)  # runs: no seq_id was skipped
+    tc.save_weights_external("hf").result(timeout=30)  # the same name: replaced by the newer weights
+    assert (folder / "adapter_model.safetensors").read_bytes() != before
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["hf"]  # no temp folder left
+
+
 def test_rest_client_lists_every_checkpoint_and_the_sessions_and_refuses_hosted_features_saying_so(server):
     """`list_user_checkpoints` (every model's, newest first, paged with a cursor), `list_sessions` / `get_session`
     (a session's models and sampling sessions) through the SDK's RestClient; publishing, a TTL and download URLs are

@@ -550,6 +550,36 @@ class ClientOps:
         self._save(model_id, label, key)
         return f"tinker://{model_id}/weights/{label}"
 
+    def save_external(self, model_id: str, name: Any) -> tuple[str, int]:
+        """The model's adapter as a plain PEFT folder (`adapter_config.json` + `adapter_model.safetensors`, what
+        `PeftModel.from_pretrained` loads; no optimizer state) at `<run dir>/external/<adapter name>/<name>`: the
+        SDK's `save_weights_external` ("HuggingFace format"). Written beside and renamed into place, replacing one of
+        the same name. Returns its tinker path and its size in bytes."""
+        import shutil
+        import tempfile
+
+        from rl_multilora.lora import write_peft_folder
+
+        label = checkpoint_name("path", name)
+        t = self.tenant(model_id)
+        folder = self.ckpt.run_dir / "external" / t.name
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
+        try:
+            write_peft_folder(tmp, self.backend.adapter_state_dict(t.name), self.backend.peft_config(t.name))
+            final = folder / label
+            if final.exists():  # the same name again (or this request replayed after a restart): replaced
+                old = Path(tempfile.mkdtemp(prefix=".old-", dir=folder))
+                final.rename(old / label)
+                tmp.rename(final)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        size = sum(f.stat().st_size for f in final.iterdir())
+        return f"tinker://{model_id}/external/{label}", size
+
     def _save(self, model_id: str, label: str, key: str | None) -> Path:
         t = self.tenant(model_id)
         snap = AdapterSnapshot(

@@ -214,6 +214,7 @@ class TinkerServer:
             "optim_step": self.optim_step,
             "save_weights": self.save_weights,
             "save_weights_for_sampler": self.save_weights_for_sampler,
+            "save_weights_external": self.save_weights_external,
             "load_weights": self.load_weights,
             "unload_model": self.unload_model,
             "create_sampling_session": self.create_sampling_session,
@@ -679,6 +680,14 @@ class TinkerServer:
         key, model_id, seq = self._model_request(body, "save_weights")
         return await self._ack(key, "save_weights", body, None, model_id, seq)
 
+    async def save_weights_external(self, r: web.Request) -> web.Response:
+        """`save_weights_external(name)`: the adapter as a PEFT folder in the state dir (`ClientOps.save_external`),
+        in the model's turn. A TTL is accepted and not kept (nothing here expires); encryption to age recipients is
+        not supported and fails the request in its turn, so the model's next seq_id still runs."""
+        body = await r.json()
+        key, model_id, seq = self._model_request(body, "save_weights_external")
+        return await self._ack(key, "save_weights_external", body, None, model_id, seq)
+
     async def save_weights_for_sampler(self, r: web.Request) -> web.Response:
         body = await r.json()
         key, model_id, seq = self._model_request(body, "save_weights_for_sampler")
@@ -1048,6 +1057,12 @@ class TinkerServer:
             elif op.kind == "save_weights":
                 name = b.get("path") or f"step{self.ops.steps(op.model_id)}"
                 value = {"type": "save_weights", "path": self.ops.save(op.model_id, name, key=op.request_id)}
+            elif op.kind == "save_weights_external":
+                if b.get("age_encryption_recipients"):
+                    raise UserError("age_encryption_recipients is not supported by this server: the folder is "
+                                    "written unencrypted into its --state-dir, so leave it out")  # fmt: skip
+                path, size = self.ops.save_external(op.model_id, b.get("path"))
+                value = {"type": "save_weights_external", "path": path, "size_bytes": size}
             elif op.kind == "save_weights_for_sampler":
                 path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
                 value = {"type": "save_weights_for_sampler", "path": path}
