@@ -319,6 +319,8 @@ def test_rest_client_lists_every_checkpoint_and_the_sessions_and_refuses_hosted_
                  lambda: rest.set_checkpoint_ttl_from_tinker_path(paths[0], 3600).result()):  # fmt: skip
         with pytest.raises(tinker.BadRequestError, match="is not supported by this server"):
             call()
+    with pytest.raises(tinker.BadRequestError, match="copying weights into another project is not supported"):
+        tinker.ServiceClient(base_url=server.url, api_key=TOKEN, project_id="p").copy_weights(paths[0]).result()
     assert [c.tinker_path for c in rest.list_checkpoints(a.model_id).result().checkpoints] == [paths[0], paths[2]]
     r = httpx.get(server.url + "/api/v1/checkpoints", headers={"X-API-Key": "tml-no"})
     assert r.status_code == 401

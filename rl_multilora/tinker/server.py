@@ -238,6 +238,12 @@ class TinkerServer:
             ("PUT", API + "/sessions/{sid}/project", "session projects"),
             ("GET", API + "/sessions/{sid}/trace_export", "session traces"),
             ("POST", API + "/sessions/search", "session search"),
+            ("POST", API + "/copy_weights", "copying weights into another project"),
+            (
+                "POST",
+                API + "/create_custom_loss",
+                "a server-side custom loss (forward_backward_custom runs it in the client)",
+            ),
             ("GET", API + "/audit", "the audit log"),
             ("GET", API + "/billing/usage/events", "billing"),
             ("GET", API + "/billing/usage/checkpoints/current", "checkpoint storage billing"),
