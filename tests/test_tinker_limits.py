@@ -287,6 +287,19 @@ def test_save_weights_external_writes_a_peft_folder_in_the_models_turn_and_the_m
     assert sorted(p.name for p in folder.parent.iterdir()) == ["hf"]  # no temp folder left
 
 
+def test_training_clients_get_tokenizer_loads_the_served_folders_offline(server):
+    """`get_info` names the served folder as the tokenizer (it holds it): `TrainingClient.get_tokenizer()` loaded
+    the served name from the Hub before, which fails offline and for a name that is no Hub repository."""
+    from transformers import AutoTokenizer
+
+    from tests.test_tinker_server import MODEL
+
+    tc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN).create_lora_training_client(BASE, rank=4).result()
+    assert tc.get_info().model_data.tokenizer_id == str(MODEL.resolve())
+    text = "12+34=46"
+    assert tc.get_tokenizer().encode(text) == AutoTokenizer.from_pretrained(MODEL).encode(text)
+
+
 def test_rest_client_lists_every_checkpoint_and_the_sessions_and_refuses_hosted_features_saying_so(server):
     """`list_user_checkpoints` (every model's, newest first, paged with a cursor), `list_sessions` / `get_session`
     (a session's models and sampling sessions) through the SDK's RestClient; publishing, a TTL and download URLs are

@@ -156,6 +156,7 @@ class TinkerServer:
         turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         snapshot_every: int = 50,
         session_timeout_s: float = 120.0,
+        tokenizer_id: str | None = None,
     ) -> None:
         if not (isinstance(session_timeout_s, int | float) and session_timeout_s > 0):
             raise ValueError(
@@ -185,6 +186,10 @@ class TinkerServer:
         self.journal = journal
         self.token = token
         self.base_model = base_model
+        # what `get_info` tells the SDK to load the tokenizer from (`TrainingClient.get_tokenizer`): the served
+        # folder, which holds it, so a client beside the server (it binds to localhost unless told otherwise) loads
+        # it offline; the served name otherwise
+        self.tokenizer_id = tokenizer_id or base_model
         self.poll_s = poll_s
         self.state = ServerState()
         self._resolved = itertools.count()
@@ -556,7 +561,7 @@ class TinkerServer:
     async def get_info(self, r: web.Request) -> web.Response:
         model_id = (await r.json())["model_id"]
         t = self.ops.tenant(model_id)
-        data = {"arch": "llama", "model_name": self.base_model, "tokenizer_id": self.base_model}
+        data = {"arch": "llama", "model_name": self.base_model, "tokenizer_id": self.tokenizer_id}
         return self._json({"type": "get_info", "model_id": model_id, "model_data": data, "is_lora": True,
                            "lora_rank": t.rank, "model_name": self.base_model})  # fmt: skip
 
@@ -1387,7 +1392,12 @@ def build_server(
     journal = Journal(state_dir / "requests.sqlite")
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
-                        session_timeout_s=session_timeout_s)  # fmt: skip
+                        session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path))  # fmt: skip
+
+
+def _local_folder(path: str) -> str | None:
+    """`path` made absolute when it is a local folder (a model served from disk), else None (a Hub id)."""
+    return str(Path(path).resolve()) if Path(path).is_dir() else None
 
 
 def lora_targets(model_path: str, unembed: bool) -> str | list[str]:
@@ -1468,7 +1478,8 @@ def build_service_server(
     )
     return TinkerServer(ops, journal, token, base_model or rt.cfg.model.path, poll_s, batch_wait_s,
                         turn=core.tinker_turn, snapshot_every=snapshot_every,
-                        session_timeout_s=session_timeout_s)  # fmt: skip
+                        session_timeout_s=session_timeout_s,
+                        tokenizer_id=_local_folder(rt.cfg.model.path))  # fmt: skip
 
 
 # On close, requests still in flight (a client's long-poll of `retrieve_future`, which a keep-alive connection renews
