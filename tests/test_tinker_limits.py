@@ -368,3 +368,14 @@ def test_unreadable_forward_backward_fails_in_its_turn_and_the_model_goes_on(ser
     assert failed["category"] == "user" and "dtype 4 is not supported" in failed["error"], failed
     step = result(call("optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}})["request_id"])
     assert step.json()["metrics"]["grad_norm"] == 0.0  # ran: no gradient, nothing stepped
+
+
+def test_a_datum_longer_than_the_models_context_fails_its_request_and_the_model_goes_on(server):
+    """A forward_backward datum past `max_position_embeddings` trained on positions the model never saw (the sampler
+    refused the same length): now its request fails in its turn, naming the limit, and the next one runs."""
+    tc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN).create_lora_training_client(BASE, rank=4).result()
+    context = server.server.ops.limits.context_length
+    with pytest.raises(tinker.RequestFailedError, match=f"model_input has {context + 1} tokens; allowed: at most "
+                       f"{context}"):  # fmt: skip
+        tc.forward_backward([_datum([5] * (context + 2))], "cross_entropy").result(timeout=30)
+    assert len(tc.forward_backward([_datum([5] * (context + 1))], "cross_entropy").result(timeout=30).loss_fn_outputs)

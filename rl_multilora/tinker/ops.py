@@ -521,7 +521,7 @@ class ClientOps:
     def _row(self, name: str, item: FwdBwdItem, j: int, d: Datum) -> Row:
         """Datum `j` of `item` as a training row; for a loss that reads provenance, with the recorded sampler
         log-probs as its old log-probs and its sampled-token mask as its loss weights."""
-        row = _datum_row(name, item.loss_fn, d, self.limits.vocab_size)
+        row = _datum_row(name, item.loss_fn, d, self.limits.vocab_size, self.limits.context_length)
         if REGISTRY[item.loss_fn].provenance:
             try:
                 got = self.records.resolve(session_of(item.model_id), d, f"data[{j}]")
@@ -955,11 +955,17 @@ def check_tokens(field_name: str, tokens: Any, vocab_size: int) -> list[int]:
     return [int(x) for x in ids]
 
 
-def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int) -> Row:
+def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int, context_length: int | None = None) -> Row:
     """A datum as a training row of tenant `name`: position i of `model_input` predicts `target_tokens[i]`, so its
     targets are positions 1..N with their ids given; the loss's inputs per token. A UserError names an input that
-    is missing, has the wrong length or a non-finite value, and a token id outside the vocabulary."""
+    is missing, has the wrong length or a non-finite value, a token id outside the vocabulary, and a `model_input`
+    longer than the model's context (positions past it are ones the model never saw; the sampler refuses them too)."""
     n = len(d.tokens)
+    if context_length is not None and n > context_length:
+        raise UserError(
+            f"model_input has {n} tokens; allowed: at most {context_length} (the model's context, "
+            "max_position_embeddings)"
+        )
 
     def vec(key: str) -> list[float] | None:
         if key not in d.inputs:
