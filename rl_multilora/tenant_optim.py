@@ -191,13 +191,18 @@ class TenantOptimizer:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], name: str) -> None:
-        """Restore what `state_dict` returned (saved with the same OptimSettings). Without the slot (sharded model)
-        only the schedule and learning rate are taken. `name`: the tenant, for the error message."""
+        """Restore what `state_dict` returned: the moments and the step count (the schedule's position). The
+        hyperparameters are this tenant's settings now, not the checkpoint's: a resume may change `lr`, betas, eps
+        and weight decay (`checkpoint.py`), and the learning rate is the schedule's at the restored step, computed as
+        the scheduler computes it (so an unchanged config resumes bit for bit). torch's `load_state_dict` would put
+        back the saved ones, and a changed `lr` was ignored. Without the slot (sharded model) the moments are on the
+        ranks and only the step count is taken here. `name`: the tenant, for the error message."""
         missing = {"optimizer", "scheduler"} - set(state)
         if missing:
             raise ValueError(
                 bad_value(f"optimizer state of {name!r}", sorted(state), f"keys including {sorted(missing)}")
             )
+        settings = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.optimizer.param_groups]
         if self.params:
             self.optimizer.load_state_dict(state["optimizer"])
             for p in self.params:  # moments saved at the slot's rank (before they were kept at the true rank)
@@ -205,10 +210,14 @@ class TenantOptimizer:
                 for k, v in held.items():
                     if v.dim() > 0 and v.shape != p.shape:
                         held[k] = v[tuple(slice(0, n) for n in p.shape)].clone()  # the rest are exact zeros
-        else:
-            for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"], strict=True):
-                group["lr"] = saved["lr"]
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.base_lrs = [mine["initial_lr"] for mine in settings]
+        step = self.scheduler.last_epoch
+        for group, mine, base, fn in zip(
+            self.optimizer.param_groups, settings, self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True
+        ):
+            group.update(mine)
+            group["lr"] = base * fn(step)  # LambdaLR.get_lr's product
 
 
 def _lr_lambda(optim: OptimSettings, total_steps: int | None) -> Callable[[int], float]:

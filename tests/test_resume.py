@@ -215,6 +215,26 @@ def test_fresh_archives_the_previous_run_and_resume_requires_one(workspace, refe
         Runtime.build(parse_run_config(_config(workspace, empty, checkpoint={"resume": "always"}))).start()
 
 
+def test_a_resume_with_a_changed_lr_trains_at_the_new_one_on_the_same_schedule(workspace, reference, tmp_path):
+    """The checkpoint restored the saved learning rate, so a resume with a new `lr` (allowed: only rank, alpha,
+    targets and seed must match) went on at the old one, silently. Now the new base follows the schedule from the
+    restored step; an unchanged tenant's rates are the uninterrupted run's, bit for bit."""
+    run_dir = tmp_path / "run"
+    run(parse_run_config(_config(workspace, run_dir, max_global_steps=2)))
+    cfg = _config(workspace, run_dir)
+    cfg["adapters"][0]["lr"] = cfg["adapters"][0].get("lr", 1e-2) / 100
+    run(parse_run_config(cfg))
+
+    def lrs(run_dir: Path, name: str) -> dict[int, float]:
+        return {r["adapter_step"]: r["lr"] for r in read_metrics(run_dir) if r["adapter"] == name and "lr" in r}
+
+    ref, got = lrs(reference, "t1"), lrs(run_dir, "t1")
+    assert set(got) == set(ref) and len(ref) == 6
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step] / 100 if step > 2 else ref[step], rel=1e-12), step
+    assert lrs(run_dir, "t2") == lrs(reference, "t2")
+
+
 def test_resume_refuses_a_changed_rank(workspace, reference, tmp_path):
     from rl_multilora.config import ConfigError
 
