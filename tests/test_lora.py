@@ -640,3 +640,30 @@ def test_the_frozen_head_folds_a_sliced_input_into_one_product(dtype):
     assert torch.equal(logits, folded)  # the model's own call takes the folded path
     # the same values as the broadcast product, to its rounding (the two sum in another order)
     torch.testing.assert_close(folded, strided, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+
+
+def test_export_of_a_model_with_lora_on_one_layers_module_names_it_in_full(tmp_path):
+    """A model built with LoRA on layer 0's q_proj alone exported `target_modules: ['q_proj']`, which PEFT matches in
+    every layer (it wrapped layer 1's q_proj too and warned of missing keys): the leaf name is checked against every
+    module of the base now, so the full name is written and PEFT wraps exactly the adapter's modules."""
+    import warnings
+
+    m = MultiLoRAModel.from_model(tiny_model("qwen2"), max_loras=1, max_rank=8,
+                                  target_modules=["model.layers.0.self_attn.q_proj"])  # fmt: skip
+    m.add_adapter("a", rank=4, alpha=8, seed=1)
+    with torch.no_grad():
+        for p in m.adapter_parameters("a"):
+            p.add_(0.1)
+    m.export_adapter("a", tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"] == [
+        "model.layers.0.self_attn.q_proj"
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = PeftModel.from_pretrained(tiny_model("qwen2"), str(tmp_path))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)], [str(w.message) for w in caught]
+    wrapped = sorted(n for n, mod in pm.named_modules() if hasattr(mod, "lora_A") and mod.lora_A)
+    assert wrapped == ["base_model.model.model.layers.0.self_attn.q_proj"]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, adapter_names=["a"]).logits, pm(ids).logits, rtol=0, atol=1e-6)

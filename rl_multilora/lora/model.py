@@ -686,10 +686,13 @@ class MultiLoRAModel(nn.Module):
         if params:  # PEFT matches target_parameters against the base model's Parameter names
             base_params = [n for n, _ in self.base_model.named_parameters() if "lora_" not in n]
             extra["target_parameters"] = target_parameters_for(params, base_params)
+        # PEFT matches target_modules against every module of the base model, not only this model's LoRA ones: a
+        # leaf name is exact only if no other module has it (LoRA on layer 0's q_proj alone is written by full name)
+        base_modules = [n for n, _ in self.base_model.named_modules() if n and "lora_" not in n]
         config = LoraConfig(
             r=record.info.rank,
             lora_alpha=record.info.alpha,
-            target_modules=target_modules_for(modules, self.lora_modules) if modules else [],
+            target_modules=target_modules_for(modules, base_modules) if modules else [],
             lora_dropout=0.0,
             bias="none",
             task_type="CAUSAL_LM",
