@@ -519,12 +519,14 @@ class TenantManager:
         and its earlier rows go (see rl_multilora.checkpoint).
         """
         committed = self.table.global_step if self.ckpt.read_run_state() is not None else None
+        skipped: list[str] = []  # the candidates set aside, by their new names
         for path, meta in self.ckpt.restore_candidates(t.name, committed):
             try:
                 snap = self.ckpt.read_snapshot(path, meta)
                 check_compatible(t.name, t.cfg.model_dump(mode="json"), snap.meta.get("config", {}), path)
             except DamagedCheckpoint as e:
                 aside = self.ckpt.set_aside(path)
+                skipped.append(aside.name)
                 log.warning("adapter %s: skipped damaged checkpoint %s; set aside as %s", t.name, e, aside.name)
                 continue
             try:
@@ -534,6 +536,7 @@ class TenantManager:
                 adapter_step = snap.adapter_step
             except Exception as e:  # noqa: BLE001 - tensors of another model, a garbage cursor: try an older one
                 aside = self.ckpt.set_aside(path)
+                skipped.append(aside.name)
                 log.warning("adapter %s: skipped checkpoint %s: it does not load (%s: %s); set aside as %s", t.name,
                             path, type(e).__name__, e, aside.name)  # fmt: skip
                 continue
@@ -551,9 +554,12 @@ class TenantManager:
                 dropped,
             )
             return True
-        if any(True for _ in self.ckpt.restore_candidates(t.name, committed)):
+        if skipped:
+            # Not a silent start over (its metrics rows would be dropped and a half-loaded candidate's weights,
+            # moments or cursor kept): the tenant fails, saying so; the next start finds none and starts over.
             raise DamagedCheckpoint(
-                f"adapter {t.name!r}: every checkpoint in {self.ckpt.adapter_dir(t.name)} is damaged"
+                f"adapter {t.name!r}: every checkpoint in {self.ckpt.adapter_dir(t.name)} is damaged or does not load "
+                f"(set aside, kept: {', '.join(skipped)}); submit it again, or run again, to train it from the start"
             )
         prune_metrics(self.ckpt.run_dir, {t.name: None})
         return False

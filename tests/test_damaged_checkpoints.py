@@ -8,6 +8,7 @@ checkpoint one way, and resumes: t1 must fall back to step 2 with one log line n
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -19,6 +20,7 @@ from rl_multilora.checkpoint import list_checkpoints
 from rl_multilora.cli import main as cli_main
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import run
+from rl_multilora.metrics import read_metrics
 from tests.test_resume import _config, assert_same_as_reference, reference, workspace  # noqa: F401 - fixtures
 
 
@@ -81,3 +83,26 @@ def test_a_damaged_run_state_names_the_file_and_exits_2(workspace, tmp_path, cap
     err = capsys.readouterr().err
     assert f"{state} is damaged" in err and "Traceback" not in err and "--fresh" in err
     assert state.read_bytes() == damaged  # left as it was, for the user to restore
+
+
+def test_when_every_checkpoint_is_damaged_the_tenant_fails_saying_so_and_the_others_go_on(workspace, tmp_path):  # noqa: F811
+    """Every candidate set aside used to leave the adapter starting over silently, with its metrics rows dropped and
+    the last rejected candidate's weights or moments kept when it failed part-way through loading (a reviewer's
+    repro: the cursor refused after the weights and moments were in). Now it is FAILED with the reason; the set-aside
+    folders and its metrics rows stay; the other tenants resume and finish."""
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir, checkpoint={"save_every": 2, "keep_last": 3})
+    run(parse_run_config(dict(cfg, max_global_steps=5)))
+    rows_before = [r for r in read_metrics(run_dir) if r["adapter"] == "t1"]
+    cks = [p for _, p in list_checkpoints(run_dir / "adapters" / "t1")]
+    assert len(cks) == 3
+    for ck in cks:  # readable JSON the data source refuses: fails after the weights and optimizer loaded
+        state = json.loads((ck / "data_state.json").read_text())
+        state["n_rows"] = 999
+        (ck / "data_state.json").write_text(json.dumps(state))
+    rt = run(parse_run_config(cfg))
+    t1 = rt.tenants.get("t1")
+    assert t1.state.value == "FAILED" and "every checkpoint" in t1.reason and ".damaged-step_5" in t1.reason, t1.reason
+    assert all(ck.with_name(f".damaged-{ck.name}").is_dir() for ck in cks)
+    assert [r for r in read_metrics(run_dir) if r["adapter"] == "t1"] == rows_before
+    assert rt.tenants.get("t2").state.value == "REMOVED" and rt.tenants.get("t2").adapter_step == 4
