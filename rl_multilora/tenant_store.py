@@ -23,7 +23,10 @@ Design choices:
   `spill_dir` (one `torch.save` file each, read back with `weights_only`) and their host copies dropped. Spill files
   are a cache, not checkpoints: resume reads checkpoints, and the store starts empty. So `close` deletes the spill
   files it wrote (and the folder, when it made it or it is left empty): a finished run on a small budget would
-  otherwise leave 3x every idle tenant's adapter bytes in `run_dir/paged` for good.
+  otherwise leave 3x every idle tenant's adapter bytes in `run_dir/paged` for good. Each store writes into a folder
+  of its own inside `spill_dir` (two runs or servers given one scratch folder and a tenant name in common read each
+  other's adapters otherwise). A spill that fails (a full disk) keeps the tenant in host memory over the budget,
+  with a warning: the budget is a preference, losing a tenant's state is not an option.
 - Page-in time is measured by the caller that pages (it includes the eviction that made room); the store counts
   its own spills and loads.
 - Prefetch (`stage`): a tenant that a coming step will page in can be prepared in one background thread while the
@@ -41,6 +44,7 @@ Design choices:
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import tempfile
 import threading
 from collections import OrderedDict
@@ -51,6 +55,8 @@ from pathlib import Path
 import torch
 
 from rl_multilora.errors import bad_value
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,8 +105,10 @@ class TenantStore:
         if budget_bytes is not None and (isinstance(budget_bytes, bool) or budget_bytes < 0):
             raise ValueError(bad_value("budget_bytes", budget_bytes, "a number of bytes >= 0 or None"))
         self.budget_bytes = budget_bytes
-        self._spill_dir = Path(spill_dir) if spill_dir is not None else None
-        self._made_spill_dir = False  # a temporary folder of its own (removed with its files on close)
+        self._spill_root = Path(spill_dir) if spill_dir is not None else None  # where this store's folder goes
+        self._spill_dir: Path | None = None  # this store's own folder, made on the first spill, removed on close
+        self._made_root = False  # `spill_dir` did not exist: made on the first spill, removed on close when empty
+        self._spill_failed = False  # a spill failed (warned once)
         self._tenants: OrderedDict[str, PagedTenant] = OrderedDict()  # least recently paged out first
         self._staged: dict[str, concurrent.futures.Future[PagedTenant]] = {}  # prefetched (or being prefetched)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first prefetch
@@ -144,9 +152,18 @@ class TenantStore:
         with self._lock:
             staged = self._staged.pop(name, None)
             if staged is None:
-                return self._unspill(self._pop(name))
+                paged = self._pop(name)
+                try:
+                    return self._unspill(paged)
+                except BaseException:
+                    self.put_back(name, paged)  # still spilled: its file was not removed
+                    raise
         self.stats.staged_taken += 1
-        return staged.result()
+        try:
+            return staged.result()
+        except BaseException:
+            self.put_back(name, staged.original)  # type: ignore[attr-defined]
+            raise
 
     def stage(self, names: Iterable[str], prepare: Callable[[PagedTenant], PagedTenant]) -> list[str]:
         """Prefetch: take each of `names` that waits here out of the store and run `prepare` on it in the background
@@ -159,7 +176,9 @@ class TenantStore:
                 paged = self._pop(name)
                 if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tenant-prefetch")
-                self._staged[name] = self._pool.submit(lambda p=paged: prepare(self._unspill(p)))
+                future = self._pool.submit(lambda p=paged: prepare(self._unspill(p)))
+                future.original = paged  # type: ignore[attr-defined] - what `take` puts back when the prefetch failed
+                self._staged[name] = future
                 self.stats.staged += 1
                 started.append(name)
         return started
@@ -186,13 +205,15 @@ class TenantStore:
         """Forget `name` (a tenant that left) and its spill file."""
         with self._lock:
             staged = self._staged.pop(name, None)
-            if staged is not None:
-                staged.result()  # let a prefetch in flight finish before its tensors go
+            if staged is None:
+                paged = self._pop(name)
+                if paged.spilled is not None:
+                    self.disk_bytes -= paged.spilled.stat().st_size
+                    paged.spilled.unlink()
                 return
-            paged = self._pop(name)
-            if paged.spilled is not None:
-                self.disk_bytes -= paged.spilled.stat().st_size
-                paged.spilled.unlink()
+        # a prefetch in flight finishes before its tensors go; waited for outside the lock, which the prefetch
+        # thread takes to read a spilled tenant back (waiting under it deadlocked)
+        concurrent.futures.wait([staged])
 
     def close(self) -> None:
         """Stop the prefetch thread (after what it is doing), then delete the spill files (a cache nothing reads
@@ -206,9 +227,11 @@ class TenantStore:
                 paged = self._pop(name)
                 self.disk_bytes -= paged.spilled.stat().st_size
                 paged.spilled.unlink()
-            if self._spill_dir is not None and self._spill_dir.is_dir():
-                if self._made_spill_dir or not any(self._spill_dir.iterdir()):
-                    self._spill_dir.rmdir()
+            if self._spill_dir is not None and self._spill_dir.is_dir() and not any(self._spill_dir.iterdir()):
+                self._spill_dir.rmdir()
+                root = self._spill_dir.parent
+                if (self._made_root or self._spill_root is None) and not any(root.iterdir()):
+                    root.rmdir()
 
     def _pop(self, name: str) -> PagedTenant:
         """Out of the books: `name`'s state as held (maybe spilled)."""
@@ -217,13 +240,24 @@ class TenantStore:
         paged.held = 0
         return paged
 
+    def put_back(self, name: str, paged: PagedTenant) -> None:
+        """A tenant whose page-in failed goes back into the books as it was (never lost between store and slot)."""
+        with self._lock:
+            if name not in self._tenants:
+                self._tenants[name] = paged
+                self._tenants.move_to_end(name, last=False)  # the first to spill again, as it was
+                paged.held = 0 if paged.spilled is not None else paged.nbytes
+                self.host_bytes += paged.held
+
     def _unspill(self, paged: PagedTenant) -> PagedTenant:
-        """Read a popped tenant's tensors back from its spill file (a no-op when it was in host memory)."""
+        """Read a popped tenant's tensors back from its spill file (a no-op when it was in host memory). The tenant
+        stays spilled until its tensors are read (a failed read leaves it as it was)."""
         if paged.spilled is None:
             return paged
-        path, paged.spilled = paged.spilled, None
+        path = paged.spilled
         saved = torch.load(path, weights_only=True)
         paged.weights, paged.moments, paged.grads = saved["weights"], saved["moments"], saved["grads"]
+        paged.spilled = None
         with self._lock:
             self.disk_bytes -= path.stat().st_size
             self.stats.loads += 1
@@ -236,19 +270,30 @@ class TenantStore:
         for name, paged in self._tenants.items():
             if self.host_bytes <= self.budget_bytes:
                 return
-            if paged.spilled is None:
-                self._spill(name, paged)
+            if paged.spilled is None and not self._spill(name, paged):
+                return  # the disk refused one: not every tenant in turn
 
-    def _spill(self, name: str, paged: PagedTenant) -> None:
+    def _spill(self, name: str, paged: PagedTenant) -> bool:
+        """Write `paged` to its file and drop its host tensors; False (and a warning, once) when the write failed."""
         if self._spill_dir is None:
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-paged-"))
-            self._made_spill_dir = True
-        self._spill_dir.mkdir(parents=True, exist_ok=True)
+            if self._spill_root is not None and not self._spill_root.exists():
+                self._spill_root.mkdir(parents=True)
+                self._made_root = True
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-paged-", dir=self._spill_root))
         path = self._spill_dir / f"{name}.pt"
-        torch.save({"weights": paged.weights, "moments": paged.moments, "grads": paged.grads}, path)
+        try:
+            torch.save({"weights": paged.weights, "moments": paged.moments, "grads": paged.grads}, path)
+        except Exception as e:  # noqa: BLE001 - a full disk: the tenant stays in host memory, over the budget
+            path.unlink(missing_ok=True)
+            if not self._spill_failed:
+                log.warning("could not spill tenant %s to %s (%s: %s): paged-out tenants stay in host memory past "
+                            "model.host_budget_gb until a spill succeeds", name, path, type(e).__name__, e)  # fmt: skip
+            self._spill_failed = True
+            return False
         paged.weights = paged.moments = paged.grads = None
         paged.spilled = path
         self.host_bytes -= paged.held
         paged.held = 0
         self.disk_bytes += path.stat().st_size
         self.stats.spills += 1
+        return True

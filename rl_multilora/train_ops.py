@@ -270,12 +270,20 @@ class TrainOps:
         victims = self._victims(short, {*keep, *names}) if short > 0 else []
         # taken before the victims are put: the store's host bytes dip, then come back, instead of going over the
         # budget by a step's tenants and spilling as many idle ones to disk every step
-        pageds = [self._prepare(self.store.take(name)) for name in names]  # a no-op for a prefetched tenant
-        if victims:
-            self._page_out(victims)
-        slots = self.model.place_adapters(
-            [(n, p.rank, p.alpha, p.modules, p.weights) for n, p in zip(names, pageds, strict=True)]
-        )
+        pageds: list[PagedTenant] = []
+        try:
+            for name in names:
+                pageds.append(self._prepare(self.store.take(name)))  # a no-op for a prefetched tenant
+            if victims:
+                self._page_out(victims)
+            slots = self.model.place_adapters(
+                [(n, p.rank, p.alpha, p.modules, p.weights) for n, p in zip(names, pageds, strict=True)]
+            )
+        except BaseException:  # what was taken goes back: a tenant is never lost between the store and a slot
+            for name, paged in zip(names, pageds, strict=False):
+                if name not in self.model.adapters:
+                    self.store.put_back(name, paged)
+            raise
         stats = self.store.stats
         for name, paged, slot in zip(names, pageds, slots, strict=True):
             t = self.tenant(name)

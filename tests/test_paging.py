@@ -361,10 +361,10 @@ def test_paging_config_errors_name_the_field_value_and_what_is_allowed():
     assert "rollout.max_tenants_per_step=5 is not allowed; allowed: null or <= model.max_loras (4)" in msg
 
 
-def _spilling_store(spill_dir):
+def _spilling_store(spill_dir, budget: int = 1000):
     from rl_multilora.tenant_store import PagedTenant, TenantStore
 
-    store = TenantStore(budget_bytes=1000, spill_dir=spill_dir)  # one tenant's 4 KiB is over it: all spill
+    store = TenantStore(budget_bytes=budget, spill_dir=spill_dir)  # one tenant's 4 KiB is over it: all spill
     for i in range(3):
         store.put(f"t{i}", PagedTenant(8, 16.0, frozenset({"q"}), torch.full((1024,), float(i)), [], None))
     return store
@@ -375,7 +375,8 @@ def test_close_deletes_the_spill_files_and_a_folder_it_made_but_nothing_else(tmp
     given.mkdir()
     (given / "notes.txt").write_text("the user's")
     store = _spilling_store(given)
-    assert sorted(p.name for p in given.iterdir()) == ["notes.txt", "t0.pt", "t1.pt", "t2.pt"]
+    [own] = [p for p in given.iterdir() if p.is_dir()]  # a folder of its own inside the one given
+    assert sorted(p.name for p in own.iterdir()) == ["t0.pt", "t1.pt", "t2.pt"]
     assert store.disk_bytes > 0 and store.peek("t1").weights[0] == 1.0  # spilled, and read back from its file
     store.close()
     assert [p.name for p in given.iterdir()] == ["notes.txt"] and store.disk_bytes == 0
@@ -389,3 +390,67 @@ def test_close_deletes_the_spill_files_and_a_folder_it_made_but_nothing_else(tmp
     assert made is not None and len(list(made.iterdir())) == 3
     store.close()
     assert not made.exists()
+
+
+def test_two_stores_given_one_spill_dir_never_read_each_others_tenants(tmp_path):
+    """Spill files were `<spill_dir>/<name>.pt`: two runs given one scratch folder and a tenant name in common
+    overwrote each other's, and one paged in the other's adapter and moments (a reviewer's repro)."""
+    first, second = _spilling_store(tmp_path), _spilling_store(tmp_path)
+    second.take("t1")  # the second run pages its t1 in (and deletes its spill file)
+    assert first.take("t1").weights[0] == 1.0 and first.peek("t2").weights[0] == 2.0
+    first.close()
+    second.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_spill_keeps_the_tenant_in_host_memory_and_a_page_in_loses_nobody(tmp_path, monkeypatch, caplog):
+    """A full disk during a page-in's eviction lost three of four tenants: taken from the store, not yet in a
+    slot (a reviewer's repro). A spill is a cache: one that fails leaves the tenant in host memory past the budget,
+    with one warning, and every tenant's state is still there, bit for bit."""
+    import errno
+    import logging
+
+    import rl_multilora.tenant_store as ts
+
+    names = ["a", "b", "c", "d"]
+    backend = _backend(2, 4, names, budget=None, spill=tmp_path / "spill")
+    _train_in_turns(backend, names, steps=2, per_step=2)
+    before = {n: _state(backend, n) for n in names}
+    store, ops = backend.trainer.ops.store, backend.trainer.ops
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ts.torch, "save", disk_full)
+    store.budget_bytes = 0  # every page-out is past the budget: it tries to spill, and the disk is full
+    resident = ops.resident
+    paged_out = [n for n in names if n not in resident]
+    with caplog.at_level(logging.WARNING, logger="rl_multilora"):
+        ops.ensure_resident(paged_out)  # the two resident ones are evicted onto the full disk
+    assert sorted(ops.resident) == sorted(paged_out) and sorted(store.names) == sorted(resident)
+    assert store.spilled() == [] and store.host_bytes > store.budget_bytes
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "could not spill tenant" in caplog.records[0].getMessage()
+    monkeypatch.undo()
+    for n in names:
+        _assert_same_state(before[n], _state(backend, n))
+
+
+def test_removing_a_tenant_while_its_spilled_state_is_prefetched_does_not_deadlock(tmp_path):
+    """`drop` waited for the prefetch while holding the store's lock, which the prefetch thread takes to read a
+    spilled tenant back: remove_adapter hung for ever (a reviewer's repro, 3 of 3 runs)."""
+    import threading
+    import time
+
+    store = _spilling_store(tmp_path, budget=0)
+
+    def slow_prepare(paged):
+        time.sleep(0.3)  # a device copy
+        return paged
+
+    assert store.stage(["t0", "t1"], slow_prepare) == ["t0", "t1"]
+    done = threading.Event()
+    threading.Thread(target=lambda: (store.drop("t1"), done.set()), daemon=True).start()
+    assert done.wait(20), "drop blocked: deadlock"
+    assert store.take("t0").weights[0] == 0.0 and "t1" not in store
+    store.close()
