@@ -605,3 +605,18 @@ def test_leaving_a_service_clients_with_block_finishes_its_session_after_its_req
         assert model_id not in again.server.ops.tenants and kept.model_id in again.server.ops.tenants
     finally:
         again.close()
+
+
+def test_load_state_of_a_checkpoint_with_other_layers_into_a_model_is_refused_naming_both(server):
+    """`load_state` onto an existing model checked only the rank: a checkpoint trained on attention and MLP went into
+    a model training attention alone, and the model's optimizer no longer matched its adapter (the next page-in
+    failed). Refused now, naming what each trains; a new client from the state takes the checkpoint's layers."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    both = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    attn = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1, train_mlp=False).result()
+    path = both.save_state("both").result().path
+    why = r"trains train_attn, train_mlp(, train_unembed)?; model .* trains train_attn(, train_unembed)?; "
+    with pytest.raises(tinker.RequestFailedError, match=why):
+        attn.load_state(path).result()
+    assert len(_sft(attn, 1, list(range(5, 15)))) == 1  # the model goes on as it was
+    assert sc.create_training_client_from_state(path).result().get_info().model_data is not None

@@ -605,6 +605,11 @@ class ClientOps:
         t = self.tenants[model_id]
         if t.rank != int(info["rank"]):
             raise UserError(f"checkpoint {path!r} has rank {info['rank']}; model {model_id!r} has rank {t.rank}")
+        saved = info.get("lora_config")
+        if saved and saved != t.lora_config:  # other modules: the optimizer's parameters would not be the adapter's
+            raise UserError(f"checkpoint {path!r} trains {_trained(saved)}; model {model_id!r} trains "
+                            f"{_trained(t.lora_config)}; load it into a new training client "
+                            "(create_training_client_from_state), which takes the checkpoint's layers")  # fmt: skip
         self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=path)
         if with_optimizer:
             state = snap.optimizer
@@ -1078,6 +1083,15 @@ def sampling_settings(params: Any) -> dict[str, Any]:
         )
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
             "stop": [x for x in stops if isinstance(x, str)], "stop_token_ids": [x for x in stops if type(x) is int]}  # fmt: skip
+
+
+def _trained(lora_config: dict[str, Any]) -> str:
+    """The layer groups a `lora_config` trains, for a message.
+
+    >>> _trained({"train_attn": True, "train_mlp": False, "train_unembed": True})
+    'train_attn, train_unembed'
+    """
+    return ", ".join(k for k, v in sorted(lora_config.items()) if v) or "nothing"
 
 
 def lora_settings(lora_config: Any, max_rank: int) -> tuple[int, int | None, dict[str, Any]]:
