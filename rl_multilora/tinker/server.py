@@ -535,10 +535,8 @@ class TinkerServer:
             raise UserError(f"reason.type={reason!r} is not allowed; allowed: 'success', 'errored' or 'interrupted'")
         if sid in self._finished or sid in self._expired or sid not in self.state.sessions:
             return self._json({})
-        prefix = f"{sid}:train:"
         with self.lock:
-            models = {m for m in [*self.ops.tenants, *self.state.queues, *(op.model_id for op in self.state.creates)]
-                      if m.startswith(prefix)}  # fmt: skip
+            models = self._session_models(sid)
         for m in sorted(models):  # journaled like the SDK's own unload_model: a restart unloads them too
             await self._ack(f"{m}.unload", "unload_model", {"model_id": m}, None, m)
         detail = body.get("detail") if isinstance(body, dict) else None
@@ -583,10 +581,7 @@ class TinkerServer:
     ):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         session = self._touch(model_id or key)
-        self._unless_finished(session)
-        if session in self._expired:
-            raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
-                            "models were unloaded; create a new ServiceClient")  # fmt: skip
+        self._unless_ended(session)
         if not self._known(key):
             self.journal.append(key, kind, raw, model_id, seq)
             self._dispatch(key, kind, body, model_id=model_id, seq=seq)
@@ -613,20 +608,21 @@ class TinkerServer:
         again with `--fresh`, which archived the journal that had it) is taken on as if it had just been created, so
         it expires like any other and its models are unloaded then (a model of an untracked session held its slot for
         ever)."""
-        self._unless_finished(session)
-        if session in self._expired:
-            raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
-                            "models were unloaded; create a new ServiceClient")  # fmt: skip
+        self._unless_ended(session)
         if session not in self.state.sessions:
             if not isinstance(session, str) or not PLAIN_NAME_PATTERN.fullmatch(session):
                 raise UserError(f"session_id={session!r} is not allowed; allowed: 1 to 64 letters, digits, '_' or '-'")
             self.journal.append(f"session.{session}", "create_session", json.dumps({"session_id": session}).encode())
             self._dispatch(f"session.{session}", "create_session", {"session_id": session})
 
-    def _unless_finished(self, session: Any) -> None:
+    def _unless_ended(self, session: Any) -> None:
+        """A UserError when `session` was finished by its client or expired."""
         if session in self._finished:
             raise UserError(f"session {session!r} was finished by its client ({self._finished[session]}); its models "
                             "were unloaded (their checkpoints stay); create a new ServiceClient")  # fmt: skip
+        if session in self._expired:
+            raise UserError(f"session {session!r} expired: no heartbeat for {self.session_timeout_s:g} s and its "
+                            "models were unloaded; create a new ServiceClient")  # fmt: skip
 
     def _check_order(self, kind: str, model_id: str, seq: int | None, key: str) -> None:
         """A UserError for a model request that could never run (so its future would never resolve): its model was
@@ -740,7 +736,7 @@ class TinkerServer:
         if sid is None:  # stateless form: model_path or base_model on the request itself
             sid = body.get("model_path") or "base"
         elif sid not in self.state.sampling:
-            self._unless_finished(session_of(sid))
+            self._unless_ended(session_of(sid))
             raise UserError(f"unknown sampling_session_id {sid!r}")
         key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = body.get("num_samples", 1)
@@ -834,6 +830,12 @@ class TinkerServer:
                 except Exception:  # noqa: BLE001 - one session's clean-up must not stop the others'
                     log.exception("ending session %s failed", sid)
 
+    def _session_models(self, sid: str) -> set[str]:
+        """The session's models that hold a slot or have requests waiting (under `lock`)."""
+        prefix = f"{sid}:train:"
+        held = [*self.ops.tenants, *self.state.queues, *(op.model_id for op in self.state.creates)]
+        return {m for m in held if m.startswith(prefix)}
+
     def _expire(self, sid: str) -> None:
         """Fail the session's queued requests, cancel its samples in flight and queue an unload of each of its
         models (run by the worker in its next turn, before anything else of theirs; `_compact_after` then drops
@@ -846,8 +848,7 @@ class TinkerServer:
         prefix = f"{sid}:train:"
         with self.lock:
             self.state.sessions.discard(sid)
-            models = {m for m in [*self.ops.tenants, *self.state.queues, *(op.model_id for op in self.state.creates)]
-                      if m.startswith(prefix)}  # fmt: skip
+            models = self._session_models(sid)
             dropped = [op for m in models for op in self.state.queues.pop(m, {}).values()]
             dropped += [op for op in self.state.creates if op.model_id in models]
             dropped += [op for _, op in self.state.unloads if op.model_id in models]
