@@ -40,7 +40,9 @@ Design choices:
   anyway, and a one-slot batch's weight gradients are one GEMM each (`one_gemm_weight_grads`). Profiled at
   SmolLM2-135M's shape (1 thread, 16 x 64 tokens): the LoRA's cost was its rank-8 products, each one a memory-bound
   pass over an activation (50 % of the matmul peak at best), and the extra input-gradient sum; per-op overhead was
-  under 1 % (`bench/bench_lora_paths.py`).
+  under 1 % (`bench/bench_lora_paths.py`). On CPU those products are rank-major, `a @ x.T` and `bt @ grad.T` giving
+  `(n, r, L)` (`_thin_product`): MKL's batched GEMM ran `grad @ B` over B as stored 4x slower (one adapter's pass
+  1.10-1.12x -> 1.08-1.09x the no-LoRA pass, docs/benchmarks.md).
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
   the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a
   copy of A and B per row: on CPU the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`), so a slot's A
