@@ -1,7 +1,7 @@
 """The LoRA layer's decode and training paths at SmolLM2-135M's shape, this checkout against an earlier revision.
 
 Usage: `python bench/bench_lora_paths.py [--before REV] [--runs 5] [--threads 1] [--rows 16] [--seq-len 64]
-[--decode-rows 64] [--skip-train] [--skip-decode] [--peft] [--saved]`
+[--decode-rows 64] [--skip-train] [--skip-decode] [--prefill] [--peft] [--saved]`
 
 One process, one model with random weights of SmolLM2-135M's config (hidden 576, 30 layers, GQA 9/3, vocab 49152,
 tied head; nothing is downloaded), 64 adapters of rank 8 (alpha 16) on every Linear with non-zero B. "before" is
@@ -11,6 +11,9 @@ the measurement, with the engine bank's tensors in that revision's layout; "afte
 - Decode: one decode step of `decode-rows` rows through an engine bank and a KV cache of 32 prompt tokens (what the
   embedded engine's `_forward` calls per step; the cache is cropped back after each step), all rows on the base,
   all on one adapter, or spread over 64 adapters (row i on adapter i % 64). Tokens/s = rows / step time.
+- Prefill (`--prefill`): one no-grad forward of 24 rows x 40 tokens through the engine bank, all rows on the base or
+  on 3 adapters mixed (row i on adapter i % 3), the last position's logits only (the embedded engine's prefill of a
+  step's prompts on several tenants).
 - Training: one forward+backward of `rows` x `seq-len` tokens (`inputs_embeds` requiring grad, so the base floor
   pays the same activation backward), with per-slot gradients kept in a `SlotGradSink` as the trainer keeps them
   (`MultiLoRAModel.use_slot_grads`, `rl_multilora/train_ops.py`): base, one adapter, 64 adapters round-robin;
@@ -223,6 +226,28 @@ def peft_step(embeds: torch.Tensor) -> Callable[[], None]:
     return step
 
 
+def bench_prefill(m: MultiLoRAModel, before: types.ModuleType, warmup: int, runs: int) -> None:
+    m.eval()
+    bank = m.new_bank()
+    banks = {"after": bank, "before": contiguous_bank(bank) if getattr(before, "bag_layout", None) is None else bank}
+    rows, length = 24, 40
+    ids = torch.randint(0, m.base_model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(2))
+
+    def step(slots, code):
+        with torch.no_grad(), layer_code(before.LoRALinear if code == "before" else None):
+            m(ids, adapter_slots=slots, lora_bank=banks[code], logits_to_keep=1)
+
+    mixed = torch.arange(rows) % 3
+    fns: dict[str, Callable[[], object]] = {"base": lambda: step(torch.full((rows,), -1), "after")}
+    for code in ("before", "after"):
+        fns[f"3 mixed, {code}"] = lambda code=code: step(mixed, code)
+    times = time_interleaved(fns, warmup, runs)
+    print_table(
+        f"prefill: {rows} rows x {length} tokens, no grad, bank of {N_MANY} adapters, rank {RANK}, {runs} runs",
+        times, ["base"], lambda s: s, "{:.2f}", "seconds",
+    )  # fmt: skip
+
+
 def bench_train(
     m: MultiLoRAModel, before: types.ModuleType, rows: int, seq_len: int, warmup: int, runs: int, peft: bool = False
 ) -> None:
@@ -305,6 +330,7 @@ def main() -> None:
     p.add_argument("--decode-rows", type=int, default=64)
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--prefill", action="store_true", help="also a no-grad prefill through the bank (bench_prefill)")
     p.add_argument("--peft", action="store_true", help="training: also PEFT's one adapter on a copy of the base")
     p.add_argument("--saved", action="store_true", help="also bytes saved for backward, bf16 base (bench_saved)")
     args = p.parse_args()
@@ -317,6 +343,8 @@ def main() -> None:
     m = build()
     if not args.skip_decode:
         bench_decode(m, before, args.decode_rows, warmup=1, runs=args.runs)
+    if args.prefill:
+        bench_prefill(m, before, warmup=1, runs=args.runs)
     if not args.skip_train:
         bench_train(m, before, args.rows, args.seq_len, warmup=1, runs=args.runs, peft=args.peft)
     if args.saved:

@@ -242,8 +242,9 @@ def grouped_lora(
         at = lora_a.narrow(1, 0, r).index_select(0, a_slots).transpose(1, 2)  # (n, in, r)
         bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
     at, bt = _as(at, x3.dtype), _as(bt, x3.dtype)  # autocast: the gathered slots in the input's dtype
-    # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
-    xa = _scale_(torch.bmm(x3, at), scales)  # (n, L, r)
+    # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does); rank-major
+    # on CPU (`_thin_product`): `x @ at` took 3.7x as long as `at.T @ x.T` for a prefill of 24 x 40 tokens
+    xa = _scale_(_thin_product(at.transpose(1, 2), x3), scales).transpose(1, 2)  # (n, L, r), a view
     y3.baddbmm_(xa, bt)
 
 
