@@ -701,7 +701,7 @@ class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
 # rounding); 2 zero-filled gradients and their index_add_, and B's through a contiguous sum and a copy (CUDA adds
 # into B's transposed view: 2 ops fewer); the casts of PEFT's default dtypes (the input each way, grad, the LoRA's
 # input gradient) or of autocast (the slots each forward, the weight gradients to float32); on CPU the slot's B.T
-# made contiguous once per forward (`clone`: the rank-major products' layout)
+# made contiguous once per forward (`clone`: the layout of a gathered row)
 _B_GRAD_ON_CPU = {"new_zeros": 3, "index_add_": 2, "copy_": 1, "clone": 1}
 LORA_OPS_PER_LINEAR = {
     "float32": {"bmm": 4, "baddbmm_": 2, "mul_": 2, **_B_GRAD_ON_CPU},
@@ -728,7 +728,7 @@ def test_ops_a_lora_linear_adds_to_a_training_step(dtypes, one_gemm, monkeypatch
     import rl_multilora.lora.layer as layer_mod
 
     monkeypatch.setattr(layer_mod, "one_gemm_weight_grads", lambda t: one_gemm)
-    monkeypatch.setattr(layer_mod, "_rank_major", lambda t: not one_gemm)  # CUDA's layout with CUDA's path
+    monkeypatch.setattr(layer_mod, "_copy_slot_b", lambda t: not one_gemm)  # as CUDA does on its path
     m = _dtype_model(dtypes)
     m.use_slot_grads()
     ids, _ = batch(rows=4, length=6, left_pad=False)

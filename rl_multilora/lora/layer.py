@@ -40,9 +40,10 @@ Design choices:
   anyway, and a one-slot batch's weight gradients are one GEMM each (`one_gemm_weight_grads`). Profiled at
   SmolLM2-135M's shape (1 thread, 16 x 64 tokens): the LoRA's cost was its rank-8 products, each one a memory-bound
   pass over an activation (50 % of the matmul peak at best), and the extra input-gradient sum; per-op overhead was
-  under 1 % (`bench/bench_lora_paths.py`). On CPU those products are rank-major, `a @ x.T` and `bt @ grad.T` giving
-  `(n, r, L)` (`_thin_product`): MKL's batched GEMM ran `grad @ B` over B as stored 4x slower (one adapter's pass
-  1.10-1.12x -> 1.08-1.09x the no-LoRA pass, docs/benchmarks.md).
+  under 1 % (`bench/bench_lora_paths.py`). Every rank-wide product is token-major, `(n, L, r)`: MKL computes a token's
+  values alike for every row length from 2 tokens on that way (rank-major, `a @ x.T`, was 1.6x faster but rounds a
+  token differently in rows of under 12 tokens: a tenant's numbers would follow its micro-batch's padding, and a
+  continued prefill's the number of new tokens).
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
   the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a
   copy of A and B per row: on CPU the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`), so a slot's A
@@ -237,14 +238,15 @@ def grouped_lora(
     a_slots = slots if a_slots is None else a_slots
     if rank_minor(lora_a, lora_b):  # a bank's layout: gather the (in, r) and (r, out) blocks as they are stored
         at = lora_a.transpose(1, 2).narrow(2, 0, r).index_select(0, a_slots)  # at[i] = A[a_slot[i], :r].T; (n, in, r)
+        # `x @ at` with `at` (in, r)-contiguous ran 2x as long as with its rows (r, in)-contiguous (24 x 40 tokens)
+        at = at.transpose(1, 2).contiguous().transpose(1, 2)  # (n, in, r), a view of (n, r, in)
         bt = lora_b.transpose(1, 2).narrow(1, 0, r).index_select(0, slots)  # bt[i] = B[slot[i], :, :r].T; (n, r, out)
     else:  # gather A and B as stored: an index_select of a transposed view costs 2-4x more
         at = lora_a.narrow(1, 0, r).index_select(0, a_slots).transpose(1, 2)  # (n, in, r)
         bt = lora_b.narrow(2, 0, r).index_select(0, slots).transpose(1, 2)  # (n, r, out)
     at, bt = _as(at, x3.dtype), _as(bt, x3.dtype)  # autocast: the gathered slots in the input's dtype
-    # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does); rank-major
-    # on CPU (`_thin_product`): `x @ at` took 3.7x as long as `at.T @ x.T` for a prefill of 24 x 40 tokens
-    xa = _scale_(_thin_product(at.transpose(1, 2), x3), scales).transpose(1, 2)  # (n, L, r), a view
+    # the fp32 scale times the product, rounded once to the LoRA dtype (as PEFT's float `scaling` does)
+    xa = _scale_(torch.bmm(x3, at), scales)  # (n, L, r)
     y3.baddbmm_(xa, bt)
 
 
@@ -313,9 +315,9 @@ class _GroupedLoRA(torch.autograd.Function):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
         # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
         a_slots = slots if a_slots is None else a_slots
-        a, bt, xat = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
+        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
         ctx.mark_dirty(y3)
-        ctx.save_for_backward(x3, a, bt, xat, slots, scales, a_slots)
+        ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
@@ -324,9 +326,9 @@ class _GroupedLoRA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
-        x3, a, bt, xat, slots, scales, a_slots = ctx.saved_tensors
+        x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, None, x3, a, bt, xat, slots, scales, a_slots, (1, 2, 3))
+        grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, None, x3, a, bt, xa, slots, scales, a_slots, (1, 2, 3))
         return grad, grad_x, grad_a, grad_b, None, None, None, None, None, None
 
 
@@ -356,8 +358,8 @@ class _LinearLoRA(torch.autograd.Function):
         y3 = F.linear(x3, weight, bias)  # (n, L, out)
         cast = compute is not None and compute != x3.dtype
         xc = x3.to(compute) if cast else x3  # (n, L, in)
-        a, bt, xat = _grouped_forward(y3, xc, lora_a, lora_b, slots, scales, r, slots, single)
-        ctx.save_for_backward(x3, weight, a, bt, xat, slots, scales)
+        a, bt, xa = _grouped_forward(y3, xc, lora_a, lora_b, slots, scales, r, slots, single)
+        ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
@@ -367,69 +369,57 @@ class _LinearLoRA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
-        x3, weight, a, bt, xat, slots, scales = ctx.saved_tensors
+        x3, weight, a, bt, xa, slots, scales = ctx.saved_tensors
         grad = grad.contiguous()
         base_x = None
         if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
             base_x = torch.matmul(grad, weight)
         inputs = (0, 3, 4)
         if ctx.compute is None:
-            grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xat, slots, scales, slots, inputs)
+            grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, base_x, x3, a, bt, xa, slots, scales, slots, inputs)
         else:  # the unfused path's order: the LoRA's input gradient in `compute`, rounded, then summed with the base's
             gc, xc = grad.to(ctx.compute), x3.to(ctx.compute)
-            lora_x, grad_a, grad_b = _grouped_backward(ctx, gc, None, xc, a, bt, xat, slots, scales, slots, inputs)
+            lora_x, grad_a, grad_b = _grouped_backward(ctx, gc, None, xc, a, bt, xa, slots, scales, slots, inputs)
             grad_x = None if base_x is None else base_x.add_(lora_x.to(base_x.dtype))
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None, None
 
 
 def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=None):
     """`y3[i] += scale[i] * (x3[i] @ a[i].T) @ bt[i]` in place; returns `a: (n, r, in)`, `bt: (n, r, out)` (each
-    row's slot, rows contiguous) and `xat = scale * a @ x3.T: (n, r, L)` (the rank-wide product, rank-major), which
-    the backward reads.
-
-    Rank-major: every product has the activation as the operand MKL reads transposed or as the left one of a thin
-    result, never `activation @ (thin, stored out-major)`: on the 2-core AMD machine at SmolLM2's shape (1 thread,
-    16 x 64 tokens) `a @ x.T` took 0.16 ms where `x @ a.T` took 0.27, and the backward's `bt @ grad.T` 0.16-0.43 ms
-    where `grad @ b` over B as stored took 0.68-1.86: a decoder layer's 42 rank-8 products 13.7 -> 7.8 ms
-    (`bench/bench_lora_paths.py`, docs/benchmarks.md).
+    row's slot) and `xa = scale * x3 @ a.T: (n, L, r)`, which the backward reads.
 
     `single`: the slot every row uses, when there is one (a batch of one tenant): `a` and `bt` are then that slot
-    expanded over the rows (stride 0, no copy per row; `bt` is one contiguous `(r, out)` copy, the layout of a
-    gathered row) instead of a gathered copy per row, which at SmolLM2's shape was as many bytes as the layer's
-    activations and was kept for the backward. Each row's batched product is the same GEMM on the same values in the
-    same layout either way, so the results are the same bit for bit (tests/test_grouped_lora.py)."""
+    expanded over the rows (stride 0, no copy) instead of a gathered copy per row, which at SmolLM2's shape was as
+    many bytes as the layer's activations and was kept for the backward. On CPU the slot's `B.T` is copied
+    contiguous once (`r x out` values), the layout a gathered row has: each row's batched product is then the same
+    GEMM on the same values in the same layout either way, so the results are the same bit for bit
+    (tests/test_grouped_lora.py). Read as a stride-0 view of B as stored, the backward's `grad @ B` was another MKL
+    kernel (a tenant's gradients differed from the same rows in a mixed batch at SmolLM2's widths) and 2.5-4.4x
+    slower (0.68 against 0.27 ms at width 576, 1.86 against 0.76 at 1,536; 16 x 64 tokens, 1 thread)."""
     dtype = x3.dtype  # autocast: the slots are cast to the input's dtype, before the expand (one slot's bytes)
     if single is not None:
         n = x3.shape[0]
         a = _as(lora_a.narrow(0, single, 1).narrow(1, 0, r), dtype).expand(n, -1, -1)  # (n, r, in): A[single, :r]
-        bt = _as(lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2), dtype)  # (1, r, out), B[single].T
-        if _rank_major(x3):
+        bt = _as(lora_b.narrow(0, single, 1).narrow(2, 0, r).transpose(1, 2), dtype)  # (1, r, out): B[single].T
+        if _copy_slot_b(x3):
             bt = bt.contiguous()  # one `(r, out)` copy: the layout of a gathered row
         bt = bt.expand(n, -1, -1)  # (n, r, out)
     else:
         a = _as(lora_a.narrow(1, 0, r).index_select(0, a_slots), dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
         bt = _as(lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots), dtype)  # B[slot[i], :, :r].T
-    xat = _scale_(_thin_product(a, x3), scales)  # xat[i] = scale[i] * a[i] @ x[i].T; (n, r, L)
-    if y3.dtype == xat.dtype:
-        y3.baddbmm_(xat.transpose(1, 2), bt)  # y[i] += xat[i].T @ bt[i]
+    xa = _scale_(torch.bmm(x3, a.transpose(1, 2)), scales)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
+    if y3.dtype == xa.dtype:
+        y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
     else:  # a bf16 base's output, a float32 LoRA: summed in float32, rounded once (y3 + delta in y3's kernel)
-        y3.add_(torch.bmm(xat.transpose(1, 2), bt))  # y[i] += xat[i].T @ bt[i]
-    return a, bt, xat
+        y3.add_(torch.bmm(xa, bt))  # y[i] += xa[i] @ bt[i]
+    return a, bt, xa
 
 
-def _rank_major(x: torch.Tensor) -> bool:
-    """Whether the rank-wide products are computed rank-major, `(n, r, L)` (`_thin_product`): on CPU, where MKL's
-    batched GEMM is 1.7-4.4x faster that way at SmolLM2's shape. cuBLAS takes either layout at one speed, and there
-    the token-major product needs no copy for a one-slot batch's one-GEMM weight gradients."""
+def _copy_slot_b(x: torch.Tensor) -> bool:
+    """Whether a one-slot batch copies its slot's `B.T` contiguous (`_grouped_forward`): on CPU. cuBLAS takes either
+    layout at one speed, and there a one-slot batch's numbers differ from a mixed batch's at rounding anyway
+    (`one_gemm_weight_grads`): the copy would be one more kernel launch per Linear and forward."""
     return not x.is_cuda
-
-
-def _thin_product(w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`w[i] @ t[i].T`, w: (n, r, k) thin, t: (n, L, k) an activation -> (n, r, L): computed as such on CPU, as the
-    transpose of `t[i] @ w[i].T` (a view) elsewhere (`_rank_major`)."""
-    if _rank_major(t):
-        return torch.bmm(w, t.transpose(1, 2))
-    return torch.bmm(t, w.transpose(1, 2)).transpose(1, 2)
 
 
 def _slot_index(ctx, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,51 +428,50 @@ def _slot_index(ctx, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index if index is not None else torch.unique(slots, return_inverse=True)
 
 
-def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xat, slots, scales, a_slots, inputs):
+def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, inputs):
     """Input and per-slot weight gradients of `_grouped_forward`, for a Function whose x3 / lora_a / lora_b inputs
     are at positions `inputs`. `grad_x`, when given (the base's), gets the LoRA's input gradient added in place.
     Returns (grad_x, grad_a, grad_b); with a
     sink (see SlotGradSink) the weight grads go there."""
     shape_a, shape_b, r, dtype = ctx.stacked  # dtype: the stacked slots' (the gradients'), autocast or not
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
-    g_xat = _scale_(_thin_product(bt, grad), scales)  # d/d(a[i] @ x[i].T); (n, r, L)
+    g_xa = _scale_(torch.bmm(grad, bt.transpose(1, 2)), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
     if need_x:
-        g_xa = g_xat.transpose(1, 2)  # (n, L, r), a view
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
     if ctx.single is not None and one_gemm_weight_grads(grad):
-        grad_a, grad_b = _single_slot_weight_grads(ctx, ctx.single, slots, grad, x3, xat, g_xat, need_a, need_b)
+        grad_a, grad_b = _single_slot_weight_grads(ctx, ctx.single, slots, grad, x3, xa, g_xa, need_a, need_b)
         return grad_x, grad_a, grad_b
     grad_a = grad_b = None
     if ctx.sink is not None:  # only the used slots' gradients, handed to the sink (see SlotGradSink)
         sink, lora_a, lora_b = ctx.sink
         used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
         if need_a:
-            rows = _as(torch.bmm(g_xat, x3), dtype)  # dA[slot[i]] += g_xat[i] @ x[i]; (n, r, in)
+            rows = _as(torch.bmm(g_xa.transpose(1, 2), x3), dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
             compact = rows.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
             compact.narrow(1, 0, r).index_add_(0, inverse, rows)  # same rows, same order as the dense path
             sink.add(lora_a, used, compact)
         if need_b:
-            sink.add(lora_b, *_b_grad_per_used_slot(ctx, grad, xat, slots))
+            sink.add(lora_b, *_b_grad_per_used_slot(ctx, grad, xa, slots))
         return grad_x, None, None
     if need_a:
-        rows = _as(torch.bmm(g_xat, x3), dtype)  # dA[slot[i]] += g_xat[i] @ x[i]; (n, r, in)
+        rows = _as(torch.bmm(g_xa.transpose(1, 2), x3), dtype)  # dA[slot[i]] += g_xa[i].T @ x[i]; (n, r, in)
         grad_a = rows.new_zeros(shape_a)  # slots without rows get exactly zero
         grad_a.narrow(1, 0, r).index_add_(0, a_slots, rows)
     if need_b:
-        used, compact = _b_grad_per_used_slot(ctx, grad, xat, slots)
+        used, compact = _b_grad_per_used_slot(ctx, grad, xa, slots)
         grad_b = compact.new_zeros(shape_b).index_copy_(0, used, compact)  # slots without rows get exactly zero
     return grad_x, grad_a, grad_b
 
 
-def _b_grad_per_used_slot(ctx, grad, xat, slots) -> tuple[torch.Tensor, torch.Tensor]:
-    """(used slots (U,), B's gradient of each `(U, out, R)`): `dB[slot[i]].T += xat[i] @ grad[i]` summed per slot
+def _b_grad_per_used_slot(ctx, grad, xa, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """(used slots (U,), B's gradient of each `(U, out, R)`): `dB[slot[i]].T += xa[i].T @ grad[i]` summed per slot
     with `index_add_`, rows in order. On CUDA the rows are added straight into the transposed view of the result (one
     kernel); on CPU, where `index_add_` into a transposed view took 10-13x the time of one into a contiguous tensor
     (16 rows at SmolLM2's MLP width), into a contiguous `(U, r, out)` and then one copy. The same additions in the
     same order either way."""
     shape_b, r, dtype = ctx.stacked[1], ctx.stacked[2], ctx.stacked[3]
     used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
-    rows = _as(torch.bmm(xat, grad), dtype)  # (n, r, out); xat: (n, r, L) rank-major
+    rows = _as(torch.bmm(xa.transpose(1, 2), grad), dtype)  # (n, r, out)
     compact = rows.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
     if rows.is_cuda:
         compact.narrow(2, 0, r).transpose(1, 2).index_add_(0, inverse, rows)
@@ -505,13 +494,13 @@ def one_gemm_weight_grads(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _single_slot_weight_grads(ctx, single, slots, grad, x3, xat, g_xat, need_a, need_b):
+def _single_slot_weight_grads(ctx, single, slots, grad, x3, xa, g_xa, need_a, need_b):
     """A and B gradients of a batch on one slot, each one GEMM over all `n * L` tokens:
-    `dA[s, :r] = g_xa.T @ x`, `dB[s, :, :r] = grad.T @ xa` (rows flattened; `xat`, `g_xat`: `(n, r, L)`). Into the
-    sink as a one-slot compact tensor, or into zero-filled stacked gradients (the other slots exactly zero). Returns (grad_a, grad_b)."""
+    `dA[s, :r] = g_xa.T @ x`, `dB[s, :, :r] = grad.T @ xa` (rows flattened). Into the sink as a one-slot compact
+    tensor, or into zero-filled stacked gradients (the other slots exactly zero). Returns (grad_a, grad_b)."""
     shape_a, shape_b, r, dtype = ctx.stacked
-    da = _as(torch.mm(_token_major(g_xat), x3.reshape(-1, shape_a[2])), dtype) if need_a else None  # (r, in)
-    db = _as(torch.mm(grad.reshape(-1, shape_b[1]).t(), _token_major(xat).t()), dtype) if need_b else None  # (out, r)
+    da = _as(torch.mm(g_xa.reshape(-1, r).t(), x3.reshape(-1, shape_a[2])), dtype) if need_a else None  # (r, in)
+    db = _as(torch.mm(grad.reshape(-1, shape_b[1]).t(), xa.reshape(-1, r)), dtype) if need_b else None  # (out, r)
     if ctx.sink is not None:
         sink, lora_a, lora_b = ctx.sink
         used, _ = _slot_index(ctx, slots)  # (1,): the slot
@@ -528,12 +517,6 @@ def _single_slot_weight_grads(ctx, single, slots, grad, x3, xat, g_xat, need_a, 
         grad_b = db.new_zeros(shape_b)
         grad_b[single].narrow(1, 0, r).copy_(db)
     return grad_a, grad_b
-
-
-def _token_major(t: torch.Tensor) -> torch.Tensor:
-    """`(n, r, L)` -> `(r, n * L)`: every row's tokens side by side (a view of a token-major product; else a copy of
-    r values per token)."""
-    return t.transpose(0, 1).reshape(t.shape[1], -1)
 
 
 def _padded(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
