@@ -313,7 +313,7 @@ class GenerateState:
         spec = sample.environment
         episode = _Episode(self, sample)
         try:
-            await asyncio.wait_for(episode.run(), timeout=spec.episode_timeout_s)
+            await asyncio.wait_for(_contained(episode.run()), timeout=spec.episode_timeout_s)
         except asyncio.TimeoutError:
             episode.fail(f"episode ran past environment.episode_timeout_s={spec.episode_timeout_s}")
         except _EpisodeError as e:
@@ -424,15 +424,17 @@ async def _call(fn, *args, timeout: float):
     threads on exit, so one environment call that never returns would hold up the whole rollout; a daemon thread is
     abandoned instead."""
     if asyncio.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout=timeout)
+        return await asyncio.wait_for(_contained(fn(*args)), timeout=timeout)
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
     def work() -> None:
         try:
             result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting episode
             result, error = None, e
+        except BaseException as e:  # noqa: BLE001 - SystemExit & co. would stop the rollout's loop: the episode's
+            result, error = None, _EpisodeError(f"environment raised {type(e).__name__}: {e}")
         try:
             loop.call_soon_threadsafe(_settle, future, result, error)
         except RuntimeError:  # the rollout's loop is gone: nobody waits for this call any more
@@ -440,6 +442,30 @@ async def _call(fn, *args, timeout: float):
 
     _ENV_THREADS.submit(work)
     return await asyncio.wait_for(future, timeout=timeout)
+
+
+async def _contained(coro):
+    """Awaits an environment's coroutine, its escapes turned into the episode's failure: a `SystemExit` or
+    `KeyboardInterrupt` raised in a task stops the whole event loop (asyncio re-raises them), and a `CancelledError`
+    that is not this task's own cancellation (an environment awaiting something a library cancelled) would read as
+    the rollout being cancelled. (Ctrl-C does not arrive as either inside the loop: `asyncio.run` cancels the main
+    task instead.)"""
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if _cancelled_from_outside():
+            raise
+        raise _EpisodeError("environment raised CancelledError (nothing cancelled the episode)") from None
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise _EpisodeError(f"environment raised {type(e).__name__}: {e}") from None
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the current task is being cancelled (a timeout, the rollout stopping), as opposed to merely seeing a
+    `CancelledError` raised below it. `Task.cancelling()` is Python 3.11+; before it every one counts as a
+    cancellation."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -484,8 +510,13 @@ class _Episode:
         self.env = load_environment(spec.path, spec.kwargs)
         await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
         adapter, sampling = state.request_params(sample)
+        # the episode's tokens after the prompt: its max_tokens, and no more than the model's context holds (a prompt
+        # too long for it is left to the engine, which fails the turn naming both lengths)
+        cap, context = spec.max_tokens, getattr(state.engine, "context_length", None)
+        if context is not None and len(sample.prompt_ids) < context:
+            cap = min(cap, context - len(sample.prompt_ids))
         for turn in range(spec.max_turns):
-            budget = spec.max_tokens - len(self.ids)
+            budget = cap - len(self.ids)
             if budget <= 0:
                 return  # TRUNCATED: out of tokens
             seed = None if sampling.seed is None else (sampling.seed + 7919 * turn) & 0x7FFFFFFF
@@ -519,8 +550,8 @@ class _Episode:
             ended = bool(out) and out[-1] in _stop_ids(state, request.sampling)
             end_text = state.tokenizer.decode(out[-1:]) if ended else None  # the turn-end marker it generated
             obs = observation_ids(state.tokenizer, step.observation, ended_turn=ended, end_text=end_text)
-            if len(self.ids) + len(obs) >= spec.max_tokens:
-                return  # TRUNCATED: the environment's answer does not fit
+            if len(self.ids) + len(obs) >= cap:
+                return  # TRUNCATED: the environment's answer does not fit (max_tokens or the context)
             self.ids += obs
             self.mask += [0] * len(obs)
             self.logprobs += [0.0] * len(obs)

@@ -348,6 +348,8 @@ class VerifiersEnvironment(Environment):
 
     def _final(self) -> EnvStep:
         """The ended rollout's reward, or the error it ended with."""
+        if self._rollout.cancelled():  # `exception()` would raise the CancelledError into the episode's task
+            raise RuntimeError(f"the verifiers rollout was cancelled{self._error_suffix()}")
         exc = self._rollout.exception()
         if exc is not None:
             raise RuntimeError(f"the verifiers rollout raised {type(exc).__name__}: {exc}") from exc

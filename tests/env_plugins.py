@@ -48,6 +48,26 @@ class AsyncHanging(Environment):
         return EnvStep(done=True)
 
 
+class Exiting(Environment):
+    def step(self, action: str) -> EnvStep:
+        raise SystemExit(3)  # a library that calls sys.exit
+
+
+class AsyncExiting(Environment):
+    async def step(self, action: str) -> EnvStep:
+        raise SystemExit(3)
+
+
+class AsyncCancelled(Environment):
+    async def step(self, action: str) -> EnvStep:
+        raise asyncio.CancelledError()  # awaiting something a library cancelled: not the episode's cancellation
+
+
+class ExitingInit(Environment):
+    def __init__(self):
+        raise KeyboardInterrupt("from the constructor")
+
+
 class NeverDone(Environment):
     def step(self, action: str) -> EnvStep:
         return EnvStep(observation=[{"role": "user", "content": "more"}], reward=0.1)

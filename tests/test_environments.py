@@ -112,6 +112,12 @@ def test_async_environments_and_turn_limits(setup):
     assert b.status == SampleStatus.TRUNCATED and b.metadata["turns"] == 3 and b.reward == pytest.approx(0.3)
     (c, _) = _run(engine, tok, [_samples(tok, "env", _spec("NeverDone", max_turns=50, max_tokens=30))])
     assert c.status == SampleStatus.TRUNCATED and len(c.response_ids) <= 30
+    # max_tokens past the model's context: the episode ends TRUNCATED where the context is full, with the rewards it
+    # earned, instead of failing the turn that would not fit
+    context = engine.context_length
+    (d, _) = _run(engine, tok, [_samples(tok, "env", _spec("NeverDone", max_turns=500, max_tokens=100 * context))])
+    assert d.status == SampleStatus.TRUNCATED and d.reward is not None and d.reward > 0
+    assert len(d.prompt_ids) + len(d.response_ids) <= context
 
 
 @pytest.mark.parametrize(
@@ -122,6 +128,11 @@ def test_async_environments_and_turn_limits(setup):
         ("AsyncHanging", "environment step ran past environment.turn_timeout_s=0.5"),
         ("Garbage", "step returned dict, not an EnvStep"),
         ("NaNReward", "reward=nan"),
+        # BaseExceptions that asyncio would re-raise out of the rollout's loop, or read as the rollout's cancellation
+        ("Exiting", "environment raised SystemExit: 3"),
+        ("AsyncExiting", "environment raised SystemExit: 3"),
+        ("AsyncCancelled", "environment raised CancelledError"),
+        ("ExitingInit", "environment raised KeyboardInterrupt: from the constructor"),
     ],
 )
 def test_a_misbehaving_environment_costs_only_its_own_episodes(setup, cls, reason):

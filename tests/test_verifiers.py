@@ -9,6 +9,7 @@ none of this project's code in the loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -105,6 +106,17 @@ def rewriter() -> vf.Environment:
 
     parser = vf.Parser()
     return Rewriter(max_turns=3, dataset=_sums(4), parser=parser, rubric=_rubric(parser))
+
+
+def cancelling() -> vf.Environment:
+    """A multi-turn environment whose env_response raises CancelledError (a tool awaiting a closed session, say)."""
+
+    class Cancelling(Nag):
+        async def env_response(self, messages, state, **kwargs):
+            raise asyncio.CancelledError()
+
+    parser = vf.Parser()
+    return Cancelling(max_turns=3, dataset=_sums(4), parser=parser, rubric=_rubric(parser))
 
 
 def grouped() -> vf.Environment:
@@ -356,6 +368,18 @@ def test_an_environment_that_rewrites_the_conversation_fails_its_own_episodes_on
     samples = _run(engine, tok, [bad, [dataclasses.replace(s, group_index=5) for s in good]])
     for s in samples[:2]:
         assert s.status == SampleStatus.FAILED and "does not continue the conversation" in s.metadata["error"]
+    assert all(s.status == SampleStatus.COMPLETED and s.reward is not None for s in samples[2:])
+
+
+def test_a_cancelled_verifiers_rollout_fails_its_own_episodes_only(setup):
+    """verifiers' rollout task ending cancelled: `Task.exception()` would raise its CancelledError into the episode,
+    which then read as the whole rollout being cancelled (every tenant's step lost)."""
+    engine, tok = setup
+    (bad, *_) = _groups(tok, "cancelling", prompts=1, n=2)
+    (good, *_) = _groups(tok, "single_turn", prompts=1, n=2)
+    samples = _run(engine, tok, [bad, [dataclasses.replace(s, group_index=5) for s in good]])
+    for s in samples[:2]:
+        assert s.status == SampleStatus.FAILED and "the verifiers rollout was cancelled" in s.metadata["error"]
     assert all(s.status == SampleStatus.COMPLETED and s.reward is not None for s in samples[2:])
 
 
