@@ -111,6 +111,7 @@ def main(fd: int, parent_pid: int) -> None:
     except ImportError:
         pass
     conn.send(("ready", os.getpid()))
+    home = (os.getcwd(), dict(os.environ))  # every task starts from these, whichever tenant's reward ran before
     resolved: dict[Any, Any] = {}
     while True:
         try:
@@ -123,4 +124,21 @@ def main(fd: int, parent_pid: int) -> None:
         if sys.path != sys_path:  # import custom rewards exactly as the parent would
             sys.path[:] = sys_path
         progress = functools.partial(conn.send, (task_id, None))
-        conn.send((task_id, run_task(spec, items, resolved, progress)))
+        outcomes = run_task(spec, items, resolved, progress)
+        _restore(*home)
+        conn.send((task_id, outcomes))
+
+
+def _restore(cwd: str, environ: dict[str, str]) -> None:
+    """Undo what a reward changed of the process that the next task (maybe another tenant's) would see: the working
+    directory (rewards that run code often chdir into a scratch directory, then relative paths of the next tenant's
+    reward broke) and the environment variables."""
+    try:
+        moved = os.getcwd() != cwd
+    except OSError:  # it chdir'd into a directory it then removed
+        moved = True
+    if moved:
+        os.chdir(cwd)
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)

@@ -144,3 +144,21 @@ def two_arg_reward(prompt: str, response: str) -> float:
 
 
 NOT_CALLABLE = 42
+
+
+def wandering_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """Moves the worker's working directory and sets an environment variable, as code-running rewards do."""
+    import os
+
+    os.chdir("/")
+    os.environ["RL_MULTILORA_TEST_WANDERED"] = "1"
+    return 1.0
+
+
+def relative_file_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1 when `label_file.txt`, relative to the run's directory, holds the label and nothing moved the process."""
+    import os
+
+    with open("label_file.txt") as f:
+        ok = f.read().strip() == str(label) and "RL_MULTILORA_TEST_WANDERED" not in os.environ
+    return float(ok)

@@ -561,3 +561,16 @@ def test_executor_close_leaves_no_processes():
         assert not Path(f"/proc/{pid}").exists()
     with pytest.raises(RuntimeError, match="closed"):
         ex.score_samples(make_samples("c", RewardSpec(name="exact_match"), ["4"]))
+
+
+def test_a_reward_that_moves_the_worker_does_not_move_the_next_tenants(tmp_path, monkeypatch):
+    """Workers are shared by tenants: one reward's chdir and environment variables used to stay for the next task, so
+    another tenant's reward that reads a file relative to the run's directory failed (FileNotFoundError)."""
+    (tmp_path / "label_file.txt").write_text("4")
+    monkeypatch.chdir(tmp_path)  # the workers start here, as they start in the run's directory
+    with RewardExecutor(num_workers=1) as ex:  # one worker: every task runs after the one before
+        for _ in range(2):
+            wanderer = make_samples("wanderer", plugin("wandering_reward"), ["x", "y"])
+            reader = make_samples("reader", plugin("relative_file_reward"), ["x", "y", "z"])
+            report = ex.score_samples(wanderer + reader)
+            assert [s.reward for s in wanderer + reader] == [1.0] * 5, report.last_error
