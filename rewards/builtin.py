@@ -35,7 +35,7 @@ _MINUS = "-\N{MINUS SIGN}"
 # sign (not after a word or ")", so "2-3" is 2 and 3), optional "$" on either side of it, then digits.
 _NUMBER_RE = re.compile(
     rf"(?P<sign>(?<![\w)])[{_MINUS}])?\s*\$?\s*(?P<sign2>[{_MINUS}])?"
-    r"(?P<num>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?P<num>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"  # "1,2345" is not 1,234 then 5
 )
 
 
@@ -44,6 +44,8 @@ def _numbers(text: str) -> list[Fraction]:
 
     >>> _numbers("He paid $1,234.50, then -$3 and 72.0; 3,4 are two.")
     [Fraction(2469, 2), Fraction(-3, 1), Fraction(72, 1), Fraction(3, 1), Fraction(4, 1)]
+    >>> _numbers("1,2345 and 1,234567")  # a bad thousands group: the digits as written, no 1,234 made up
+    [Fraction(1, 1), Fraction(2345, 1), Fraction(1, 1), Fraction(234567, 1)]
     """
     out = []
     for m in _NUMBER_RE.finditer(text):

@@ -31,6 +31,7 @@ import copy
 import logging
 import math
 import os
+import string
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -137,10 +138,8 @@ class DatasetSpec:
             raise DatasetError(
                 bad_value("dataset.max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1 or null")
             )
-        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
-            raise DatasetError(
-                bad_value("dataset.prompt_template", self.prompt_template, "a format string containing '{prompt}'")
-            )
+        if self.prompt_template is not None:
+            _check_template(self.prompt_template)
 
     def _check_generated(self) -> None:
         source = self.source
@@ -319,6 +318,37 @@ def _check_columns(spec: DatasetSpec, columns: list[str]) -> None:
         column = getattr(spec, key_field)
         if column is not None and column not in columns:
             raise DatasetError(f"dataset.{key_field}={column!r} is not a column of {spec.path!r}; columns: {columns}")
+    for name in template_fields(spec.prompt_template) - {"prompt"}:
+        if name not in columns:
+            raise DatasetError(
+                f"dataset.prompt_template names {{{name}}}, which is not a column of {spec.path!r}; columns: "
+                f"{columns} (and {{prompt}}, the prompt_key's text)"
+            )
+
+
+def template_fields(template: str | None) -> set[str]:
+    """The `{name}` fields of a prompt template (checked by `_check_template`); none without one."""
+    if template is None:
+        return set()
+    return {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+
+
+def _check_template(template: str) -> None:
+    """`dataset.prompt_template` is a `str.format` string whose fields are `{prompt}` and column names; literal braces
+    are doubled. Checked at load: a template that cannot format failed every row (the tenant ran out of rows with a
+    warning per row) or raised for every tenant's step."""
+    allowed = "a format string containing '{prompt}', other fields column names, literal braces doubled ('{{', '}}')"
+    try:
+        fields = template_fields(template)
+    except ValueError as e:  # an unmatched brace
+        raise DatasetError(f"{bad_value('dataset.prompt_template', template, allowed)} ({e})") from None
+    if "prompt" not in fields:
+        raise DatasetError(bad_value("dataset.prompt_template", template, allowed))
+    for name in fields:
+        if not name.isidentifier():  # '' or '0' (positional: a literal brace not doubled), 'a.b' or 'a[0]'
+            raise DatasetError(
+                f"{bad_value('dataset.prompt_template', template, allowed)}; {{{name}}} is not a column name"
+            )
 
 
 @dataclass
@@ -670,7 +700,7 @@ class MultiLoRADataSource:
             if spec.prompt_template is not None:
                 try:
                     prompt = spec.prompt_template.format_map({**row, "prompt": prompt})
-                except (KeyError, IndexError, ValueError):
+                except Exception:  # noqa: BLE001 - a row the template cannot format (a column missing in it) is bad
                     return "prompt_template_error"
             messages = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):

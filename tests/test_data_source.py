@@ -283,6 +283,32 @@ def test_dataset_errors_name_the_field(tmp_path):
         DatasetSpec(path="json", max_prompt_tokens=0)
 
 
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("Solve: {question}", "a format string containing '{prompt}'"),
+        ("{prompt}\nPut the answer in \\boxed{}.", r"literal braces doubled.*\{\} is not a column name"),
+        ("{prompt} ({label.kind})", r"\{label\.kind\} is not a column name"),
+        ("{prompt} {0}", r"\{0\} is not a column name"),
+        ("{prompt} }", "Single '}'"),
+    ],
+)
+def test_a_prompt_template_that_cannot_format_is_a_config_error(template, message):
+    """A template that cannot format every row used to pass the load: '\\boxed{}' failed every row (the tenant ran
+    out of data, a warning per row), '{label.kind}' raised from next_groups for every tenant's step."""
+    with pytest.raises(DatasetError, match=r"dataset\.prompt_template=.*" + message):
+        DatasetSpec(path="json", prompt_template=template)
+    DatasetSpec(path="json", prompt_template="{prompt}\nPut the answer in \\boxed{{}}.")  # doubled: fine
+
+
+def test_a_prompt_template_names_columns_of_the_dataset(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "label": "1", "unit": "kg"}) + "\n")
+    load_dataset_rows(DatasetSpec(path="json", data_files=str(path), prompt_template="{prompt} ({unit})"))
+    with pytest.raises(DatasetError, match=r"names \{units\}, which is not a column.*'unit'"):
+        load_dataset_rows(DatasetSpec(path="json", data_files=str(path), prompt_template="{prompt} ({units})"))
+
+
 def test_add_adapter_validates_arguments(tokenizer):
     source = MultiLoRADataSource(tokenizer)
     add(source, "a", rows("a", 2))
