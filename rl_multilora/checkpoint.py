@@ -159,6 +159,8 @@ def _complete(adapter_dir: Path) -> list[tuple[tuple[int, int], Path, dict]]:
             found.append(((int(meta["adapter_step"]), int(meta.get("save_seq", 0))), d, meta))
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             continue  # a damaged meta file means an incomplete checkpoint: skip it
+        except OSError:  # pruned by the training thread between the listing and the read (a submission's check)
+            continue
     return sorted(found, key=lambda f: (f[0], f[1].name))
 
 
@@ -571,6 +573,41 @@ class CheckpointManager:
             with metrics.open("r+") as fh:
                 fh.truncate()
         return dest
+
+    def archive_adapter(self, name: str) -> Path | None:
+        """Move one adapter's earlier checkpoints and metrics rows to RUN_DIR/archive/<utc time>/ (its folder under
+        `adapters/`, its rows into that archive's metrics.jsonl), as `archive_previous` does for a whole run: a name
+        that starts over with `checkpoint.resume: never` in a run dir that trained it before (removed, then
+        submitted again). None when there was nothing of it."""
+        folder = self.adapter_dir(name)
+        metrics = self.run_dir / METRICS_FILE
+        _finish_metrics_rewrite(metrics, self.run_dir / METRICS_JOURNAL)
+        rows = [line for line in _metrics_lines(metrics) if _row_adapter(line) == name]
+        if not folder.exists() and not rows:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest, n = self.run_dir / "archive" / f"{stamp}-{name}", 0
+        while dest.exists():
+            n += 1
+            dest = self.run_dir / "archive" / f"{stamp}-{name}-{n}"
+        (dest / "adapters").mkdir(parents=True)
+        if folder.exists():
+            os.rename(folder, dest / "adapters" / name)
+        if rows:
+            atomic_write_text(dest / METRICS_FILE, "".join(line + "\n" for line in rows))
+            prune_metrics(self.run_dir, {name: None})  # only once the copy is written
+        return dest
+
+
+def _metrics_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _row_adapter(line: str) -> str | None:
+    try:
+        return json.loads(line)["adapter"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _steps_done(meta: dict) -> int:

@@ -910,11 +910,16 @@ def load_yaml(path: str | Path) -> Any:
             [bad_value("config", str(path), "the path of an existing YAML file (there is no such file)")]
         )
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(
             [bad_value("config", str(path), f"a valid YAML file; this one is not valid YAML: {e}")]
         ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([bad_value("config", str(path), f"a UTF-8 text file; this one is not ({e.reason} at byte "
+                                     f"{e.start})")]) from None  # fmt: skip
+    except OSError as e:  # unreadable: a directory's permissions, a FIFO gone
+        raise ConfigError([bad_value("config", str(path), f"a readable file ({e.strerror})")]) from None
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -477,6 +477,9 @@ class ServiceActor:
             name = adapter_data.get("name") if isinstance(adapter_data, dict) else None
             msg = str(e) if isinstance(e, ServiceError) else f"adapter {name!r} rejected: {e}"
             return Reply(error=msg)
+        except Exception as e:  # noqa: BLE001 - the submitter gets one line, not the actor's traceback
+            log.exception("submit failed")
+            return Reply(error=f"submit failed: {type(e).__name__}: {e}")
 
     def remove(self, name: str) -> Reply:
         try:

@@ -503,7 +503,15 @@ class TenantManager:
             sampling=tenant_sampling(build_sampling(self.cfg, self.data.tokenizer), a),
             environment=a.environment,
         )
-        if self.cfg.checkpoint.resume != "never" and self._restore(t) and self.budget_done(t):
+        if self.cfg.checkpoint.resume == "never":
+            # A name this run dir trained before (removed, then submitted again) starts over: its earlier checkpoints
+            # are moved aside, not left beside the new ones, where pruning by adapter step deleted the new ones as
+            # they were written and export and a later `resume: auto` took the old weights.
+            archived = self.ckpt.archive_adapter(t.name)
+            if archived is not None:
+                log.warning("adapter %s: checkpoint.resume is never: its earlier checkpoints and metrics rows in this "
+                            "run dir moved to %s", t.name, archived)  # fmt: skip
+        elif self._restore(t) and self.budget_done(t):
             # Killed after its final checkpoint but before the run state recorded DRAINED: training it would take a
             # step past its budget. It leaves at once, never pushed; its checkpoint is already final.
             self.drain(t.name, "budget reached")

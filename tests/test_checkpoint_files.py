@@ -50,6 +50,26 @@ def test_list_checkpoints_uses_meta_not_names(tmp_path):
     assert [(s, d.name) for s, d in list_checkpoints(tmp_path)] == [(3, "step_3"), (5, "step_latest")]
 
 
+def test_a_checkpoint_pruned_while_it_is_listed_is_skipped(tmp_path, monkeypatch):
+    """A service submission lists a RUNNING adapter's checkpoints in the caller's thread while the training thread
+    may prune one: its meta file is gone between the listing and the read (a reviewer hit FileNotFoundError 3 times
+    in 505,967 checks)."""
+    from pathlib import Path
+
+    for step in (2, 4):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / CKPT_META).write_text(json.dumps({"adapter_step": step}))
+    read_text = Path.read_text
+
+    def pruned_meanwhile(self, *args, **kwargs):
+        if self.parent.name == "step_2":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", pruned_meanwhile)
+    assert [(s, d.name) for s, d in list_checkpoints(tmp_path)] == [(4, "step_4")]
+
+
 def _snapshot(adapter_step: int, global_step: int) -> AdapterSnapshot:
     """A checkpoint written inside global step `global_step` (it counts once the run state records that step done)."""
     tensors = {

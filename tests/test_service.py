@@ -78,6 +78,7 @@ _DROP = object()
     "content, expected",
     [
         ("name: x\nrank: [4\n", r"not valid YAML"),
+        (b"\xff\xfe name: x\n", r"a UTF-8 text file; this one is not \(invalid start byte at byte 0\)"),
         ({"name": _DROP}, r"name is missing"),
         ({"rank": 64}, r"rank=64 is not allowed; allowed: an integer <= model.max_rank \(8\)"),
         ({"learning_rate": 0.1}, r"learning_rate=0.1 is not allowed; allowed: no such key"),
@@ -89,6 +90,8 @@ def test_client_rejects_bad_adapter_yaml_before_the_actor(tmp_path, content, exp
     path = tmp_path / "adapter.yaml"
     if isinstance(content, str):
         path.write_text(content)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
     else:
         data = {**adapter_yaml(tmp_path, "x"), **content}
         write_yaml(path, {k: v for k, v in data.items() if v is not _DROP})
@@ -623,3 +626,51 @@ def test_serve_refuses_a_jemalloc_its_workers_cannot_preload(workspace, tmp_path
     assert f"a Ray worker started with LD_PRELOAD={broken} has glibc" in out.stderr, text[-3000:]
     assert "Traceback" not in text and 'File "' not in text, text[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_name_submitted_again_with_resume_never_starts_over_and_keeps_its_first_life(workspace, tmp_path):
+    """`serve --fresh` (`checkpoint.resume: never`): a name removed and submitted again starts at adapter step 0. Its
+    new checkpoints went into the folder that still held the first life's higher-step ones, and pruning by adapter
+    step deleted the new ones as they were written (`status` named a checkpoint that did not exist; `export` and a
+    later `resume: auto` took the first life's weights). The first life is archived now, checkpoints and rows."""
+    from rl_multilora.config import AdapterConfig, parse_run_config
+    from rl_multilora.loop import Runtime
+    from rl_multilora.service import ServiceCore
+
+    run_dir = tmp_path / "run"
+    cfg = service_config(workspace, run_dir)
+    cfg["checkpoint"].update(resume="never", save_every=2, keep_last=2)
+    core = ServiceCore(Runtime.build(parse_run_config(cfg)), poll_s=0.05)
+
+    def until(pred, what):
+        deadline = time.monotonic() + 120
+        while not pred(core.status()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{core.status().table()}"
+            time.sleep(0.05)
+        return core.status()
+
+    adapter = AdapterConfig.model_validate(adapter_yaml(workspace, "a"))
+    core.start()
+    try:
+        core.submit(adapter)
+        until(lambda st: st.get("a").adapter_step >= 5, "a's first life")
+        core.remove("a")
+        first = until(lambda st: st.get("a").state == "REMOVED", "a removed").get("a").adapter_step
+        core.submit(adapter)
+        until(lambda st: st.get("a").adapter_step >= 1, "a's second life")
+        core.remove("a")
+        second = until(lambda st: st.get("a").state == "REMOVED", "a removed again").get("a")
+    finally:
+        core.stop(timeout=60)
+    assert second.adapter_step < first
+    assert second.last_checkpoint is not None and Path(second.last_checkpoint).is_dir()
+    steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "adapters" / "a").glob("step_*"))
+    assert steps and max(steps) == second.adapter_step  # only the second life's checkpoints
+    (archived,) = (run_dir / "archive").iterdir()
+    old = sorted(int(p.name.split("_")[1]) for p in (archived / "adapters" / "a").glob("step_*"))
+    assert max(old) == first
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mine = [r["adapter_step"] for r in rows if r.get("adapter") == "a" and "adapter_step" in r]
+    assert mine and mine[0] == 1 and max(mine) == second.adapter_step
+    old_rows = [json.loads(line) for line in (archived / "metrics.jsonl").read_text().splitlines()]
+    assert {r["adapter"] for r in old_rows} == {"a"} and len(old_rows) >= first
