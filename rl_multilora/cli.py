@@ -58,7 +58,7 @@ def cmd_provision(args) -> int:
 
 def cmd_run(args) -> int:
     from rl_multilora.config import load_run_config
-    from rl_multilora.loop import run, summarize
+    from rl_multilora.loop import RunStopped, run, summarize
 
     cfg = load_run_config(args.config, args.set)
     if args.resume:
@@ -73,7 +73,11 @@ def cmd_run(args) -> int:
         return 0
     if cfg.model.host_allocator == "jemalloc":
         _start_with_jemalloc(args)
-    rt = run(cfg, source=args.config)
+    try:
+        rt = run(cfg, source=args.config)
+    except RunStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + e.signum  # the shell's code for a process ended by that signal
     summary = summarize(cfg.run_dir)
     print(f"run finished: {cfg.run_dir}")
     for name, s in sorted(summary.items()):

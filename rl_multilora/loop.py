@@ -36,7 +36,9 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -514,8 +516,8 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
             bar.total += bar.n
         step_s: list[float] = []
         # Console lines go through tqdm.write, so they print above the bar instead of through it.
-        with logging_redirect_tqdm(), bar:
-            while not rt.finished():
+        with logging_redirect_tqdm(), bar, _StopOnSignal() as stop:
+            while not rt.finished() and stop.signal is None:
                 t0 = time.perf_counter()
                 res = rt.step()
                 step_s.append(time.perf_counter() - t0)
@@ -528,9 +530,12 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
                     refresh=False,
                 )  # fmt: skip
                 bar.update(1)
-        # Stopped with adapters still running (max_global_steps): their steps since the last periodic save are
-        # checkpointed (nothing trained is lost, and the run resumes from here) and evaluated like finished ones.
+        # Stopped with adapters still running (max_global_steps, a signal): their steps since the last periodic save
+        # are checkpointed (nothing trained is lost, and the run resumes from here).
         rt.checkpoint_all()
+        if stop.signal is not None:
+            raise RunStopped(stop.signal, rt.tenants.global_step)
+        # ... and evaluated like finished ones
         rt.final_evals(run_over=True)
         if cfg.logging.plot:
             png = plot_reward_curves(cfg.run_dir)
@@ -539,6 +544,47 @@ def run(cfg: RunConfig, source: str | None = None) -> Runtime:
     finally:
         rt.close()
     return rt
+
+
+class RunStopped(Exception):
+    """`run` stopped by SIGINT or SIGTERM between two steps, every running adapter checkpointed."""
+
+    def __init__(self, signum: int, global_step: int) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name} after global step {global_step}; every running adapter is checkpointed: run the "
+            "same command to resume"
+        )
+
+
+class _StopOnSignal:
+    """While `run` trains, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) asks it to stop after the
+    step in flight, which then checkpoints every running adapter; a second one acts at once as it did before (the
+    handlers before are back). No-op outside the main thread, where Python cannot take signals."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.signal = signum
+        self._restore()
+        log.warning("%s: stopping after this step, then checkpointing (send it again to stop at once)",
+                    signal.Signals(signum).name)  # fmt: skip
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
 
 
 ESTIMATE_AFTER = 3  # steps before a time estimate: the first holds the base evaluation and the warm-up

@@ -355,3 +355,36 @@ def test_raising_a_finished_adapters_budget_trains_it_further(workspace, referen
     assert [r[0] for r in _series(run_dir, "t2")] == [1, 2, 3, 4, 5]
     assert _series(run_dir, "t1") == _series(reference, "t1")  # the others did not train again
     assert [s for s, _ in list_checkpoints(run_dir / "adapters" / "t2")] == [4, 5]
+
+
+def test_sigterm_stops_after_the_step_checkpoints_every_adapter_and_resume_matches(workspace, reference, tmp_path):
+    """A scheduler's preemption (SIGTERM) or Ctrl-C: `run` finishes the step in flight, checkpoints every running
+    adapter (the steps since the last periodic save were lost before: SIGTERM killed the process, exit 143 without
+    a checkpoint) and exits 128 + signal, saying how to resume; the resumed run ends as an uninterrupted one."""
+    import time
+
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl_multilora.cli", "run", str(path)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while proc.poll() is None and len(read_metrics(run_dir)) < 3:  # the first step's rows (save_every: 2)
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by SIGTERM after global step" in stderr and "run the same command to resume" in stderr
+    assert "Traceback" not in stderr
+    rows = read_metrics(run_dir)
+    for name in NAMES:
+        trained = max(r["adapter_step"] for r in rows if r["adapter"] == name)
+        assert [s for s, _ in list_checkpoints(run_dir / "adapters" / name)][-1] == trained, name
+    run(parse_run_config(cfg))
+    assert_same_as_reference(run_dir, reference)
