@@ -135,7 +135,8 @@ def compute_advantages(
         n_groups[name] += 1
         rewards = torch.tensor([float(samples[i].reward) for i in idx], dtype=torch.float64)  # (G,)
         centered = rewards - rewards.mean()  # (G,)
-        uniform = bool(torch.all(rewards == rewards[0]))
+        # (all +inf compare equal: non-finite is not uniform, its advantages stay non-finite and skip the step)
+        uniform = bool(torch.all(rewards == rewards[0])) and bool(torch.isfinite(rewards).all())
         if (normalize_std_of or {}).get(name, normalize_std) and len(idx) > 1:
             centered = centered / (rewards.std() + 1e-6)
         for i, a in zip(idx, centered.tolist(), strict=True):
@@ -206,6 +207,11 @@ def token_loss(
 ) -> TokenLoss:
     """Each token's loss under its own tenant's settings. `logp`, `old_logp`, `entropy`: (N,); `ref_logp`: (N,) the
     base model's log-probs, None when no token has a KL term; `n_rows`: the micro-batch's rows (`tok.row` < n_rows)."""
+    if ref_logp is not None and settings.custom:
+        # A tenant without a KL term gets none, whoever shares its micro-batch: its tokens' reference is their own
+        # log-prob (k3 of a zero gap: 0, gradient 0), not the base's, whose k3 overflows past an 88-nat gap and made
+        # 0 * inf = NaN, skipping its step because a neighbour wanted the base's log-probs.
+        ref_logp = torch.where(settings.kl_coef > 0, ref_logp, logp.detach())  # (N,)
     kl_tok = kl_penalty(logp, ref_logp, cfg.kl_type) if ref_logp is not None else torch.zeros_like(logp)  # (N,)
     ent_term = entropy if cfg.entropy_coef > 0.0 else entropy.detach()  # (N,)
     if settings.custom:

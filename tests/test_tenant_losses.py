@@ -126,3 +126,38 @@ def test_a_kl_tenant_meets_rows_in_a_later_epoch_whose_first_epoch_micro_batch_h
     assert stats["a"].kl == pytest.approx(alone_stats["a"].kl, rel=1e-5, abs=1e-9) and stats["a"].kl > 0
     for x, y in zip(params_of(mixed_model, "a"), params_of(alone_model, "a"), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tenant_without_kl_gets_no_kl_term_beside_one_with_it():
+    """Tenant a has no KL; b, in the same micro-batch, has one, so the base's log-probs are computed for every token.
+    a's token whose log-prob fell 94 nats under the base's made k3 overflow, and a's 0 * inf was NaN: its loss and
+    step were lost because of its neighbour. Its loss and gradient now equal those it has alone."""
+    from rl_multilora.grpo import TokenSettings, per_adapter_sum, token_loss
+    from rl_multilora.losses import TenantAlgo
+    from rl_multilora.rows import Row, TokenIndex
+
+    cfg = GRPOSettings()
+
+    def algo(kl):
+        return TenantAlgo("grpo", True, "token-mean", kl, 0.2, 0.28, 1.0, 8)
+
+    def loss_and_grad(names, algos):
+        rows = [Row(n, [1, 2, 3], [1, 2], 1.0, None) for n in names]
+        slot_of = {n: i for i, n in enumerate(sorted(set(names)))}
+        tok = TokenIndex.build(rows, slot_of, None, "cpu")
+        settings = TokenSettings.of([algos[n] for n in sorted(slot_of)], cfg, 1.0, tok.adapter)
+        logp = torch.tensor([-2.0, -95.0] + [-2.0, -2.0] * (len(rows) - 1), requires_grad=True)  # (N,)
+        ref = torch.tensor([-2.0, -1.0] + [-2.1, -1.9] * (len(rows) - 1))  # (N,) the base's
+        entropy = torch.zeros(len(logp))
+        out = token_loss(
+            cfg, settings, tok, logp, logp.detach(), ref if settings.need_ref else None, entropy, len(rows)
+        )
+        per = per_adapter_sum(out.total, tok.adapter, len(slot_of))  # (n_adapters,)
+        per[slot_of["a"]].backward()
+        return per[slot_of["a"]].item(), logp.grad[:2], settings.need_ref
+
+    alone, alone_grad, needed = loss_and_grad(["a"], {"a": algo(0.0)})
+    beside, beside_grad, needed_beside = loss_and_grad(["a", "b"], {"a": algo(0.0), "b": algo(0.1)})
+    assert not needed and needed_beside  # b made the base's log-probs part of the micro-batch
+    assert math.isfinite(beside) and beside == alone
+    assert torch.equal(beside_grad, alone_grad)

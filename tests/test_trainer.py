@@ -122,6 +122,19 @@ def test_uniform_groups_dropped_and_counted_per_adapter():
     assert [s.advantage for s in batch[:3]] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_group_of_infinite_rewards_is_non_finite_not_uniform(drop):
+    """All +inf compare equal: such a group (or a one-sample group scored inf) was taken as uniform, dropped or
+    trained at advantage 0, and never counted as the non-finite reward it is; its advantages stay non-finite now,
+    which skips that tenant's step (`test_nonfinite_reward_skips_only_that_adapter`)."""
+    for rewards in ([math.inf] * 3, [math.inf], [-math.inf] * 2):
+        batch = [sample("a", 0, r) for r in rewards] + [sample("b", 0, r) for r in (1.0, 0.0)]
+        stats = compute_advantages(batch, drop_uniform_groups=drop)
+        assert stats.dropped_groups == {} and stats.kept == [True] * len(batch)
+        assert all(not math.isfinite(s.advantage) for s in batch[: len(rewards)])
+        assert [s.advantage for s in batch[len(rewards) :]] == pytest.approx([0.7071, -0.7071], abs=1e-3)
+
+
 def test_groups_of_different_adapters_stay_separate_with_equal_group_index():
     batch = [sample("a", 0, r) for r in (1.0, 0.0)] + [sample("b", 0, r) for r in (5.0, 5.0, 8.0)]
     compute_advantages(batch, normalize_std=False)
