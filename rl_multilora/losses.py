@@ -40,7 +40,7 @@ GRPO tenants' names (`GRPO_LOSSES`), with lo = 1 - eps_clip and hi = 1 + eps_cli
 | dapo     | ppo (clip-higher, eh > el) | group std | token-mean |
 | dr_grpo  | ppo       | no std     | seq-mean-token-sum-norm |
 | gspo     | gspo      | group std  | seq-mean-token-mean     |
-| cispo    | cispo     | group std  | token-mean              |
+| cispo    | cispo (weight in [0, 1 + eh]) | group std  | token-mean |
 
 TIS (`tis_weights`): the trainer's old log-probs and the engine's rollout log-probs of the same tokens differ
 (kernels, precision, batching). Each token's loss is multiplied by sg(w), w = min(exp(old - rollout), cap) per
@@ -235,8 +235,8 @@ def token_losses(
     eps_low: float,
     eps_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, clipped) per token of GRPO loss `kind` (see the module tables), clip range [1 - eps_low, 1 + eps_high];
-    both (N,). `clipped` marks tokens where clipping changed the value (for `clip_frac`)."""
+    """(loss, clipped) per token of GRPO loss `kind` (see the module tables), clip range [1 - eps_low, 1 + eps_high]
+    ([0, 1 + eps_high] for cispo's weight); both (N,). `clipped` marks tokens where clipping changed the value (for `clip_frac`)."""
     if kind not in GRPO_SURROGATE:
         why = (
             " (a Tinker client's loss: it needs the sampler log-probs the Tinker server records and a datum's "
@@ -246,7 +246,9 @@ def token_losses(
         )
         raise ValueError(f"loss={kind!r} is not allowed{why}; allowed: one of {', '.join(GRPO_LOSSES)}")
     x = TokenBatch(logp, old_logp, adv, torch.ones_like(logp), rows, n_rows)
-    cfg = {"clip_low_threshold": 1.0 - eps_low, "clip_high_threshold": 1.0 + eps_high}
+    # CISPO caps its IS weight from above only (MiniMax-M1 sets no lower bound; TRL: clamp(ratio, max=1 + eps_high))
+    low = 0.0 if kind == "cispo" else 1.0 - eps_low
+    cfg = {"clip_low_threshold": low, "clip_high_threshold": 1.0 + eps_high}
     return REGISTRY[GRPO_SURROGATE[kind]].fn(x, cfg)
 
 

@@ -45,8 +45,8 @@ def _reference(kind: str, logp: list[float], old: list[float], adv: list[float],
             else:
                 loss.append(-clipped * a)
                 grad.append(0.0)
-        else:  # cispo
-            w = min(max(math.exp(logp[t] - old[t]), 1 - EL), 1 + EH)
+        else:  # cispo: the IS weight capped from above only (MiniMax-M1; TRL's clamp(coef_1, max=epsilon_high))
+            w = min(math.exp(logp[t] - old[t]), 1 + EH)
             loss.append(-w * a * logp[t])
             grad.append(-w * a)
     return loss, grad
