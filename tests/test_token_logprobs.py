@@ -76,3 +76,33 @@ def test_a_scalar_temperature_and_a_bad_chunk():
     torch.testing.assert_close(ent, want[1], atol=1e-12, rtol=1e-10)
     with pytest.raises(ValueError, match="chunk=0"):
         token_logp_entropy(hidden, weight, b, targets, 1.0, chunk=0)
+
+
+@pytest.mark.parametrize("multiplier", [0.25, 1.0])
+def test_a_head_that_scales_its_logits_sends_the_trainer_to_the_models_logits(multiplier):
+    """Falcon-H1 multiplies its logits by `lm_head_multiplier`, a key `output_head` did not know: the trainer's
+    chunked log-probs (`hidden @ W.T`) left the factor out (0.19 nats off at 0.25). Such a head is now None (the
+    model's own logits are used); a multiplier of 1 keeps the fast path, and its log-probs are the model's."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    from rl_multilora.lora import MultiLoRAModel
+    from rl_multilora.token_logprobs import token_logp_entropy
+
+    cfg = FalconH1Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+        mamba_chunk_size=8, lm_head_multiplier=multiplier, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = MultiLoRAModel.from_model(FalconH1ForCausalLM(cfg).eval(), max_loras=1, max_rank=4)
+    head = m.output_head()
+    assert (head is None) == (multiplier != 1.0)
+    if head is not None:
+        ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            hidden = m.forward_hidden(ids, adapter_names=[None])[0, :-1]  # (T-1, H)
+            got, _ = token_logp_entropy(hidden, head.weight, head.bias, ids[0, 1:], 1.0)
+            logits = m(ids, adapter_names=[None]).logits[0, :-1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

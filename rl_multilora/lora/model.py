@@ -113,6 +113,14 @@ def _foldable_head_input(module: nn.Module, args: tuple) -> tuple | None:
     return None
 
 
+def _scales_logits(key: str) -> bool:
+    """Whether a model-config key may scale or cap the logits past `lm_head(hidden)`: Gemma's
+    `final_logit_softcapping`, Cohere's `logit_scale`, Granite's `logits_scaling`, Falcon-H1's `lm_head_multiplier`,
+    `output_multiplier` and the like. Broad on purpose: a key that is not one (Gemma 2's attention soft-capping) only
+    sends the trainer to the model's own logits, which is correct, where a missed one gave wrong log-probs."""
+    return "logit" in key or key.startswith(("lm_head", "output_multiplier"))
+
+
 class MultiLoRAModel(nn.Module):
     """An HF causal LM with frozen base weights and `max_loras` pre-allocated LoRA slots of `max_rank`.
 
@@ -922,9 +930,8 @@ class MultiLoRAModel(nn.Module):
         ):
             return None
         config = self.base_model.config
-        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
-            value = getattr(config, key, None)
-            if value is not None and value != 1:
+        for key, value in config.to_dict().items():
+            if _scales_logits(key) and isinstance(value, int | float) and not isinstance(value, bool) and value != 1:
                 return None
         return head
 
