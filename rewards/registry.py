@@ -339,13 +339,20 @@ def _invoke(fn: RewardFn, spec: RewardSpec, mode: str, args: tuple[Any, ...]) ->
 
 
 def _check_batch(out: Any, spec: RewardSpec, n: int) -> list[Any]:
+    if _is_1d_array(out):  # a numpy array or a torch tensor of one value per sample, as reward code often returns
+        out = out.tolist()
     if not isinstance(out, (list, tuple)) or len(out) != n:
         got = f"{type(out).__name__} of length {len(out)}" if hasattr(out, "__len__") else type(out).__name__
         raise TypeError(
             f"batched reward {spec_label(spec)!r} returned {got} for {n} samples; "
-            "it must return a list with one float per sample"
+            "it must return a list (or a 1-D numpy array / torch tensor) with one float per sample"
         )
     return list(out)
+
+
+def _is_1d_array(out: Any) -> bool:
+    """A one-dimensional numpy array or torch tensor (duck-typed: neither library is imported here)."""
+    return type(out).__module__.split(".")[0] in ("numpy", "torch") and getattr(out, "ndim", None) == 1
 
 
 Item = tuple[str, str, Any, dict[str, Any]]  # (prompt, response, label, metadata)

@@ -162,3 +162,11 @@ def relative_file_reward(prompt: str, response: str, label: Any, metadata: dict[
     with open("label_file.txt") as f:
         ok = f.read().strip() == str(label) and "RL_MULTILORA_TEST_WANDERED" not in os.environ
     return float(ok)
+
+
+@rewards.batched
+def numpy_batched_reward(prompts, responses, labels, metadatas):
+    """A batched reward returning a numpy array, as vectorized reward code does."""
+    import numpy as np
+
+    return np.array([float(r == str(label)) for r, label in zip(responses, labels, strict=True)])

@@ -294,6 +294,14 @@ def test_executor_custom_contract_by_path(executor):
     assert "ValueError" in report.last_error["sync"]
 
 
+def test_a_batched_reward_may_return_a_numpy_array(executor):
+    """Vectorized reward code returns arrays; a 1-D array of one value per sample was refused as 'ndarray'."""
+    samples = make_samples("np", plugin("numpy_batched_reward"), ["4", "5", "4"])
+    report = executor.score_samples(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0] and report.errors == {}
+    assert all(type(s.reward) is float for s in samples)
+
+
 def test_executor_bad_return_values_and_config_fail_only_their_samples(executor):
     samples = make_samples("str", plugin("string_reward", failure_value=-1.0), ["x"])
     samples += make_samples("nan", plugin("nan_reward"), ["x"])
