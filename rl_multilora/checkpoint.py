@@ -555,12 +555,7 @@ class CheckpointManager:
         has_metrics = metrics.is_file() and metrics.stat().st_size > 0
         if not (state.exists() or adapters.exists() or has_metrics or journal_files):
             return None
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest, n = self.run_dir / "archive" / stamp, 0
-        while dest.exists():
-            n += 1
-            dest = self.run_dir / "archive" / f"{stamp}-{n}"
-        dest.mkdir(parents=True)
+        dest = self._new_archive()
         for p in (state, adapters):
             if p.exists():
                 os.rename(p, dest / p.name)
@@ -585,17 +580,23 @@ class CheckpointManager:
         rows = [line for line in _metrics_lines(metrics) if _row_adapter(line) == name]
         if not folder.exists() and not rows:
             return None
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest, n = self.run_dir / "archive" / f"{stamp}-{name}", 0
-        while dest.exists():
-            n += 1
-            dest = self.run_dir / "archive" / f"{stamp}-{name}-{n}"
-        (dest / "adapters").mkdir(parents=True)
+        dest = self._new_archive(f"-{name}")
+        (dest / "adapters").mkdir()
         if folder.exists():
             os.rename(folder, dest / "adapters" / name)
         if rows:
             atomic_write_text(dest / METRICS_FILE, "".join(line + "\n" for line in rows))
             prune_metrics(self.run_dir, {name: None})  # only once the copy is written
+        return dest
+
+    def _new_archive(self, suffix: str = "") -> Path:
+        """A new, empty RUN_DIR/archive/<utc time><suffix>[-n]/ (`-n` when that second already has one)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest, n = self.run_dir / "archive" / f"{stamp}{suffix}", 0
+        while dest.exists():
+            n += 1
+            dest = self.run_dir / "archive" / f"{stamp}{suffix}-{n}"
+        dest.mkdir(parents=True)
         return dest
 
 

@@ -930,7 +930,7 @@ class MultiLoRAModel(nn.Module):
         ):
             return None
         config = self.base_model.config
-        for key, value in config.to_dict().items():
+        for key, value in vars(config).items():  # the config's own attributes, read in place (to_dict copies)
             if _scales_logits(key) and isinstance(value, int | float) and not isinstance(value, bool) and value != 1:
                 return None
         return head
