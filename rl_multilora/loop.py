@@ -131,6 +131,9 @@ class Runtime:
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))
         self._eval_sets: dict[str, tuple[AdapterConfig, EvalSet]] = {}
         self._stop_requested = False
+        # The global step that raised before it was done (`step`), if one did: its state is half applied (its
+        # optimizer may have stepped, its data cursor moved), so no checkpoint may record it as done.
+        self.broken_step: int | None = None
         # Async mode: the next step's rollout (its own GenerateState, in one background thread).
         self.ahead_generator = ahead_generator
         self._ahead: _Ahead | None = None
@@ -181,6 +184,17 @@ class Runtime:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self.broken_step is not None:
+            raise RuntimeError(f"global step {self.broken_step} failed before it was done; resume the run to redo it")
+        step = self.tenants.global_step
+        try:
+            return self._step()
+        except BaseException:
+            if self.tenants.global_step == step:  # it failed before `finish_step` counted it
+                self.broken_step = step
+            raise
+
+    def _step(self) -> StepResult:
         tenants = self.tenants
         res = StepResult(step=tenants.global_step)
         clock = _Clock(res.timings)
@@ -437,6 +451,16 @@ class Runtime:
         return m is not None and self.tenants.global_step >= m
 
     def checkpoint_all(self) -> None:
+        """Checkpoint every running adapter between steps (a stop). Not after a step that failed half way: its
+        adapters' checkpoints would record the step as done with its state half applied (an optimizer step taken
+        but not counted, prompts drawn but never trained on); the last committed checkpoints stay the resume point
+        and resume redoes that step."""
+        if self.broken_step is not None:
+            log.warning(
+                "global step %d failed before it was done: not checkpointing its half-applied state; resume redoes "
+                "it from each adapter's last checkpoint", self.broken_step,
+            )  # fmt: skip
+            return
         self.tenants.checkpoint_all()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,43 @@ def test_kill_during_rollout_or_training_then_resume_matches(workspace, referenc
 def test_killed_three_times_then_resume_matches(workspace, reference, tmp_path):
     # Every resumed process is killed again at another kind of point, then the last one finishes.
     _kill_then_resume(workspace, reference, tmp_path, ["rollout:40", "train:5", "checkpoint:2"])
+
+
+def test_a_service_step_that_fails_half_way_is_not_checkpointed_and_resume_redoes_it(workspace, reference, tmp_path):
+    """The service stops training on a failing step and checkpoints at its stop: not that step's half-applied
+    state (here the optimizers stepped, then the step raised), which a checkpoint would record as done (an optimizer
+    step ahead of the adapter's step count, prompts drawn but never trained on). Resume redoes the step."""
+    from rl_multilora.service import ServiceCore
+
+    run_dir = tmp_path / "run"
+    cfg = parse_run_config(_config(workspace, run_dir))
+    rt = Runtime.build(cfg)
+    train_step, calls = rt.backend.train_step, []
+
+    def fails_on_the_fourth(*args, **kwargs):
+        stats = train_step(*args, **kwargs)  # the optimizers step ...
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom after the optimizer step")  # ... then something after them fails
+        return stats
+
+    rt.backend.train_step = fails_on_the_fourth
+    rt.start()
+    core = ServiceCore(rt, poll_s=0.05)
+    core.start()
+    deadline = time.monotonic() + 120
+    while core.status().error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core.status().error == "RuntimeError: boom after the optimizer step"
+    with pytest.raises(RuntimeError, match="global step 3 failed before it was done"):
+        rt.step()  # the runtime refuses to go on from a half-applied step
+    core.stop(timeout=30)
+    assert json.loads((run_dir / "run_state.json").read_text())["global_step"] == 3
+    for name in NAMES:  # step 2's periodic checkpoints stay the latest: the stop did not commit step 3
+        assert [s for s, _ in list_checkpoints(run_dir / "adapters" / name)] == [2], name
+
+    run(cfg)  # resume redoes global step 3 and goes on
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_finished_run_is_not_retrained_nor_an_adapter_resumed_at_its_budget(workspace, reference, tmp_path):
