@@ -25,7 +25,9 @@ Design choices:
   files it wrote (and the folder, when it made it or it is left empty): a finished run on a small budget would
   otherwise leave 3x every idle tenant's adapter bytes in `run_dir/paged` for good. Each store writes into a folder
   of its own inside `spill_dir` (two runs or servers given one scratch folder and a tenant name in common read each
-  other's adapters otherwise). A spill that fails (a full disk) keeps the tenant in host memory over the budget,
+  other's adapters otherwise), and holds an exclusive `flock` on a lock file in it while it lives: a store that
+  opens its folder removes the folders left by stores whose process died without `close` (a SIGKILL, an OOM kill),
+  which nobody else holds a lock on, so killed and resumed runs do not pile up spill files. A spill that fails (a full disk) keeps the tenant in host memory over the budget,
   with a warning: the budget is a preference, losing a tenant's state is not an option.
 - Page-in time is measured by the caller that pages (it includes the eviction that made room); the store counts
   its own spills and loads.
@@ -45,7 +47,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import shutil
 import tempfile
+import time
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -56,7 +61,18 @@ import torch
 
 from rl_multilora.errors import bad_value
 
+try:
+    import fcntl
+except ImportError:  # not on POSIX: folders of killed runs stay (there is no lock to tell the dead from the living)
+    fcntl = None
+
 log = logging.getLogger(__name__)
+
+FOLDER_PREFIX = "rl-multilora-paged-"
+LOCK_FILE = ".owner.lock"
+# A folder without its lock file is one being made right now (the lock follows `mkdtemp` at once) or one of a store
+# killed in between: removed only once it is this old.
+UNLOCKED_GRACE_S = 600.0
 
 
 @dataclass
@@ -109,6 +125,7 @@ class TenantStore:
         self._spill_dir: Path | None = None  # this store's own folder, made on the first spill, removed on close
         self._made_root = False  # `spill_dir` did not exist: made on the first spill, removed on close when empty
         self._spill_failed = False  # a spill failed (warned once)
+        self._owner_lock: int | None = None  # the fd holding this store's folder's flock while it lives
         self._tenants: OrderedDict[str, PagedTenant] = OrderedDict()  # least recently paged out first
         self._staged: dict[str, concurrent.futures.Future[PagedTenant]] = {}  # prefetched (or being prefetched)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first prefetch
@@ -116,6 +133,10 @@ class TenantStore:
         self.host_bytes = 0  # of the tenants in `_tenants` (staged ones are on their way into a slot)
         self.disk_bytes = 0
         self.stats = StoreStats()
+        if budget_bytes is not None:  # a store that may spill: what killed stores left where it would spill
+            root = self._spill_root if self._spill_root is not None else Path(tempfile.gettempdir())
+            if root.is_dir():
+                _remove_dead_folders(root)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tenants or name in self._staged
@@ -227,6 +248,10 @@ class TenantStore:
                 paged = self._pop(name)
                 self.disk_bytes -= paged.spilled.stat().st_size
                 paged.spilled.unlink()
+            if self._owner_lock is not None:
+                (self._spill_dir / LOCK_FILE).unlink(missing_ok=True)  # while held: no sweep takes it as dead
+                os.close(self._owner_lock)
+                self._owner_lock = None
             if self._spill_dir is not None and self._spill_dir.is_dir() and not any(self._spill_dir.iterdir()):
                 self._spill_dir.rmdir()
                 root = self._spill_dir.parent
@@ -279,7 +304,8 @@ class TenantStore:
             if self._spill_root is not None and not self._spill_root.exists():
                 self._spill_root.mkdir(parents=True)
                 self._made_root = True
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="rl-multilora-paged-", dir=self._spill_root))
+            self._spill_dir = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=self._spill_root))
+            self._owner_lock = _hold_lock(self._spill_dir)
         path = self._spill_dir / f"{name}.pt"
         try:
             torch.save({"weights": paged.weights, "moments": paged.moments, "grads": paged.grads}, path)
@@ -297,3 +323,42 @@ class TenantStore:
         self.disk_bytes += path.stat().st_size
         self.stats.spills += 1
         return True
+
+
+def _hold_lock(folder: Path) -> int | None:
+    """Take an exclusive `flock` on `folder`'s lock file and keep it (the fd) while the store lives; the kernel drops
+    it when the process dies, however it dies. None where there is no `flock`."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder / (LOCK_FILE + ".new"), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file in a fresh folder of our own: nobody holds it
+    os.replace(folder / (LOCK_FILE + ".new"), folder / LOCK_FILE)  # a sweep sees the lock file only once it is held
+    return fd
+
+
+def _remove_dead_folders(root: Path) -> None:
+    """Remove the spill folders in `root` whose store died without `close`: their lock file is not held (taking the
+    lock succeeds), or they have none and are older than `UNLOCKED_GRACE_S`. A living store's folder is never
+    touched; failures are logged, never raised (a cache's leftovers must not stop a run)."""
+    if fcntl is None:
+        return
+    for folder in root.glob(FOLDER_PREFIX + "*"):
+        if not folder.is_dir():
+            continue
+        try:
+            lock = folder / LOCK_FILE
+            if lock.exists():
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a living store holds it
+                finally:
+                    os.close(fd)
+            elif time.time() - folder.stat().st_mtime < UNLOCKED_GRACE_S:
+                continue
+            size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+            shutil.rmtree(folder)
+            log.info("removed %s, the spill folder of a run that did not close it (%.1f MB)", folder, size / 1e6)
+        except OSError as e:  # noqa: PERF203 - another store removing it too, a permission: leave it
+            log.warning("could not remove the stale spill folder %s: %s", folder, e)

@@ -9,6 +9,7 @@ float rounding.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,7 @@ from rl_multilora.train_ops import TrainOps
 from tests.tiny_models import PAD_ID, assert_same_bits, tiny_model
 
 VOCAB = 128
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _rows(names: list[str], n: int, seed: int) -> list[Row]:
@@ -376,7 +378,7 @@ def test_close_deletes_the_spill_files_and_a_folder_it_made_but_nothing_else(tmp
     (given / "notes.txt").write_text("the user's")
     store = _spilling_store(given)
     [own] = [p for p in given.iterdir() if p.is_dir()]  # a folder of its own inside the one given
-    assert sorted(p.name for p in own.iterdir()) == ["t0.pt", "t1.pt", "t2.pt"]
+    assert sorted(p.name for p in own.iterdir()) == [".owner.lock", "t0.pt", "t1.pt", "t2.pt"]
     assert store.disk_bytes > 0 and store.peek("t1").weights[0] == 1.0  # spilled, and read back from its file
     store.close()
     assert [p.name for p in given.iterdir()] == ["notes.txt"] and store.disk_bytes == 0
@@ -387,9 +389,37 @@ def test_close_deletes_the_spill_files_and_a_folder_it_made_but_nothing_else(tmp
 
     store = _spilling_store(None)  # a temporary folder of its own
     made = store._spill_dir
-    assert made is not None and len(list(made.iterdir())) == 3
+    assert made is not None and len(list(made.glob("*.pt"))) == 3
     store.close()
     assert not made.exists()
+
+
+def test_a_store_removes_the_spill_folders_of_killed_runs_and_no_living_ones(tmp_path):
+    """A run killed without `close` (SIGKILL, the OOM killer) left 3x its idle tenants' adapter bytes in
+    `run_dir/paged` for good, and each killed-then-resumed run added a folder (a reviewer's repro). A new store
+    removes the folders whose owner's lock is not held; a living store's folder stays."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys; from tests.test_paging import _spilling_store; "
+        "s = _spilling_store(sys.argv[1]); print(s._spill_dir, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    dead = Path(killed.stdout.strip())
+    assert len(list(dead.glob("*.pt"))) == 3  # what the killed run left
+    living = _spilling_store(tmp_path)  # this process's store: alive, its lock held
+    assert not dead.exists()  # removed when the living store was made
+    (tmp_path / "rl-multilora-paged-unlocked").mkdir()  # no lock file and fresh: maybe a store being made now
+    again = _spilling_store(tmp_path)
+    assert living.peek("t1").weights[0] == 1.0 and (tmp_path / "rl-multilora-paged-unlocked").is_dir()
+    again.close()
+    living.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["rl-multilora-paged-unlocked"]
 
 
 def test_two_stores_given_one_spill_dir_never_read_each_others_tenants(tmp_path):
