@@ -283,6 +283,20 @@ def test_sampler_draws_from_the_filtered_tempered_distribution(temperature, top_
     torch.testing.assert_close(observed, expected, atol=0.025, rtol=0)
 
 
+@pytest.mark.parametrize("use_filters", [False, True])
+def test_a_temperature_below_float32s_range_samples_the_argmax_and_leaves_its_neighbours_alone(use_filters):
+    """1e-300 passed the `> 0` check but was 0 in a float32 tensor: 0 / 0 = NaN at the row's maximum, an index one
+    past the vocabulary, and the whole batch failed with it (a reviewer's repro through the Tinker door)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    extra = {"top_p": 0.9} if use_filters else {}
+    params = [SamplingParams(temperature=t, **extra) for t in (1e-300, 1e-45, 1.0)]
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    tokens = sample_next_tokens(logits.clone(), params, generators)
+    assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()
+    alone = sample_next_tokens(logits[2:].clone(), params[2:], [torch.Generator().manual_seed(2)])
+    assert tokens[2] == alone[0]
+
+
 def test_stop_strings_stop_token_ids_eos_and_length(model, engine, peft_adapters):
     tok = tiny_tokenizer()
     free = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20, stop_token_ids=[]))])[0]

@@ -68,7 +68,10 @@ def _inverse_cdf_sample(
 ) -> torch.Tensor:
     """Inverse-CDF sampling of one token per row; logits: (S, V) float32 -> (S,) token ids."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    # A temperature below float32's smallest normal number (a client's 1e-300 passes `> 0`) would be 0 in the tensor
+    # and give 0 / 0 = NaN at each row's maximum: clamped, it still gives the argmax (0 there, -inf elsewhere).
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    temperature.clamp_(min=torch.finfo(logits.dtype).tiny)
     # Shift each row's maximum to 0 before dividing: finite logits over a vanishing temperature then give 0 and -inf
     # (the argmax, as the limit T -> 0 is), never inf - inf = NaN, which drew an out-of-vocabulary index.
     # In place on `logits` (the caller's copy of its rows; the same values as out of place): a decode step's (S, V)
