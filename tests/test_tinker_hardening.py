@@ -174,6 +174,42 @@ def test_requests_that_could_never_run_are_refused_at_once(tmp_path):
     _run(main())
 
 
+def test_sampling_without_a_session_is_checked_and_never_shares_another_clients_request(tmp_path):
+    """A reviewer's repros: without a sampling session, `seq_id` keyed the request as `base.<seq_id>`, so a second
+    client's different request got the first one's samples; an unserved `base_model` or a `model_path` naming
+    nothing was acknowledged; `create_sampling_session` took ended, unknown and malformed sessions."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            first = {"base_model": "tiny", "seq_id": 0, "num_samples": 1, "prompt": PROMPT,
+                     "sampling_params": {"max_tokens": 2}}  # fmt: skip
+            second = first | {"num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, 5]}]}}
+            (s1, out1), (s2, out2) = await c.post("asample", first), await c.post("asample", second)
+            assert s1 == s2 == 200 and out1["request_id"] != out2["request_id"], (out1, out2)
+            assert len((await c.result(out2["request_id"]))["sequences"]) == 2
+            refused = {
+                "base_model='NOT-SERVED' is not served here": ("asample", first | {"base_model": "NOT-SERVED"}),
+                "model_path='tinker://nothing' names no sampler weights": (
+                    "asample", first | {"model_path": "tinker://nothing"}),
+                "model_path=7 is not allowed": ("asample", first | {"model_path": 7}),
+                "model_path=\\['x'\\] is not allowed": (
+                    "create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0, "model_path": ["x"]}),
+                "session_id='../../x y' is not allowed": (
+                    "create_sampling_session", {"session_id": "../../x y", "sampling_session_seq_id": 0}),
+                "sampling_session_seq_id=\\{'a': 1\\} is not allowed": (
+                    "create_sampling_session", {"session_id": "s", "sampling_session_seq_id": {"a": 1}}),
+            }  # fmt: skip
+            for why, (route, body) in refused.items():
+                status, out = await c.post(route, body)
+                assert status == 400 and re.search(why, out["detail"]), (route, status, out)
+            session = await c.session()
+            assert (await c.post(f"sessions/{session}/finish", {}))[0] == 200
+            status, out = await c.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 1})
+            assert status == 400 and "was finished by its client" in out["detail"], out
+
+    _run(main())
+
+
 def test_a_journal_with_requests_that_can_never_run_restarts(tmp_path):
     """A journal written before those checks may hold such requests: a restart fails them instead of waiting on them
     for ever (a sampling session naming weights that do not exist used to get no answer)."""

@@ -717,8 +717,12 @@ class TinkerServer:
 
     async def create_sampling_session(self, r: web.Request) -> web.Response:
         body = await r.json()
-        sid = f"{body['session_id']}.sampler.{body['sampling_session_seq_id']}"
-        path = body.get("model_path")
+        session, seq = body.get("session_id"), body.get("sampling_session_seq_id")
+        self._check_session(session)  # an ended session is refused; one never seen is taken on (and expires)
+        if type(seq) is not int or seq < 0:
+            raise UserError(f"sampling_session_seq_id={seq!r} is not allowed; allowed: an int >= 0")
+        sid = f"{session}.sampler.{seq}"
+        path = _model_path(body)
         if path is None:
             self._check_base(body.get("base_model"))
         else:
@@ -731,14 +735,27 @@ class TinkerServer:
         return self._json({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def asample(self, r: web.Request) -> web.Response:
+        """`asample`: `num_samples` completions of a prompt, from a sampling session (`sampling_session_id`, its
+        `seq_id` making a retried POST the same request), or without one from `model_path` (sampler weights) or the
+        served `base_model`: each such request is a request of its own (a `seq_id` there names nothing). Settings,
+        prompt length and a `model_path` naming no weights are refused at once (400)."""
         body = await r.json()
         sid = body.get("sampling_session_id")
         if sid is None:  # stateless form: model_path or base_model on the request itself
-            sid = body.get("model_path") or "base"
+            path = _model_path(body)
+            if path is None:
+                self._check_base(body.get("base_model"))
+            else:  # refused at once when it names no sampler weights, as a sampling session's would be
+                await self._replay_done(path)
+                self.ops.sampler(path)
+            # Its own request id whatever `seq_id` says: without a sampling session a seq_id names nothing of the
+            # client's, and `<path>.<seq_id>` made two clients' requests one (the second got the first's samples).
+            key = f"{path or 'base'}.{uuid.uuid4().hex}"
         elif sid not in self.state.sampling:
             self._unless_ended(session_of(sid))
             raise UserError(f"unknown sampling_session_id {sid!r}")
-        key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
+        else:
+            key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = body.get("num_samples", 1)
         if type(n) is not int or not 1 <= n <= MAX_NUM_SAMPLES:
             raise UserError(f"num_samples={n!r} is not allowed; allowed: an int in [1, {MAX_NUM_SAMPLES}]")
@@ -1291,6 +1308,14 @@ def _finite(value: Any) -> Any:
 
 _REAPER = web.AppKey("reaper", asyncio.Task)
 _STRICT_DUMPS = functools.partial(json.dumps, allow_nan=False)
+
+
+def _model_path(body: dict) -> str | None:
+    """A sampling request's `model_path`: None (the base) or a string (which sampler weights is checked later)."""
+    path = body.get("model_path")
+    if path is not None and not isinstance(path, str):
+        raise UserError(f"model_path={path!r} is not allowed; allowed: null (the base) or a tinker:// path")
+    return path
 
 
 def _prompt_tokens(body: dict[str, Any]) -> list[int]:
