@@ -58,6 +58,13 @@ import torch
 
 TIS_MODES = ("token", "sequence")
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# The ratio's bounds: a ratio is > 0, so a bound below 0 clips nothing (and a negative high one flips the sign of
+# every token's loss); `LossDef.resolve` also refuses a low bound above the high one (clamp's result is then `high`
+# for every token whatever the ratio: no gradient, a loss that looked like a working one).
+CLIP_RULES = {
+    "clip_low_threshold": (lambda v: v >= 0.0, "a finite number >= 0 (a bound on the ratio)"),
+    "clip_high_threshold": (lambda v: v > 0.0, "a finite number > 0 (a bound on the ratio)"),
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,12 @@ class LossDef:
             if ok is not None and not ok(float(value)):
                 raise ValueError(f"loss_fn_config[{key!r}]={value!r} is not allowed; allowed: {allowed}")
             out[key] = float(value)
+        low, high = out.get("clip_low_threshold"), out.get("clip_high_threshold")
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"loss_fn_config clip_low_threshold={low!r} > clip_high_threshold={high!r} is not allowed for loss_fn "
+                f"{self.name!r}; allowed: clip_low_threshold <= clip_high_threshold"
+            )
         return out
 
 
@@ -170,12 +183,13 @@ REGISTRY: dict[str, LossDef] = {
     for d in (
         LossDef("cross_entropy", _cross_entropy, inputs=(), optional_inputs=("weights",)),
         LossDef("importance_sampling", _importance_sampling, inputs=("logprobs", "advantages")),
-        LossDef("ppo", _ppo, inputs=("logprobs", "advantages"), config=CLIP_DEFAULTS),
+        LossDef("ppo", _ppo, inputs=("logprobs", "advantages"), config=CLIP_DEFAULTS, config_rules=CLIP_RULES),
         LossDef(
             "cispo",
             _cispo,
             inputs=("logprobs", "advantages"),
             config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+            config_rules=CLIP_RULES,
         ),
         LossDef(
             "gspo",
@@ -183,6 +197,7 @@ REGISTRY: dict[str, LossDef] = {
             inputs=("logprobs", "advantages"),
             optional_inputs=("sequence_ratio_mask",),
             config=CLIP_DEFAULTS,
+            config_rules=CLIP_RULES,
         ),
         LossDef("dro", _dro, inputs=("logprobs", "advantages"), config={"beta": 0.05}),
         LossDef(

@@ -174,6 +174,14 @@ def test_both_doors_accept_the_names_the_registry_derives():
         ("ppo", {"clip_low": 0.5}, "loss_fn_config ['clip_low'] is not allowed for loss_fn 'ppo'"),
         ("ppo", {"clip_low_threshold": float("nan")}, "loss_fn_config['clip_low_threshold']=nan"),
         ("cross_entropy", {"beta": 1.0}, "allowed: none"),
+        (
+            "ppo",
+            {"clip_low_threshold": 1.5, "clip_high_threshold": 0.5},
+            "clip_low_threshold=1.5 > clip_high_threshold=0.5 is not allowed for loss_fn 'ppo'",
+        ),
+        ("gspo", {"clip_low_threshold": 1.3}, "clip_low_threshold=1.3 > clip_high_threshold=1.2"),
+        ("cispo", {"clip_low_threshold": -3}, "loss_fn_config['clip_low_threshold']=-3 is not allowed; allowed: a"),
+        ("ppo", {"clip_high_threshold": -1}, "loss_fn_config['clip_high_threshold']=-1 is not allowed; allowed: a"),
     ],
 )
 def test_a_loss_the_registry_cannot_compute_is_refused_with_the_reason(loss_fn, config, needle):

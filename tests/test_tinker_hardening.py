@@ -274,6 +274,8 @@ def test_only_adamw_is_run_and_bad_lora_configs_are_refused(tmp_path):
         ({"top_p": 0.0}, "sampling_params.top_p=0.0"),
         ({"seed": -1}, "sampling_params.seed=-1"),
         ({"stop": [1.5]}, "sampling_params.stop=\\[1.5\\]"),
+        ({"stop": ["ok", ""]}, "sampling_params.stop=\\['ok', ''\\] is not allowed; allowed: a non-empty string"),
+        ({"stop": ""}, "sampling_params.stop='' is not allowed"),
     ],
 )
 def test_bad_sampling_params_are_refused_at_once(tmp_path, params, why):

@@ -1076,10 +1076,11 @@ def sampling_settings(params: Any) -> dict[str, Any]:
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
         raise UserError(f"sampling_params.seed={seed!r} is not allowed; allowed: null or an int in [0, 2**63)")
     stops = [stop] if isinstance(stop, str) else stop
-    ok = isinstance(stops, list) and all(isinstance(x, str) or (type(x) is int and x >= 0) for x in stops)
+    ok = isinstance(stops, list) and all((isinstance(x, str) and x) or (type(x) is int and x >= 0) for x in stops)
     if not ok:
         raise UserError(
-            f"sampling_params.stop={stop!r} is not allowed; allowed: a string, or a list of strings and token ids"
+            f"sampling_params.stop={stop!r} is not allowed; allowed: a non-empty string, or a list of non-empty "
+            "strings and token ids >= 0"
         )
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
             "stop": [x for x in stops if isinstance(x, str)], "stop_token_ids": [x for x in stops if type(x) is int]}  # fmt: skip
