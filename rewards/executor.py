@@ -398,7 +398,8 @@ class RewardExecutor:
             except subprocess.TimeoutExpired:
                 code = None  # it closed its socket but lives on: `_replace` kills it
             self._replace(worker)  # one respawn per death; it starts while the other workers keep working
-            died = f"reward {spec_label(task.spec)!r} crashed its worker (exit code {code}{_signal_name(code)})"
+            how = "closed its connection and was killed" if code is None else f"exit code {code}{_signal_name(code)}"
+            died = f"reward {spec_label(task.spec)!r} crashed its worker ({how})"
             finish(task, [("crash", died)] * len(task.sample_ids))  # `_run` skips the adapter's queued tasks
             return
         if task_id != task.task_id:

@@ -106,3 +106,29 @@ def test_a_head_that_scales_its_logits_sends_the_trainer_to_the_models_logits(mu
             logits = m(ids, adapter_names=[None]).logits[0, :-1].float()
         want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_scales_in_code_sends_the_trainer_to_the_models_logits():
+    """MiniCPM divides its hidden states by `hidden_size / dim_model_base` before the head, in code: no config key
+    says so (`output_head` read keys only), and the chunked log-probs left the factor out. A one-time probe compares
+    the model's logits with `head(last hidden state)`; a plain Llama keeps the fast path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl_multilora.lora import MultiLoRAModel
+
+    class ScaledLlama(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits / 2.25  # what MiniCPM's hidden-state scaling amounts to
+            return out
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2)  # fmt: skip
+    for cls, plain in ((ScaledLlama, False), (LlamaForCausalLM, True)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base = cls(cfg)
+        m = MultiLoRAModel.from_model(base, max_loras=1, max_rank=4)
+        m.train()
+        assert (m.output_head() is not None) == plain, cls.__name__
+        assert m.training and m.base_model.training  # the probe ran in eval mode and put the mode back

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rl_multilora.lora._errors import bad_value
@@ -69,6 +71,8 @@ from rl_multilora.lora.routing import BASE_SLOT, SlotGradSink, SlotRouter, build
 # The most bytes paging stages at once (`take_adapters` / `place_adapters` go through a buffer of this size, kept
 # between steps; more adapters than fit are staged in runs): 64 MiB, 13 adapters at SmolLM2-135M's shape at rank 4.
 STAGING_BYTES = 64 * 2**20
+
+log = logging.getLogger(__name__)
 
 
 class UnknownAdapterError(KeyError):
@@ -159,6 +163,7 @@ class MultiLoRAModel(nn.Module):
         self.lora_autocast = bool(lora_autocast)
         self.router = SlotRouter()
         self.base_model = base_model
+        self._head_is_plain: bool | None = None  # `output_head`'s probe, run once
         for param in base_model.parameters():
             param.requires_grad_(False)
         expert_targets = select_parameters(base_model, target_parameters)
@@ -922,7 +927,8 @@ class MultiLoRAModel(nn.Module):
     def output_head(self) -> nn.Linear | LoRALinear | None:
         """The output head when logits are exactly `lm_head(hidden)` (plus, when `lm_head` is a LoRA target, the
         rows' LoRA delta, which `head_lora` describes): a plain Linear or a `LoRALinear`, unsharded, and no logit
-        soft-capping or scaling in the model's config. None otherwise: callers then use `forward`'s logits. Its
+        soft-capping or scaling in the model's config, and the base's logits are `head(hidden)` bit for bit on a
+        probe input (`_probe_head`). None otherwise: callers then use `forward`'s logits. Its
         `weight` / `bias` are the frozen base head's; calling it outside `forward` gives the base logits only."""
         head = self.base_model.get_output_embeddings()
         if type(head) not in (nn.Linear, LoRALinear) or any(  # a DTensor: FSDP shards the head or its slots
@@ -933,7 +939,32 @@ class MultiLoRAModel(nn.Module):
         for key, value in vars(config).items():  # the config's own attributes, read in place (to_dict copies)
             if _scales_logits(key) and isinstance(value, int | float) and not isinstance(value, bool) and value != 1:
                 return None
-        return head
+        if self._head_is_plain is None:
+            self._head_is_plain = self._probe_head(head)
+        return head if self._head_is_plain else None
+
+    def _probe_head(self, head: nn.Linear | LoRALinear) -> bool:
+        """Whether the base model's logits are `head(last hidden state)` bit for bit, on a 4-token input (run once):
+        what a config key cannot say, a forward that scales the hidden states or the logits in code (MiniCPM divides
+        the hidden states by `hidden_size / dim_model_base` before its head) or a remote-code model's own head.
+        Eval mode for the probe (dropout would make the two forwards differ); no routing, so the base's head."""
+        was_training = self.base_model.training
+        ids = torch.arange(1, 5, device=head.weight.device).remainder(head.weight.shape[0]).unsqueeze(0)  # (1, 4)
+        try:
+            self.base_model.eval()
+            with torch.no_grad():
+                logits = self.base_model(input_ids=ids).logits
+                hidden = self.base_model.get_decoder()(input_ids=ids).last_hidden_state
+                plain = F.linear(hidden, head.weight, head.bias)
+        except Exception as e:  # noqa: BLE001 - a model the probe cannot run: its own logits are always right
+            log.info("output head probe failed (%s: %s); the trainer uses the model's logits", type(e).__name__, e)
+            return False
+        finally:
+            self.base_model.train(was_training)
+        same = logits.shape == plain.shape and torch.equal(logits, plain.to(logits.dtype))
+        if not same:
+            log.info("the model's logits are not lm_head(hidden states): the trainer uses the model's logits")
+        return same
 
     def head_lora(self, adapter_names: Sequence[str | None], rows: torch.Tensor) -> HeadLoRA | None:
         """The output head's LoRA for N tokens taken from the batch rows `rows` ((N,) each token's row) of a forward
