@@ -522,6 +522,32 @@ def test_reloading_an_adapter_mid_request_without_a_free_slot_aborts_it_instead_
     assert other.finish_reason in ("stop", "length") and other.weight_version == 0
 
 
+@pytest.mark.parametrize("how", ["in place", "unload then load"])
+def test_reloading_an_adapter_under_the_same_version_mid_request_aborts_it_instead_of_mixing_weights(
+    engine, model, peft_adapters, how
+):
+    """A caller that passes the version (the weight sync, evals) may reload other weights under the same number, into
+    the same slot (no free one; or the lowest free one after an unload): rows compared version and slot only, so a
+    running row went on decoding on the new weights over the old ones' KV (a reviewer's repro)."""
+    engine.load_adapter("d", *peft_adapters["a"][1:])  # all 4 slots taken
+    version = engine.load_adapter("a", *peft_adapters["a"][1:])
+    decoding, hook = slowed(model)
+    try:
+        thread, box = run_in_thread(engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(100, stop_token_ids=[]))])
+        assert decoding.wait(10)
+        if how == "unload then load":
+            engine.unload_adapter("a")
+        engine.load_adapter("a", *peft_adapters["b"][1:], version=version)  # b's weights, a's version number
+        thread.join(10)
+    finally:
+        hook.remove()
+    [stale] = box["out"]
+    if how == "in place":
+        assert stale.finish_reason == "abort" and "reloaded under the same version" in stale.error, stale
+    else:  # the unload alone ends it, whatever comes after
+        assert stale.finish_reason == "abort" and stale.output_ids == [], stale
+
+
 def test_concurrent_agenerate_calls_share_one_batch(engine, model):
     groups = [
         [GenerateRequest(PROMPTS[i], name, sample(seed=10 * i + k)) for k in range(3)]

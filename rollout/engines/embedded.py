@@ -523,7 +523,7 @@ class EmbeddedEngine(RolloutEngine):
         # after `_weights_lock` where both are held, never the other way round.
         self._slots_lock = threading.Lock()
         self._slot_rows: dict[int, int] = {}
-        self._retiring: dict[int, tuple[str, int]] = {}
+        self._retiring: dict[int, tuple[str, int, int]] = {}  # slot -> (name, version, generation)
         # Bank paging: every loaded adapter's tensors (name -> (tensors, config)) and the bank-resident ones, least
         # recently used first. Guarded like the adapter table (`_weights_lock`, then `_slots_lock`).
         self._page = page_adapters
@@ -615,7 +615,7 @@ class EmbeddedEngine(RolloutEngine):
                 raise ValueError(f"cannot load adapter {name!r} into the engine: {err}") from err
             new_version = version if version is not None else self._last_version.get(name, -1) + 1
             if retire:  # its running rows finish on the old slot, which is freed after the last of them
-                self._retiring[entry.slot] = (name, entry.version)
+                self._retiring[entry.slot] = (name, entry.version, entry.generation)
             self._adapters[name] = _AdapterEntry(slot=slot, version=new_version, generation=self._new_generation(name))
             self._last_version[name] = new_version
         return new_version
@@ -669,7 +669,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"cannot load adapter {name!r} into the engine: {err}") from err
         new_version = version if version is not None else self._last_version.get(name, -1) + 1
         if entry is not None and entry.slot >= 0 and entry.slot != slot:  # its running rows finish on the old slot
-            self._retiring[entry.slot] = (name, entry.version)
+            self._retiring[entry.slot] = (name, entry.version, entry.generation)
         self._adapters[name] = _AdapterEntry(
             slot=-1 if slot is None else slot, version=new_version, generation=self._new_generation(name)
         )
@@ -954,11 +954,17 @@ class EmbeddedEngine(RolloutEngine):
             reason = "cancelled"
         elif name is not None and entry is None:
             reason = f"adapter {name!r} was unloaded while the request was running; resubmit it"
-        elif entry is not None and (entry.version != row.version or entry.slot != row.slot):
+        elif entry is not None and (
+            entry.version != row.version or entry.slot != row.slot or entry.generation != row.cache_key[1]
+        ):  # the generation too: a reload may keep the version number (given by the caller) and the slot
             with self._slots_lock:
-                if self._retiring.get(row.slot) == (name, row.version):
+                if self._retiring.get(row.slot) == (name, row.version, row.cache_key[1]):
                     return True  # a newer version was published beside it: it finishes on its own
-            reason = f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request; resubmit it"
+            reason = (
+                f"adapter {name!r} changed from version {row.version} to {entry.version} mid-request"
+                + (" (reloaded under the same version)" if entry.version == row.version else "")
+                + "; resubmit it"
+            )
         else:
             return True
         self._finish(row, "abort", error=reason)
