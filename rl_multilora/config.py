@@ -262,7 +262,7 @@ class AdapterConfig(_Strict):
     loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] | None = Field(
         None,
         description="The adapter's own policy loss, with the advantage normalization and aggregation it is defined "
-        "with (README, 'Per-tenant losses'); None = the run's grpo section as it is.",
+        "with (docs/guides/losses.md); None = the run's grpo section as it is.",
     )
     kl_coef: float | None = Field(None, ge=0, description="The adapter's own KL coefficient (None = grpo.kl_coef).")
     eps_clip: float | None = Field(None, ge=0, lt=1, description="Its own low clip (None = grpo.eps_clip).")
