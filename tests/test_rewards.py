@@ -74,6 +74,9 @@ GSM8K_CASES = [
     ("1234", "The answer is 1,234.", 0.0, 1.0),
     (1234, "#### 1,234", 1.0, 1.0),
     (0.5, "#### .5", 1.0, 1.0),
+    # a reviewer's: the last line a markdown bullet; a subtraction's "- 5" is not the number -5
+    (NATALIA, "She sold 48 + 24 clips.\n- 72", 0.0, 1.0),
+    (TEMPERATURE, "It was 3 and dropped by 8: 3 - 8", 0.0, 0.0),
 ]
 
 
@@ -81,6 +84,17 @@ GSM8K_CASES = [
 def test_gsm8k_real_format(label, response, strict, flexible):
     assert score(RewardSpec(name="gsm8k"), "q", response, label) == strict
     assert score(RewardSpec(name="gsm8k", kwargs={"mode": "flexible"}), "q", response, label) == flexible
+
+
+@pytest.mark.parametrize("text", [" " * 20_000 + "x", "Step 1: add." + "\n" * 20_000, "#### " + " " * 20_000 + "done"])
+def test_gsm8k_takes_linear_time_on_runs_of_whitespace(text):
+    """The number pattern had two optional whitespace runs side by side: N spaces with no number after them took
+    cubic time (1,000: 16 s, so a degenerate sample killed its worker at the timeout). 20,000 now take milliseconds;
+    the bound leaves room for a loaded machine."""
+    for mode in ("strict", "flexible"):
+        start = time.perf_counter()
+        assert score(RewardSpec(name="gsm8k", kwargs={"mode": mode}), "q", text, NATALIA) == 0.0
+        assert time.perf_counter() - start < 2.0, mode
 
 
 def test_gsm8k_label_without_number_raises():
@@ -139,6 +153,16 @@ def test_math_is_not_a_string_compare():
         ("Answer: 35", "34", -1.0),
         ("Answer: 34\nAnswer: 35", "34", -1.0),  # the last Answer line counts
         ("The answer is 34.", "34", -1.0),  # no Answer line: DAPO scores it as wrong
+        # a reviewer's, where DAPO's own normalization says +1: an escaped dollar, \\frac12, {,}, \\sqrt2
+        ("Answer: \\$18.90", "18.90", 1.0),
+        ("Answer: $18.90", "\\$18.90", 1.0),
+        ("Answer: \\frac12", "0.5", 1.0),
+        ("Answer: \\frac{1}{2}", "\\frac12", 1.0),
+        ("Answer: 1{,}234", "1234", 1.0),
+        ("Answer: \\sqrt2", "\\sqrt{2}", 1.0),
+        ("**Answer:** 34", "34", 1.0),  # markdown bold around the answer
+        ("Answer: .5", "0.5", 1.0),
+        ("Answer: \N{MINUS SIGN}5", "-5", 1.0),
     ],
 )
 def test_dapo(response, label, expected):
