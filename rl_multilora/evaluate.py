@@ -85,9 +85,7 @@ class EvalSet:
         self.settings = settings
         self.seed = a.seed
         self.sampling = rollout_sampling
-        spec = dataclasses.replace(
-            a.dataset, split=settings.split, data_files=settings.data_files or a.dataset.data_files
-        )
+        spec = eval_dataset(a.dataset, settings)
         from rl_multilora.components import tenant_sampling
 
         source = MultiLoRADataSource(tokenizer, context_len)
@@ -184,6 +182,16 @@ class EvalGeneration(GenerateState):
         if sample.metadata["eval_kind"] == "greedy":
             sampling = dataclasses.replace(sampling, temperature=0.0, seed=None)
         return sample.metadata["engine_adapter"], sampling
+
+
+def eval_dataset(dataset, settings: EvalSettings):
+    """An adapter's `dataset` spec for its held-out evaluation: `settings.split`, of `settings.data_files` when given
+    (a file or a list of them: that split's files, which `datasets` would otherwise name 'train'), else of the
+    dataset's own files."""
+    files = settings.data_files
+    if isinstance(files, str | list):
+        files = {settings.split: files}
+    return dataclasses.replace(dataset, split=settings.split, data_files=files or dataset.data_files)
 
 
 def run_evals(

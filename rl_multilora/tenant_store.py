@@ -50,8 +50,8 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field

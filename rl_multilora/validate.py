@@ -153,7 +153,6 @@ class OutsideFacts:
 
 def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> OutsideFacts:
     """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
-    import dataclasses
 
     import rewards
     from rollout.data_source import first_usable_row, load_dataset_rows
@@ -181,9 +180,10 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
         failed["dataset"] = str(e)
     eval_rows = None
     if eval_settings is not None and eval_settings.enabled:
-        split, files = eval_settings.split, eval_settings.data_files or a.dataset.data_files
+        from rl_multilora.evaluate import eval_dataset
+
         try:
-            eval_rows = len(load_dataset_rows(dataclasses.replace(a.dataset, split=split, data_files=files)))
+            eval_rows = len(load_dataset_rows(eval_dataset(a.dataset, eval_settings)))
         except Exception as e:  # noqa: BLE001
             failed["eval"] = str(e)
     return OutsideFacts(failed, n_rows, usable, eval_rows)

@@ -235,11 +235,16 @@ def load_dataset_rows(spec: DatasetSpec):
                         f"dataset.split={spec.split!r} not found in {path!r}; available: {sorted(loaded)}"
                     )
                 loaded = loaded[spec.split]
+            elif spec.split != "train":  # one saved Dataset has no splits: it is the training rows
+                raise DatasetError(
+                    f"dataset.split={spec.split!r} cannot be read from {path!r}: it holds one Dataset (saved without "
+                    "splits); allowed: 'train', or save a DatasetDict with that split (or give eval.data_files)"
+                )
             rows = loaded
         else:
             extension = os.path.splitext(path)[1].lower()
-            if os.path.isfile(path) and data_files is None and extension in _BUILDER_BY_EXTENSION:
-                path, data_files = _BUILDER_BY_EXTENSION[extension], path
+            if os.path.isfile(path) and extension in _BUILDER_BY_EXTENSION:  # the file, or the data_files given
+                path, data_files = _BUILDER_BY_EXTENSION[extension], path if data_files is None else data_files
             elif _looks_local(path) and not os.path.exists(path):
                 raise DatasetError(f"dataset.path={spec.path!r} does not exist")
             rows = datasets.load_dataset(path, name=spec.name, data_files=data_files, split=spec.split)

@@ -83,7 +83,9 @@ def _import_verifiers():
         import verifiers.envs.environment as environment_module
     except ImportError as exc:
         raise ValueError(
-            bad_value("dataset.source", "verifiers", 'the verifiers package: pip install -e ".[verifiers]" (Python >= 3.11)')
+            bad_value(
+                "dataset.source", "verifiers", 'the verifiers package: pip install -e ".[verifiers]" (Python >= 3.11)'
+            )
             + f" ({type(exc).__name__}: {exc})"
         ) from exc
     if not isinstance(environment_module.signal, _NoSignalHandlers):

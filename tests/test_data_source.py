@@ -265,6 +265,28 @@ def test_load_from_json_files(tmp_path, tokenizer):
     assert sorted(labels(source.next_groups(["a"])["a"])) == ["0", "1", "2", "3"]
 
 
+def test_the_eval_split_of_a_bare_file_path_or_a_saved_dataset(tmp_path):
+    """A reviewer's repros: `path: train.jsonl` with `eval.data_files` went to `load_dataset` as a Hub name (only a
+    path without data_files picked its builder), and a saved Dataset without splits gave its training rows for any
+    split, so an eval there ran on training data."""
+    from rl_multilora.config import EvalSettings
+    from rl_multilora.evaluate import eval_dataset
+
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows("t", 4)))
+    test.write_text("".join(json.dumps(r) + "\n" for r in rows("e", 2)))
+    spec = DatasetSpec(path=str(train))
+    for files in (str(test), [str(test)], {"test": str(test)}):  # eval.data_files as a file, a list or a mapping
+        got = load_dataset_rows(eval_dataset(spec, EvalSettings(data_files=files)))
+        assert [r["prompt"] for r in got] == [r["prompt"] for r in rows("e", 2)], files
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows("t", 4)).save_to_disk(str(saved))
+    assert len(load_dataset_rows(DatasetSpec(path=str(saved)))) == 4  # split 'train': the whole saved Dataset
+    with pytest.raises(DatasetError, match=r"dataset\.split='test' cannot be read from .*saved.*holds one Dataset"):
+        load_dataset_rows(eval_dataset(DatasetSpec(path=str(saved)), EvalSettings()))
+
+
 def test_dataset_errors_name_the_field(tmp_path):
     with pytest.raises(DatasetError, match=r"data_files: file .*missing\.jsonl.* does not exist"):
         load_dataset_rows(DatasetSpec(path="json", data_files=str(tmp_path / "missing.jsonl")))

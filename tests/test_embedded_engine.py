@@ -533,7 +533,9 @@ def test_reloading_an_adapter_under_the_same_version_mid_request_aborts_it_inste
     version = engine.load_adapter("a", *peft_adapters["a"][1:])
     decoding, hook = slowed(model)
     try:
-        thread, box = run_in_thread(engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(100, stop_token_ids=[]))])
+        thread, box = run_in_thread(
+            engine.generate, [GenerateRequest(PROMPTS[0], "a", greedy(100, stop_token_ids=[]))]
+        )
         assert decoding.wait(10)
         if how == "unload then load":
             engine.unload_adapter("a")

@@ -204,7 +204,9 @@ def test_sampling_without_a_session_is_checked_and_never_shares_another_clients_
                 assert status == 400 and re.search(why, out["detail"]), (route, status, out)
             session = await c.session()
             assert (await c.post(f"sessions/{session}/finish", {}))[0] == 200
-            status, out = await c.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 1})
+            status, out = await c.post(
+                "create_sampling_session", {"session_id": session, "sampling_session_seq_id": 1}
+            )
             assert status == 400 and "was finished by its client" in out["detail"], out
 
     _run(main())
