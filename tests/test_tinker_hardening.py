@@ -392,6 +392,62 @@ def test_a_backend_call_holds_at_most_max_loras_tenants_and_a_partial_batch_says
     assert [m for _, m in ops.forward_backward(items)] == [{"loss:sum": 1.0}] * 3 and len(calls) == 2
 
 
+def test_a_create_the_worker_runs_after_its_sessions_finish_is_unloaded(tmp_path):
+    """A reviewer's race: `finish_session` listed the session's models while the worker held a create it had taken
+    out of the queue but not run; the create then ran, and its model kept a slot for ever (the session was off the
+    expiry clock). Here the create blocks inside the worker until the finish has answered."""
+    import threading
+
+    class _SlowCreate(_Ops):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.go = threading.Event(), threading.Event()
+
+        def create(self, model_id, rank, seed, layers):
+            self.entered.set()
+            assert self.go.wait(10)
+            super().create(model_id, rank, seed, layers)
+
+    async def main():
+        ops = _SlowCreate()
+        async with _Client(ops, tmp_path / "j.sqlite") as c:
+            s = await c.session()
+            body = {"session_id": s, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
+            status, out = await c.post("create_model", body)
+            assert status == 200, out
+            assert await asyncio.to_thread(ops.entered.wait, 10)  # the worker is running the create
+            assert (await c.post(f"sessions/{s}/finish", {}))[0] == 200
+            ops.go.set()
+            value = await c.result(out["request_id"])
+            assert "was finished while this request waited for its turn" in value["error"], value
+            assert out["model_id"] not in ops.tenants and ops.unloaded == [out["model_id"]]
+
+    _run(main())
+
+
+def test_a_shutdown_answers_every_long_poll_at_once(tmp_path):
+    """`retrieve_future` long-polls for `poll_s` (20 s in `tinker-serve`): a SIGTERMed server waited that long for
+    each open poll before it exited (a reviewer measured 20.5 s, past a container's 10 s grace period)."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            m = await c.model(await c.session())
+            # seq_id 5 of a model at seq_id 1: acknowledged, it waits for 1 to 4, which never come
+            status, out = await c.post("optim_step", {"model_id": m, "seq_id": 5, "adam_params": {}})
+            assert status == 200, out
+            poll = asyncio.ensure_future(c.http.post("/api/v1/retrieve_future", headers=HEADERS,
+                                                     data=json.dumps({"request_id": out["request_id"]})))  # fmt: skip
+            await asyncio.sleep(0.2)
+            assert not poll.done()
+            start = asyncio.get_running_loop().time()
+            await c.server._on_shutdown(None)
+            r = await asyncio.wait_for(poll, 1.0)  # at once, not after poll_s (2 s here)
+            assert (await r.json())["type"] == "try_again"
+            assert asyncio.get_running_loop().time() - start < 1.0
+
+    _run(main())
+
+
 def test_a_recording_base_sample_leaves_the_journal_once_its_records_are_gone(tmp_path):
     """A recording sample of the base stayed in the journal for ever (no snapshot compacts it) and ran again at every
     restart, long after its stability records had expired."""

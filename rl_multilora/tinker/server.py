@@ -195,6 +195,7 @@ class TinkerServer:
         self._resolved = itertools.count()
         self.lock = threading.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._closing: asyncio.Event | None = None  # set when the app starts shutting down (`_on_shutdown`)
         self._replayed: list[Result] = []  # futures of the replayed model requests (republishing sampler weights)
         self._stop = False
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
@@ -263,11 +264,13 @@ class TinkerServer:
         app.router.add_delete(API + "/training_runs/{run}/checkpoints/{checkpoint_id:.+}", self.delete_checkpoint)
         app.router.add_post(API + "/weights_info", self.weights_info)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app) -> None:
         self.loop = asyncio.get_running_loop()
+        self._closing = asyncio.Event()
         for snap in self.journal.snapshots():  # each model from its snapshot, before the requests after it
             key = f"restore.{snap.model_id}"
             self._dispatch(key, "restore", snap, replay=True)
@@ -298,6 +301,12 @@ class TinkerServer:
                         op.kind, op.request_id)  # fmt: skip
             why = f"{op.kind} {op.request_id!r} can never run: its model was never created here or its seq_id is taken"
             self._resolve(self.state.results[op.request_id], {"error": why, "category": "user"})
+
+    async def _on_shutdown(self, app) -> None:
+        """Before the server waits for its requests to end: every long-poll of `retrieve_future` answers try_again
+        now (a client's poll is renewed every `poll_s`, 20 s, which kept a SIGTERMed server up past a container's
+        grace period). Acknowledged requests stay journaled and run after a restart."""
+        self._closing.set()
 
     async def _on_cleanup(self, app) -> None:
         app[_REAPER].cancel()
@@ -535,14 +544,16 @@ class TinkerServer:
             raise UserError(f"reason.type={reason!r} is not allowed; allowed: 'success', 'errored' or 'interrupted'")
         if sid in self._finished or sid in self._expired or sid not in self.state.sessions:
             return self._json({})
+        # Marked before its models are listed: a create the worker took out of the queue but has not run yet is in
+        # no list, and `_unless_ended_model` unloads it once it runs (it held a slot for ever otherwise).
+        self._finished[sid] = reason
         with self.lock:
             models = self._session_models(sid)
         for m in sorted(models):  # journaled like the SDK's own unload_model: a restart unloads them too
-            await self._ack(f"{m}.unload", "unload_model", {"model_id": m}, None, m)
+            await self._ack(f"{m}.unload", "unload_model", {"model_id": m}, None, m, ending=True)
         detail = body.get("detail") if isinstance(body, dict) else None
         log.info("session %s finished by its client (%s%s); unloading its %d model(s)", sid, reason,
                  f": {detail}" if isinstance(detail, str) and detail else "", len(models))  # fmt: skip
-        self._finished[sid] = reason
         self._last_seen.pop(sid, None)
         self.state.sessions.discard(sid)
         for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
@@ -578,10 +589,14 @@ class TinkerServer:
         extra: dict[str, Any] | None = None,
         model_id: str | None = None,
         seq: int | None = None,
+        ending: bool = False,
     ):
+        """Journal and dispatch a request (once: a retried POST gets the same future). `ending`: an unload that
+        `finish_session` queues for a session it has just marked finished (any other request of it is refused)."""
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         session = self._touch(model_id or key)
-        self._unless_ended(session)
+        if not ending:
+            self._unless_ended(session)
         if not self._known(key):
             self.journal.append(key, kind, raw, model_id, seq)
             self._dispatch(key, kind, body, model_id=model_id, seq=seq)
@@ -795,10 +810,13 @@ class TinkerServer:
             if value is None:
                 return web.json_response({"detail": f"unknown request_id {key!r}"}, status=404)
         else:
-            try:
-                await asyncio.wait_for(res.event.wait(), self.poll_s)
-            except TimeoutError:
-                return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
+            if not res.event.is_set():
+                waits = [asyncio.ensure_future(e.wait()) for e in (res.event, self._closing)]
+                _, pending = await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+                if not res.event.is_set():  # not done in this poll, or the server is shutting down
+                    return self._json({"type": "try_again", "request_id": key, "queue_state": "active"})
             value = res.value
         if isinstance(value, bytes):
             accept = r.headers.get("Accept", "")
@@ -1077,7 +1095,7 @@ class TinkerServer:
             if op.kind == "create_model":
                 rank, seed, lc = lora_settings(b.get("lora_config"), self.ops.backend.max_rank)
                 self.ops.create(op.model_id, rank, seed, lc)
-                self._unless_expired(op.model_id)
+                self._unless_ended_model(op.model_id)
                 with self.lock:
                     self.state.next_seq.setdefault(op.model_id, 1)
                 value: dict[str, Any] = {"type": "create_model", "model_id": op.model_id}
@@ -1103,7 +1121,7 @@ class TinkerServer:
             elif op.kind == "load_weights":
                 _check_optimizer("optimizer_config", b.get("optimizer_config"))
                 self.ops.load(op.model_id, b["path"], bool(b.get("optimizer")))
-                self._unless_expired(op.model_id)
+                self._unless_ended_model(op.model_id)
                 value = {"type": "load_weights", "path": b["path"], "model_id": op.model_id}
             elif op.kind == "unload_model":
                 self.ops.unload(op.model_id)
@@ -1121,15 +1139,16 @@ class TinkerServer:
         self._record_live(op)
         self._resolve(self.state.results[op.request_id], value)
 
-    def _unless_expired(self, model_id: str) -> None:
-        """After a create (or a load) made `model_id`: when its session ended meanwhile (`_expire` ran while the
-        request waited for its turn and did not see the model yet), unload it at once and fail the request, so no
-        slot is held for a session that is gone. `_expire` marks the session before it lists the session's models,
-        so either it sees this model or this check sees the session expired."""
+    def _unless_ended_model(self, model_id: str) -> None:
+        """After a create (or a load) made `model_id`: when its session ended meanwhile (`_expire` or
+        `finish_session` ran while the request waited for its turn and did not see the model yet), unload it at once
+        and fail the request, so no slot is held for a session that is gone. Both mark the session before they list
+        its models, so either they see this model or this check sees the session ended."""
         session = session_of(model_id)
-        if session in self._expired and model_id in self.ops.tenants:
+        ended = "expired" if session in self._expired else "was finished" if session in self._finished else None
+        if ended is not None and model_id in self.ops.tenants:
             self.ops.unload(model_id)
-            raise UserError(f"session {session!r} expired while this request waited for its turn; its model was "
+            raise UserError(f"session {session!r} {ended} while this request waited for its turn; its model was "
                             "unloaded")  # fmt: skip
 
     # -- the bounded journal ----------------------------------------------------------------------------------------
@@ -1631,7 +1650,7 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         return 2
     print(f"tinker API on http://{args.host}:{args.port} (token in $RL_MULTILORA_TINKER_TOKEN or "
           f"{args.state_dir / 'token'}; host allocator {allocator_name()})", flush=True)  # fmt: skip
-    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, shutdown_timeout=SHUTDOWN_S)
     return 0
 
 
