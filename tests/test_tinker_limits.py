@@ -253,6 +253,24 @@ def test_rest_client_lists_inspects_and_deletes_checkpoints(server):
     assert httpx.get(f"{server.url}/api/v1/training_runs/..%2Fx/checkpoints", headers=HEADERS).status_code == 400
 
 
+def test_keep_the_newest_checkpoint_deletes_the_previous_one_as_soon_as_the_save_resolves(server):
+    """save_state(c_i) then delete c_(i-1) at once (keep only the newest): the save's future resolved before the
+    journal's snapshot moved to c_i, so the delete was refused as the journal's snapshot (10 of 14 in a reviewer's
+    repro). A save is now answered once its turn has compacted the journal."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+    rest = tinker.RestClient(base_url=server.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    for k in range(3):  # sampler versions go into each snapshot: a slower compaction after each save
+        tc.save_weights_for_sampler(f"keep-v{k}").result()
+    previous = None
+    for i in range(8):
+        path = tc.save_state(f"keep{i}").result().path
+        if previous is not None:
+            rest.delete_checkpoint_from_tinker_path(previous).result()
+        previous = path
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [previous]
+
+
 def test_save_weights_external_writes_a_peft_folder_in_the_models_turn_and_the_model_goes_on(server, tmp_path):
     """`save_weights_external(name)` (a 404 before, which left a hole in the model's seq_ids: its next request
     waited for ever) writes the adapter as a PEFT folder PEFT loads, with the client's log-probs; the same name again

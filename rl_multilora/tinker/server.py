@@ -959,9 +959,17 @@ class TinkerServer:
                     self.state.queues.setdefault(op.model_id, {})[op.seq_id] = op
                 self.lock.notify_all()
 
-    def _resolve(self, res: Result, value: dict[str, Any] | bytes) -> None:
+    def _resolve(self, res: Result, value: dict[str, Any] | bytes, notify: bool = True) -> None:
+        """Set a request's result; `notify` False: its pollers are told later (`_notify`), once the turn has
+        compacted the journal after it (a save_state's checkpoint is then the snapshot, so deleting the previous one,
+        which the client may do as soon as it has the result, is no longer refused)."""
         res.value = value  # at once: a snapshot taken later in this turn keeps it (`_compact`)
         res.resolved = next(self._resolved)  # itertools.count: one step under the GIL, from any thread
+        if notify:
+            self._notify(res)
+
+    def _notify(self, res: Result) -> None:
+        """Wake the pollers of a request whose result is set (from any thread)."""
 
         def done() -> None:
             res.event.set()
@@ -1040,7 +1048,12 @@ class TinkerServer:
                     self._run_one(op)
                 if fwd:
                     self._run_batch(fwd)
-                self._compact_after(ready)
+                saves = [self.state.results[op.request_id] for op in ready if op.kind == "save_weights"]
+                try:
+                    self._compact_after(ready)  # (which may move their results into the journal)
+                finally:
+                    for res in saves:  # told only now (`_resolve`)
+                        self._notify(res)
                 if first:  # every replayed create ran in this turn (creates and loads at seq 0 are ready at once)
                     self.ops.slots.end_client_reservations()
                     first = False
@@ -1137,7 +1150,7 @@ class TinkerServer:
             self._fail(op)
             return
         self._record_live(op)
-        self._resolve(self.state.results[op.request_id], value)
+        self._resolve(self.state.results[op.request_id], value, notify=op.kind != "save_weights")
 
     def _unless_ended_model(self, model_id: str) -> None:
         """After a create (or a load) made `model_id`: when its session ended meanwhile (`_expire` or
