@@ -47,3 +47,23 @@ def test_a_bad_flag_is_a_usage_error_naming_it(model, tmp_path, capsys, flags, m
     assert message in err, err
     assert "Traceback" not in err and "validation error" not in err
     assert not state.exists()  # refused before the token is written
+
+
+def test_a_restart_on_fewer_places_than_the_journals_live_models_is_refused(tmp_path, capsys):
+    """A reviewer's repro: two models, a kill, a restart with --max-loras 1: the second model's restore failed
+    unlogged, its requests answered 'unknown model_id', and a later restart on 2 slots ran the requests its client
+    had been told failed. The server now refuses to start, naming the counts and what is allowed."""
+    from rl_multilora.tinker.journal import Journal
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", hidden=32, layers=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    journal = Journal(state / "requests.sqlite")
+    for m in ("s1:train:0", "s1:train:1"):  # what the journal records of two models holding a slot
+        journal.set_live(m, True)
+    journal.close()
+    assert main(["--model", str(model), "--state-dir", str(state), "--max-loras", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 models that held a place when the server stopped, more than the 1 this server has" in err, err
+    assert "allowed: --max-loras or --max-tenants >= 2, or another --state-dir" in err and "Traceback" not in err

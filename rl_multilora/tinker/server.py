@@ -1448,6 +1448,14 @@ def build_server(
     ops = ClientOps(backend, engine, pad, ckpt, max_sampler_versions, limits=limits, host_budget_bytes=budget,
                     spill_dir=state_dir / "paged" / "samplers", records=records)  # fmt: skip
     journal = Journal(state_dir / "requests.sqlite")
+    live = journal.live_models()
+    if len(live) > backend.max_tenants:  # a restart on fewer places: the models past them would fail, unlogged
+        journal.close()
+        raise ValueError(
+            f"the request journal in {state_dir} holds {len(live)} models that held a place when the server stopped, "
+            f"more than the {backend.max_tenants} this server has (--max-loras {max_loras}, --max-tenants "
+            f"{max_tenants}); allowed: --max-loras or --max-tenants >= {len(live)}, or another --state-dir"
+        )
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
                         session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path))  # fmt: skip
