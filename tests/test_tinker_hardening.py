@@ -448,6 +448,26 @@ def test_a_shutdown_answers_every_long_poll_at_once(tmp_path):
     _run(main())
 
 
+def test_a_finished_or_expired_session_stays_ended_after_a_restart(tmp_path):
+    """Sessions ended in memory only: a restart replayed their creation and they came back to life (heartbeats
+    answered 200, models created in them). The end is journaled and replayed now."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            finished, expired = await c.session(), await c.session()
+            assert (await c.post(f"sessions/{finished}/finish", {}))[0] == 200
+            c.server._expire(expired)
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            for sid, why in ((finished, "was finished by its client"), (expired, "expired")):
+                assert (await c.post("session_heartbeat", {"session_id": sid}))[0] == 410, sid
+                status, out = await c.post("create_model", {"session_id": sid, "model_seq_id": 3,
+                                                             "base_model": "tiny", "lora_config": {"rank": 4}})  # fmt: skip
+                assert status == 400 and why in out["detail"], (sid, out)
+            assert await c.model(await c.session())  # a new session works
+
+    _run(main())
+
+
 def test_a_recording_base_sample_leaves_the_journal_once_its_records_are_gone(tmp_path):
     """A recording sample of the base stayed in the journal for ever (no snapshot compacts it) and ran again at every
     restart, long after its stability records had expired."""

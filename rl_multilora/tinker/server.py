@@ -278,7 +278,7 @@ class TinkerServer:
         for key, kind, body, model_id, seq in self.journal.replay():
             decoded = json.loads(body) if kind != "forward_backward" else body
             self._dispatch(key, kind, decoded, replay=True, model_id=model_id, seq=seq)
-            if kind not in ("create_session", "create_sampling_session", "sample"):
+            if kind not in ("create_session", "create_sampling_session", "sample", "end_session"):
                 self._replayed.append(self.state.results[key])
         self._drop_unreachable()
         self._worker.start()
@@ -547,6 +547,7 @@ class TinkerServer:
         # Marked before its models are listed: a create the worker took out of the queue but has not run yet is in
         # no list, and `_unless_ended_model` unloads it once it runs (it held a slot for ever otherwise).
         self._finished[sid] = reason
+        self._journal_end(sid, reason)
         with self.lock:
             models = self._session_models(sid)
         for m in sorted(models):  # journaled like the SDK's own unload_model: a restart unloads them too
@@ -629,6 +630,12 @@ class TinkerServer:
                 raise UserError(f"session_id={session!r} is not allowed; allowed: 1 to 64 letters, digits, '_' or '-'")
             self.journal.append(f"session.{session}", "create_session", json.dumps({"session_id": session}).encode())
             self._dispatch(f"session.{session}", "create_session", {"session_id": session})
+
+    def _journal_end(self, sid: str, how: str) -> None:
+        """Record that a session ended (`how`: its client's finish reason, or "expired"): a restart replays the
+        session's creation, and without this it came back to life (heartbeats answered, models created in it)."""
+        body = json.dumps({"session_id": sid, "how": how}).encode()
+        self.journal.append(f"session.{sid}.end", "end_session", body)
 
     def _unless_ended(self, session: Any) -> None:
         """A UserError when `session` was finished by its client or expired."""
@@ -879,6 +886,7 @@ class TinkerServer:
                  self.session_timeout_s)  # fmt: skip
         self._last_seen.pop(sid, None)
         self._expired.add(sid)
+        self._journal_end(sid, "expired")
         why = {"error": f"session {sid!r} expired: no heartbeat for {self.session_timeout_s:g} s", "category": "user"}
         prefix = f"{sid}:train:"
         with self.lock:
@@ -922,6 +930,17 @@ class TinkerServer:
             self._resolve(res, {})
         elif kind == "create_sampling_session":
             self.state.sampling[body["sid"]] = body["path"]
+            self._resolve(res, {})
+        elif kind == "end_session":  # replayed: a session its client finished or that expired stays ended
+            sid, how = body["session_id"], body["how"]
+            self.state.sessions.discard(sid)
+            self._last_seen.pop(sid, None)
+            if how == "expired":
+                self._expired.add(sid)
+            else:
+                self._finished[sid] = how
+            for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
+                del self.state.sampling[name]
             self._resolve(res, {})
         elif kind == "sample":
             assert self.loop is not None
