@@ -45,6 +45,7 @@ class _Ops:
         self.records = StabilityRecords()
         self.tenants: dict[str, ClientTenant] = {}
         self.samplers: dict[str, SamplerVersion] = {}
+        self.freed: dict[str, str] = {}  # paths of freed sampler versions -> why
         self.backend = SimpleNamespace(shared_model=None, max_rank=8, max_loras=4)
         self.slots = SimpleNamespace(end_client_reservations=lambda: None)
         self.optim_calls: list[dict] = []

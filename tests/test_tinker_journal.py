@@ -92,3 +92,24 @@ def test_the_journal_stays_bounded_and_a_restart_from_a_snapshot_continues_exact
     resampled = again.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=6, seed=1))
     assert resampled.result().sequences[0].tokens == tokens_before  # the sampler version came back from the snapshot
     second.close()
+
+
+def test_sampling_clients_of_freed_weights_leave_the_journal(tmp_path):
+    """The cookbook's loop (train, `save_weights_for_sampler(name)`, `create_sampling_client(model_path=...)`,
+    sample) added one sampling session a step for ever, in memory and as a journal row, even with a snapshot every
+    step (a reviewer's repro: 4, 8, 12 rows at steps 4, 8, 12). One whose weights are freed is forgotten now."""
+    server = _Running(tmp_path / "state", snapshot_every=1, max_sampler_versions=2)
+    try:
+        sc = tinker.ServiceClient(base_url=server.url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+        for step in range(6):
+            _sft(tc, 1, TOKENS)
+            path = tc.save_weights_for_sampler(f"w{step}").result().path
+            sampler = sc.create_sampling_client(model_path=path).result()
+            sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result()
+        db = server.server.journal._db
+        rows = db.execute("SELECT COUNT(*) FROM requests WHERE kind = 'create_sampling_session'").fetchone()[0]
+        assert rows <= 3 and len(server.server.state.sampling) <= 3, (rows, server.server.state.sampling)
+        assert sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result()
+    finally:
+        server.close()

@@ -193,6 +193,14 @@ class Journal:
                 raise
             return generation
 
+    def drop(self, keys: list[str]) -> None:
+        """Forget requests that need no replay any more (a session's rows once it has ended, a sampling session
+        whose weights were freed); their results are not kept."""
+        if not keys:
+            return
+        with self._lock:
+            self._db.executemany("DELETE FROM requests WHERE key = ?", [(k,) for k in keys])
+
     def set_live(self, model_id: str, live: bool) -> None:
         """Record whether `model_id` holds a slot now (idempotent: a replay writes the same)."""
         with self._lock:

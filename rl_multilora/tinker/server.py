@@ -75,6 +75,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,7 @@ from google.protobuf.message import DecodeError
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
 from rl_multilora.tinker.ops import (
+    MAX_FREED_PATHS,
     MODEL_ID_PATTERN,
     PLAIN_NAME_PATTERN,
     ClientOps,
@@ -195,6 +197,7 @@ class TinkerServer:
         self._resolved = itertools.count()
         self.lock = threading.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._freed_sampling: OrderedDict[str, str] = OrderedDict()  # forgotten sampling sessions -> their path
         self._closing: asyncio.Event | None = None  # set when the app starts shutting down (`_on_shutdown`)
         self._replayed: list[Result] = []  # futures of the replayed model requests (republishing sampler weights)
         self._stop = False
@@ -636,6 +639,29 @@ class TinkerServer:
         session's creation, and without this it came back to life (heartbeats answered, models created in it)."""
         body = json.dumps({"session_id": sid, "how": how}).encode()
         self.journal.append(f"session.{sid}.end", "end_session", body)
+        # its creation and its sampling sessions need no replay now (the journal kept one row each for ever)
+        samplers = [f"sampling.{k}" for k in list(self.state.sampling) if k.startswith(f"{sid}.")]
+        self.journal.drop([f"session.{sid}", *samplers])
+
+    def _drop_freed_samplers(self) -> None:
+        """Forget the sampling sessions whose sampler weights were freed (on the event loop, after a turn): a
+        `create_sampling_client(model_path=...)` per step (the cookbook's loop) added one for ever, in memory and
+        in the journal. Sampling one of them was already a user error that says the weights were freed."""
+        freed = self.ops.freed
+        dead = [k for k, path in list(self.state.sampling.items()) if path is not None and path in freed]
+        for k in dead:  # kept (bounded) for its samples' error, which names the weights and why they went
+            self._freed_sampling[k] = self.state.sampling.pop(k)
+        while len(self._freed_sampling) > MAX_FREED_PATHS:
+            self._freed_sampling.popitem(last=False)
+        self.journal.drop([f"sampling.{k}" for k in dead])
+
+    def _session_path(self, sid: str) -> str | None:
+        """A sampling session's weights (None: the base), a forgotten one's too (`_drop_freed_samplers`)."""
+        if sid in self.state.sampling:
+            return self.state.sampling[sid]
+        if sid in self._freed_sampling:
+            return self._freed_sampling[sid]
+        raise UserError(f"unknown sampling_session_id {sid!r}")
 
     def _unless_ended(self, session: Any) -> None:
         """A UserError when `session` was finished by its client or expired."""
@@ -773,7 +799,7 @@ class TinkerServer:
             # Its own request id whatever `seq_id` says: without a sampling session a seq_id names nothing of the
             # client's, and `<path>.<seq_id>` made two clients' requests one (the second got the first's samples).
             key = f"{path or 'base'}.{uuid.uuid4().hex}"
-        elif sid not in self.state.sampling:
+        elif sid not in self.state.sampling and sid not in self._freed_sampling:
             self._unless_ended(session_of(sid))
             raise UserError(f"unknown sampling_session_id {sid!r}")
         else:
@@ -803,7 +829,7 @@ class TinkerServer:
                 except ValueError as e:
                     raise UserError(str(e)) from None
                 ids = body[SEQUENCE_IDS] = self.ops.records.new_ids(n)
-        path = self.state.sampling.get(sid) if sid in self.state.sampling else body.get("model_path")
+        path = self._session_path(sid) if body.get("sampling_session_id") is not None else body.get("model_path")
         owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
         extra = {"sample_sequence_ids": ids}
         return await self._ack(key, "sample", body, extra, owner if owner in self.ops.tenants else None)
@@ -841,7 +867,7 @@ class TinkerServer:
         forward_backward waits for the replayed samples it names (`_awaits_sample`), which may wait here."""
         for res in self._replayed:
             if not ((path is not None and path not in self.ops.samplers) or
-                    (sid is not None and sid not in self.state.sampling)):  # fmt: skip
+                    (sid is not None and sid not in self.state.sampling and sid not in self._freed_sampling)):  # fmt: skip
                 return
             await res.event.wait()
 
@@ -1073,6 +1099,8 @@ class TinkerServer:
                 finally:
                     for res in saves:  # told only now (`_resolve`)
                         self._notify(res)
+                if self.loop is not None and any(op.kind in _FREES_SAMPLERS for op in ready):
+                    self.loop.call_soon_threadsafe(self._drop_freed_samplers)
                 if first:  # every replayed create ran in this turn (creates and loads at seq 0 are ready at once)
                     self.ops.slots.end_client_reservations()
                     first = False
@@ -1270,7 +1298,7 @@ class TinkerServer:
         try:
             sid = body.get("sampling_session_id")
             await self._replay_done(None, sid)
-            path = self.state.sampling.get(sid) if sid is not None else body.get("model_path")
+            path = self._session_path(sid) if sid is not None else body.get("model_path")
             await self._replay_done(path)
             prompt = _prompt_tokens(body)
             seed = _sample_seed(key)  # replay samples the same tokens; another session's request, others
@@ -1570,6 +1598,8 @@ def build_service_server(
 # On close, requests still in flight (a client's long-poll of `retrieve_future`, which a keep-alive connection renews
 # every poll) get this long before they are cancelled; aiohttp's default (60 s) outlasts the callers' own waits.
 SHUTDOWN_S = 5.0
+# Requests after which sampler versions may have been freed (a newer one past --max-sampler-versions, an unload).
+_FREES_SAMPLERS = ("save_weights_for_sampler", "unload_model", "create_model", "load_weights")
 
 
 class BackgroundApp:
