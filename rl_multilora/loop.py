@@ -52,7 +52,7 @@ from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapter
 from rl_multilora.host_memory import jemalloc_loaded, release_freed_memory, set_mmap_threshold
 from rl_multilora.metrics import MetricsLogger, StepRecord, console_line, eval_line, plot_reward_curves
 from rl_multilora.shares import fair_quotas
-from rl_multilora.tenants import TenantManager, TenantState
+from rl_multilora.tenants import Tenant, TenantManager, TenantState
 from rl_multilora.weight_sync import SyncStats, WeightSync
 from rollout.types import Sample, SampleStatus
 
@@ -92,9 +92,16 @@ class _Ahead:
     """Async mode: the next step's groups, generating in a background thread while this step trains."""
 
     def __init__(
-        self, pool: concurrent.futures.ThreadPoolExecutor, generator, names: list[str], groups: list[list[Sample]]
+        self,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        generator,
+        names: list[str],
+        groups: list[list[Sample]],
+        lives: dict[str, Tenant],
     ):
         self.drawn = list(names)  # the tenants whose cursors moved for it (settled when it is taken)
+        # name -> the tenant record it was drawn for: a name removed and submitted again is another tenant
+        self.lives = lives
         self.names = {s.adapter.name for g in groups for s in g if s.adapter is not None}  # those it has groups of
         self._future = pool.submit(generator.run_sync, groups)
 
@@ -267,10 +274,30 @@ class Runtime:
         if self._ahead is None:
             return [], set()
         ahead, self._ahead = self._ahead, None
-        self.data.settle([n for n in ahead.drawn if n in self.data.adapters])
-        keep = set(names)
+        same = self._same_tenants(ahead)
+        keep = same & set(names)
+        self.data.settle(keep)
+        # drawn for a tenant that stopped since: never trained, so its cursor goes back before them (its final
+        # checkpoint, or a later draw, has those rows again)
+        self.data.unwind(same - keep)
         samples = [s for s in ahead.samples() if s.adapter is not None and s.adapter.name in keep]
         return samples, ahead.names & keep
+
+    def _same_tenants(self, ahead: _Ahead) -> set[str]:
+        """The tenants `ahead` was drawn for that are still the same tenants (not removed, and not removed and
+        submitted again under the same name: that one's data stream and adapter are new)."""
+        table = self.tenants.tenants
+        return {n for n in ahead.drawn if n in self.data.adapters and table.get(n) is ahead.lives.get(n)}
+
+    def _drop_ahead(self) -> None:
+        """Async, with no tenant running (the service between submissions): the look-ahead of the tenants that
+        left is waited for and dropped, their cursors put back; a tenant submitted again under one of their names
+        must not train the old one's samples."""
+        if self._ahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        ahead.samples()  # its generation finishes first (it reads the engine)
+        self.data.unwind(self._same_tenants(ahead))
 
     def _start_ahead(self, names: list[str]) -> None:
         """Async: draw the next step's groups of every tenant that may lag (max_staleness >= 1) and is not about to
@@ -289,7 +316,8 @@ class Runtime:
                 ahead.append(n)
         groups = self._draw(ahead, among=nxt, ahead=True)
         if groups:
-            self._ahead = _Ahead(self._pool, self.ahead_generator, ahead, groups)
+            lives = {n: self.tenants.get(n) for n in ahead}
+            self._ahead = _Ahead(self._pool, self.ahead_generator, ahead, groups, lives)
         else:
             self.data.settle(ahead)  # nothing was left to draw: no cursor is held back
         prefetch = getattr(self.backend, "prefetch", None)  # an object standing in for a backend may not page
@@ -305,6 +333,7 @@ class Runtime:
     def idle_step(self) -> None:
         """No tenant RUNNING (the service between submissions): retire drained adapters, admit pending ones and
         sync, without spending a global step (so a drained adapter's final checkpoint is not the step's)."""
+        self._drop_ahead()  # before the retirement's checkpoints: they record the cursors from before it
         self.tenants.retire_finished(in_step=False)
         self.tenants.admit_pending()
         self.sync_now()

@@ -589,6 +589,14 @@ class MultiLoRADataSource:
         for name in names:
             self._before_ahead.pop(name, None)
 
+    def unwind(self, names: Collection[str]) -> None:
+        """The groups drawn ahead for `names` will never train (the tenant left): their cursors go back to before
+        that draw, so a later draw (or the tenant's final checkpoint) has those rows again."""
+        for name in names:
+            before = self._before_ahead.get(name)
+            if before is not None:
+                self.load_state_dict(name, before)
+
     def state_dict(self, name: str) -> dict[str, Any]:
         """JSON-serializable cursor state; the per-epoch permutation is re-derived from (seed, epoch)."""
         if name in self._before_ahead:
