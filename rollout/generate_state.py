@@ -488,6 +488,7 @@ class _Episode:
         self.ids: list[int] = []  # response: model and environment turns
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.logprobs_missing = False  # a model turn came back without log-probs (an engine may omit them)
         self.turn_rewards: list[float] = []
         self.versions: list[int | None] = []  # each model turn's adapter version
         self.status = SampleStatus.TRUNCATED
@@ -536,6 +537,7 @@ class _Episode:
             self.ids += out
             self.mask += [1] * len(out)
             self.logprobs += list(result.output_logprobs) or [0.0] * len(out)
+            self.logprobs_missing |= bool(out) and not result.output_logprobs
             self.versions.append(result.weight_version)
             self.turns = turn + 1
             text = state.tokenizer.decode(out, skip_special_tokens=True)
@@ -569,7 +571,10 @@ class _Episode:
 
     def fill(self) -> None:
         s = self.sample
-        s.response_ids, s.loss_mask, s.rollout_logprobs = self.ids, self.mask, self.logprobs
+        # None of the episode's log-probs when a turn had none: as for a single-turn sample without them (the trainer
+        # then uses no rollout log-probs); placeholders of 0 read as p = 1 and scaled every token's TIS weight down.
+        s.response_ids, s.loss_mask = self.ids, self.mask
+        s.rollout_logprobs = [] if self.logprobs_missing else self.logprobs
         s.status, s.finish_reason = self.status, self.finish_reason
         # An async publish between two turns (nothing of the episode runs while its environment answers) gives the
         # later turns the newer version. The episode stays a valid sample: each token's rollout log-prob is that of

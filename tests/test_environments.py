@@ -339,3 +339,33 @@ def test_an_episode_published_over_between_turns_trains_as_its_oldest_turn():
     assert s.status == SampleStatus.COMPLETED and s.metadata["turns"] == 2, s.metadata.get("error")
     assert s.metadata["turn_versions"] == [3, 4] and s.weight_version == 3
     assert len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask)
+
+
+def test_an_episode_whose_engine_gave_no_log_probs_has_none_like_a_single_turn_sample():
+    """An engine may return no `output_logprobs` (a single-turn sample then has none, and the trainer weighs its
+    tokens without a rollout correction); an episode made up 0.0 for each token instead, so TIS read p = 1 and
+    weighed every token down by its trainer probability (a reviewer's repro)."""
+    from rl_multilora.batch import make_row
+    from rollout.types import GenerateResult
+    from tests.tiny_models import ScriptedEngine
+
+    class _NoLogprobs(ScriptedEngine):
+        def generate(self, requests):
+            return [dataclasses.replace(r, output_logprobs=[]) for r in super().generate(requests)]
+
+    tok = tiny_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    got = {}
+    for kind, env, texts in (("single", None, ["3"]), ("episode", EnvironmentSpec(
+            path="tests.env_plugins:Echo", kwargs={"turns": 2}, max_tokens=200), ["1", "3"])):  # fmt: skip
+        sample = Sample(prompt=prompt, prompt_ids=list(ids), label="3", group_index=0, index=0,
+                        adapter=AdapterRef("a", 0), reward_spec=None if env else RewardSpec(name="gsm8k"),
+                        environment=env, metadata={"sampling_seed": 1})  # fmt: skip
+        [done] = GenerateState(_NoLogprobs(tok, texts), tok, MultiLoRAHooks(), params).run_sync([[sample]])
+        assert done.status == SampleStatus.COMPLETED, (kind, done.error)
+        done.advantage = 1.0
+        got[kind] = (done.rollout_logprobs, make_row(done).rollout_logprobs)
+    assert got["episode"] == got["single"] == ([], None)
+    assert isinstance(GenerateResult(output_ids=[1]).output_logprobs, list)  # an engine may leave them out
