@@ -299,6 +299,14 @@ class CheckpointManager:
             raise FileNotFoundError(f"no complete checkpoint of adapter {name!r} ({which}) in {self.run_dir}{have}")
         if out.exists() and not out.is_dir():
             raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
+        adapters = (self.run_dir / "adapters").resolve()
+        if out.resolve() == adapters or out.resolve().is_relative_to(adapters):
+            raise FileNotFoundError(  # writing there would overwrite a checkpoint's weights (and not its config)
+                f"OUT: {str(out)!r} is inside the run's checkpoints ({adapters}) -> give a folder outside it"
+            )
+        for parent in out.parents:  # a file where a folder of OUT's path would be: said as such, not ENOTDIR
+            if parent.exists() and not parent.is_dir():
+                raise FileNotFoundError(f"OUT: {str(parent)!r} is a file -> give a folder whose path has no file")
         out.mkdir(parents=True, exist_ok=True)
         # Weights first, config last: a folder with adapter_config.json is a complete PEFT folder.
         for f in (WEIGHTS_NAME, CONFIG_NAME):

@@ -270,7 +270,7 @@ def evaluate_checkpoints(
         raise ConfigError([bad_value("RUN_DIR", run_dir, "a run directory (it holds config.yaml)")])
     cfg = load_run_config(root / "config.yaml")
     known = {a.name: a for a in cfg.adapters}
-    names = list(adapters) if adapters else list(known)
+    names = list(dict.fromkeys(adapters)) if adapters else list(known)  # an adapter named twice is evaluated once
     problems = [
         bad_value("--adapter", x, f"an adapter of this run ({', '.join(known) or 'none'})")
         for x in names
@@ -280,6 +280,8 @@ def evaluate_checkpoints(
         problems.append(bad_value("--peft", peft, "a PEFT folder together with exactly one --adapter NAME"))
     if peft is not None and not (Path(peft) / CONFIG_NAME).is_file():
         problems.append(bad_value("--peft", peft, f"a PEFT folder (it holds {CONFIG_NAME})"))
+    if peft is not None and step is not None:
+        problems.append(bad_value("--step", step, "none with --peft (the folder is the weights evaluated)"))
     if problems:
         raise ConfigError(problems)
     peft_weights = None

@@ -117,6 +117,18 @@ def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):
     assert cli.main(["export", str(on), "a", str(peft)]) == 0
     assert cli.main(["eval", str(on), "--adapter", "a", "--peft", str(peft), "--out", str(ws / "p.json")]) == 0
     assert json.loads((ws / "p.json").read_text())[0]["adapter_result"]["reward_mean"] == logged["eval/reward_mean"]
+    # An adapter named twice is evaluated once (it ran twice, then failed unloading it twice: a reviewer's repro).
+    assert (
+        cli.main(["eval", str(on), "--adapter", "a", "--adapter", "a", "--n", "2", "--out", str(ws / "d.json")]) == 0
+    )
+    assert [r["adapter"] for r in json.loads((ws / "d.json").read_text())] == ["a"]
+    # Exporting into the run's own checkpoints would overwrite a checkpoint's weights and not its config.
+    step_dir = next((on / "adapters" / "a").glob("step_*"))
+    before = (step_dir / "adapter_model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["export", str(on), "b", str(step_dir)]) == 2
+    assert "is inside the run's checkpoints" in capsys.readouterr().err
+    assert (step_dir / "adapter_model.safetensors").read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -127,6 +139,8 @@ def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):
         (["--step", "99"], "checkpoint at adapter step 99"),
         (["--n", "0"], "--n=0 is not allowed"),
         (["--split", "nope"], "eval.split='nope'"),
+        (["--adapter", "a", "--peft", ".", "--step", "1"], "--step=1 is not allowed; allowed: none with --peft"),
+        (["--out", "/nonexistent/x.json"], "--out='/nonexistent/x.json' is not allowed"),  # before the evaluation
     ],
 )
 def test_eval_cli_bad_arguments_exit_2_without_traceback(runs, capsys, argv, fragment):

@@ -6,6 +6,7 @@ Every model is a tiny random Qwen2 / Qwen3 / Llama built offline in float32, so 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -667,3 +668,26 @@ def test_export_of_a_model_with_lora_on_one_layers_module_names_it_in_full(tmp_p
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(m(ids, adapter_names=["a"]).logits, pm(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens=[5, 6] is not allowed; allowed: None (aLoRA"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' is not allowed"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights='olora' is not allowed"),
+    ],
+)
+def test_a_peft_adapter_whose_math_is_not_plain_lora_is_refused(tmp_path, changes, message):
+    """A reviewer's repros: PEFT applies an aLoRA adapter only after its invocation tokens, and rebuilds the base of
+    a PiSSA / OLoRA adapter (W - B0 A0) when it loads one; both loaded here without an error and gave other logits
+    (0.54 and 0.14-0.27 off). Made by PEFT itself, refused with the field named."""
+    import copy
+
+    base = tiny_model("llama")
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **changes))
+    peft.save_pretrained(tmp_path)
+    m = MultiLoRAModel.from_model(base, max_loras=2, max_rank=8)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        m.load_adapter("x", tmp_path)
+    assert "x" not in m.adapters

@@ -68,7 +68,19 @@ _UNSUPPORTED_CONFIG: dict[str, tuple[tuple[Any, ...], str]] = {
     "layer_replication": ((None,), "layer replication is not supported"),
     "target_parameters": ((None, []), "LoRA on bare parameters (not nn.Linear modules) is not supported"),
     "trainable_token_indices": ((None,), "trainable token embeddings are not supported"),
+    # LoRA variants: another forward than `W x + scale * B A x` (PEFT's `is_lora_variant` fields, and aLoRA, which
+    # applies the adapter only after its invocation tokens)
+    "alora_invocation_tokens": ((None, []), "aLoRA applies the adapter only after its invocation tokens"),
+    "use_bdlora": ((None, False), "BD-LoRA's block-diagonal factors are not supported"),
+    "velora_config": ((None,), "VeLoRA is not supported"),
+    "monteclora_config": ((None,), "MonteCLoRA is not supported"),
+    "arrow_config": ((None,), "Arrow routing is not supported"),
+    "kasa_config": ((None,), "KaSA is not supported"),
 }
+# `init_lora_weights` values whose adapter only makes sense on a base that PEFT changes when it loads the adapter
+# (the residual W - B0 A0): saved without PEFT's conversion (`path_initial_model_for_weight_conversion`), applied
+# to the unchanged base they give other logits. Prefixes (PiSSA's "pissa_niter_16").
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def validate_adapter_name(name: Any) -> str:
@@ -155,6 +167,17 @@ def peft_config_problems(
             continue
         if key in config and config[key] not in allowed:
             problems.append(bad_value(f"{field_prefix}{key}", config[key], f"{allowed[0]!r} ({why})"))
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        problems.append(
+            bad_value(
+                f"{field_prefix}init_lora_weights",
+                init,
+                "true, false, 'gaussian', 'eva', 'orthogonal' or 'mica' (a PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapter "
+                "goes with a base PEFT changes when loading it: save it with PEFT's "
+                "path_initial_model_for_weight_conversion to get a plain LoRA)",
+            )
+        )
     return problems
 
 
