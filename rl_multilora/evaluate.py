@@ -78,14 +78,14 @@ class EvalSet:
         rollout_sampling: SamplingParams,
         context_len: int | None = None,
     ):
-        from rollout.data_source import MultiLoRADataSource
+        from rollout.data_source import MultiLoRADataSource, eval_split
 
         self.name = a.name
         self.reward = a.reward
         self.settings = settings
         self.seed = a.seed
         self.sampling = rollout_sampling
-        spec = eval_dataset(a.dataset, settings)
+        spec = eval_split(a.dataset, settings.split, settings.data_files)
         from rl_multilora.components import tenant_sampling
 
         source = MultiLoRADataSource(tokenizer, context_len)
@@ -182,16 +182,6 @@ class EvalGeneration(GenerateState):
         if sample.metadata["eval_kind"] == "greedy":
             sampling = dataclasses.replace(sampling, temperature=0.0, seed=None)
         return sample.metadata["engine_adapter"], sampling
-
-
-def eval_dataset(dataset, settings: EvalSettings):
-    """An adapter's `dataset` spec for its held-out evaluation: `settings.split`, of `settings.data_files` when given
-    (a file or a list of them: that split's files, which `datasets` would otherwise name 'train'), else of the
-    dataset's own files."""
-    files = settings.data_files
-    if isinstance(files, str | list):
-        files = {settings.split: files}
-    return dataclasses.replace(dataset, split=settings.split, data_files=files or dataset.data_files)
 
 
 def run_evals(

@@ -155,7 +155,7 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
     """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
 
     import rewards
-    from rollout.data_source import first_usable_row, load_dataset_rows
+    from rollout.data_source import eval_split, first_usable_row, load_dataset_rows
     from rollout.environments import load_environment
 
     failed: dict[str, str] = {}  # field -> message, for each probe that raised
@@ -180,10 +180,8 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
         failed["dataset"] = str(e)
     eval_rows = None
     if eval_settings is not None and eval_settings.enabled:
-        from rl_multilora.evaluate import eval_dataset
-
         try:
-            eval_rows = len(load_dataset_rows(eval_dataset(a.dataset, eval_settings)))
+            eval_rows = len(load_dataset_rows(eval_split(a.dataset, eval_settings.split, eval_settings.data_files)))
         except Exception as e:  # noqa: BLE001
             failed["eval"] = str(e)
     return OutsideFacts(failed, n_rows, usable, eval_rows)

@@ -28,6 +28,7 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -262,6 +263,14 @@ def load_dataset_rows(spec: DatasetSpec):
         raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     _check_columns(spec, list(rows.column_names))
     return rows
+
+
+def eval_split(spec: DatasetSpec, split: str, data_files: Any = None) -> DatasetSpec:
+    """`spec` for a held-out evaluation on `split`: of `data_files` when given (a file or a list of them: that split's
+    files, which `datasets` would otherwise name 'train'), else of the dataset's own files."""
+    if isinstance(data_files, str | list):
+        data_files = {split: data_files}
+    return dataclasses.replace(spec, split=split, data_files=data_files or spec.data_files)
 
 
 def _reasoning_gym_rows(spec: DatasetSpec) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from rollout.data_source import DatasetError, DatasetSpec, MultiLoRADataSource, load_dataset_rows
+from rollout.data_source import DatasetError, DatasetSpec, MultiLoRADataSource, eval_split, load_dataset_rows
 from rollout.types import AdapterRef, RewardSpec
 
 CHAT_TEMPLATE = (
@@ -269,22 +269,19 @@ def test_the_eval_split_of_a_bare_file_path_or_a_saved_dataset(tmp_path):
     """A reviewer's repros: `path: train.jsonl` with `eval.data_files` went to `load_dataset` as a Hub name (only a
     path without data_files picked its builder), and a saved Dataset without splits gave its training rows for any
     split, so an eval there ran on training data."""
-    from rl_multilora.config import EvalSettings
-    from rl_multilora.evaluate import eval_dataset
-
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows("t", 4)))
     test.write_text("".join(json.dumps(r) + "\n" for r in rows("e", 2)))
     spec = DatasetSpec(path=str(train))
     for files in (str(test), [str(test)], {"test": str(test)}):  # eval.data_files as a file, a list or a mapping
-        got = load_dataset_rows(eval_dataset(spec, EvalSettings(data_files=files)))
+        got = load_dataset_rows(eval_split(spec, "test", files))
         assert [r["prompt"] for r in got] == [r["prompt"] for r in rows("e", 2)], files
 
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(rows("t", 4)).save_to_disk(str(saved))
     assert len(load_dataset_rows(DatasetSpec(path=str(saved)))) == 4  # split 'train': the whole saved Dataset
     with pytest.raises(DatasetError, match=r"dataset\.split='test' cannot be read from .*saved.*holds one Dataset"):
-        load_dataset_rows(eval_dataset(DatasetSpec(path=str(saved)), EvalSettings()))
+        load_dataset_rows(eval_split(DatasetSpec(path=str(saved)), "test"))
 
 
 def test_dataset_errors_name_the_field(tmp_path):

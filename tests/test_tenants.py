@@ -172,7 +172,11 @@ def test_an_adapter_drained_between_steps_resumes_from_its_final_checkpoint(tmp_
         manager.finish_step()
     manager.drain("a", "removed by request")
     # the runtime's weight sync has nothing to push; it frees the drained adapter (DRAINED -> REMOVED)
-    idle = type("Idle", (), {"tenants": manager, "sync_now": lambda self: manager.apply_sync({}, [])})()
+    idle = type(
+        "Idle",
+        (),
+        {"tenants": manager, "sync_now": lambda self: manager.apply_sync({}, []), "_drop_ahead": lambda self: None},
+    )()  # no rollout ahead (a sync run)
     Runtime.idle_step(idle)  # what the service runs while no tenant is RUNNING
     assert [step for step, _ in list_checkpoints(ckpt.adapter_dir("a"))] == [5]
     again = manager.table.register(_cfg("a", max_steps=100))
