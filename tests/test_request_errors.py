@@ -42,6 +42,17 @@ def test_nan_and_infinity_are_refused_not_read_as_greedy(served):
     assert r.status_code == 400 and "Infinity" in r.json()["error"]["message"]
 
 
+def test_a_body_nested_too_deeply_is_a_400_on_every_json_route(served):
+    """Arrays nested 100,000 deep (200 KB) made `json.loads` raise RecursionError, which no handler caught: a 500 on
+    /generate, the OpenAI routes and /load_lora_adapter (a reviewer's repro)."""
+    server, _ = served
+    deep = "[" * 100_000 + "]" * 100_000
+    for route, body in (("/generate", f'{{"input_ids": {deep}}}'), ("/v1/completions", f'{{"prompt": {deep}}}'),
+                        ("/load_lora_adapter", f'{{"lora_name": {deep}}}')):  # fmt: skip
+        r = requests.post(server.url + route, data=body, headers={**KEY, "Content-Type": "application/json"})
+        assert r.status_code == 400 and "nests too deeply" in r.text, (route, r.status_code, r.text[:200])
+
+
 def test_a_prompt_longer_than_the_context_is_a_400_the_client_does_not_retry(served):
     _, client = served
     with pytest.raises(openai.BadRequestError, match="context length"):

@@ -126,7 +126,10 @@ def strict_json_loads(text: str | bytes) -> Any:
     # even with the parse in a thread); a Python hook per integer lets the loop in between, at ~2.5x the parse time,
     # so large bodies only. (Floats already go through parse_float.)
     parse_int = _yielding_int if len(text) > _YIELDING_PARSE_BYTES else None
-    body = json.loads(text, parse_constant=non_finite, parse_float=parse_float, parse_int=parse_int)
+    try:
+        body = json.loads(text, parse_constant=non_finite, parse_float=parse_float, parse_int=parse_int)
+    except RecursionError:  # arrays nested ~100,000 deep: a client's malformed body, not a server error (a 500)
+        raise ValueError("request body nests too deeply; allowed: JSON nested at most a few thousand levels") from None
     if seen:  # only then walk the body, to say where
         field, value = _find_non_finite(body, "") or ("body", seen[0])
         raise NonFiniteNumberError(field, value.spelling)
