@@ -4,6 +4,7 @@ loaded adapters and gets completions from any tenant, equal to the engine's own 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -68,6 +69,23 @@ def test_text_completion_and_errors(served):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens=0"):
         client.completions.create(model="tenant-a", prompt="x", max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "fragment"),
+    [
+        ([{"role": {"a": 1}, "content": "x"}], {}, "messages[0].role={'a': 1} is not allowed"),
+        ([{"role": "user", "content": {"a": 1}}], {}, "messages[0].content={'a': 1} is not allowed"),
+        ([{"role": "user", "content": None}], {}, "messages[0].content=None is not allowed"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], {}, "messages[0].content=[{"),
+        ([{"role": "user", "content": "x"}], {"tools": "x"}, "tools='x' is not allowed"),
+    ],
+)
+def test_a_malformed_chat_message_is_a_400_naming_it(served, messages, extra, fragment):
+    """A reviewer's: a role or content of any type reached the chat template, which rendered it, and answered 200."""
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+        client.chat.completions.create(model="tenant-a", messages=messages, max_tokens=2, extra_body=extra)
 
 
 def test_a_wrong_key_is_refused(served):

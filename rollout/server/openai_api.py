@@ -111,6 +111,29 @@ def _sampling(body: dict[str, Any], tokenizer) -> SamplingParams:
     )
 
 
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_message(i: int, m: dict[str, Any]) -> None:
+    """One chat message's role and content, as OpenAI takes them: content a string, a list of text parts, or null
+    for an assistant message with tool calls. A 400 naming the field (a template renders anything it is given)."""
+    role, content = m.get("role"), m.get("content")
+    if role not in _ROLES:
+        raise OpenAIRequestError(
+            f"messages[{i}].role={role!r} is not allowed; allowed: one of {', '.join(_ROLES)}", f"messages[{i}].role"
+        )
+    text_parts = isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    )
+    tool_call = content is None and role == "assistant" and bool(m.get("tool_calls"))
+    if not (isinstance(content, str) or text_parts or tool_call):
+        raise OpenAIRequestError(
+            f"messages[{i}].content={content!r:.100} is not allowed; allowed: a string or a list of text parts "
+            "({type: text, text}); null only for an assistant message with tool_calls",
+            f"messages[{i}].content",
+        )
+
+
 def _prompt_ids(tok, body: dict[str, Any], chat: bool) -> list[int]:
     """The request's prompt as token ids: the chat template and the tokenizer, or the ids it sent (run in a thread)."""
     if chat:
@@ -119,6 +142,11 @@ def _prompt_ids(tok, body: dict[str, Any], chat: bool) -> list[int]:
             raise OpenAIRequestError(
                 "messages is not allowed; allowed: a non-empty list of {role, content}", "messages"
             )
+        for i, m in enumerate(messages):
+            _check_message(i, m)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise OpenAIRequestError(f"tools={tools!r} is not allowed; allowed: a list of tool objects", "tools")
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template error on the request's messages (jinja raises its own types)
