@@ -300,7 +300,7 @@ class CheckpointManager:
         if out.exists() and not out.is_dir():
             raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
         adapters = (self.run_dir / "adapters").resolve()
-        if out.resolve() == adapters or out.resolve().is_relative_to(adapters):
+        if out.resolve().is_relative_to(adapters):  # the folder itself too
             raise FileNotFoundError(  # writing there would overwrite a checkpoint's weights (and not its config)
                 f"OUT: {str(out)!r} is inside the run's checkpoints ({adapters}) -> give a folder outside it"
             )

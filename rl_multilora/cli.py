@@ -147,17 +147,13 @@ def cmd_eval(args) -> int:
     import json
     from pathlib import Path
 
+    from rl_multilora.config import ConfigError
+    from rl_multilora.errors import bad_value
     from rl_multilora.evaluate import evaluate_checkpoints, format_table
 
     if args.n is not None and args.n < 1:
-        from rl_multilora.config import ConfigError
-        from rl_multilora.errors import bad_value
-
         raise ConfigError([bad_value("--n", args.n, "an integer >= 1")])
     if args.out and not Path(args.out).resolve().parent.is_dir():  # before the evaluation, not after it
-        from rl_multilora.config import ConfigError
-        from rl_multilora.errors import bad_value
-
         raise ConfigError([bad_value("--out", args.out, "a file in an existing folder")])
     rows = evaluate_checkpoints(args.run_dir, args.adapter, args.step, args.split, args.n, args.peft)
     out = Path(args.out) if args.out else Path(args.run_dir) / f"eval_{rows[0]['split'] if rows else 'none'}.json"

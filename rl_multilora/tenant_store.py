@@ -25,10 +25,11 @@ Design choices:
   files it wrote (and the folder, when it made it or it is left empty): a finished run on a small budget would
   otherwise leave 3x every idle tenant's adapter bytes in `run_dir/paged` for good. Each store writes into a folder
   of its own inside `spill_dir` (two runs or servers given one scratch folder and a tenant name in common read each
-  other's adapters otherwise), and holds an exclusive `flock` on a lock file in it while it lives: a store that
-  opens its folder removes the folders left by stores whose process died without `close` (a SIGKILL, an OOM kill),
-  which nobody else holds a lock on, so killed and resumed runs do not pile up spill files. A spill that fails (a full disk) keeps the tenant in host memory over the budget,
-  with a warning: the budget is a preference, losing a tenant's state is not an option.
+  other's adapters otherwise), and holds an exclusive `flock` on a lock file in it while it lives: a store that may
+  spill removes the folders left by stores whose process died without `close` (a SIGKILL, an OOM kill), which nobody
+  holds a lock on, so killed and resumed runs do not pile up spill files. A spill that fails (a full disk) keeps the
+  tenant in host memory over the budget, with a warning: the budget is a preference, losing a tenant's state is not
+  an option.
 - Page-in time is measured by the caller that pages (it includes the eviction that made room); the store counts
   its own spills and loads.
 - Prefetch (`stage`): a tenant that a coming step will page in can be prepared in one background thread while the

@@ -558,10 +558,7 @@ class TinkerServer:
         detail = body.get("detail") if isinstance(body, dict) else None
         log.info("session %s finished by its client (%s%s); unloading its %d model(s)", sid, reason,
                  f": {detail}" if isinstance(detail, str) and detail else "", len(models))  # fmt: skip
-        self._last_seen.pop(sid, None)
-        self.state.sessions.discard(sid)
-        for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
-            del self.state.sampling[name]
+        self._forget_session(sid)
         self.ops.records.drop_session(sid)
         return self._json({})
 
@@ -642,6 +639,13 @@ class TinkerServer:
         # its creation and its sampling sessions need no replay now (the journal kept one row each for ever)
         samplers = [f"sampling.{k}" for k in list(self.state.sampling) if k.startswith(f"{sid}.")]
         self.journal.drop([f"session.{sid}", *samplers])
+
+    def _forget_session(self, sid: str) -> None:
+        """An ended session's own state: off the live sessions and the expiry clock, its sampling sessions gone."""
+        self._last_seen.pop(sid, None)
+        self.state.sessions.discard(sid)
+        for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
+            del self.state.sampling[name]
 
     def _drop_freed_samplers(self) -> None:
         """Forget the sampling sessions whose sampler weights were freed (on the event loop, after a turn): a
@@ -803,6 +807,7 @@ class TinkerServer:
             self._unless_ended(session_of(sid))
             raise UserError(f"unknown sampling_session_id {sid!r}")
         else:
+            path = self._session_path(sid)
             key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
         n = body.get("num_samples", 1)
         if type(n) is not int or not 1 <= n <= MAX_NUM_SAMPLES:
@@ -829,7 +834,6 @@ class TinkerServer:
                 except ValueError as e:
                     raise UserError(str(e)) from None
                 ids = body[SEQUENCE_IDS] = self.ops.records.new_ids(n)
-        path = self._session_path(sid) if body.get("sampling_session_id") is not None else body.get("model_path")
         owner = path.removeprefix("tinker://").split("/")[0] if isinstance(path, str) else None
         extra = {"sample_sequence_ids": ids}
         return await self._ack(key, "sample", body, extra, owner if owner in self.ops.tenants else None)
@@ -959,14 +963,11 @@ class TinkerServer:
             self._resolve(res, {})
         elif kind == "end_session":  # replayed: a session its client finished or that expired stays ended
             sid, how = body["session_id"], body["how"]
-            self.state.sessions.discard(sid)
-            self._last_seen.pop(sid, None)
             if how == "expired":
                 self._expired.add(sid)
             else:
                 self._finished[sid] = how
-            for name in [k for k in self.state.sampling if k.startswith(f"{sid}.")]:
-                del self.state.sampling[name]
+            self._forget_session(sid)
             self._resolve(res, {})
         elif kind == "sample":
             assert self.loop is not None
