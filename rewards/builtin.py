@@ -40,6 +40,8 @@ _NUMBER_RE = re.compile(
     r"(?P<num>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"  # "1,2345" is not 1,234 then 5
 )
 
+_FRACTION_RE = re.compile(r"\d\s*/\s*\.?\d")
+
 
 def _numbers(text: str) -> list[Fraction]:
     """All numbers in `text`, in order, as exact fractions.
@@ -67,6 +69,11 @@ def _label_number(label: Any, reward: str) -> Fraction:
     text = str(label)
     if "####" in text:
         text = text.rsplit("####", 1)[1]
+    if _FRACTION_RE.search(text):  # "1/2" would read as 1, as a response's "#### 1/2" does (lm-eval's strict match)
+        raise ValueError(
+            f"{reward} label {label!r} is a fraction; allowed: one number (GSM8K's answers are numbers; the built-in "
+            "'math' reward compares fractions)"
+        )
     found = _numbers(text)
     if not found:
         raise ValueError(f"{reward} label {label!r} has no number (after '####' when present)")

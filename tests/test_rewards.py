@@ -102,6 +102,14 @@ def test_gsm8k_label_without_number_raises():
         score(RewardSpec(name="gsm8k"), "q", "#### 3", "#### (see above)")
 
 
+@pytest.mark.parametrize("label", ["1/2", "#### 3 / 4", " 10/3 "])
+def test_gsm8k_refuses_a_fraction_label(label):
+    """A label "1/2" was read as 1 (the first number), so a response "#### 1" scored 1.0; GSM8K's answers are numbers
+    and a response's "#### 9/4" reads as 9 (lm-eval's strict match), so a fraction label is refused by name."""
+    with pytest.raises(ValueError, match=r"is a fraction; allowed: one number .*'math'"):
+        score(RewardSpec(name="gsm8k"), "q", "#### 1", label)
+
+
 # -- math on boxed LaTeX -----------------------------------------------------------------------------------------
 
 MATH_CASES = [
