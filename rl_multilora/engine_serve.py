@@ -142,6 +142,12 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         help="largest /load_lora_adapter_from_tensors body in MiB (default 1024: a weight sync's base64 safetensors)",
     )
     parser.add_argument(
+        "--adapter-root",
+        default=None,
+        help="/load_lora_adapter reads only PEFT folders inside this folder (links resolved first); default: any "
+        "folder on the host a key holder names, as SGLang's route does",
+    )
+    parser.add_argument(
         "--host-allocator",
         choices=("glibc", "jemalloc"),
         default="glibc",
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         )
     if args.prefix_cache_mb < 0:
         parser.error(f"--prefix-cache-mb={args.prefix_cache_mb!r} is not allowed; allowed: an integer >= 0 (0: off)")
+    if args.adapter_root is not None and not Path(args.adapter_root).expanduser().is_dir():
+        parser.error(f"--adapter-root={args.adapter_root!r} is not allowed; allowed: an existing folder")
     if not Path(args.model).is_dir():
         parser.error(f"--model={args.model!r} is not allowed; allowed: an existing model folder (HF format)")
     if _port_in_use(args.host, args.port):
@@ -193,6 +201,7 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
             tokenizer=tokenizer,
             max_body_bytes=args.max_body_mb * 1024**2,
             max_adapter_body_bytes=args.max_adapter_body_mb * 1024**2,
+            adapter_root=args.adapter_root,
         )
     finally:
         engine.close()

@@ -93,6 +93,30 @@ def test_non_finite_adapters_are_refused_naming_the_adapter_on_both_load_routes(
     assert set(engine.adapter_versions()) == {"good"}
 
 
+def test_adapter_root_confines_load_lora_adapter_to_its_folder(engine, tmp_path):
+    """engine-serve --adapter-root: a folder inside it loads; one outside it, a `..` out of it or a link inside it that
+    points out is refused with a 400 naming lora_path and the root, before anything is read."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    config = engine.model.peft_config("good")
+    for folder in (root / "ok", outside / "secret"):
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file(engine.model.adapter_state_dict("good"), str(folder / "adapter_model.safetensors"))
+    (root / "link").symlink_to(outside / "secret")
+    with BackgroundServer(engine, api_key="k3y", model_name="tiny", adapter_root=root) as server:
+        for name, path in (("out1", outside / "secret"), ("out2", root / ".." / "outside" / "secret"),
+                           ("out3", root / "link")):  # fmt: skip
+            r = _post(server, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            assert r.status_code == 400, r.text
+            assert "lora_path=" in r.text and "--adapter-root" in r.text and str(root.resolve()) in r.text, r.text
+        r = _post(server, "/load_lora_adapter", {"lora_name": "inside", "lora_path": str(root / "ok")})
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert set(engine.adapter_versions()) == {"good", "inside"}
+    engine.unload_adapter("inside")
+    with pytest.raises(ValueError, match="adapter_root=.* allowed: an existing folder"):
+        BackgroundServer(engine, adapter_root=tmp_path / "missing")
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -518,6 +518,11 @@ async def _load_lora_adapter(request: web.Request) -> web.Response:
     body = await _json_body(request, ("lora_name", "lora_path"))
     name = _adapter_name(body["lora_name"], "lora_name")
     folder = Path(_want(body, "lora_path", str, "a PEFT adapter folder on the server's host"))
+    if state.adapter_root is not None and not folder.resolve().is_relative_to(state.adapter_root):
+        raise RequestError(
+            f"lora_path={str(folder)!r} is not allowed; allowed: a folder inside the server's --adapter-root "
+            f"{str(state.adapter_root)!r}"
+        )
     if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
         raise RequestError(
             f"lora_path={str(folder)!r} is not allowed; allowed: a PEFT folder on this host (with {CONFIG_NAME} "
@@ -625,10 +630,13 @@ def make_app(
     tokenizer: Any = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
+    adapter_root: str | Path | None = None,
 ) -> web.Application:
     """The aiohttp app. `tokenizer` (optional, with `.decode`) fills the `text` field of responses.
     `max_body_bytes`: a larger body is refused with 413, unread; `max_adapter_body_bytes` is that limit for
-    `/load_lora_adapter_from_tensors` (adapter tensor pushes are the big bodies)."""
+    `/load_lora_adapter_from_tensors` (adapter tensor pushes are the big bodies). `adapter_root`: when given,
+    `/load_lora_adapter` reads only folders inside it (links resolved first); else any folder on the host, as
+    SGLang's route does."""
     if not isinstance(engine, RolloutEngine):
         raise TypeError(f"engine must be a RolloutEngine, got {type(engine).__name__}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -636,6 +644,11 @@ def make_app(
     for key, value in (("max_body_bytes", max_body_bytes), ("max_adapter_body_bytes", max_adapter_body_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} is not allowed; allowed: a positive number of bytes")
+    root = None
+    if adapter_root is not None:
+        root = Path(adapter_root).expanduser().resolve()
+        if not root.is_dir():
+            raise ValueError(f"adapter_root={str(adapter_root)!r} is not allowed; allowed: an existing folder")
     # Auth first: a request without the key is answered before its body is read. The body limit is per route.
     app = web.Application(middlewares=[_auth_middleware, _body_limit_middleware])
 
@@ -648,6 +661,7 @@ def make_app(
             tokenizer=tokenizer,
             max_body_bytes=max_body_bytes,
             max_adapter_body_bytes=max_adapter_body_bytes,
+            adapter_root=root,
         )
         state.running.set()
         app[STATE_KEY] = state
@@ -679,11 +693,12 @@ def serve(
     tokenizer: Any = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
+    adapter_root: str | Path | None = None,
 ) -> None:
     """Serve `engine` until interrupted. Binds 127.0.0.1 unless told otherwise."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an api_key: anyone who can reach it can load adapters", host)
-    app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes)
+    app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes, adapter_root)
     web.run_app(app, host=host, port=port, print=None)
 
 
@@ -703,8 +718,11 @@ class BackgroundServer:
         tokenizer: Any = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES,
+        adapter_root: str | Path | None = None,
     ) -> None:
-        self.app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes)
+        self.app = make_app(
+            engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes, adapter_root
+        )
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None

@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,7 @@ class ServerState:
     tokenizer: Any = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES
+    adapter_root: Path | None = None  # resolved; /load_lora_adapter reads only folders inside it when set
     # Set while generation may run; cleared by /pause_generation.
     running: asyncio.Event = field(default_factory=asyncio.Event)
     # One event per /generate call in flight; set by an abort-mode pause.
