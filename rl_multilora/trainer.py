@@ -182,9 +182,9 @@ class MultiLoRATrainer:
             backwarded: set[str] = set()
             for micro in micro_batches(shares, ranks.rank, self.cfg.micro_batch_size, self.cfg.share_prompts):
                 if not micro:  # this rank is short of rows: join the collectives (same forwards) at weight zero
-                    filler = rows[0]
+                    filler = rows[0]  # and keep what the reduce-scatter brings every slot held here (`collect`)
                     self.ops.forward_backward(
-                        [filler], {id(filler): 0.0}, want_ref=epoch == 0 and step_ref, filler=True
+                        [filler], {id(filler): 0.0}, want_ref=epoch == 0 and step_ref, filler=True, collect=collect
                     )
                     continue
                 out = self.ops.forward_backward(micro, weights, want_ref=epoch == 0 and step_ref, collect=collect)

@@ -300,3 +300,52 @@ def test_two_ranks_match_one_with_kl_a_tenant_leaving_mid_batch_and_a_diverged_t
             torch.testing.assert_close(sharded["state"][name][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
     b_true_rank = sum(t.numel() * t.element_size() for t in ref.adapter_state_dict("b").values())
     assert sharded["received"] == sharded["b_bytes"] == b_true_rank  # rank 4 of max_rank 8: half the slot
+
+
+def _train_uneven(model):
+    """Slot 0 (`a`, rank 0's) and slot 1 (`b`, rank 1's); one long `b` row outweighs the five short ones, so the token
+    balance gives rank 0 that row alone and rank 1 the rest: rank 0 runs zero-weight filler micro-batches (on a `b`
+    row) while rank 1 trains `a`, whose gradients the reduce-scatter hands rank 0."""
+    from rl_multilora.config import GRPOSettings, OptimSettings
+    from rl_multilora.trainer import MultiLoRATrainer
+    from tests.test_trainer import sample
+
+    trainer = MultiLoRATrainer(model, GRPOSettings(micro_batch_size=1, ppo_epochs=1), pad_token_id=0)
+    for name, seed in (("a", 1), ("b", 2)):
+        model.add_adapter(name, rank=4, alpha=8, seed=seed)
+        trainer.add_adapter(name, OptimSettings(eps=1e-3), lr=1e-2)
+    rows = [sample("b", 0, 1.0, prompt=[5, 6], response=list(range(10, 70))), sample("b", 0, 0.0, prompt=[5, 6])]
+    rows += [sample("a", 0, float(i % 2), prompt=[7, 8], response=[20 + i, 30 + i]) for i in range(4)]
+    return {n: (s.grad_norm, s.n_steps) for n, s in trainer.train_step(rows).items()}
+
+
+def _uneven_worker(rank: int, folder: str, port: int, out_dir: str) -> None:
+    with _gloo(rank, WORLD, port):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rl_multilora.backends.fsdp import gather_adapter_state_dict, load_sharded
+
+        model = load_sharded(Path(folder), init_device_mesh("cpu", (WORLD,)), max_loras=2, max_rank=4)
+        stats = _train_uneven(model)
+        gathered = {name: gather_adapter_state_dict(model, name)[0] for name in ("a", "b")}
+        if rank == 0:
+            torch.save({"stats": stats, "state": gathered}, Path(out_dir) / "uneven.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_running_filler_micro_batches_keeps_the_other_tenants_gradients(tmp_path):
+    """A reviewer's case: the filler call kept only its own row's tenant's gradient, so `a` (trained on rank 1,
+    slot on rank 0) got grad norm 0 and did not move, while its step count still rose. Now it matches one process."""
+    from rl_multilora.lora import MultiLoRAModel
+
+    folder = save_tiny_model(tmp_path / "model")
+    mp.spawn(_uneven_worker, args=(str(folder), _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    sharded = torch.load(tmp_path / "uneven.pt", weights_only=True)
+    ref = MultiLoRAModel.from_pretrained(folder, max_loras=2, max_rank=4)
+    want = _train_uneven(ref)
+    assert sharded["stats"].keys() == want.keys() == {"a", "b"}
+    for name, (norm, steps) in want.items():
+        assert norm > 0 and steps == 1
+        assert sharded["stats"][name][0] == pytest.approx(norm, rel=1e-4) and sharded["stats"][name][1] == steps
+        for key, tensor in ref.adapter_state_dict(name).items():
+            torch.testing.assert_close(sharded["state"][name][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
