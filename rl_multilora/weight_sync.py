@@ -17,6 +17,7 @@ happen while paused in retract/in_place mode, which is why engines pause in abor
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from rollout.engines.base import RolloutEngine
 
 if TYPE_CHECKING:
     from rl_multilora.backends.base import TrainingBackend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,11 +61,11 @@ class WeightSync:
             return stats
         t0 = time.perf_counter()
         gathered = getattr(self.backend, "gathered_bytes", 0)  # a bare MultiLoRAModel serves as a backend too
-        if pause:
-            self.engine.pause()
-            self.pauses += 1
-            stats.paused = True
         try:
+            if pause:  # inside the try: a pause that fails part way (one engine of several) is resumed below
+                self.pauses += 1
+                stats.paused = True
+                self.engine.pause()
             for name in unload:
                 self.engine.unload_adapter(name)
                 stats.adapters_unloaded.append(name)
@@ -71,9 +74,15 @@ class WeightSync:
                 self.engine.load_adapter(name, tensors, self.backend.peft_config(name), version=version)
                 stats.bytes_pushed += sum(x.numel() * x.element_size() for x in tensors.values())
                 stats.pushed[name] = version
-        finally:
-            if pause:
-                self.engine.resume()
+        except BaseException:
+            if pause:  # never leave the engine paused; the sync's own error is the one raised
+                try:
+                    self.engine.resume()
+                except Exception:
+                    logger.exception("weight sync: resuming the engine after a failed sync failed too")
+            raise
+        if pause:
+            self.engine.resume()
         stats.pause_s = time.perf_counter() - t0 if pause else 0.0
         stats.bytes_gathered = getattr(self.backend, "gathered_bytes", 0) - gathered
         return stats

@@ -18,6 +18,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ import torch
 
 from rollout.engines.base import RolloutEngine
 from rollout.types import GenerateRequest, GenerateResult
+
+logger = logging.getLogger(__name__)
 
 
 class MultiEngine(RolloutEngine):
@@ -129,12 +132,29 @@ class MultiEngine(RolloutEngine):
             engine.unload_adapter(name)
 
     def pause(self) -> None:
-        for engine in self.engines:
-            engine.pause()
+        """Pause every engine; when one fails, those already paused are resumed and its error is raised."""
+        for i, engine in enumerate(self.engines):
+            try:
+                engine.pause()
+            except BaseException:
+                for paused in self.engines[:i]:
+                    try:
+                        paused.resume()
+                    except Exception:
+                        logger.exception("multi-engine: resuming an engine after another's failed pause failed")
+                raise
 
     def resume(self) -> None:
+        """Resume every engine, each even when another fails (one engine left paused holds its requests for good);
+        the first error is raised after all were tried."""
+        errors = []
         for engine in self.engines:
-            engine.resume()
+            try:
+                engine.resume()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def health(self) -> bool:
         return all(engine.health() for engine in self.engines)

@@ -31,6 +31,8 @@ Design choices (each follows SGLang unless said otherwise):
   pushes to `/load_lora_adapter_from_tensors` have their own `max_adapter_body_bytes`, 1 GiB): a larger body
   answers 413 without being buffered. The key is checked first, so without it nothing is read at all.
   Deviation: SGLang (uvicorn) sets no limit.
+- Deviation: loading a name that is loaded replaces it (a new version in a free slot, requests on the old one
+  finish on it), where SGLang refuses ("already loaded"); `SGLangEngine` unloads first either way.
 - Non-finite numbers (NaN, Infinity, or a literal like 1e999 that overflows to inf) anywhere in a body answer 400
   naming the field; Python's JSON reader would otherwise take them and `temperature: NaN` meant greedy.
 - A prompt longer than the context, or a prompt plus an explicit `max_new_tokens` reaching it, answers 400 with

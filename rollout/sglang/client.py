@@ -13,7 +13,10 @@ Design choices:
   with finish_reason "abort" and the caller (GenerateState) resubmits them. The other way out is versioned
   names (`name@v7`: load the new version under a new name, switch requests to it, unload the old one when
   drained); it avoids aborts but doubles adapter memory during the switch and is not implemented here.
-- SGLang refuses to load a name that is already loaded, so a reload unloads first. Adapter names follow
+- SGLang refuses to load a name that is already loaded, so a reload unloads first; a name the server holds that this
+  client did not load (attached to a running server, a load whose answer timed out) is unloaded and loaded again
+  on that refusal. A failed control call raises an error naming the URL; `resume` releases the requests held
+  client side whatever the server answered, and so does `close`. Adapter names follow
   `rl_multilora.lora.validate_adapter_name`, and configs are checked (`check_lora_config`) before anything is sent.
 - Versions are tracked client side, per adapter: SGLang's `meta_info.weight_version` is one server-wide string
   for the base weights, not per adapter. A result is stamped with the adapter's version at send time; if the
@@ -127,6 +130,7 @@ class SGLangEngine(RolloutEngine):
         self._changes: dict[str, int] = {}
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self._closed = False
         self._changed_while_paused = False
         self._http = requests.Session()
 
@@ -137,20 +141,25 @@ class SGLangEngine(RolloutEngine):
 
     def _post(self, path: str, body: dict[str, Any] | None, extra_headers: dict[str, str] | None = None) -> Any:
         headers = {**self._headers(), **(extra_headers or {})}
-        resp = self._http.post(self.base_url + path, json=body, headers=headers, timeout=self.timeout)
-        return self._check(path, resp)
+        url = self.base_url + path
+        try:
+            resp = self._http.post(url, json=body, headers=headers, timeout=self.timeout)
+        except requests.RequestException as exc:  # a timeout, a refused connection: named by the call and engine
+            raise SGLangError(f"{url} failed: {type(exc).__name__}: {exc} (timeout={self.timeout:g} s)") from exc
+        return self._check(url, resp)
 
-    def _check(self, path: str, resp: requests.Response) -> Any:
+    def _check(self, url: str, resp: requests.Response) -> Any:
         try:
             payload = resp.json()
         except ValueError:
             payload = resp.text
         if resp.status_code in (401, 403):
-            raise SGLangError(f"{path}: {resp.status_code} {payload}; check api_key")
+            raise SGLangError(f"{url}: {resp.status_code} {payload}; check api_key")
         if resp.status_code != 200:
-            raise SGLangError(f"{path} failed with HTTP {resp.status_code}: {payload}")
+            detail = payload.get("error_message") if isinstance(payload, dict) else None  # LoRAUpdateOutput's
+            raise SGLangError(f"{url} failed with HTTP {resp.status_code}: {detail or _error_message(payload)}")
         if isinstance(payload, dict) and payload.get("success") is False:
-            raise SGLangError(f"{path} failed: {payload.get('error_message') or payload}")
+            raise SGLangError(f"{url} failed: {payload.get('error_message') or payload}")
         return payload
 
     def _next_version(self, name: str, version: int | None) -> int:
@@ -184,9 +193,12 @@ class SGLangEngine(RolloutEngine):
         self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, request: GenerateRequest, payload: dict
     ) -> GenerateResult:
         async with limit:
-            # Hold new requests while a sync is in progress (polling: pause() runs on another thread).
+            # Hold new requests while a sync is in progress (polling: pause() runs on another thread). resume()
+            # always releases them, whether or not the server answered, and so does close().
             while not self._unpaused.is_set():
                 await asyncio.sleep(0.005)
+            if self._closed:
+                return GenerateResult(finish_reason="error", error=f"{self.base_url}: the engine client was closed")
             with self._lock:
                 sent_version = self._versions.get(request.adapter) if request.adapter is not None else None
                 sent_change = self._changes.get(request.adapter, 0) if request.adapter is not None else 0
@@ -256,8 +268,7 @@ class SGLangEngine(RolloutEngine):
             snapshot = None
             body["load_format"] = SAFETENSORS_LOAD_FORMAT
             body["serialized_named_tensors"] = [encode_tensors_safetensors(tensors)] * self.tp_size
-        self._replace(name)
-        self._post("/load_lora_adapter_from_tensors", body, {ADAPTER_VERSION_HEADER: str(new_version)})
+        self._load("/load_lora_adapter_from_tensors", name, body, new_version)
         del snapshot  # the server has its copy now
         self._record(name, new_version)
         return new_version
@@ -278,9 +289,8 @@ class SGLangEngine(RolloutEngine):
                     "converts it to SGLang's per-expert layout"
                 )
         new_version = self._next_version(name, version)
-        self._replace(name)
         body = {"lora_name": name, "lora_path": str(path), "pinned": bool(pinned)}
-        self._post("/load_lora_adapter", body, {ADAPTER_VERSION_HEADER: str(new_version)})
+        self._load("/load_lora_adapter", name, body, new_version)
         self._record(name, new_version)
         return new_version
 
@@ -291,6 +301,23 @@ class SGLangEngine(RolloutEngine):
             self._versions.pop(name, None)
             self._changes[name] = self._changes.get(name, 0) + 1
             self._changed_while_paused = not self._unpaused.is_set() or self._changed_while_paused
+
+    def _load(self, path: str, name: str, body: dict[str, Any], version: int) -> None:
+        """POST a load of `name`, unloading it first when this client loaded it. A server that holds the name though
+        this client did not load it (a client attached to a running server, e.g. a resumed run; a load whose answer
+        timed out but which the server finished) answers "already loaded": unloaded, then loaded once more."""
+        self._replace(name)
+        headers = {ADAPTER_VERSION_HEADER: str(version)}
+        try:
+            self._post(path, body, headers)
+        except SGLangError as exc:
+            if "already loaded" not in str(exc):
+                raise
+            logger.warning(
+                "%s: adapter %r was loaded already (not by this client): unloading it first", self.base_url, name
+            )
+            self.unload_adapter(name)
+            self._post(path, body, headers)
 
     def _replace(self, name: str) -> None:
         with self._lock:
@@ -321,19 +348,32 @@ class SGLangEngine(RolloutEngine):
             raise
 
     def resume(self) -> None:
-        """Flush the prefix cache if adapters changed during the pause, then `/continue_generation`."""
+        """Flush the prefix cache if adapters changed during the pause, then `/continue_generation`.
+
+        The requests held client side are released even when a call fails (the error is raised): held, they would
+        wait for good; sent to a server that stayed paused, they end at the client's timeout with an error."""
         with self._lock:
             changed, self._changed_while_paused = self._changed_while_paused, False
-        if changed and self.flush_cache_on_resume:
-            self.flush_cache()
-        self._post("/continue_generation", {})
-        self._unpaused.set()
+        try:
+            if changed and self.flush_cache_on_resume:
+                self.flush_cache()
+            self._post("/continue_generation", {})
+        except BaseException:
+            with self._lock:  # a later resume flushes again: the cache may still hold the old adapters' prefixes
+                self._changed_while_paused = self._changed_while_paused or changed
+            raise
+        finally:
+            self._unpaused.set()
 
     def flush_cache(self) -> bool:
         """`/flush_cache`; False (and a warning) when SGLang refuses because requests are still running."""
-        resp = self._http.post(self.base_url + "/flush_cache", headers=self._headers(), timeout=self.timeout)
+        url = self.base_url + "/flush_cache"
+        try:
+            resp = self._http.post(url, headers=self._headers(), timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise SGLangError(f"{url} failed: {type(exc).__name__}: {exc} (timeout={self.timeout:g} s)") from exc
         if resp.status_code in (401, 403):
-            raise SGLangError(f"/flush_cache: HTTP {resp.status_code}; check api_key")
+            raise SGLangError(f"{url}: HTTP {resp.status_code}; check api_key")
         if resp.status_code != 200:
             logger.warning("/flush_cache refused (HTTP %s): %s", resp.status_code, resp.text.strip()[:200])
             return False
@@ -358,6 +398,8 @@ class SGLangEngine(RolloutEngine):
         return resp.status_code == 200
 
     def close(self) -> None:
+        self._closed = True
+        self._unpaused.set()  # requests held by a pause end with an error instead of waiting for good
         self._http.close()
 
 
