@@ -93,6 +93,22 @@ def test_non_finite_adapters_are_refused_naming_the_adapter_on_both_load_routes(
     assert set(engine.adapter_versions()) == {"good"}
 
 
+def test_integer_adapter_tensors_are_refused_naming_the_tensor_and_dtype(engine, server):
+    tensors = {k: v.clone() for k, v in engine.model.adapter_state_dict("good").items()}
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key].to(torch.int32)
+    body = {
+        "lora_name": "ints",
+        "config_dict": engine.model.peft_config("good"),
+        "serialized_named_tensors": [encode_tensors_safetensors(tensors)],
+        "load_format": "safetensors",
+    }
+    r = _post(server, "/load_lora_adapter_from_tensors", body)
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert f"{key} is int32; allowed: a floating-point dtype" in r.json()["error_message"]
+    assert "ints" not in engine.adapter_versions()
+
+
 def test_adapter_root_confines_load_lora_adapter_to_its_folder(engine, tmp_path):
     """engine-serve --adapter-root: a folder inside it loads; one outside it, a `..` out of it or a link inside it that
     points out is refused with a 400 naming lora_path and the root, before anything is read."""

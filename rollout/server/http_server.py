@@ -476,6 +476,12 @@ def _version_header(request: web.Request) -> int | None:
 async def _load_tensors(
     state: ServerState, name: str, tensors: dict, config: dict, version: int | None
 ) -> web.Response:
+    kinds = [k for k, t in tensors.items() if not t.is_floating_point()]
+    if kinds:  # an int or bool tensor would be cast to the slot's float dtype without a word
+        dtype = str(tensors[kinds[0]].dtype).removeprefix("torch.")
+        return _lora_response(
+            state, False, f"Failed to load LoRA adapter {name}: {kinds[0]} is {dtype}; allowed: a floating-point dtype"
+        )
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:  # sampling from it would raise inside a shared batch: refused here, before the engine sees it
         return _lora_response(state, False, f"Failed to load LoRA adapter {name}: {bad[0]} holds NaN or inf values")
