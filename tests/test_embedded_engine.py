@@ -643,17 +643,30 @@ def test_load_adapter_validates_config_and_tensors(engine, peft_adapters):
         engine.load_adapter("e", *peft_adapters["a"][1:])
 
 
-def test_a_failing_forward_fails_that_batch_and_the_engine_keeps_serving(engine, model):
+def test_a_failing_forward_retries_its_rows_alone_and_the_engine_keeps_serving(engine, model):
+    """A forward that raises once (a transient out of memory): the wave's rows run again, each alone, and come back
+    as they do alone. One that raises every time: each row fails with the error. Either way the engine serves on."""
+    requests = [GenerateRequest(p, "a", greedy(10)) for p in PROMPTS[:2]]
+    alone = [engine.generate([r])[0] for r in requests]
     calls = []
 
-    def explode_on_third_call(_module, _args, _kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("simulated out of memory")
+    def explode(on_call):
+        def hook(_module, _args, _kwargs):
+            calls.append(1)
+            if on_call is None or len(calls) == on_call:
+                raise RuntimeError("simulated out of memory")
 
-    hook = model.base_model.register_forward_pre_hook(explode_on_third_call, with_kwargs=True)
+        return model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    hook = explode(on_call=3)
     try:
-        failed = engine.generate([GenerateRequest(p, "a", greedy(10)) for p in PROMPTS[:2]])
+        retried = engine.generate(requests)
+    finally:
+        hook.remove()
+    assert [(r.finish_reason, r.output_ids) for r in retried] == [(r.finish_reason, r.output_ids) for r in alone]
+    hook = explode(on_call=None)
+    try:
+        failed = engine.generate(requests)
     finally:
         hook.remove()
     assert [r.finish_reason for r in failed] == ["error", "error"]

@@ -183,6 +183,46 @@ def test_engine_refuses_a_bad_sampling_number_for_that_request_only(engine, fiel
     assert (got[1].finish_reason, got[1].output_ids) == (alone.finish_reason, alone.output_ids)
 
 
+def test_a_wave_that_raises_runs_its_rows_again_alone_and_only_the_cause_fails():
+    """A forward that raises whenever one poisoned prompt is in the batch (an input that gets past the checks): its
+    row finishes with the error, and the rows it shared the wave with (seeded, sampled or greedy, on the base or an
+    adapter) come back exactly as each does alone. The wave used to fail every row."""
+    model = _model()
+    eng = EmbeddedEngine(model, tiny_tokenizer())
+    eng.load_adapter("good", model.adapter_state_dict("good"), model.peft_config("good"))
+    healthy = [
+        GenerateRequest([5, 6, 7], None, SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)),
+        GenerateRequest([5, 6, 8], "good", SamplingParams(temperature=0.0, max_new_tokens=5)),
+        GenerateRequest([5, 6, 9], "good", SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=5, seed=4)),
+    ]
+    poison = GenerateRequest([5, 6, 66], None, SamplingParams(temperature=0.0, max_new_tokens=5))
+    forward = eng._forward
+
+    def flaky(ids, *args, **kwargs):  # a prefill holding the poisoned prompt raises, once per wave it is in
+        if ids.shape[1] > 1 and bool((ids == 66).any()):
+            raise RuntimeError("boom")
+        return forward(ids, *args, **kwargs)
+
+    try:
+        alone = [eng.generate([r])[0] for r in healthy]  # each in a wave of its own, as the retries run
+        batched = eng.generate(healthy)
+        eng._forward = flaky
+        got = eng.generate([healthy[0], poison, healthy[1], healthy[2]])
+        assert got[1].finish_reason == "error" and "boom" in got[1].error, got[1]
+        for want, have in zip(alone, [got[0], got[2], got[3]], strict=True):
+            assert (have.finish_reason, have.output_ids, have.output_logprobs) == (
+                want.finish_reason,
+                want.output_ids,
+                want.output_logprobs,
+            )
+        again = eng.generate(healthy)  # later waves batch as before
+        assert [r.output_logprobs for r in again] == [r.output_logprobs for r in batched]
+        assert eng._slot_rows.get(model.slot_of("good"), 0) == 0  # the restarted rows gave their slot back
+    finally:
+        eng._forward = forward
+        eng.close()
+
+
 def test_a_nan_adapter_row_fails_alone_over_http_and_is_not_retried():
     """An adapter that went NaN inside the engine (the server refuses such loads; an in-process one can diverge): on
     /generate its row ends with an error message while the base row of the same body comes back as without it; on

@@ -76,8 +76,10 @@ Design choices (and where they differ from a textbook `model.generate` loop):
   requests of the call run normally. Sampling numbers must be finite (a NaN temperature is an error,
   not greedy) and a seed must fit the generator, so no request's settings can raise inside a shared
   batch. A row whose logits come out NaN or inf (e.g. its adapter's weights are) finishes alone with
-  "error" before sampling; the rest of its batch goes on. A forward that raises (e.g. out of memory)
-  fails the rows of that batch with "error"; the worker keeps serving later requests.
+  "error" before sampling; the rest of its batch goes on. A wave that raises (e.g. out of memory, or an input
+  that gets past the checks) runs each of its unfinished rows again alone, from the start (a seeded row samples
+  the same tokens): a row that raises alone finishes with "error", the others come back as they would have
+  without it. The worker keeps serving later requests.
 
 One file: `EmbeddedEngine` is one worker thread and the state it shares with the callers
 (queue, pause flags, adapter table, bank) under two locks; the batch helpers below (`_Row`, `_Batch`)
@@ -173,6 +175,7 @@ class _Row:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    alone: bool = False  # its wave raised: it runs again in a wave of its own, and an error there is its own
 
     @property
     def params(self) -> SamplingParams:
@@ -873,11 +876,16 @@ class EmbeddedEngine(RolloutEngine):
                 self._in_flight = list(rows)
                 try:
                     self._run_wave(rows)
-                except Exception as exc:  # e.g. out of memory: fail this wave's rows, keep serving
+                except Exception as exc:  # e.g. out of memory; keep serving
                     logger.exception("embedded engine: a generation wave failed")
-                    for row in self._in_flight:
-                        if not row.job.has(row.index):
-                            self._finish(row, "error", error=f"generation failed: {exc!r}")
+                    unfinished = [row for row in self._in_flight if not row.job.has(row.index)]
+                    if len(unfinished) > 1:  # one row may be the cause: each runs again alone, from the start
+                        for row in unfinished:
+                            self._restart(row)
+                        with self._cond:
+                            self._queue.extendleft(reversed(unfinished))
+                    for row in unfinished if len(unfinished) == 1 else ():
+                        self._finish(row, "error", error=f"generation failed: {exc!r}")
                 finally:
                     self._in_flight = []
                     with self._cond:
@@ -917,17 +925,15 @@ class EmbeddedEngine(RolloutEngine):
                 if self._closed or self._paused or not self._queue:
                     continue  # paused while coalescing: wait for resume (or close) with the rows still queued
                 n = self._fitting(list(itertools.islice(self._queue, self._max_batch_size)), 0, share=True)
+                if self._queue[0].alone:  # a row of a wave that raised: in a wave of its own
+                    n = 1
+                else:  # and not beside the rows that are not
+                    n = next((i for i, row in enumerate(itertools.islice(self._queue, n)) if row.alone), n)
                 self._busy = True
                 return [self._queue.popleft() for _ in range(n)]
 
     def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
-        if row.holds_slot:
-            row.holds_slot = False
-            with self._slots_lock:
-                left = self._slot_rows[row.slot] = self._slot_rows[row.slot] - 1
-                if left == 0 and row.slot in self._retiring:  # an older version's last row: free its slot
-                    del self._retiring[row.slot]
-                    self._bank.clear(row.slot)
+        self._release_slot(row)
         keep_output = reason in ("stop", "length")
         result = GenerateResult(
             output_ids=list(row.output_ids) if keep_output else [],
@@ -937,6 +943,23 @@ class EmbeddedEngine(RolloutEngine):
             error=error,
         )
         row.job.set(row.index, result)
+
+    def _release_slot(self, row: _Row) -> None:
+        if row.holds_slot:
+            row.holds_slot = False
+            with self._slots_lock:
+                left = self._slot_rows[row.slot] = self._slot_rows[row.slot] - 1
+                if left == 0 and row.slot in self._retiring:  # an older version's last row: free its slot
+                    del self._retiring[row.slot]
+                    self._bank.clear(row.slot)
+
+    def _restart(self, row: _Row) -> None:
+        """Put an unfinished row of a wave that raised back to its state before the wave, to run alone."""
+        self._release_slot(row)
+        row.slot, row.version, row.cache_key, row.reused, row.generator = -1, None, (None, 0), None, None
+        row.output_ids.clear()
+        row.logprobs.clear()
+        row.alone = True
 
     def _abort_requested(self) -> bool:
         with self._cond:
@@ -1036,7 +1059,9 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             if self._paused or self._closed or not self._queue:
                 return
-            queued = list(itertools.islice(self._queue, room))
+            queued = list(itertools.takewhile(lambda r: not r.alone, itertools.islice(self._queue, room)))
+            if not queued:  # a row of a wave that raised runs alone, in a wave of its own
+                return
             held = sum(self._row_tokens(r) for r in batch.rows) if self._max_wave_tokens is not None else 0
             rows = [self._queue.popleft() for _ in range(self._fitting(queued, held, share=False))]
             if not rows:
