@@ -52,6 +52,7 @@ Design choices (PRIOR_ART):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -240,7 +241,52 @@ class DamagedCheckpoint(ValueError):
 
 
 class RunStateError(ValueError):
-    """A run_state.json that cannot be read; names the file (the CLI exits 2 with this message)."""
+    """A run_state.json that cannot be read, or one of another base; names the file (the CLI exits 2 with this
+    message)."""
+
+
+def base_identity(model_path: str) -> dict[str, Any]:
+    """What identifies a run's base in its run_state.json: the path as resolved, and for a local folder a fingerprint
+    of its `config.json` (less the saving library's version and `_` keys) and its safetensors headers (every tensor's name, dtype and shape; no weight is read, so a
+    135M model and a 70B one cost alike). A Hub id is its own identity (fingerprint None)."""
+    path = Path(os.path.expanduser(model_path))
+    if not path.is_dir():
+        return {"path": model_path, "fingerprint": None}
+    digest = hashlib.sha256()
+    config = path / "config.json"
+    if config.is_file():
+        fields = {k: v for k, v in json.loads(config.read_text()).items() if k != "transformers_version"}
+        digest.update(json.dumps({k: v for k, v in fields.items() if not k.startswith("_")}, sort_keys=True).encode())
+    for weights in sorted(path.glob("*.safetensors")):
+        with open(weights, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")) or b"{}")
+        header.pop("__metadata__", None)
+        shapes = {k: (v.get("dtype"), v.get("shape")) for k, v in header.items() if isinstance(v, dict)}
+        digest.update(json.dumps(shapes, sort_keys=True).encode())
+    return {"path": str(path.resolve()), "fingerprint": digest.hexdigest()}
+
+
+def base_mismatch(state: dict[str, Any], current: dict[str, Any], path_given: str) -> str | None:
+    """Why a run dir's run state (`state`) cannot resume on the base `current` (`base_identity`), or None. A base
+    whose config or weight shapes differ would set the run's checkpoints aside as damaged; a path change alone with
+    the same fingerprint (the folder moved) is allowed. Run states from before bases were recorded pass."""
+    stored = state.get("base")
+    if not isinstance(stored, dict):
+        return None
+    if stored.get("fingerprint") is not None and current["fingerprint"] is not None:
+        if stored["fingerprint"] == current["fingerprint"]:
+            return None
+        why = "its config or weight shapes differ from this one's"
+    elif stored.get("path") == current["path"]:
+        return None
+    else:
+        why = "another model"
+    return bad_value(
+        "model.path",
+        path_given,
+        f"the base this run dir was trained on, {stored.get('path')!r} ({why}); or a new run_dir, or --fresh "
+        "(which archives this run dir; nothing is deleted)",
+    )
 
 
 @dataclass
@@ -257,9 +303,10 @@ class CheckpointManager:
     """The files of a run directory: adapter checkpoints, the run state, the metrics rewrite. It never sees the
     runtime: tenants hand it `AdapterSnapshot`s and get them back (`rl_multilora.tenants` decides when)."""
 
-    def __init__(self, run_dir: Path, keep_last: int = 2):
+    def __init__(self, run_dir: Path, keep_last: int = 2, base: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
+        self.base = base  # `base_identity` of the run's model, recorded in every run_state.json written
         self._prune_after_commit: set[str] = set()
 
     def adapter_dir(self, name: str) -> Path:
@@ -524,6 +571,8 @@ class CheckpointManager:
         return self.run_dir / "run_state.json"
 
     def write_run_state(self, state: dict[str, Any]) -> None:
+        if self.base is not None:
+            state = {**state, "base": self.base}
         atomic_write_text(self.run_state_path, json.dumps(state, indent=1))
         pending, self._prune_after_commit = self._prune_after_commit, set()
         for name in sorted(pending):  # checkpoints kept past keep_last until this commit (see `_prune`)

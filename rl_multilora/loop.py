@@ -46,7 +46,7 @@ from pathlib import Path
 from rl_multilora import components, validate
 from rl_multilora.backends.base import TrainingBackend, paging_stats_of
 from rl_multilora.batch import AdapterStepStats
-from rl_multilora.checkpoint import CheckpointManager
+from rl_multilora.checkpoint import CheckpointManager, base_identity
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
 from rl_multilora.host_memory import jemalloc_loaded, release_freed_memory, set_mmap_threshold
@@ -132,7 +132,9 @@ class Runtime:
         self.launcher = launcher
         self.generator = generator
         self.scorer = scorer
-        self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.checkpoint.keep_last)
+        self.ckpt = CheckpointManager(
+            self.run_dir, keep_last=cfg.checkpoint.keep_last, base=base_identity(cfg.model.path)
+        )
         self.tenants = TenantManager(cfg, backend, data, self.ckpt)
         self.weight_sync = WeightSync(engine, backend)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"))

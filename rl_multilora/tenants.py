@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl_multilora.backends.base import paging_stats_of
-from rl_multilora.checkpoint import AdapterSnapshot, DamagedCheckpoint, check_compatible, prune_metrics
+from rl_multilora.checkpoint import (
+    AdapterSnapshot,
+    DamagedCheckpoint,
+    RunStateError,
+    base_mismatch,
+    check_compatible,
+    prune_metrics,
+)
 from rl_multilora.config import CASE_REASON, AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rl_multilora.turns import TurnScheduler
@@ -764,6 +771,13 @@ class TenantManager:
             self.ckpt.archive_previous()
             return False
         state = self.ckpt.read_run_state()
+        mismatch = (
+            None
+            if state is None or self.ckpt.base is None
+            else base_mismatch(state, self.ckpt.base, self.cfg.model.path)
+        )
+        if mismatch is not None:  # before any checkpoint is read: one of another base would be set aside as damaged
+            raise RunStateError(f"{self.ckpt.run_state_path}: {mismatch}")
         if mode == "always" and state is None and not self.ckpt.has_checkpoints():
             raise FileNotFoundError(
                 f"checkpoint.resume: 'always' (--resume) but {self.ckpt.run_dir} has no run_state.json and no "

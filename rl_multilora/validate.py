@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_multilora.checkpoint import CheckpointManager, RunStateError, check_compatible
+from rl_multilora.checkpoint import CheckpointManager, RunStateError, base_identity, base_mismatch, check_compatible
 from rl_multilora.config import (
     AdapterConfig,
     ConfigError,
@@ -301,13 +301,18 @@ def allocator_problems(model: ModelConfig) -> list[str]:
     return []
 
 
-def resume_problems(ckpt: CheckpointManager, mode: str) -> list[str]:
+def resume_problems(ckpt: CheckpointManager, mode: str, model_path: str | None = None) -> list[str]:
     """`checkpoint.resume` against the run dir: "always" (--resume) needs run state or a checkpoint there, and a
-    damaged run_state.json stops any resume (`TenantManager.restore_run_state` reads it)."""
+    damaged run_state.json, or one recorded on another base than `model_path`, stops any resume
+    (`TenantManager.restore_run_state` reads it)."""
     try:
         state = ckpt.read_run_state()
     except RunStateError as e:
         return [str(e)]
+    if state is not None and model_path is not None:
+        mismatch = base_mismatch(state, base_identity(model_path), model_path)
+        if mismatch is not None:
+            return [mismatch]
     if mode == "always" and state is None and not ckpt.has_checkpoints():
         return [
             bad_value(
@@ -345,7 +350,7 @@ def run_problems(cfg: RunConfig) -> list[str]:
     problems += allocator_problems(cfg.model)
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     if ckpt is not None:
-        problems += resume_problems(ckpt, cfg.checkpoint.resume)
+        problems += resume_problems(ckpt, cfg.checkpoint.resume, cfg.model.path)
     for a in cfg.adapters:
         admission = Admission(lora_modules, lora_parameters, cfg.eval_for(a), ckpt)
         problems += adapter_problems(a, admission)

@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from rl_multilora.checkpoint import CKPT_META, CheckpointManager, list_checkpoints
+from rl_multilora.checkpoint import CKPT_META, CheckpointManager, RunStateError, list_checkpoints
 from rl_multilora.cli import main as cli_main
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import Runtime, run
@@ -290,6 +290,36 @@ def test_resume_refuses_a_changed_rank(workspace, reference, tmp_path):
             rt.start()
     finally:
         rt.close()
+
+
+def test_a_resume_on_another_base_is_refused_before_anything_is_touched(workspace, reference, tmp_path, capsys):
+    """A reviewer's case: resuming a run dir with model.path on a base of other shapes passed --dry-run, then set the
+    good checkpoints aside as damaged and failed the adapters (and a later resume on the right base refused them).
+    The run state records its base; another one is refused first, naming model.path and the run's base. The same
+    base moved to another folder resumes."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    recorded = json.loads((run_dir / "run_state.json").read_text())["base"]
+    assert recorded["path"] == str((workspace / "model").resolve()) and len(recorded["fingerprint"]) == 64
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    other = save_tiny_model(tmp_path / "other", hidden=16, layers=2)
+    cfg = _config(workspace, run_dir, model={"path": str(other), "max_loras": 3, "max_rank": 8})
+    config_file = tmp_path / "other.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    for extra in (["--dry-run"], []):
+        assert cli_main(["run", str(config_file), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"model.path={str(other)!r} is not allowed; allowed: the base this run dir was trained on" in err, err
+        assert str(workspace / "model") in err and "Traceback" not in err
+    with pytest.raises(RunStateError, match=r"model.path=.* \(its config or weight shapes differ"):
+        Runtime.build(parse_run_config(cfg)).start()  # the Python API refuses too, before any checkpoint is read
+    after = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    assert [p for p in after if p not in before] in ([], ["config.yaml"]) and not list(run_dir.rglob(".damaged-*"))
+    moved = tmp_path / "moved"
+    shutil.copytree(workspace / "model", moved)
+    rt = run(parse_run_config(_config(workspace, run_dir, model={"path": str(moved), "max_loras": 3, "max_rank": 8})))
+    assert {r.state.value for r in rt.tenants.tenants.values()} == {"REMOVED"}  # finished; nothing retrained
+    assert_same_as_reference(run_dir, reference)
 
 
 def test_exported_adapter_loads_in_peft_with_the_slot_logits(workspace, reference, tmp_path, capsys):
