@@ -153,9 +153,15 @@ def cmd_eval(args) -> int:
 
     if args.n is not None and args.n < 1:
         raise ConfigError([bad_value("--n", args.n, "an integer >= 1")])
-    if args.out and not Path(args.out).resolve().parent.is_dir():  # before the evaluation, not after it
+    if args.out and Path(args.out).is_dir():  # checked before the evaluation, not after it
+        raise ConfigError([bad_value("--out", args.out, "a file to write (this is a folder)")])
+    if args.out and not Path(args.out).resolve().parent.is_dir():
         raise ConfigError([bad_value("--out", args.out, "a file in an existing folder")])
     rows = evaluate_checkpoints(args.run_dir, args.adapter, args.step, args.split, args.n, args.peft)
+    if not rows:
+        raise ConfigError(
+            [bad_value("run_dir", args.run_dir, "a run dir with adapter checkpoints; this one has none")]
+        )
     out = Path(args.out) if args.out else Path(args.run_dir) / f"eval_{rows[0]['split'] if rows else 'none'}.json"
     out.write_text(json.dumps(rows, indent=1))
     print(format_table(rows))

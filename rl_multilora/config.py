@@ -41,6 +41,24 @@ class ConfigError(ValueError):
         super().__init__(f"{len(problems)} configuration problem(s){where}:\n{lines}")
 
 
+SEED_MAX = 2**32 - 1  # numpy's and the data order's seeds; torch takes more, but a run seeds all three from it
+
+
+def _top_k(value: int | None) -> int | None:
+    """-1 or 0 mean off (vLLM's and HF's spellings; SGLang's is -1, what the engines get); else at least 1."""
+    if value is None:
+        return None
+    if value < -1:
+        raise ValueError(bad_value("top_k", value, "-1 or 0 (off), or an integer >= 1"))
+    return -1 if value == 0 else value
+
+
+def _stop_strings(value: list[str] | None) -> list[str] | None:
+    if value is not None and any(not isinstance(x, str) or not x for x in value):
+        raise ValueError(bad_value("stop", value, "a list of non-empty strings (an empty one would stop at once)"))
+    return value
+
+
 class _Strict(BaseModel):
     # Finite numbers only (`lr: .inf` would train a tenant that never produces a token), and no YAML booleans where
     # a number is meant (`rank: true` would silently become 1).
@@ -225,10 +243,13 @@ class SamplingOverride(_Strict):
 
     temperature: float | None = Field(None, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling.")
-    top_k: int | None = Field(None, description="Top-k sampling (-1 = off).")
+    top_k: int | None = Field(None, description="Top-k sampling (-1 or 0 = off).")
     min_p: float | None = Field(None, ge=0, le=1, description="Drop tokens below min_p times the top probability.")
     max_new_tokens: int | None = Field(None, ge=1, description="Response length limit (per model turn).")
     stop: list[str] | None = Field(None, description="Stop strings (e.g. '</tool_call>' for tool-calling tenants).")
+
+    _check_top_k = field_validator("top_k")(_top_k)
+    _check_stop = field_validator("stop")(_stop_strings)
 
 
 class TISSettings(_Strict):
@@ -277,12 +298,19 @@ class AdapterConfig(_Strict):
     lr: float = Field(1e-4, gt=0, description="Peak learning rate of the adapter's AdamW.")
     optim: OptimSettings = Field(default_factory=OptimSettings, description="Schedule, decay, clipping.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn from this adapter's dataset per step.")
-    n_samples_per_prompt: int | None = Field(None, ge=1, description="Group size override (default: rollout's).")
+    n_samples_per_prompt: int | None = Field(
+        None, ge=2, description="Group size override (default: rollout's); GRPO compares a group's samples, so >= 2."
+    )
     max_steps: int | None = Field(
         None, ge=1, description="Budget in optimizer steps (grpo.ppo_epochs per step); the adapter drains at it."
     )
     epochs: float | None = Field(None, gt=0, description="Data budget in epochs; the adapter drains when used up.")
-    seed: int = Field(0, description="Seeds the adapter's init, data order and sampling (isolation: only its own).")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=SEED_MAX,
+        description="Seeds the adapter's init, data order and sampling (isolation: only its own).",
+    )
     weight: float = Field(
         1.0,
         gt=0,
@@ -367,12 +395,17 @@ class RolloutConfig(_Strict):
         None, description="Engine http with num_engines > 1: one server URL per engine (instead of url)."
     )
     api_key: str | None = Field(None, description="Bearer token for the server's state-changing endpoints.")
-    n_samples_per_prompt: int = Field(8, ge=1, description="GRPO group size (samples per prompt).")
+    n_samples_per_prompt: int = Field(
+        8, ge=2, description="GRPO group size (samples per prompt); a group's advantages compare its samples, so >= 2."
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    top_k: int = Field(-1, description="Top-k sampling (-1 = off).")
+    top_k: int = Field(-1, description="Top-k sampling (-1 or 0 = off).")
     max_new_tokens: int = Field(64, ge=1, description="Response length limit.")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
+
+    _check_top_k = field_validator("top_k")(_top_k)
+    _check_stop = field_validator("stop")(_stop_strings)
     hooks: str | None = Field(
         None, description="GenerateStateHooks subclass `module:Class` (default: multi-LoRA hooks)."
     )
@@ -553,7 +586,9 @@ class RunConfig(_Strict):
         return a.max_staleness if a.max_staleness is not None else self.rollout.max_staleness
 
     run_dir: str = Field("runs/default", description="Where config.yaml, metrics.jsonl and checkpoints go.")
-    seed: int = Field(0, description="Global seed (base init of slots uses each adapter's own seed).")
+    seed: int = Field(
+        0, ge=0, le=SEED_MAX, description="Global seed (base init of slots uses each adapter's own seed)."
+    )
     model: ModelConfig
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)

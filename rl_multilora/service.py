@@ -683,7 +683,9 @@ def serve(
         if problems:
             raise ServiceError("--tinker-port needs the embedded engine: " + "; ".join(problems))
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
-    check_run(cfg)  # what --dry-run checks, before a cluster starts; the service's own files are read here too
+    check_run(
+        cfg, service=True
+    )  # what --dry-run checks, before a cluster starts; the service's own files are read here too
     try:  # the actor's process starts with jemalloc preloaded (model.host_allocator; Ray's runtime_env)
         actor_env = jemalloc_ray_options(cfg.model.host_allocator == "jemalloc")
     except ValueError as e:

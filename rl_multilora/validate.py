@@ -229,6 +229,14 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
                 f"{where}dataset.path", a.dataset.path, f"a dataset with at least one usable row; this one {what}"
             )
         )
+    elif facts.n_rows is not None and a.prompts_per_step > facts.n_rows:  # drawn by the row: 1e11 filled memory
+        problems.append(
+            bad_value(
+                f"{where}prompts_per_step",
+                a.prompts_per_step,
+                f"at most the dataset's {facts.n_rows} rows (a step would draw a row more than once)",
+            )
+        )
     if unmatched_modules:
         leaves = sorted({m.rsplit(".", 1)[-1] for m in ctx.lora_modules})
         problems.append(
@@ -348,6 +356,16 @@ def run_problems(cfg: RunConfig) -> list[str]:
         except HooksError as e:
             problems.append(f"rollout.hooks: {e}")
     problems += allocator_problems(cfg.model)
+    run_dir = Path(cfg.run_dir).expanduser()
+    if run_dir.exists() and not run_dir.is_dir():
+        problems.append(bad_value("run_dir", cfg.run_dir, "a folder, new or a run's (this is a file)"))
+    if cfg.logging.wandb.mode != "disabled":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            problems.append(
+                bad_value("logging.wandb.mode", cfg.logging.wandb.mode, "'disabled' here: wandb is not installed")
+            )
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     if ckpt is not None:
         problems += resume_problems(ckpt, cfg.checkpoint.resume, cfg.model.path)
@@ -357,8 +375,13 @@ def run_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def check_run(cfg: RunConfig, source: str | None = None) -> None:
-    """Raise ConfigError listing every problem `run_problems` finds."""
+def check_run(cfg: RunConfig, source: str | None = None, service: bool = False) -> None:
+    """Raise ConfigError listing every problem `run_problems` finds; a run (not a `service`, which takes adapters by
+    `submit`) needs at least one adapter."""
     problems = run_problems(cfg)
+    if not cfg.adapters and not service:
+        problems.insert(
+            0, bad_value("adapters", [], "at least one adapter (`serve` starts without and takes `submit`)")
+        )
     if problems:
         raise ConfigError(problems, source)

@@ -141,6 +141,7 @@ def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):
         (["--split", "nope"], "eval.split='nope'"),
         (["--adapter", "a", "--peft", ".", "--step", "1"], "--step=1 is not allowed; allowed: none with --peft"),
         (["--out", "/nonexistent/x.json"], "--out='/nonexistent/x.json' is not allowed"),  # before the evaluation
+        (["--out", "."], "--out='.' is not allowed; allowed: a file to write (this is a folder)"),  # was: after it
     ],
 )
 def test_eval_cli_bad_arguments_exit_2_without_traceback(runs, capsys, argv, fragment):

@@ -159,6 +159,17 @@ CASES = [
         "checkpoint.resume='always' is not allowed",
     ),
     ("top-level-list", None, "YAML mapping"),
+    # a reviewer's: --dry-run called these valid, then the run crashed, wasted its steps or filled memory
+    ("seed-negative", lambda d, ws: d.update(seed=-1), "seed=-1"),
+    ("adapter-seed-huge", lambda d, ws: _adapter(d).update(seed=2**70), "less than or equal to 4294967295"),
+    ("top-k-negative", lambda d, ws: d["rollout"].update(top_k=-5), "top_k=-5"),
+    ("adapter-top-k-negative", lambda d, ws: _adapter(d).update(sampling={"top_k": -2}), "top_k=-2"),
+    ("stop-empty-string", lambda d, ws: d["rollout"].update(stop=[""]), "non-empty strings"),
+    ("group-of-one", lambda d, ws: d["rollout"].update(n_samples_per_prompt=1), "n_samples_per_prompt=1"),
+    ("adapter-group-of-one", lambda d, ws: _adapter(d).update(n_samples_per_prompt=1), "n_samples_per_prompt=1"),
+    ("prompts-past-the-dataset", lambda d, ws: _adapter(d).update(prompts_per_step=10**11), "at most the dataset's"),
+    ("run-dir-is-a-file", lambda d, ws: d.update(run_dir=str(ws / "a_file")), "run_dir="),
+    ("no-adapters", lambda d, ws: d.update(adapters=[]), "adapters=[] is not allowed"),
 ]
 
 
@@ -200,6 +211,26 @@ def test_the_valid_base_config_is_valid(ws, capsys):
     path = _write(ws, "valid", lambda d, ws: None)
     code, err = _cli(["run", str(path), "--dry-run"], capsys)
     assert code == 0, err
+
+
+def test_top_k_zero_means_off_and_wandb_must_be_importable(ws, capsys, monkeypatch):
+    """top_k 0 is off in HF and vLLM: it becomes the engines' -1 (it failed every sample before). wandb turned on
+    without wandb installed is refused before the run (it raised ModuleNotFoundError once the run had started)."""
+    import importlib.util
+
+    from rl_multilora.config import parse_run_config
+
+    cfg = _base(ws)
+    cfg["rollout"]["top_k"] = 0
+    _adapter(cfg)["sampling"] = {"top_k": 0}
+    parsed = parse_run_config(cfg)
+    assert parsed.rollout.top_k == -1 and parsed.adapters[0].sampling.top_k == -1
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    path = _write(ws, "wandb-missing", lambda d, ws: d.update(logging={"wandb": {"mode": "offline"}}))
+    for extra in (["--dry-run"], []):
+        code, err = _cli(["run", str(path), *extra], capsys)
+        assert code == 2 and "logging.wandb.mode='offline' is not allowed; allowed: 'disabled' here" in err, err
 
 
 def test_export_refuses_a_name_that_is_not_a_folder_name(ws, capsys):
