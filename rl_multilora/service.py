@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -798,6 +799,23 @@ def _run_until_signal(
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------------
+def _tinker_flag_problems(tinker: dict[str, Any]) -> list[str]:
+    """`serve --tinker-*` flags out of range, each naming the flag (the bounds `tinker-serve` holds its flags to)."""
+    from rl_multilora.errors import bad_value
+
+    problems = []
+    if not 1 <= tinker["port"] <= 65535:
+        problems.append(bad_value("--tinker-port", tinker["port"], "a port from 1 to 65535"))
+    for key, flag in (("snapshot_every", "--tinker-snapshot-every"), ("max_tokens_cap", "--tinker-max-tokens-cap"),
+                      ("stability_max_tokens", "--tinker-stability-max-tokens")):  # fmt: skip
+        value = tinker.get(key)
+        if value is not None and value < 1:
+            problems.append(bad_value(flag, value, "an integer >= 1"))
+    if not 0 < tinker["session_timeout_s"] < math.inf:
+        problems.append(bad_value("--tinker-session-timeout-s", tinker["session_timeout_s"], "seconds > 0"))
+    return problems
+
+
 def cli(args) -> int:
     """Entry point for `rl-multilora serve | submit | remove | status` (routed here by rl_multilora.cli)."""
     try:
@@ -820,6 +838,9 @@ def cli(args) -> int:
             }
             if getattr(args, "tinker_stability_max_tokens", None) is not None:
                 tinker["stability_max_tokens"] = args.tinker_stability_max_tokens
+            problems = _tinker_flag_problems(tinker)
+            if problems:  # before a config is read or a Ray cluster starts, as tinker-serve checks its own flags
+                raise ServiceError("; ".join(problems))
         cfg = load_run_config(args.config, args.set)
         if args.fresh:
             cfg.checkpoint.resume = "never"

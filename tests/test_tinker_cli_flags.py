@@ -67,3 +67,23 @@ def test_a_restart_on_fewer_places_than_the_journals_live_models_is_refused(tmp_
     err = capsys.readouterr().err
     assert "holds 2 models that held a place when the server stopped, more than the 1 this server has" in err, err
     assert "allowed: --max-loras or --max-tenants >= 2, or another --state-dir" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tinker-port", "-1"], "--tinker-port=-1 is not allowed; allowed: a port from 1 to 65535"),
+        (["--tinker-port", "8000", "--tinker-snapshot-every", "0"], "--tinker-snapshot-every=0 is not allowed"),
+        (["--tinker-port", "8000", "--tinker-max-tokens-cap", "0"], "--tinker-max-tokens-cap=0 is not allowed"),
+        (["--tinker-port", "8000", "--tinker-session-timeout-s", "0"], "--tinker-session-timeout-s=0.0 is not"),
+    ],
+    ids=lambda v: v[-2] if isinstance(v, list) else None,
+)
+def test_serve_checks_its_tinker_flags_before_a_config_is_read_or_ray_starts(tmp_path, capsys, flags, message):
+    """A reviewer's reading: `serve`'s --tinker-* flags went unchecked into the service actor."""
+    pytest.importorskip("ray")
+    from rl_multilora import cli
+
+    assert cli.main(["serve", str(tmp_path / "missing.yaml"), *flags]) == 2  # the config is not read: it is missing
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
