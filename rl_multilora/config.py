@@ -470,7 +470,8 @@ class GRPOSettings(_Strict):
     eps_clip_high: float = Field(0.28, ge=0, description="PPO clip, high side (DAPO clip-higher).")
     kl_coef: float = Field(0.0, ge=0, description="KL to the base model (adapter switched off); 0 = off.")
     kl_type: Literal["k1", "k3", "low_var_kl"] = Field(
-        "k3", description="KL estimator: k1 (logp - ref), k3 (Schulman's), low_var_kl (k3 clamped to [-10, 10], verl)."
+        "k3",
+        description="KL estimator: k1 (logp - ref), k3 (Schulman's), low_var_kl (verl's: k3 of a log-ratio clamped to [-20, 20], clamped to [-10, 10]).",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(

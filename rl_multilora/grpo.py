@@ -76,12 +76,16 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str) -> torc
     """Per-token KL(policy || ref) estimate from sampled-token log-probs; (N,) -> (N,).
 
     k1 = logp - ref (unbiased, can be negative); k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0,
-    lower variance; verl's 'low_var_kl' which additionally clamps to [-10, 10] for stability).
+    lower variance); verl's 'low_var_kl' is k3 with `ref - logp` clamped to [-20, 20] before the exp and the result
+    to [-10, 10]: without the first clamp a gap past ~88 nats overflowed the exp, and the second clamp's zero
+    gradient times inf was a NaN gradient that skipped the tenant's whole step.
     """
     if kl_type == "k1":
         return logp - ref_logp
     if kl_type in ("k3", "low_var_kl"):
         log_ratio = ref_logp - logp  # (N,)
+        if kl_type == "low_var_kl":
+            log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
         kl = torch.exp(log_ratio) - log_ratio - 1.0  # (N,)
         return torch.clamp(kl, -10.0, 10.0) if kl_type == "low_var_kl" else kl
     raise ValueError(bad_value("kl_type", kl_type, f"one of {KL_TYPES}"))
@@ -138,7 +142,7 @@ def compute_advantages(
         # (all +inf compare equal: non-finite is not uniform, its advantages stay non-finite and skip the step)
         uniform = bool(torch.all(rewards == rewards[0])) and bool(torch.isfinite(rewards).all())
         if (normalize_std_of or {}).get(name, normalize_std) and len(idx) > 1:
-            centered = centered / (rewards.std() + 1e-6)
+            centered = centered / (rewards.std() + 1e-6)  # verl's epsilon; TRL's is 1e-4 (a 1.5 is 1.4997 there)
         for i, a in zip(idx, centered.tolist(), strict=True):
             samples[i].advantage = 0.0 if uniform else a
         if uniform and drop_uniform_groups:

@@ -261,7 +261,8 @@ def token_losses(
         )
         raise ValueError(f"loss={kind!r} is not allowed{why}; allowed: one of {', '.join(GRPO_LOSSES)}")
     x = TokenBatch(logp, old_logp, adv, torch.ones_like(logp), rows, n_rows)
-    # CISPO caps its IS weight from above only (MiniMax-M1 sets no lower bound; TRL: clamp(ratio, max=1 + eps_high))
+    # CISPO caps its IS weight from above only, at 1 + eps_high (MiniMax-M1's form; no lower bound). TRL's cap is its
+    # epsilon_high itself (clamp(ratio, max=epsilon_high), 5.0 recommended): TRL's 5.0 is eps_clip_high 4.0 here.
     low = 0.0 if kind == "cispo" else 1.0 - eps_low
     cfg = {"clip_low_threshold": low, "clip_high_threshold": 1.0 + eps_high}
     return REGISTRY[GRPO_SURROGATE[kind]].fn(x, cfg)

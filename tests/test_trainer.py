@@ -185,6 +185,19 @@ def test_kl_penalty_k1_k3_against_direct_computation():
     torch.testing.assert_close(kl_penalty(logp, ref, "low_var_kl"), k3.clamp(-10, 10))
 
 
+def test_low_var_kl_has_a_finite_gradient_past_an_exp_overflow():
+    """A reviewer's case: a base-minus-policy gap of 95 nats overflowed exp in float32; the [-10, 10] clamp's zero
+    gradient times inf made a NaN gradient (the tenant's whole step skipped). verl clamps the gap to [-20, 20] first:
+    such a token gets a zero gradient, the others theirs."""
+    logp = torch.tensor([-1.0, -96.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0])
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and kl[1].item() == 10.0
+    assert torch.isfinite(logp.grad).all() and logp.grad[1].item() == 0.0
+    assert logp.grad[0].item() == pytest.approx(1.0 - math.exp(-0.5), abs=1e-6)  # d/dlogp of k3: 1 - exp(ref - logp)
+
+
 def test_lr_schedule_warmup_and_cosine_values():
     cfg = OptimSettings(schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
     for k, want in [(0, 0.25), (1, 0.5), (3, 1.0), (4, 1.0), (9, 0.55), (14, 0.1), (20, 0.1)]:
