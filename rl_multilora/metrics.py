@@ -89,6 +89,8 @@ class StepRecord:
                 stale_samples=st.stale,
                 nonfinite_streak=self.nonfinite_streak,
             )
+            if st.tis_weight_mean is not None:  # a tenant with `tis` (docs/guides/losses.md)
+                row.update(tis_weight_mean=st.tis_weight_mean, tis_capped_frac=st.tis_capped_frac)
         if self.version_lag_max is not None:
             row.update(version_lag_max=self.version_lag_max, version_lag_mean=self.version_lag_mean)
         row.update(pause_s=self.pause_s, bytes_pushed=self.bytes_pushed, adapters_pushed=self.adapters_pushed)

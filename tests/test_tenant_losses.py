@@ -91,6 +91,15 @@ def test_tis_weights_are_reported_and_capped():
     assert 0.0 < a.tis_capped_frac < 1.0 and a.logprob_gap is not None and a.logprob_gap > 0.3
     assert b.tis_weight_mean is None  # only the tenant that asked for it
     assert math.isfinite(a.loss)
+    # and they reach metrics.jsonl (and wandb) as the losses guide says; they did not
+    from rl_multilora.metrics import StepRecord
+
+    def row(name, st):
+        return StepRecord(1, name, 1, 0.5, 0.1, 4.0, 8, 0.0, 0, 0, 0, 0, 0, 1, train=st).to_row()
+
+    got = row("a", a)
+    assert (got["tis_weight_mean"], got["tis_capped_frac"]) == (a.tis_weight_mean, a.tis_capped_frac)
+    assert "tis_weight_mean" not in row("b", b)
 
 
 def test_tis_is_refused_at_a_sampling_temperature_its_log_probs_cannot_correct():
