@@ -68,6 +68,30 @@ def test_float32_and_bf16_hidden_track_the_float64_result():
         assert hidden.grad.dtype == dtype and torch.isfinite(hidden.grad).all()
 
 
+def test_float32_entropy_at_large_logits_is_as_exact_as_the_plain_path():
+    """A reviewer's case: logits near 1,200 (a low temperature over large hidden states). The entropy was
+    lse - sum p z, whose two terms are each as large as the largest logit: float32 kept a 2e-2 error in it (and in
+    the entropy bonus's gradient) where the plain path's was 2e-5. -sum p log p is on par with it."""
+    g = torch.Generator().manual_seed(0)
+    hidden64 = torch.randn(37, 16, generator=g, dtype=torch.float64) * 30
+    weight64 = torch.randn(1000, 16, generator=g, dtype=torch.float64)
+    b64 = torch.randn(1000, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 1000, (37,), generator=g)
+    inv_t = torch.full((37,), 2.0, dtype=torch.float64)
+    _, want = plain(hidden64, weight64, b64, targets, inv_t)
+    assert float(torch.nn.functional.linear(hidden64, weight64, b64).abs().max() * 2) > 1000
+    hidden = hidden64.float().requires_grad_()
+    _, ent = token_logp_entropy(hidden, weight64.float(), b64.float(), targets, inv_t.float(), chunk=5)
+    _, ent32 = plain(hidden64.float(), weight64.float(), b64.float(), targets, inv_t.float())
+    err, err_plain = (ent.double() - want).abs().max().item(), (ent32.double() - want).abs().max().item()
+    assert err < 1e-4 and err < 3 * err_plain, (err, err_plain)
+    hidden64.requires_grad_()
+    _, want = plain(hidden64, weight64, b64, targets, inv_t)
+    want.sum().backward()
+    ent.sum().backward()
+    assert (hidden.grad.double() - hidden64.grad).abs().max() / hidden64.grad.abs().max() < 1e-4
+
+
 def test_a_scalar_temperature_and_a_bad_chunk():
     hidden, weight, b, targets, _, _, _ = case(torch.float64)
     logp, ent = token_logp_entropy(hidden, weight, b, targets, 1 / 0.7, chunk=3)
