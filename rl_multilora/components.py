@@ -321,4 +321,10 @@ def build_generator(cfg: RunConfig, engine: RolloutEngine, tokenizer) -> Generat
     """The rollout driver: every tenant's groups to one engine, with the config's hooks and sampling."""
     from rollout.generate_state import GenerateState, load_hooks
 
-    return GenerateState(engine, tokenizer, load_hooks(cfg.rollout.hooks), build_sampling(cfg, tokenizer))
+    return GenerateState(
+        engine,
+        tokenizer,
+        load_hooks(cfg.rollout.hooks),
+        build_sampling(cfg, tokenizer),
+        context_length=context_length(cfg.model),  # an episode's cap on any engine, HTTP and several included
+    )

@@ -309,7 +309,13 @@ def evaluate_checkpoints(
     engine, tokenizer = components.build_embedded_engine(
         cfg.model, cfg.rollout.max_batch_size, max_wave_tokens=cfg.eval.max_wave_tokens or cfg.rollout.max_wave_tokens
     )
-    generator = GenerateState(engine, tokenizer, GenerateStateHooks(), components.build_sampling(cfg, tokenizer))
+    generator = GenerateState(
+        engine,
+        tokenizer,
+        GenerateStateHooks(),
+        components.build_sampling(cfg, tokenizer),
+        context_length=components.context_length(cfg.model),
+    )
     scorer = components.build_scorer(cfg)
     out = []
     try:

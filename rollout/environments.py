@@ -44,6 +44,7 @@ Design choices:
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -107,7 +108,7 @@ def load_environment(path: str, kwargs: Mapping[str, Any] | None = None) -> Envi
             f"environment.path={path!r} is not allowed; allowed: a subclass of rollout.environments.Environment"
         )
     try:
-        return cls(**dict(kwargs or {}))
+        return cls(**copy.deepcopy(dict(kwargs or {})))  # an episode changing its kwargs changes no other's
     except TypeError as e:
         raise EnvironmentLoadError(f"environment.kwargs do not fit {path}: {e}") from None
 

@@ -193,7 +193,11 @@ class GenerateState:
         sampling: SamplingParams,
         max_resubmits: int = 3,
         resubmit_backoff_s: float = 0.0,
+        context_length: int | None = None,
     ) -> None:
+        """`context_length`: the model's (positions a prompt plus its output may take); episodes stop their token
+        budget there and end TRUNCATED. None: the engine's own `context_length` when it says (the embedded engine
+        does; an engine behind HTTP or several engines do not)."""
         if max_resubmits < 0:
             raise ValueError(f"max_resubmits={max_resubmits!r} is not allowed; allowed: >= 0")
         if resubmit_backoff_s < 0:
@@ -206,6 +210,7 @@ class GenerateState:
         self.sampling = sampling
         self.max_resubmits = max_resubmits
         self.resubmit_backoff_s = resubmit_backoff_s
+        self.context_length = context_length if context_length is not None else getattr(engine, "context_length", None)
         self._pending = 0
         self._running = False
 
@@ -508,12 +513,17 @@ class _Episode:
         from rollout.environments import Task, check_step, load_environment
 
         state, sample, spec = self.state, self.sample, self.spec
-        self.env = load_environment(spec.path, spec.kwargs)
+        try:  # a constructor that blocks (opens a connection, loads a file) must not stall every other episode
+            self.env = await _call(load_environment, spec.path, spec.kwargs, timeout=spec.turn_timeout_s)
+        except asyncio.TimeoutError:
+            raise _EpisodeError(
+                f"environment {spec.path} construction ran past environment.turn_timeout_s={spec.turn_timeout_s}"
+            ) from None
         await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
         adapter, sampling = state.request_params(sample)
         # the episode's tokens after the prompt: its max_tokens, and no more than the model's context holds (a prompt
         # too long for it is left to the engine, which fails the turn naming both lengths)
-        cap, context = spec.max_tokens, getattr(state.engine, "context_length", None)
+        cap, context = spec.max_tokens, state.context_length
         if context is not None and len(sample.prompt_ids) < context:
             cap = min(cap, context - len(sample.prompt_ids))
         for turn in range(spec.max_turns):

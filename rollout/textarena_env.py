@@ -41,14 +41,21 @@ _GAMES = threading.Lock()
 
 
 @contextlib.contextmanager
-def _game_call() -> Iterator[None]:
-    """One call into a textarena game: serialized, the global random state as it was before."""
+def _game_call(own: dict[str, Any] | None = None) -> Iterator[None]:
+    """One call into a textarena game: serialized, the global random state as it was before. textarena games draw
+    from the global `random` (2048's new tiles, dice) and seed it in `reset`: `own` holds one game's stream
+    between its calls (its state after the seeded reset, then after each step), so a row's seed fixes its game
+    whatever else drew in between."""
     with _GAMES:
-        state = random.getstate()
+        outside = random.getstate()
+        if own is not None and "random" in own:
+            random.setstate(own["random"])
         try:
             yield
         finally:
-            random.setstate(state)
+            if own is not None:
+                own["random"] = random.getstate()
+            random.setstate(outside)
 
 
 def make_game(task: str, config: Mapping[str, Any] | None):
@@ -74,9 +81,9 @@ def make_game(task: str, config: Mapping[str, Any] | None):
         ) from exc
 
 
-def _reset(game, seed: int) -> str:
-    """Start `game` with `seed` (one player); its first observation."""
-    with _game_call():
+def _reset(game, seed: int, own: dict[str, Any] | None = None) -> str:
+    """Start `game` with `seed` (one player); its first observation. `own`: the game's random stream (`_game_call`)."""
+    with _game_call(own):
         try:
             game.reset(num_players=1, seed=seed)
         except AssertionError as exc:  # textarena's players-count checks
@@ -125,12 +132,13 @@ class TextArenaEnvironment(Environment):
                 "row metadata has no 'textarena' entry; allowed: rows of a dataset with source: textarena"
             )
         self.game = make_game(meta["task"], meta["config"])
-        self.seen = _reset(self.game, meta["seed"])
+        self.random: dict[str, Any] = {}  # the game's own random stream, from its seeded reset on
+        self.seen = _reset(self.game, meta["seed"], self.random)
         if self.seen not in task.prompt:
             raise ValueError("the game's first observation is not the row's prompt (a game that is not seeded?)")
 
     def step(self, action: str) -> EnvStep:
-        with _game_call():
+        with _game_call(self.random):
             done, _ = self.game.step(action)
             if done:
                 rewards = self.game.close()

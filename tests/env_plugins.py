@@ -68,6 +68,26 @@ class ExitingInit(Environment):
         raise KeyboardInterrupt("from the constructor")
 
 
+class SlowInit(Environment):
+    """A constructor that blocks (connects to a sandbox, loads a file)."""
+
+    def __init__(self, delay: float = 3.0):
+        time.sleep(delay)
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=1.0, done=True)
+
+
+class DrawsFromItsDeck(Environment):
+    """Keeps its `deck` kwarg and draws from it: episodes must share no state through their kwargs."""
+
+    def __init__(self, deck=()):
+        self.deck = deck
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=float(self.deck.pop(0)), done=True)
+
+
 class NeverDone(Environment):
     def step(self, action: str) -> EnvStep:
         return EnvStep(observation=[{"role": "user", "content": "more"}], reward=0.1)

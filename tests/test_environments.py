@@ -4,6 +4,7 @@ faults that cost only their own episode."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -152,6 +153,56 @@ def test_an_episode_past_its_timeout_fails_alone(setup):
     engine, tok = setup
     (s, _) = _run(engine, tok, [_samples(tok, "env", _spec("Hanging", turn_timeout_s=10, episode_timeout_s=0.5))])
     assert s.status == SampleStatus.FAILED and "episode_timeout_s=0.5" in s.metadata["error"]
+
+
+def test_a_blocking_environment_constructor_times_out_alone(setup):
+    """A reviewer's case: the constructor ran on the rollout's event loop, so a 3 s one stalled every episode and
+    tenant one after the other and no timeout fired. It runs under environment.turn_timeout_s like reset and step."""
+    engine, tok = setup
+    plain_alone = _run(engine, tok, [_samples(tok, "plain", None, group=1)])
+    slow = _samples(tok, "env", _spec("SlowInit", kwargs={"delay": 3.0}, turn_timeout_s=0.5, episode_timeout_s=5))
+    plain = _samples(tok, "plain", None, group=1)
+    start = time.monotonic()
+    _run(engine, tok, [slow, plain])
+    assert time.monotonic() - start < 2.5  # both episodes' constructors at once, each cut at 0.5 s
+    for s in slow:
+        assert (
+            s.status == SampleStatus.FAILED
+            and "construction ran past environment.turn_timeout_s=0.5" in s.metadata["error"]
+        )
+    assert [s.response_ids for s in plain] == [s.response_ids for s in plain_alone]
+
+
+def test_episodes_share_no_state_through_their_kwargs(setup):
+    """A reviewer's case: kwargs were copied one level deep, so an episode drawing from a list kwarg emptied it for
+    the next episodes (and the tenant's spec): the third step's episodes failed with IndexError."""
+    engine, tok = setup
+    spec = _spec("DrawsFromItsDeck", kwargs={"deck": [1, 0, 0, 0]})
+    for _ in range(3):
+        out = _run(engine, tok, [_samples(tok, "env", spec)])
+        assert [(s.status, s.reward) for s in out] == [(SampleStatus.COMPLETED, 1.0)] * 2
+    assert spec.kwargs == {"deck": [1, 0, 0, 0]}
+
+
+def test_an_episode_caps_at_the_context_given_to_the_rollout_on_any_engine(setup):
+    """Behind several engines (or HTTP) the engine does not say its context length: the rollout is given the model's
+    (as a run does, components.build_generator) and the episode ends TRUNCATED there, as on one embedded engine.
+    It used to fail the turn that did not fit, and the episode was left out of training."""
+    from rollout.engines.multi import MultiEngine
+
+    engine, tok = setup
+    multi = MultiEngine([engine])
+    assert getattr(multi, "context_length", None) is None
+    spec = _spec("NeverDone", max_turns=500, max_tokens=100 * engine.context_length)
+    for given in (engine.context_length, None):
+        (d, _) = GenerateState(multi, tok, MultiLoRAHooks(), SAMPLING, context_length=given).run_sync(
+            [_samples(tok, "env", spec)]
+        )
+        if given is None:  # nothing said the context: the engine refuses the turn that outgrows it
+            assert d.status == SampleStatus.FAILED and "context length" in d.metadata["error"]
+        else:
+            assert d.status == SampleStatus.TRUNCATED and d.reward is not None and d.reward > 0
+            assert len(d.prompt_ids) + len(d.response_ids) <= engine.context_length
 
 
 def test_tool_calls_are_parsed_and_dispatched():

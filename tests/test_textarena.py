@@ -143,3 +143,29 @@ def test_config_names_the_environment_that_plays_the_games():
     with pytest.raises(ValidationError, match=f"allowed: {ENVIRONMENT_PATH} with dataset.source: textarena"):
         AdapterConfig(name="a", dataset=rows, environment={"path": "tests.env_plugins:Echo"}, max_steps=1)
     assert AdapterConfig(name="a", dataset=rows, environment={"path": ENVIRONMENT_PATH}, max_steps=1).reward is None
+
+
+def test_a_rows_seed_fixes_its_game_whatever_else_drew_from_random():
+    """A reviewer's case: the global random state was put back after every call into a game, the seeded reset's
+    included, so 2048's new tiles came from whatever state the process had: the same row played twice with the same
+    moves gave another board. Each game now keeps its own stream from its seeded reset on."""
+    from rollout.environments import Task
+    from rollout.textarena_env import TextArenaEnvironment
+
+    (row,) = generate_rows("2048-v0", {}, seed=7, size=1, test_size=0, split="train")
+
+    def play(outside: int) -> tuple[list[str], list[float]]:
+        random.seed(outside)  # whatever the rest of the process did with `random`
+        env = TextArenaEnvironment()
+        env.reset(Task(row["prompt"], row["label"], row["metadata"]))
+        boards, draws = [], []
+        for move in ("[up]", "[left]", "[down]", "[right]", "[up]"):
+            draws.append(random.random())  # the process draws between the game's turns
+            step = env.step(move)
+            boards.append(step.observation[0]["content"] if step.observation else f"done {step.reward}")
+        return boards, draws
+
+    first, draws = play(1)
+    assert play(2)[0] == first and play(1)[0] == first
+    random.seed(1)
+    assert draws == [random.random() for _ in draws]  # and the process's stream is its own, games in between
