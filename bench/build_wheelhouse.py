@@ -27,14 +27,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the check imports that the GPU machine lacks, with the deps each pulls in. CORE is what every section but the
-# two GRPO ones needs (pydantic: the run config, imported by the library at module level; pytest: the
-# cpu_oracle_tests section), about 3 MB. DATA is what the GRPO sections add: `datasets` (the tenants' datasets) and
+# two GRPO ones needs (pydantic: the run config, imported by the library at module level; pytest and pytest-timeout:
+# the gpu_tests and cpu_oracle_tests sections, each GPU test cut at 120 s), about 3 MB. DATA is what the GRPO sections add: `datasets` (the tenants' datasets) and
 # the two packages it pins tightly, and math-verify with its parser (the tiny preset's arith reward, imported in the
 # reward workers: without it that tenant fails every step, as the first H100 run on 2026-11-26 showed), about 1.3 MB. Its other deps (pyarrow, pandas, xxhash, fsspec, huggingface_hub) are
 # in the GPU image (the device's KINDS.md package list, read 2026-11-17); pyarrow alone is 55 MB, more than the 64 MiB
 # the device tool carries with the working tree, so it is not carried. datasets here needs pyarrow >= 24: where the
 # image's is older, the GRPO sections record the import error and the rest of the check runs.
-CORE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pytest", "pluggy", "iniconfig")
+CORE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pytest", "pluggy", "iniconfig",
+        "pytest-timeout")  # fmt: skip
 DATA = ("datasets", "dill", "multiprocess", "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime")
 
 

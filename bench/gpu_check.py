@@ -1,30 +1,31 @@
-"""GPU check: the CUDA-relevant checks and benches in one process, sized to fit a short GPU lease.
+"""GPU check: the CUDA-relevant checks and benches, each section in a process of its own, sized to one 600 s call.
 
-    python bench/gpu_check.py --out gpu_check            # on a CUDA GPU, about 8 minutes at most
-    python bench/gpu_check.py --device cpu --small --out tmp   # the same code at tiny sizes (the default suite)
+    python bench/gpu_check.py --out gpu_check            # on a CUDA GPU: at most --budget-s (540 s)
+    python bench/gpu_check.py --device cpu --small --extras --out tmp   # every section at tiny sizes, on CPU
 
-Writes `OUT/gpu_check.json` (every section: ok, seconds, result or error) and `OUT/gpu_check.md`. Sections:
+Writes `OUT/gpu_check.json` (every section: ok, status, seconds, result or error) and `OUT/gpu_check.md` after every
+section, and each section's output to `OUT/logs/NAME.log`. The sections, in the order they run (`SECTIONS`; each
+killed at min(its cap, the budget left), so a hang, an out-of-memory or a sticky CUDA error costs that one only):
 
-- `cpu_oracle_tests`: the CPU oracle tests themselves (PEFT parity, grouped vs loop, engine vs HF generate), run by
-  pytest in a subprocess: they pin the math on CPU; the sections below re-run the same oracles on the device.
 - `peft_parity_bf16`: a bf16 base with an fp32 adapter against PEFT's LoRA on the same weights (logits).
 - `grouped_vs_loop`: the fast LoRA paths against the model's float32 per-row loop (`reference=True`), values and
   grads, over adapter mixes (distinct, uniform, skewed, one adapter, base rows mixed in).
 - `engine_greedy_vs_peft`: the embedded engine's greedy tokens for a mixed batch = HF `generate` with PEFT, per row.
+- `gpu_tests`: `pytest -m gpu` over the files that hold GPU tests, each test cut at 120 s.
+- `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, carried with the tree; skipped without it) for
+  learning: reward first -> last.
+- `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
+  generated tokens/s and peak CUDA memory, beside the same run with `model.lora_autocast` (`lora_autocast`): both
+  held at once and stepped in turn.
 - `lora_overhead` / `decode_64_vs_1`: train-step (forward+backward) cost of base / 1 / 64 adapters (and one with
   `lora_autocast`, and PEFT's one adapter as it defaults and under `torch.autocast`), and engine decode
   tokens/s for 64 tenants mixed vs one adapter vs base, at SmolLM2-135M's shape and a Qwen3-shaped model (hidden
   2048), random bf16 weights built from a config (nothing downloaded).
-- `lora_overhead_profile`: the base and one-adapter train steps of `lora_overhead` under torch.profiler: kernels
-  launched per step and their summed device time against the wall time (is the LoRA's cost its kernels or their
-  launches?).
-- `grpo_tiny`: a short run of the tiny preset (`artifacts/tiny`, if present) for learning: reward first -> last.
-- `grpo_smollm2_shape`: a few GRPO steps at SmolLM2-135M's shape with random weights: step time by phase,
-  generated tokens/s and peak CUDA memory, beside the same run with `model.lora_autocast` (`lora_autocast`): both
-  held at once and stepped in turn.
 
-Every section is guarded: a failure is recorded (with its traceback's last line) and the next section runs. Times
-are medians over interleaved repeats (CUDA synchronized around each), never one run.
+With `--extras` (`EXTRAS`, settled by earlier GPU runs): `cpu_oracle_tests` (the CPU oracle tests by pytest),
+`lora_overhead_profile` (the base and one-adapter steps under torch.profiler: kernels per step and their device time
+against the wall time), and decode with the fused kernel off. Times are medians over interleaved repeats (CUDA
+synchronized around each), never one run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -117,9 +120,10 @@ class Sizes:
     grpo_new_tokens: int
     tiny_steps: int
     oracle_tests: tuple[str, ...]
+    torch_ops: bool = False  # decode: also the fused CUDA kernel turned off (`--extras`; settled by runs 6, 7, 9)
 
 
-FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, 7, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
+FULL = Sizes((SMOLLM2, QWEN3_2048), 16, 256, 64, 64, 64, 5, 3, SMOLLM2, 4, 128, 30, CPU_ORACLE_TESTS)
 SMALL = Sizes((TINY,), 4, 8, 64, 4, 3, 2, 2, TINY, 2, 8, 2, CPU_ORACLE_TESTS[:1])
 N_TENANTS = 64
 RANK = 8
@@ -163,6 +167,25 @@ def cpu_oracle_tests(device: str, sizes: Sizes, workdir: Path) -> dict:
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return {"ok": proc.returncode == 0, "tests": list(sizes.oracle_tests), "summary": tail[0],
             "pytest_s": round(time.perf_counter() - start, 2)}  # fmt: skip
+
+
+GPU_TEST_FILES = (
+    "tests/test_grouped_lora.py",
+    "tests/test_triton_decode.py",
+    "tests/test_expert_lora.py",
+    "tests/test_sglang_gpu.py",
+)  # fmt: skip  (every file with a `gpu`-marked test)
+
+
+def gpu_tests(device: str, sizes: Sizes, workdir: Path) -> dict:
+    """`pytest -m gpu` over the files that hold GPU tests (bf16/CUDA isolation, the Triton decode kernel, expert LoRA,
+    SGLang when installed), each test cut at 120 s. On CPU they skip, and the summary says so."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", "--timeout", "120",
+           *GPU_TEST_FILES]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return {"ok": proc.returncode == 0, "summary": (lines or [""])[-1], "failed": failed[:20]}
 
 
 def peft_parity_bf16(device: str, sizes: Sizes, workdir: Path) -> dict:
@@ -429,7 +452,7 @@ def _decode(shape: Shape, device: str, sizes: Sizes) -> dict:
         kernel = device.startswith("cuda") and triton_decode.usable(
             torch.empty(1, device=device), torch.empty(1, 1, 1)
         )
-        if kernel:  # the same steps with the fused decode kernel off: the torch-ops path, side by side
+        if kernel and sizes.torch_ops:  # the same steps with the fused decode kernel off: the torch-ops path
             fns |= {"one_torch_ops": without_kernel(call(one)), "mixed64_torch_ops": without_kernel(call(mixed))}
         times = interleaved_seconds(fns, sizes.decode_runs, synced_clock(device))
     finally:
@@ -442,7 +465,7 @@ def _decode(shape: Shape, device: str, sizes: Sizes) -> dict:
               "fused_kernel": kernel, "tokens_per_s": rate, "tokens_per_s_min_max": spread,
               "mixed64_over_one": rate["mixed64"] / rate["one"],
               "mixed64_over_one_per_run": ratios(times["one"], times["mixed64"])}  # fmt: skip
-    if kernel:
+    if kernel and sizes.torch_ops:
         result["torch_ops_mixed64_over_one_per_run"] = ratios(times["one_torch_ops"], times["mixed64_torch_ops"])
         result["kernel_over_torch_ops_one"] = rate["one"] / rate["one_torch_ops"]
         result["kernel_over_torch_ops_mixed64"] = rate["mixed64"] / rate["mixed64_torch_ops"]
@@ -529,8 +552,11 @@ def grpo_tiny(device: str, sizes: Sizes, workdir: Path) -> dict:
     from rl_multilora.config import load_run_config
 
     config = ROOT / "examples/multi_lora/configs/tiny.yaml"
-    if not (ROOT / "artifacts/tiny/model").exists():
-        return {"ok": True, "skipped": "artifacts/tiny is absent (examples/multi_lora/provision.sh makes it)"}
+    if not (ROOT / "artifacts/tiny/model").exists():  # not a pass: nothing was checked
+        return {
+            "ok": False,
+            "skipped": "artifacts/tiny is absent (examples/multi_lora/provision.sh makes it; carry it)",
+        }
     data = load_run_config(config).model_dump(mode="json")
     data.update(QUIET, run_dir=str(workdir / "tiny"), max_global_steps=sizes.tiny_steps)
     data["model"]["device"] = device
@@ -592,38 +618,82 @@ def grpo_smollm2_shape(device: str, sizes: Sizes, workdir: Path) -> dict:
     return {"ok": ok, "shape": shape.name, "timed_steps": len(timed), "interleaved": True, **runs}
 
 
-SECTIONS: dict[str, Callable[[str, Sizes, Path], dict]] = {
-    "cpu_oracle_tests": cpu_oracle_tests,
-    "peft_parity_bf16": peft_parity_bf16,
-    "grouped_vs_loop": grouped_vs_loop,
-    "engine_greedy_vs_peft": engine_greedy_vs_peft,
-    "lora_overhead": lora_overhead,
-    "lora_overhead_profile": lora_overhead_profile,
-    "decode_64_vs_1": decode_64_vs_1,
-    "grpo_tiny": grpo_tiny,
-    "grpo_smollm2_shape": grpo_smollm2_shape,
+# The default sections in the order they run: the oracles first (cheap, and what a GPU session must not miss), then
+# the GPU tests, the GRPO runs, then the benches. Each has a cap in seconds at the GPU sizes (about 2x its time on an
+# H100); a section runs in a process of its own, killed at min(cap, the budget left), so a hang, an out-of-memory or
+# a sticky CUDA error costs that section only.
+SECTIONS: dict[str, tuple[Callable[[str, Sizes, Path], dict], int]] = {
+    "peft_parity_bf16": (peft_parity_bf16, 60),
+    "grouped_vs_loop": (grouped_vs_loop, 60),
+    "engine_greedy_vs_peft": (engine_greedy_vs_peft, 60),
+    "gpu_tests": (gpu_tests, 150),
+    "grpo_tiny": (grpo_tiny, 90),
+    "grpo_smollm2_shape": (grpo_smollm2_shape, 200),
+    "lora_overhead": (lora_overhead, 90),
+    "decode_64_vs_1": (decode_64_vs_1, 150),
 }
+# Run with `--extras` (or named in `--only`): what earlier GPU runs settled (docs/benchmarks.md, runs 6-16).
+EXTRAS: dict[str, tuple[Callable[[str, Sizes, Path], dict], int]] = {
+    "cpu_oracle_tests": (cpu_oracle_tests, 90),
+    "lora_overhead_profile": (lora_overhead_profile, 200),
+}
+MIN_SECTION_S = 20  # a section is not started with less budget left than this
 
 
 def run_section(name: str, fn, device: str, sizes: Sizes, workdir: Path) -> dict:
+    """One section in this process (the child `--section` runs): its entry, a failure included."""
     start = time.perf_counter()
-    (workdir / name).mkdir()
+    (workdir / name).mkdir(parents=True, exist_ok=True)
     try:
         result = fn(device, sizes, workdir / name)
-        entry = {"ok": bool(result.pop("ok")), "result": result}
+        ok = bool(result.pop("ok"))
+        status = "ok" if ok else ("skipped" if "skipped" in result else "failed")
+        entry = {"ok": ok, "status": status, "result": result}
     except Exception as exc:  # noqa: BLE001 - a failed section is a result; the next one still runs
-        entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "where": traceback.format_exc(limit=-1)}
+        entry = {"ok": False, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                 "where": traceback.format_exc(limit=-1)}  # fmt: skip
     entry["seconds"] = round(time.perf_counter() - start, 2)
-    print(f"{name:<22} {'ok' if entry['ok'] else 'FAILED':<7} {entry['seconds']:>7.1f}s", flush=True)
+    return entry
+
+
+def spawn_section(name: str, timeout_s: float, args: argparse.Namespace, workdir: Path, out: Path) -> dict:
+    """Run section `name` in a child process cut at `timeout_s`; its entry (a timeout or a crash is one too). The
+    child's output goes to OUT/logs/NAME.log, which a killed section leaves for reading."""
+    result = workdir / f"{name}.json"
+    log = out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device", args.device,
+           "--workdir", str(workdir), "--result", str(result)]  # fmt: skip
+    cmd += ["--small"] * args.small + ["--extras"] * args.extras + (["--shapes", *args.shapes] if args.shapes else [])
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the section and anything it started (pytest's workers)
+            proc.wait()
+            code = None
+    seconds = round(time.perf_counter() - start, 2)
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+    if code is None:
+        return {"ok": False, "status": "timed out", "error": f"killed at {timeout_s:.0f} s", "log_tail": tail,
+                "seconds": seconds}  # fmt: skip
+    if code != 0 or not result.exists():
+        return {"ok": False, "status": "failed", "error": f"exit code {code}", "log_tail": tail, "seconds": seconds}
+    entry = json.loads(result.read_text())
+    entry["seconds"] = seconds  # with the child's start (imports, CUDA context): what the lease paid
     return entry
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# GPU check ({report['device_name']}, {report['date']})", "", "| section | ok | s | result |",
+    lines = [f"# GPU check ({report['device_name']}, {report['date']})", "", "| section | status | s | result |",
              "|---|---|---|---|"]  # fmt: skip
     for name, e in report["sections"].items():
         detail = json.dumps(e.get("result", e.get("error")), default=str)
-        lines.append(f"| {name} | {'yes' if e['ok'] else '**no**'} | {e['seconds']} | `{detail}` |")
+        status = e.get("status", "ok" if e["ok"] else "failed")
+        lines.append(f"| {name} | {status if e['ok'] else f'**{status}**'} | {e['seconds']} | `{detail}` |")
     return "\n".join(lines) + "\n"
 
 
@@ -631,18 +701,41 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (the smoke run)")
     p.add_argument("--small", action="store_true", help="tiny sizes: every section in well under a minute on CPU")
-    p.add_argument("--out", default="gpu_check", help="folder for gpu_check.json and gpu_check.md")
-    p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
+    p.add_argument("--out", default="gpu_check", help="folder for gpu_check.json, gpu_check.md and logs/")
+    p.add_argument("--only", nargs="*", choices=[*SECTIONS, *EXTRAS], help="run these sections only (extras too)")
     p.add_argument(
-        "--budget-s", type=float, default=480, help="start no section after this many seconds (recorded as skipped)"
+        "--extras",
+        action="store_true",
+        help=f"also {', '.join(EXTRAS)} and decode with the fused kernel off (settled by earlier runs)",
     )
-    p.add_argument("--shapes", nargs="*", choices=[s.name for s in (*FULL.bench_shapes, TINY)],
-                   help="the two benches at these shapes only (default: all of the sizes' shapes)")  # fmt: skip
-    args = p.parse_args()
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="the whole check's seconds: each section is killed at min(its cap, the budget left), and none "
+        f"starts with under {MIN_SECTION_S} s left (recorded as skipped); default 540, for a 600 s call",
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=[s.name for s in (*FULL.bench_shapes, TINY)],
+        help="the two benches at these shapes only (default: all of the sizes' shapes)",
+    )
+    p.add_argument("--min-section-s", type=float, default=MIN_SECTION_S, help=argparse.SUPPRESS)  # tests: smaller
+    p.add_argument("--section", help=argparse.SUPPRESS)  # the child: run this one section, write --result
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()  # fmt: skip
     logging.basicConfig(level=logging.WARNING)
     sizes = SMALL if args.small else FULL
+    sizes = replace(sizes, torch_ops=args.extras)
     if args.shapes:
         sizes = replace(sizes, bench_shapes=tuple(s for s in sizes.bench_shapes if s.name in args.shapes))
+    every = {**SECTIONS, **EXTRAS}
+    if args.section:
+        entry = run_section(args.section, every[args.section][0], args.device, sizes, Path(args.workdir))
+        Path(args.result).write_text(json.dumps(entry, indent=1, default=str))
+        return
     cuda = args.device.startswith("cuda")
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -653,22 +746,27 @@ def main() -> None:
         "small": args.small,
         "torch": torch.__version__,
         "sizes": asdict(sizes),
+        "budget_s": args.budget_s,
         "sections": {},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    names = args.only if args.only else [*SECTIONS, *(EXTRAS if args.extras else ())]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in SECTIONS.items():
-            if args.only and name not in args.only:
-                continue
-            if time.perf_counter() - start > args.budget_s:  # what ran is kept; the lease is not overrun
-                report["sections"][name] = {"ok": False, "error": f"skipped: over --budget-s={args.budget_s}"}
-                report["sections"][name]["seconds"] = 0.0
+        for name in names:
+            left = args.budget_s - (time.perf_counter() - start)
+            if left < args.min_section_s:  # what ran is kept; the lease is not overrun
+                entry = {"ok": False, "status": "skipped", "error": f"{left:.0f} s of --budget-s={args.budget_s:g} left",
+                         "seconds": 0.0}  # fmt: skip
             else:
-                report["sections"][name] = run_section(name, fn, args.device, sizes, Path(tmp))
+                timeout = left if args.small else min(every[name][1], left)
+                print(f"running {name} (at most {timeout:.0f} s)", flush=True)
+                entry = spawn_section(name, timeout, args, Path(tmp), out)
+            report["sections"][name] = entry
+            print(f"{name:<22} {entry['status']:<9} {entry['seconds']:>7.1f}s", flush=True)
             (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))  # partial results survive
-    (out / "gpu_check.md").write_text(markdown(report))
+            (out / "gpu_check.md").write_text(markdown(report))
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
 
 
