@@ -55,6 +55,7 @@ _BUILDER_BY_EXTENSION = {
     ".txt": "text",
     ".arrow": "arrow",
 }
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")  # `datasets` reads these compressed files as the inner format
 
 
 class DatasetError(ValueError):
@@ -243,12 +244,15 @@ def load_dataset_rows(spec: DatasetSpec):
                 )
             rows = loaded
         else:
-            extension = os.path.splitext(path)[1].lower()
+            extension = _extension(path)
             if os.path.isfile(path) and extension in _BUILDER_BY_EXTENSION:  # the file, or the data_files given
                 path, data_files = _BUILDER_BY_EXTENSION[extension], path if data_files is None else data_files
-            elif _looks_local(path) and not os.path.exists(path):
-                raise DatasetError(f"dataset.path={spec.path!r} does not exist")
-            rows = datasets.load_dataset(path, name=spec.name, data_files=data_files, split=spec.split)
+            elif (_looks_local(path) or extension in _BUILDER_BY_EXTENSION) and not os.path.exists(path):
+                raise DatasetError(f"dataset.path={spec.path!r} does not exist")  # not sent to the Hub as an id
+            features = _csv_as_text(data_files) if path == "csv" else None
+            rows = datasets.load_dataset(
+                path, name=spec.name, data_files=data_files, split=spec.split, features=features
+            )
     except DatasetError:
         raise
     except FileNotFoundError as exc:
@@ -263,6 +267,42 @@ def load_dataset_rows(spec: DatasetSpec):
         raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     _check_columns(spec, list(rows.column_names))
     return rows
+
+
+def _extension(path: str) -> str:
+    """`.jsonl` of `train.jsonl` and of `train.jsonl.gz` (a compressed file is read as its inner format)."""
+    root, extension = os.path.splitext(path)
+    if extension.lower() in _COMPRESSION:
+        extension = os.path.splitext(root)[1]
+    return extension.lower()
+
+
+def _csv_as_text(data_files: Any) -> Any:
+    """Every column of a CSV read as the text the file holds: inferred, a label "007" became 7 and a column with one
+    empty cell became floats (72 -> 72.0), so a reward comparing text scored right answers 0. None when the header
+    cannot be read here (the builder's inference then)."""
+    import csv
+
+    import datasets
+
+    first = data_files
+    while isinstance(first, dict | list | tuple):
+        first = next(iter(first.values() if isinstance(first, dict) else first), None)
+    if not isinstance(first, str) or not os.path.isfile(first) or _extension(first) != ".csv":
+        return None
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(os.path.splitext(first)[1].lower(), open)
+    try:
+        with opener(first, "rt", encoding="utf-8-sig", newline="") as fh:
+            header = next(csv.reader(fh), None)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    if not header or len(set(header)) != len(header):
+        return None
+    return datasets.Features({column: datasets.Value("string") for column in header})
 
 
 def eval_split(spec: DatasetSpec, split: str, data_files: Any = None) -> DatasetSpec:
@@ -714,7 +754,7 @@ class MultiLoRADataSource:
         label = row.get(spec.label_key)
         if prompt is None:
             return f"missing_{spec.prompt_key}"
-        if label is None:
+        if label is None or (spec.source == "datasets" and not _filled(label)):  # "" would pay an empty answer
             return f"missing_{spec.label_key}"
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -735,11 +775,17 @@ class MultiLoRADataSource:
                 messages = [{"role": "system", "content": spec.system_prompt}, *messages]
             # Generated rows may name tools (a verifiers environment's): the template shows them to the model.
             tools = row.get("tools") if spec.source != "datasets" else None
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-            # The template already holds BOS/role tokens; letting the tokenizer add them again would double them.
-            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            # A conversation that ends in an assistant turn is a prefill the model continues, as TRL renders it
+            prefill = messages[-1].get("role") == "assistant"
+            try:  # a row the template refuses (a role it does not know, a message without content) is a bad row
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=not prefill, continue_final_message=prefill,
+                    tokenize=False,
+                )  # fmt: skip
+                # The template already holds BOS/role tokens; letting the tokenizer add them again would double them.
+                prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            except Exception:  # noqa: BLE001 - jinja's TemplateError, UndefinedError, a TypeError: the row's fault
+                return "chat_template_error"
         else:
             if len(messages) != 1 or messages[0].get("role") != "user":
                 return "chat_prompt_without_template"

@@ -339,3 +339,63 @@ def test_add_adapter_validates_arguments(tokenizer):
         add(source, "b", rows("b", 2), max_epochs=0)
     with pytest.raises(DatasetError, match="seed=-1"):
         add(source, "b", rows("b", 2), seed=-1)
+
+
+# -- a reviewer's cases: rows that crashed every tenant's step, rendered unlike TRL, or changed type on the way -----
+
+
+def test_a_row_the_chat_template_refuses_is_a_bad_row_not_a_crash(tokenizer):
+    """A `developer` role (or a message without content) made the template raise inside `next_groups`, which draws
+    every tenant's prompts at once: the step failed for all of them, and resume met the same row again."""
+    strict = make_tokenizer(
+        "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('role must be system, user or assistant') }}{% endif %}"
+        "<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    data = [
+        {"prompt": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "1+1?"}], "label": "2"},
+        {"prompt": [{"role": "tool", "content": "{}"}], "label": "3"},
+        {"prompt": [{"role": "user", "content": "2+2?"}], "label": "4"},
+    ]
+    source = MultiLoRADataSource(strict)
+    add(source, "a", tuple(data), ppp=3, n=1, max_epochs=1)
+    assert labels(source.next_groups(["a"])["a"]) == ["4"]
+    assert source.stats("a")["bad_row_reasons"] == {"chat_template_error": 2}
+
+
+def test_a_conversation_ending_in_an_assistant_turn_is_continued_as_trl_renders_it(tokenizer):
+    data = [{"prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}], "label": "4"}]
+    source = MultiLoRADataSource(tokenizer)
+    add(source, "a", data, ppp=1, n=1)
+    (group,) = source.next_groups(["a"])["a"]
+    assert group[0].prompt == "<|user|>2+2?<eos><|assistant|>It is"  # no closed turn, no new empty assistant turn
+
+
+def test_an_empty_label_is_a_bad_row(tokenizer):
+    """Admission called such rows unusable but the stream served them, and exact_match paid 1.0 for an empty answer."""
+    source = MultiLoRADataSource(tokenizer)
+    data = (
+        {"prompt": "a", "label": ""},
+        {"prompt": "b", "label": "  "},
+        {"prompt": "c", "label": "ok"},
+        {"prompt": "d", "label": 0},
+    )  # fmt: skip  (mixed label types: a plain sequence, not arrow)
+    add(source, "a", data, ppp=4, n=1, max_epochs=1)
+    assert sorted(labels(source.next_groups(["a"])["a"]), key=str) == [0, "ok"]
+    assert source.stats("a")["bad_row_reasons"] == {"missing_label": 2}
+
+
+def test_csv_columns_are_the_text_the_file_holds(tmp_path):
+    """Inferred types made "007" the int 7 and, with one empty cell in the column, 72 the float 72.0: a reward
+    comparing text scored right answers 0. A compressed file is read by its inner extension, not sent to the Hub."""
+    import gzip
+
+    text = "question,answer\nq1,72\nq2,\nq3,007\n"
+    (tmp_path / "d.csv").write_text(text)
+    with gzip.open(tmp_path / "d.csv.gz", "wt") as fh:
+        fh.write(text)
+    for path in ("d.csv", "d.csv.gz"):
+        got = load_dataset_rows(DatasetSpec(path=str(tmp_path / path), prompt_key="question", label_key="answer"))
+        assert got["answer"] == ["72", None, "007"], path
+    with pytest.raises(DatasetError, match="does not exist"):  # fast and clear, not ~20 s of Hub retries
+        load_dataset_rows(DatasetSpec(path="no_such_file.jsonl.gz", prompt_key="question", label_key="answer"))
