@@ -46,6 +46,8 @@ from rollout.types import AdapterRef, EnvironmentSpec, RewardSpec, Sample, Sampl
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+# What the source writes into every sample's metadata (a row's own keys of these names are replaced).
+SOURCE_METADATA_KEYS = frozenset({"row_index", "epoch", "sample_index", "sampling_seed"})
 # File extensions that a bare local file path may have, and the `datasets` builder that reads them.
 _BUILDER_BY_EXTENSION = {
     ".json": "json",
@@ -499,6 +501,7 @@ class MultiLoRADataSource:
         self.context_len = context_len
         self._streams: dict[str, _AdapterStream] = {}
         self._before_ahead: dict[str, dict[str, Any]] = {}  # cursor states from before groups drawn ahead
+        self._clash_warned: set[str] = set()  # adapters told that their rows' metadata reuses the source's keys
 
     @property
     def adapters(self) -> list[str]:
@@ -805,4 +808,16 @@ class MultiLoRADataSource:
             metadata = dict(raw_metadata)
         else:
             metadata = {"row_metadata": raw_metadata}  # keep non-dict metadata rather than dropping the row
+        if spec.source == "datasets":  # the row's other columns, as TRL hands them to reward functions
+            other = {k: v for k, v in row.items() if k not in (spec.prompt_key, spec.label_key, metadata_key)}
+            if other:
+                metadata.setdefault("columns", other)
+        clash = sorted(SOURCE_METADATA_KEYS & metadata.keys())
+        if clash and stream.ref.name not in self._clash_warned:  # the source's own keys win; say so once
+            self._clash_warned.add(stream.ref.name)
+            logger.warning(
+                "adapter %r: row metadata keys %s are the data source's (%s) and are replaced by its values; "
+                "rename them in the dataset to keep them",
+                stream.ref.name, clash, ", ".join(sorted(SOURCE_METADATA_KEYS)),
+            )  # fmt: skip
         return _PreparedRow(prompt=text, prompt_ids=list(prompt_ids), label=label, metadata=metadata)

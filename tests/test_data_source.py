@@ -399,3 +399,21 @@ def test_csv_columns_are_the_text_the_file_holds(tmp_path):
         assert got["answer"] == ["72", None, "007"], path
     with pytest.raises(DatasetError, match="does not exist"):  # fast and clear, not ~20 s of Hub retries
         load_dataset_rows(DatasetSpec(path="no_such_file.jsonl.gz", prompt_key="question", label_key="answer"))
+
+
+def test_a_rows_other_columns_reach_the_reward_and_the_sources_keys_are_said(tokenizer, caplog):
+    """TRL hands a reward function every column of the row; here they were dropped (a `test_cases` column could not
+    reach a code reward without packing it into the metadata column). They are `metadata["columns"]`. A row whose
+    metadata reuses a key the source writes (row_index, epoch, ...) had it replaced silently: said once now."""
+    data = [{"prompt": "q", "label": "1", "difficulty": 3, "tests": ["a", "b"], "meta": {"epoch": "2023", "k": 1}}]
+    source = MultiLoRADataSource(tokenizer)
+    spec = DatasetSpec(path="inline", metadata_key="meta")
+    with caplog.at_level("WARNING"):
+        add(source, "a", data, ppp=1, n=2, spec=spec)
+        (group,) = source.next_groups(["a"])["a"]
+        source.next_groups(["a"])
+    meta = group[0].metadata
+    assert meta["columns"] == {"difficulty": 3, "tests": ["a", "b"]} and meta["k"] == 1 and meta["epoch"] == 0
+    assert group[1].metadata["columns"] is not meta["columns"]  # each sample its own copy
+    warned = [r.message for r in caplog.records if "data source's" in r.message]
+    assert len(warned) == 1 and "['epoch']" in warned[0]
