@@ -135,6 +135,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's (0 = off)
+    ignore_eos: bool = False  # the model's EOS does not end the row (SGLang's; Tinker's `stop=[]`)
 
 
 @dataclass

@@ -316,9 +316,16 @@ def test_stop_strings_stop_token_ids_eos_and_length(model, engine, peft_adapters
     try:
         eos_engine.load_adapter("a", *peft_adapters["a"][1:])
         res = eos_engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20))])[0]
+        # ignore_eos (SGLang's; a Tinker client's stop=[]): EOS does not end the row, an explicit stop id still does
+        free = eos_engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(20, ignore_eos=True))])[0]
+        stopped = eos_engine.generate(
+            [GenerateRequest(PROMPTS[0], "a", greedy(20, ignore_eos=True, stop_token_ids=[ids[3]]))]
+        )[0]
     finally:
         eos_engine.close()
     assert res.finish_reason == "stop" and res.output_ids == ids[: ids.index(ids[3]) + 1]
+    assert free.finish_reason == "length" and free.output_ids == ids[:20]
+    assert stopped.finish_reason == "stop" and stopped.output_ids == res.output_ids
     zero = engine.generate([GenerateRequest(PROMPTS[0], "a", greedy(0))])[0]
     assert zero.finish_reason == "length" and zero.output_ids == []
     # The context length (max_position_embeddings=256) caps the output, as SGLang clips max_new_tokens.

@@ -184,6 +184,10 @@ def test_batched_generate_body_is_accepted(served):
     [
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus is not an SGLang sampling parameter"),
         ({"input_ids": [1], "sampling_params": {"min_p": 0.5}}, "min_p=0.5 is not allowed; allowed: 0.0"),
+        (
+            {"input_ids": [1], "sampling_params": {"ignore_eos": 1}},
+            "ignore_eos=1 is not allowed; allowed: true or false",
+        ),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p=0.0 is not allowed; allowed: a number in (0, 1]"),
         ({"text": "hi"}, "send input_ids"),
         ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "lora_path has 1 entries for a batch of 2"),

@@ -180,7 +180,14 @@ def capture():
 def test_generate_requests_use_only_sglang_fields(capture):
     engine = SGLangEngine(capture.url, api_key="k", tensor_format="safetensors")
     sp = SamplingParams(
-        temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3, stop=["\n"], stop_token_ids=[2], seed=5
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        max_new_tokens=3,
+        stop=["\n"],
+        stop_token_ids=[2],
+        seed=5,
+        ignore_eos=True,
     )
     engine.generate(
         [
@@ -204,9 +211,11 @@ def test_generate_requests_use_only_sglang_fields(capture):
         "stop": ["\n"],
         "stop_token_ids": [2],
         "sampling_seed": 5,
+        "ignore_eos": True,
     }
     assert "lora_path" not in base_row  # base rows never name an adapter
     assert "stop" not in base_row["sampling_params"] and "sampling_seed" not in base_row["sampling_params"]
+    assert "ignore_eos" not in base_row["sampling_params"]  # SGLang's default, left out
 
 
 def test_adapter_request_is_never_sent_without_its_name():

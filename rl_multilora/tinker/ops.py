@@ -46,6 +46,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -619,6 +620,11 @@ class ClientOps:
                 state = {"optimizer": state, "scheduler": scheduler}
             self.backend.load_optimizer_state_dict(t.name, state)
             self.slots.record_client_step(t.name, self.backend.adapter_step(t.name))
+        else:  # weights only: AdamW starts over (the SDK's load_state: "optimizer resets"); it kept the old moments
+            current = self.backend.optimizer_state_dict(t.name)
+            self.backend.load_optimizer_state_dict(
+                t.name, {**current, "optimizer": {**current["optimizer"], "state": {}}}
+            )  # the step count (the journal's and the schedule's) goes on
 
     # -- the REST checkpoint routes -------------------------------------------------------------------------------
     def training_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
@@ -920,7 +926,7 @@ class ClientOps:
                 input_ids=list(prompt),
                 adapter=v.engine_name,
                 sampling=SamplingParams(
-                    **settings, max_new_tokens=max_new, seed=((base if base is not None else seed) + i) % 2**63
+                    **settings, max_new_tokens=max_new, seed=sample_seed(base if base is not None else seed, i)
                 ),
             )
             for i in range(n)
@@ -1043,13 +1049,29 @@ def _adam_settings(adam: dict[str, Any]) -> AdamSettings:
     return AdamSettings(**values)
 
 
+def sample_seed(base: int, i: int) -> int:
+    """Sample `i`'s seed of a request seeded `base`: `base` itself for the first, a hash of both for the others. It was
+    `base + i`, so samples 1-3 of a request seeded 100 were samples 0-2 of one seeded 101 (a client seeding by step got
+    repeated, correlated samples).
+
+    >>> sample_seed(100, 0), sample_seed(100, 1) == sample_seed(101, 0), sample_seed(100, 1) == sample_seed(100, 1)
+    (100, False, True)
+    """
+    if i == 0:
+        return base % 2**63
+    digest = hashlib.blake2b(f"{base}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
 def sampling_settings(params: Any) -> dict[str, Any]:
     """A sample request's `sampling_params` as the engine's settings (`temperature`, `top_p`, `top_k`, `stop`,
-    `stop_token_ids`, `seed`), each checked: a UserError names the field, its value and what is allowed. Missing or
+    `stop_token_ids`, `seed`, `ignore_eos`), each checked: a UserError names the field, its value and what is allowed. Missing or
     null fields take the SDK's defaults (temperature 1, top_p 1, top_k -1, no stop, no seed).
 
     >>> sampling_settings({"temperature": 0.5, "stop": ["\\n", 2]})["stop_token_ids"]
     [2]
+    >>> [sampling_settings(p)["ignore_eos"] for p in ({"stop": []}, {"stop": None}, {}, {"stop": ["x"]})]
+    [True, False, False, False]
     >>> sampling_settings({"top_k": "a"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -1082,8 +1104,10 @@ def sampling_settings(params: Any) -> dict[str, Any]:
             f"sampling_params.stop={stop!r} is not allowed; allowed: a non-empty string, or a list of non-empty "
             "strings and token ids >= 0"
         )
+    # `stop: []` (given, empty) disables every stop token, EOS included (the SDK's SamplingParams.stop); null keeps EOS
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-            "stop": [x for x in stops if isinstance(x, str)], "stop_token_ids": [x for x in stops if type(x) is int]}  # fmt: skip
+            "stop": [x for x in stops if isinstance(x, str)], "stop_token_ids": [x for x in stops if type(x) is int],
+            "ignore_eos": params.get("stop") == []}  # fmt: skip
 
 
 def _trained(lora_config: dict[str, Any]) -> str:

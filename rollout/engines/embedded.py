@@ -1317,7 +1317,7 @@ class EmbeddedEngine(RolloutEngine):
         row.output_ids.append(token)
         row.logprobs.append(logprob)
         params = row.params
-        if token in self._eos_ids or token in params.stop_token_ids:
+        if (token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
         if params.stop and self._hits_stop_string(row.output_ids, params.stop):
             return "stop"

@@ -84,7 +84,9 @@ from rollout.types import GenerateRequest, GenerateResult, SamplingParams
 logger = logging.getLogger(__name__)
 
 # SGLang's SamplingParams API fields (tests/fixtures/sglang_api.json) -> the default a request may leave them at.
-_SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed"}
+_SUPPORTED_SAMPLING = {
+    "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "sampling_seed", "ignore_eos"
+}  # fmt: skip
 _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "stop_regex": None,
     "min_p": 0.0,
@@ -98,7 +100,6 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "regex": None,
     "ebnf": None,
     "structural_tag": None,
-    "ignore_eos": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
@@ -241,6 +242,8 @@ def _sampling_from_dict(raw: Any, where: str) -> SamplingParams:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError(f"{where}.stop_token_ids={ids!r} is not allowed; allowed: a list of token ids")
         sp.stop_token_ids = list(ids)
+    if raw.get("ignore_eos") is not None:
+        sp.ignore_eos = _want(raw, "ignore_eos", bool, "true or false")
     if raw.get("sampling_seed") is not None:
         sp.seed = _want(raw, "sampling_seed", int, "an integer in [0, 2**64)")
         if not 0 <= sp.seed < 2**64:  # a torch.Generator seed; a larger one raised inside the engine's batch

@@ -283,6 +283,8 @@ def sampling_params_payload(sp: SamplingParams) -> dict[str, Any]:
         payload["stop_token_ids"] = [int(t) for t in sp.stop_token_ids]
     if sp.seed is not None:
         payload["sampling_seed"] = int(sp.seed)
+    if sp.ignore_eos:
+        payload["ignore_eos"] = True
     return payload
 
 
