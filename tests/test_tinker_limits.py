@@ -72,6 +72,13 @@ def test_bad_inputs_and_learning_rates_leave_the_adapter_bit_identical(server):
     weights.loss_fn_inputs["weights"] = types.TensorData.from_numpy(np.full(n, np.nan, dtype=np.float32))
     with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_inputs\['weights'\]\[0\]=nan"):
         tc.forward_backward([weights], "cross_entropy").result()
+    top_k = types.Datum(  # (N, K) targets (Tinker's top-K distillation): said plainly, not "3N values for N tokens"
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array([[t, t, t] for t in tokens[1:]], dtype=np.int64),
+                        "weights": np.full((n, 3), 1 / 3, dtype=np.float32)},
+    )  # fmt: skip
+    with pytest.raises(tinker.RequestFailedError, match=r"shape \(11, 3\); allowed: shape \(11,\).* top-K"):
+        tc.forward_backward([top_k], "cross_entropy").result()
 
     # a gradient is pending; refused Adam settings leave it and the adapter alone
     tc.forward_backward([_datum(tokens)], "cross_entropy").result()

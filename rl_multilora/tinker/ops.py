@@ -981,7 +981,13 @@ def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int, context_lengt
     def vec(key: str) -> list[float] | None:
         if key not in d.inputs:
             return None
-        values = np.asarray(d.inputs[key]).reshape(-1)
+        values = np.asarray(d.inputs[key])
+        if values.ndim > 1 and values.shape[0] == n:  # Tinker's top-K distillation: K targets per position
+            raise UserError(
+                f"loss_fn_inputs[{key!r}] has shape {tuple(values.shape)}; allowed: shape ({n},), one per model_input "
+                "token ((N, K) targets, Tinker's top-K distillation, are not supported by this server)"
+            )
+        values = values.reshape(-1)
         if values.shape[0] != n:
             raise UserError(f"loss_fn_inputs[{key!r}] has {values.shape[0]} values for {n} model_input tokens")
         bad = np.flatnonzero(~np.isfinite(values.astype(np.float64)))
