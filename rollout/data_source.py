@@ -447,14 +447,24 @@ class _AdapterStream:
     def positions_visited(self) -> int:
         return self.epoch * self.n_rows + self.cursor
 
+    @property
+    def epoch_limit(self) -> int | None:
+        # ceil: any positive epoch budget serves at least one row; the epsilon absorbs float error (0.3 * 10).
+        return math.ceil(self.max_epochs * self.n_rows - 1e-9) if self.max_epochs is not None else None
+
     def exhausted(self) -> bool:
         if self.n_rows == 0 or len(self.bad_rows) >= self.n_rows:
             return True
         if self.max_rows is not None and self.rows_served >= self.max_rows:
             return True
-        # ceil: any positive epoch budget serves at least one row; the epsilon absorbs float error (0.3 * 10).
-        epoch_limit = math.ceil(self.max_epochs * self.n_rows - 1e-9) if self.max_epochs is not None else None
-        return epoch_limit is not None and self.positions_visited >= epoch_limit
+        return self.epoch_limit is not None and self.positions_visited >= self.epoch_limit
+
+    def groups_left(self) -> int | None:
+        """At most how many more groups the data budget allows (bad rows may make it fewer); None without one."""
+        left = [n for n in (None if self.max_rows is None else self.max_rows - self.rows_served,
+                            None if self.epoch_limit is None else self.epoch_limit - self.positions_visited)
+                if n is not None]  # fmt: skip
+        return max(0, min(left)) if left else None
 
     def permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
@@ -609,9 +619,13 @@ class MultiLoRADataSource:
         return out
 
     def ask(self, name: str) -> tuple[int, int]:
-        """(groups, rows per group) adapter `name` asks for in a step."""
+        """(groups, rows per group) adapter `name` asks for in a step: `prompts_per_step`, or fewer when its data
+        budget ends sooner (an ask past it kept a fair share of a capped step for groups never drawn, which went to
+        no one)."""
         stream = self._stream(name)
-        return stream.prompts_per_step, stream.n_samples_per_prompt
+        left = stream.groups_left()
+        groups = stream.prompts_per_step if left is None else max(1, min(stream.prompts_per_step, left))
+        return groups, stream.n_samples_per_prompt
 
     def exhausted(self, name: str) -> bool:
         """True when the adapter's data budget (epochs or rows) is used up or it has no usable row."""

@@ -417,3 +417,18 @@ def test_a_rows_other_columns_reach_the_reward_and_the_sources_keys_are_said(tok
     assert group[1].metadata["columns"] is not meta["columns"]  # each sample its own copy
     warned = [r.message for r in caplog.records if "data source's" in r.message]
     assert len(warned) == 1 and "['epoch']" in warned[0]
+
+
+def test_a_tenant_near_the_end_of_its_budget_asks_only_for_what_is_left(tokenizer):
+    """A reviewer's case: under rollout.max_rows_per_step a tenant with one group left still asked for
+    prompts_per_step, and fair shares held back rows for groups it never drew (a 16-row step ran 12 rows, the other
+    tenant asking for more)."""
+    source = MultiLoRADataSource(tokenizer)
+    add(source, "epochs", rows("e", 10), ppp=4, n=3, max_epochs=0.5)  # 5 rows
+    add(source, "rows", rows("r", 10), ppp=4, n=3, slot=1, max_rows=6)
+    add(source, "open", rows("o", 10), ppp=4, n=3, slot=2)
+    assert [source.ask(n) for n in ("epochs", "rows", "open")] == [(4, 3), (4, 3), (4, 3)]
+    source.next_groups(["epochs", "rows", "open"])
+    assert [source.ask(n) for n in ("epochs", "rows", "open")] == [(1, 3), (2, 3), (4, 3)]
+    source.next_groups(["epochs", "rows"])
+    assert source.exhausted("epochs") and source.exhausted("rows")
