@@ -425,6 +425,7 @@ class RewardExecutor:
                 report.skipped[adapter] = report.skipped.get(adapter, 0) + 1
                 continue
             sample.reward = float(sample.reward_spec.failure_value)
+            sample.metadata.setdefault("reward_error", f"{status}: {value}")  # what a held-out evaluation counts
             counter = report.timeouts if status == "timeout" else report.errors
             counter[adapter] = counter.get(adapter, 0) + 1
             if status == "crash":

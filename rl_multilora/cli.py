@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
             if s["eval_final_errors"]:
                 held += f", {s['eval_final_errors']} answers failed (counted 0)"
         print(
-            f"  {name:<12} {state:<8} reward first5 {s['first']:.3f} -> last5 {s['last']:.3f} "
+            f"  {name:<12} {state:<8} reward first{s['window']} {s['first']:.3f} -> last{s['window']} {s['last']:.3f} "
             f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"
         )
     # A FAILED adapter (its reward kept raising, its loss was not finite, ...) is the run's failure, not a success:

@@ -155,7 +155,11 @@ class EvalSet:
             k=self.settings.k,
             pass_at_k=pass_at_k,
             sample_reward_mean=sample_mean,
-            errors=sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples),
+            # answers that failed, and answers whose reward raised, timed out or crashed (scored failure_value)
+            errors=sum(
+                s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) or "reward_error" in s.metadata
+                for s in samples
+            ),
         )
 
 

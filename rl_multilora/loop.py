@@ -654,6 +654,11 @@ def _steps_left(rt: Runtime) -> int | None:
         t.steps_left() for t in rt.tenants.tenants.values() if t.state in (TenantState.PENDING, TenantState.RUNNING)
     ]
     left = None if None in lefts else -(-max(lefts, default=0) // cfg.grpo.ppo_epochs)
+    # More tenants than run in one step (slots, turns): they take turns, so the step total is at least their steps
+    # over the lanes (it was the longest budget alone: 3 tenants on one slot showed a third of the run)
+    lanes = min(rt.backend.max_loras, cfg.rollout.max_tenants_per_step or rt.backend.max_loras)
+    if left is not None and len(lefts) > lanes:
+        left = max(left, -(-sum(-(-n // cfg.grpo.ppo_epochs) for n in lefts) // lanes))
     if cfg.max_global_steps is not None:
         cap = max(0, cfg.max_global_steps - rt.tenants.global_step)
         left = cap if left is None else min(left, cap)
@@ -690,8 +695,9 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
     for name, pts in by.items():
         pts.sort()
         vals = [v for _, v in pts]
-        first = statistics.fmean(vals[:window])
-        last = statistics.fmean(vals[-window:])
+        k = max(1, min(window, len(vals) // 2))  # windows that do not overlap: a 4-step run compared a set to itself
+        first = statistics.fmean(vals[:k])
+        last = statistics.fmean(vals[-k:])
         mine = evals.get(name, [])
         base = [r["eval/reward_mean"] for r in mine if r.get("eval/base")]
         held = sorted(
@@ -702,6 +708,7 @@ def summarize(run_dir: str | Path, window: int = 5) -> dict[str, dict[str, float
         out[name] = {
             "first": first,
             "last": last,
+            "window": k,  # steps in each mean: `window`, or half the steps when there are fewer than 2 * window
             "gain": last - first,
             "steps": adapter_steps[name],
             "global_steps": len(vals),

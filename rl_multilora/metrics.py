@@ -136,8 +136,13 @@ class MetricsLogger:
         self._fh.flush()
         if self._wandb is not None:
             name = rec["adapter"]
+            # an eval row's keys only under eval/: its reward_mean (the held-out one) and adapter_step would replace
+            # the training series' values logged at the same step
+            evaluation = rec.get("kind") == "eval"
             payload = {
-                f"{name}/{k}": v for k, v in rec.items() if k not in ("adapter",) and isinstance(v, int | float)
+                f"{name}/{k}": v
+                for k, v in rec.items()
+                if k != "adapter" and isinstance(v, int | float) and (not evaluation or k.startswith("eval/"))
             }
             self._wandb.log(payload, step=rec["step"])
 

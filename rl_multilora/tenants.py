@@ -57,6 +57,7 @@ from rl_multilora.checkpoint import (
 )
 from rl_multilora.config import CASE_REASON, AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
+from rl_multilora.metrics import read_metrics
 from rl_multilora.turns import TurnScheduler
 from rollout.types import AdapterRef
 
@@ -561,6 +562,11 @@ class TenantManager:
             # Versions continue from the checkpoint (the next push makes it +1), as in an uninterrupted run.
             t.weight_version = snap.meta.get("weight_version")
             dropped = prune_metrics(self.ckpt.run_dir, {t.name: int(snap.meta["global_step"])})
+            if any(  # its held-out evaluation at this adapter step is in the metrics kept: not done again
+                r.get("kind") == "eval" and r.get("adapter") == t.name and r.get("adapter_step") == t.adapter_step
+                for r in read_metrics(self.ckpt.run_dir)
+            ):
+                t.last_eval_step = t.adapter_step
             log.info(
                 "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
                 t.name,

@@ -382,3 +382,36 @@ def test_failed_answers_count_zero_and_are_shown(capsys):
     table = format_table([{"adapter": "env", "adapter_step": 3, "split": "test", "base": dataclasses.asdict(base),
                            "adapter_result": dataclasses.asdict(r)}])  # fmt: skip
     assert "failed" in table.splitlines()[0] and "0 / 5" in table.splitlines()[1]
+
+
+def test_a_resumed_run_does_not_evaluate_an_adapter_step_again(ws, tmp_path):
+    """A reviewer's case: a tenant whose groups all scored alike took no optimizer step, so its evaluation at adapter
+    step k was logged in a step its stop checkpoint covers; the resumed run evaluated step k again (the same row
+    twice in metrics.jsonl, the eval work twice). Here `b` never steps (exact_match of a 6-token answer: 0 always)."""
+    from rl_multilora.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(ws, run_dir, True)
+    cfg["adapters"][1]["reward"] = {"name": "exact_match"}
+    cfg["faults"] = {"max_idle_steps": 50}
+    cfg["logging"]["plot"] = False
+    run(parse_run_config({**cfg, "max_global_steps": 2}))
+    run(parse_run_config({**cfg, "max_global_steps": 3}))
+    rows = [(r["adapter"], r["adapter_step"], bool(r.get("eval/base"))) for r in read_metrics(run_dir)
+            if r.get("kind") == "eval"]  # fmt: skip
+    assert ("b", 0, True) in rows and len(rows) == len(set(rows)), rows
+
+
+def test_answers_whose_reward_raised_are_counted_in_eval_errors(ws, tmp_path):
+    """A reviewer's case: a reward raising on every answer gave eval/reward_mean 0.0 and eval/errors 0, which reads
+    as a weak base, not a broken reward (the training rows did say reward_errors)."""
+    from rl_multilora.metrics import read_metrics
+
+    cfg = _cfg(ws, tmp_path / "run", True)
+    cfg["adapters"][1]["reward"] = {"path": "tests.reward_plugins:raising_reward"}
+    cfg["faults"] = {"max_reward_fail_steps": 50}
+    cfg["logging"]["plot"] = False
+    run(parse_run_config({**cfg, "max_global_steps": 1}))
+    base = {r["adapter"]: r for r in read_metrics(tmp_path / "run") if r.get("kind") == "eval" and r.get("eval/base")}
+    # every answer: 4 prompts' greedy ones and their k = 2 samples each
+    assert base["b"]["eval/errors"] == base["b"]["eval/n_prompts"] * 3 == 12 and base["a"]["eval/errors"] == 0

@@ -22,12 +22,32 @@ def test_summary_counts_optimizer_steps_and_global_steps(tmp_path):
     s = summarize(tmp_path, window=2)["a"]
     assert (s["steps"], s["global_steps"]) == (3, 4)
     assert (s["first"], s["last"], s["eval_final"], s["eval_final_step"]) == (0.5, 0.75, 0.7, 3)
+    # a run shorter than two windows compares its halves: first5 and last5 of 4 steps were the same mean, gain 0
+    s = summarize(tmp_path)["a"]
+    assert (s["window"], s["first"], s["last"]) == (2, 0.5, 0.75)
 
 
-def _runtime(lefts, global_step=0, max_global_steps=None, ppo_epochs=1):
+def _runtime(lefts, global_step=0, max_global_steps=None, ppo_epochs=1, slots=8, per_step=None):
     tenants = {f"t{i}": SimpleNamespace(state=state, steps_left=lambda n=n: n) for i, (state, n) in enumerate(lefts)}
-    cfg = SimpleNamespace(max_global_steps=max_global_steps, grpo=SimpleNamespace(ppo_epochs=ppo_epochs))
-    return SimpleNamespace(cfg=cfg, tenants=SimpleNamespace(tenants=tenants, global_step=global_step))
+    cfg = SimpleNamespace(
+        max_global_steps=max_global_steps,
+        grpo=SimpleNamespace(ppo_epochs=ppo_epochs),
+        rollout=SimpleNamespace(max_tenants_per_step=per_step),
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        tenants=SimpleNamespace(tenants=tenants, global_step=global_step),
+        backend=SimpleNamespace(max_loras=slots),
+    )
+
+
+def test_tenants_taking_turns_need_their_steps_over_the_lanes():
+    """A reviewer's run: 3 tenants of 4 steps on one slot took 12 steps, and the bar said 4 (a third of the run)."""
+    running, pending = TenantState.RUNNING, TenantState.PENDING
+    assert _steps_left(_runtime([(running, 4), (pending, 4), (pending, 4)], slots=1)) == 12
+    assert _steps_left(_runtime([(running, 4)] * 3, slots=8, per_step=1)) == 12  # turns: one tenant a step
+    assert _steps_left(_runtime([(running, 10), (running, 2), (pending, 2)], slots=2)) == 10  # the longest bounds
+    assert _steps_left(_runtime([(running, 4)] * 3, slots=8)) == 4  # all at once
 
 
 def test_steps_left_is_the_longest_budget_of_a_live_tenant():
@@ -46,3 +66,25 @@ def test_time_estimate_waits_for_steps_and_ignores_the_slow_first_one():
     assert _time_left(first + [2.0] * (ESTIMATE_AFTER - 2), 100) == "?"
     assert _time_left(first + [2.0] * (ESTIMATE_AFTER - 1), 100) == "~3m20s"  # the median: 2 s x 100 steps
     assert _time_left(first + [2.0] * 5, None) == "?"
+
+
+def test_wandb_gets_an_eval_rows_values_under_eval_only(tmp_path, monkeypatch):
+    """A reviewer's run with wandb: an eval row's reward_mean (held-out) and adapter_step were logged as
+    `<adapter>/reward_mean` and `<adapter>/adapter_step` at the training row's step, replacing its values there."""
+    import sys
+
+    from rl_multilora.config import WandbSettings
+    from rl_multilora.metrics import MetricsLogger
+
+    logged: list[tuple[dict, int]] = []
+    run = SimpleNamespace(log=lambda payload, step: logged.append((payload, step)), finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kw: run))
+    metrics = MetricsLogger(tmp_path, WandbSettings(mode="offline"))
+    metrics.log_row({"step": 3, "adapter": "a", "adapter_step": 4, "reward_mean": 0.5})
+    metrics.log_row({"step": 3, "adapter": "a", "adapter_step": 3, "kind": "eval", "reward_mean": 0.1,
+                     "eval/reward_mean": 0.1, "eval/base": 0})  # fmt: skip
+    metrics.close()
+    assert logged == [
+        ({"a/step": 3, "a/adapter_step": 4, "a/reward_mean": 0.5}, 3),
+        ({"a/eval/reward_mean": 0.1, "a/eval/base": 0}, 3),
+    ]

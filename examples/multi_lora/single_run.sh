@@ -4,26 +4,35 @@
 # On a 2-core machine: provisioning about 2.5-3 min, once (5-8 min when other jobs load the cores; it logs each phase
 # and shows a bar with an estimate), then training 2-4 min. Each phase says what it does before it starts.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+source "$(dirname "$0")/cli.sh"
 default_config=examples/multi_lora/configs/tiny.yaml
 config=$default_config
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--set ...) is for `run`, not the config
   config=$1
   shift
+  if [[ $config != /* ]] && [ -e "$config" ]; then  # relative to where it was called from, not the checkout
+    config="$PWD/$config"
+  fi
 fi
+cd "$(dirname "$0")/../.."
 preset=artifacts/tiny
-
-if [ -f "$preset/PROVISIONED.json" ]; then
-  echo "[1/2] $preset is already provisioned (its PROVISIONED.json): checking the recipe, no rebuild ..."
+# The tiny preset is what the default config (and any config on artifacts/tiny/) trains on; another config's model
+# is its own to provision (e.g. `rl-multilora provision --preset tiny-moe --out artifacts/tiny-moe`).
+if [ "$config" = "$default_config" ] || grep -Eq "^[[:space:]]*path:[[:space:]]*['\"]?(\./)?$preset/" "$config" 2>/dev/null; then
+  if [ -f "$preset/PROVISIONED.json" ]; then
+    echo "[1/2] $preset is already provisioned (its PROVISIONED.json): checking the recipe, no rebuild ..."
+  else
+    echo "[1/2] provisioning the tiny preset into $preset (about 2.5-3 min on 2 cores, once): datasets, tokenizer," \
+      "pretraining a 0.85M-parameter base, base-model evaluation ..."
+  fi
+  bash examples/multi_lora/provision.sh "$preset"
 else
-  echo "[1/2] provisioning the tiny preset into $preset (about 2.5-3 min on 2 cores, once): datasets, tokenizer," \
-    "pretraining a 0.85M-parameter base, base-model evaluation ..."
+  echo "[1/2] $config does not train on $preset: not provisioning it"
 fi
-bash examples/multi_lora/provision.sh "$preset"
 
 if [ "$config" = "$default_config" ] && [ $# -eq 0 ]; then
   echo "[2/2] training 3 adapters (gsm8k, arith, compare) at once for 80 GRPO steps (about 2-4 min on 2 cores) ..."
 else
   echo "[2/2] training the adapters of $config${*:+ with $*} ..."
 fi
-exec rl-multilora run "$config" "$@"
+exec "${cli[@]}" run "$config" "$@"

