@@ -438,3 +438,89 @@ def test_health_answers_within_a_second_while_a_maximal_chat_prompt_is_tokenized
     print(f"/health latencies while a 4 MiB chat prompt was tokenized: {latencies}")
     assert errors == ["context_length_exceeded"]
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+# ------------------------------------------------ a reviewer's concurrency cases: nobody's rows, shutdown, unload
+
+
+def _post_and_close(server, path: str, body: dict, wait: float) -> None:
+    """Send a request on a raw socket and close it `wait` seconds later, as a client that gives up does."""
+    import socket
+
+    data = json.dumps(body).encode()
+    with socket.create_connection((server.host, server.port)) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        time.sleep(wait)
+
+
+def test_a_client_that_goes_away_has_its_rows_dropped(engine, server):
+    """aiohttp's default left the handler running: every abandoned row generated to the end (a retrying client's
+    three attempts all ran), and a 4-token request behind 4 such batches took 4.3 s. Now they stop as cancelled."""
+    finished: list[tuple[str, str | None]] = []
+    real = engine._finish
+
+    def record(row, reason, error=None):
+        finished.append((reason, error))
+        return real(row, reason, error)
+
+    engine._finish = record
+    try:
+        body = {"input_ids": [[5, 6, 7]] * 16, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        for _ in range(2):
+            _post_and_close(server, "/generate", body, wait=0.05)
+        deadline = time.monotonic() + 10
+        while len(finished) < 32 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine._finish = real
+    assert finished.count(("abort", "cancelled")) == 32, finished
+    start = time.monotonic()
+    r = _post(server, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and time.monotonic() - start < 2.0
+
+
+def test_rows_of_an_adapter_unloaded_while_they_wait_in_the_queue_are_aborted_not_refused(engine):
+    """Running rows came back "abort" (resubmit); queued ones got a 400 as if the request had been wrong, and a body
+    mixing them with other rows failed whole."""
+    model = engine.model
+    engine.load_adapter("gone", model.adapter_state_dict("good"), model.peft_config("good"))
+    request = GenerateRequest([5, 6, 7], "gone", SamplingParams(max_new_tokens=3))
+    engine.pause(mode="wait")  # the request waits in the queue
+    job = threading.Thread(target=lambda: got.extend(engine.generate([request])))
+    got: list = []
+    job.start()
+    time.sleep(0.2)
+    engine.unload_adapter("gone")
+    engine.resume()
+    job.join(30)
+    assert got[0].finish_reason == "abort" and "unloaded while the request was queued; resubmit" in got[0].error
+
+
+def test_a_shutdown_answers_requests_parked_by_a_pause_at_once(engine):
+    """SIGTERM while paused left the parked requests unanswered and the process alive for about 2 minutes (aiohttp's
+    two 60 s waits); they now get a 503 and the server stops in a moment."""
+    server = BackgroundServer(engine, api_key="k3y", model_name="tiny").start()
+    try:
+        assert _post(server, "/pause_generation", {}).status_code == 200
+        answers: list = []
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(_post(server, "/generate", {"input_ids": [5, 6], "sampling_params": {}}))
+            )
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+    finally:
+        start = time.monotonic()
+        server.stop()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - start < 5
+    assert [r.status_code for r in answers] == [503] * 4 and all("shutting down" in r.text for r in answers)
+    engine.resume()

@@ -1105,8 +1105,9 @@ class EmbeddedEngine(RolloutEngine):
                 continue
             if name is not None:
                 entry = self._adapters.get(name)
-                if entry is None:
-                    self._finish(row, "error", error=self._unknown_adapter(name))
+                if entry is None:  # it was loaded when the request came (checked then): unloaded while queued
+                    error = f"adapter {name!r} was unloaded while the request was queued; resubmit it"
+                    self._finish(row, "abort", error=error)
                     continue
                 if entry.slot < 0 and not self._page_in(name, entry):
                     waiting.append(row)

@@ -31,6 +31,10 @@ Design choices (each follows SGLang unless said otherwise):
   pushes to `/load_lora_adapter_from_tensors` have their own `max_adapter_body_bytes`, 1 GiB): a larger body
   answers 413 without being buffered. The key is checked first, so without it nothing is read at all.
   Deviation: SGLang (uvicorn) sets no limit.
+- A client that goes away (closes its connection, a timeout) has its handler cancelled: its engine rows stop at the
+  next decode step as "cancelled" instead of generating for nobody. Control routes (load, unload, pause, continue,
+  flush) still run to their end. A shutdown (SIGTERM) answers the requests a pause parked with 503 and aborts those
+  in flight before aiohttp waits for the handlers.
 - Deviation: loading a name that is loaded replaces it (a new version in a free slot, requests on the old one
   finish on it), where SGLang refuses ("already loaded"); `SGLangEngine` unloads first either way.
 - Non-finite numbers (NaN, Infinity, or a literal like 1e999 that overflows to inf) anywhere in a body answer 400
@@ -117,6 +121,7 @@ _FLUSH_TEXT = (
 _FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 # The abort message of a /generate answered early by /pause_generation; an engine's own abort says why in `error`.
 _PAUSE_ABORT_MESSAGE = "Aborted by /pause_generation"
+_SHUTDOWN_MESSAGE = "the server is shutting down; send the request to another server or after its restart"
 
 
 class RequestError(ValueError):
@@ -409,6 +414,8 @@ async def _generate(request: web.Request) -> web.Response:
     reqs, logprob_flags, single = await asyncio.to_thread(_parse_and_check, body, state.context_length)
     rids = [r.rid or uuid.uuid4().hex for r in reqs]
     await state.running.wait()  # requests that arrive during a pause wait for /continue_generation
+    if state.closing:
+        return _error(_SHUTDOWN_MESSAGE, 503)
     aborted = asyncio.Event()
     state.inflight.add(aborted)
     task = asyncio.ensure_future(state.engine.agenerate(reqs))
@@ -427,7 +434,8 @@ async def _generate(request: web.Request) -> web.Response:
         task.cancel()
         state.orphans.add(task)
         task.add_done_callback(_forget_orphan(state))
-        results = [GenerateResult(finish_reason="abort", error=_PAUSE_ABORT_MESSAGE) for _ in reqs]
+        message = _SHUTDOWN_MESSAGE if state.closing else _PAUSE_ABORT_MESSAGE
+        results = [GenerateResult(finish_reason="abort", error=message) for _ in reqs]
     else:
         try:
             results = task.result()
@@ -634,6 +642,16 @@ async def _get_model_info(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------------------------- app + run
 
 
+def _to_the_end(handler):
+    """`handler`, run to its end even when its client goes away (the server cancels the handlers of clients that do):
+    a pause or load half done would leave the server's state and the engine's apart."""
+
+    async def shielded(request: web.Request) -> web.StreamResponse:
+        return await asyncio.shield(handler(request))
+
+    return shielded
+
+
 def make_app(
     engine: RolloutEngine,
     api_key: str | None = None,
@@ -677,16 +695,28 @@ def make_app(
         state.running.set()
         app[STATE_KEY] = state
 
+    async def _on_shutdown(app: web.Application) -> None:
+        # Before aiohttp waits for the handlers: requests parked by a pause and those in flight answer at once
+        # (503 / abort) instead of holding the exit for aiohttp's two 60 s waits with no answer
+        state = app[STATE_KEY]
+        state.closing = True
+        state.running.set()
+        for aborted in list(state.inflight):
+            aborted.set()
+
     app.on_startup.append(_on_startup)
+    app.on_shutdown.append(_on_shutdown)
     app.router.add_route("POST", "/generate", _generate)
     app.router.add_route("PUT", "/generate", _generate)
-    app.router.add_post("/load_lora_adapter_from_tensors", _load_lora_adapter_from_tensors)
-    app.router.add_post("/load_lora_adapter", _load_lora_adapter)
-    app.router.add_post("/unload_lora_adapter", _unload_lora_adapter)
-    app.router.add_post("/pause_generation", _pause_generation)
-    app.router.add_post("/continue_generation", _continue_generation)
-    app.router.add_route("GET", "/flush_cache", _flush_cache)
-    app.router.add_route("POST", "/flush_cache", _flush_cache)
+    # Control routes change the server's state: one whose client gives up (a timeout) still runs to its end (the
+    # handlers are cancelled when a client goes away, for /generate's sake)
+    app.router.add_post("/load_lora_adapter_from_tensors", _to_the_end(_load_lora_adapter_from_tensors))
+    app.router.add_post("/load_lora_adapter", _to_the_end(_load_lora_adapter))
+    app.router.add_post("/unload_lora_adapter", _to_the_end(_unload_lora_adapter))
+    app.router.add_post("/pause_generation", _to_the_end(_pause_generation))
+    app.router.add_post("/continue_generation", _to_the_end(_continue_generation))
+    app.router.add_route("GET", "/flush_cache", _to_the_end(_flush_cache))
+    app.router.add_route("POST", "/flush_cache", _to_the_end(_flush_cache))
     app.router.add_get("/health", _health)
     app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/get_model_info", _get_model_info)
@@ -710,7 +740,9 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an api_key: anyone who can reach it can load adapters", host)
     app = make_app(engine, api_key, model_name, tokenizer, max_body_bytes, max_adapter_body_bytes, adapter_root)
-    web.run_app(app, host=host, port=port, print=None)
+    # handler_cancellation: a client that goes away cancels its handler, so its rows stop at the next decode step
+    # (aiohttp's default kept generating every abandoned row to the end: a retrying client tripled the work)
+    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True, shutdown_timeout=10)
 
 
 class BackgroundServer:
@@ -744,7 +776,7 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -199,6 +199,8 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
     except OpenAIRequestError as e:
         return _error(str(e), e.status, e.param, e.code)
     await state.running.wait()  # as /generate: wait out a weight sync's pause
+    if state.closing:
+        return _error("the server is shutting down; retry after its restart", 503)
     # keep_prefix: a chat client (a verifiers episode) re-sends this conversation with its next message
     req = GenerateRequest(input_ids=ids, adapter=adapter, sampling=sampling, rid=uuid.uuid4().hex, keep_prefix=True)
     (result,) = await state.engine.agenerate([req])

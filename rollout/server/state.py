@@ -32,6 +32,7 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_adapter_body_bytes: int = DEFAULT_MAX_ADAPTER_BODY_BYTES
     adapter_root: Path | None = None  # resolved; /load_lora_adapter reads only folders inside it when set
+    closing: bool = False  # the server is shutting down: waiting and new requests answer 503
     # Set while generation may run; cleared by /pause_generation.
     running: asyncio.Event = field(default_factory=asyncio.Event)
     # One event per /generate call in flight; set by an abort-mode pause.
