@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import json
 import math
 import re
@@ -96,6 +97,21 @@ class EnvironmentLoadError(ValueError):
 
 def load_environment(path: str, kwargs: Mapping[str, Any] | None = None) -> Environment:
     """Build `module:Class` with `kwargs`; the class must subclass `Environment`."""
+    cls = environment_class(path)
+    try:
+        return cls(**copy.deepcopy(dict(kwargs or {})))  # an episode changing its kwargs changes no other's
+    except TypeError as e:
+        raise EnvironmentLoadError(f"environment.kwargs do not fit {path}: {e}") from None
+
+
+def is_async(cls: type) -> bool:
+    """Whether `cls` plays on the rollout's event loop (an `async def` reset or step): its constructor runs there too
+    (it may bind loop objects); a plain class is built in a worker thread, under the turn timeout."""
+    return any(inspect.iscoroutinefunction(getattr(cls, name, None)) for name in ("reset", "step"))
+
+
+def environment_class(path: str) -> type[Environment]:
+    """The `Environment` subclass `module:Class` names, or EnvironmentLoadError saying what is wrong."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise EnvironmentLoadError(f"environment.path={path!r} is not allowed; allowed: 'module:Class'")
@@ -107,10 +123,7 @@ def load_environment(path: str, kwargs: Mapping[str, Any] | None = None) -> Envi
         raise EnvironmentLoadError(
             f"environment.path={path!r} is not allowed; allowed: a subclass of rollout.environments.Environment"
         )
-    try:
-        return cls(**copy.deepcopy(dict(kwargs or {})))  # an episode changing its kwargs changes no other's
-    except TypeError as e:
-        raise EnvironmentLoadError(f"environment.kwargs do not fit {path}: {e}") from None
+    return cls
 
 
 def check_step(result: Any) -> EnvStep:
