@@ -247,16 +247,19 @@ class RunStateError(ValueError):
 
 def base_identity(model_path: str) -> dict[str, Any]:
     """What identifies a run's base in its run_state.json: the path as resolved, and for a local folder a fingerprint
-    of its `config.json` (less the saving library's version and `_` keys) and its safetensors headers (every tensor's name, dtype and shape; no weight is read, so a
-    135M model and a 70B one cost alike). A Hub id is its own identity (fingerprint None)."""
+    of its `config.json` (less the saving library's version and `_` keys) and its safetensors headers (every
+    tensor's name, dtype and shape; no weight is read, so a 135M model and a 70B one cost alike). A Hub id is its
+    own identity (fingerprint None)."""
     path = Path(os.path.expanduser(model_path))
     if not path.is_dir():
         return {"path": model_path, "fingerprint": None}
     digest = hashlib.sha256()
     config = path / "config.json"
     if config.is_file():
-        fields = {k: v for k, v in json.loads(config.read_text()).items() if k != "transformers_version"}
-        digest.update(json.dumps({k: v for k, v in fields.items() if not k.startswith("_")}, sort_keys=True).encode())
+        fields = {
+            k: v for k, v in json.loads(config.read_text()).items() if k != "transformers_version" and k[:1] != "_"
+        }
+        digest.update(json.dumps(fields, sort_keys=True).encode())
     for weights in sorted(path.glob("*.safetensors")):
         with open(weights, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")) or b"{}")

@@ -36,6 +36,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import signal
 import statistics
 import threading
@@ -658,7 +659,7 @@ def _steps_left(rt: Runtime) -> int | None:
     # over the lanes (it was the longest budget alone: 3 tenants on one slot showed a third of the run)
     lanes = min(rt.backend.max_loras, cfg.rollout.max_tenants_per_step or rt.backend.max_loras)
     if left is not None and len(lefts) > lanes:
-        left = max(left, -(-sum(-(-n // cfg.grpo.ppo_epochs) for n in lefts) // lanes))
+        left = max(left, math.ceil(sum(math.ceil(n / cfg.grpo.ppo_epochs) for n in lefts) / lanes))
     if cfg.max_global_steps is not None:
         cap = max(0, cfg.max_global_steps - rt.tenants.global_step)
         left = cap if left is None else min(left, cap)

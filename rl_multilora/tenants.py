@@ -57,7 +57,6 @@ from rl_multilora.checkpoint import (
 )
 from rl_multilora.config import CASE_REASON, AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
-from rl_multilora.metrics import read_metrics
 from rl_multilora.turns import TurnScheduler
 from rollout.types import AdapterRef
 
@@ -111,7 +110,7 @@ class Tenant:
     idle_steps: int = 0  # consecutive global steps RUNNING without an optimizer step; reset by a step
     last_failed_reason: str | None = None  # why its samples last failed (environment, template, engine), if ever
     reward_fail_streak: int = 0  # consecutive steps whose rewards all failed (or crashed a worker); reset otherwise
-    last_eval_step: int | None = None  # adapter step of its last held-out evaluation in this process
+    last_eval_step: int | None = None  # adapter step of its last held-out evaluation (a checkpoint keeps it)
 
     @property
     def name(self) -> str:
@@ -559,14 +558,10 @@ class TenantManager:
             t.adapter_step = adapter_step
             t.last_checkpoint = str(path)
             t.last_reward = snap.meta.get("last_reward")
+            t.last_eval_step = snap.meta.get("last_eval_step")
             # Versions continue from the checkpoint (the next push makes it +1), as in an uninterrupted run.
             t.weight_version = snap.meta.get("weight_version")
             dropped = prune_metrics(self.ckpt.run_dir, {t.name: int(snap.meta["global_step"])})
-            if any(  # its held-out evaluation at this adapter step is in the metrics kept: not done again
-                r.get("kind") == "eval" and r.get("adapter") == t.name and r.get("adapter_step") == t.adapter_step
-                for r in read_metrics(self.ckpt.run_dir)
-            ):
-                t.last_eval_step = t.adapter_step
             log.info(
                 "adapter %s resumed from %s (adapter step %d; %d later metrics rows dropped)",
                 t.name,
@@ -740,6 +735,8 @@ class TenantManager:
                 "state": t.state.value,
                 "note": note,
                 "last_reward": t.last_reward,
+                # its held-out evaluation at this step, when one ran before the checkpoint: resume does not redo it
+                "last_eval_step": t.last_eval_step,
                 "rng": {"adapter_seed": t.cfg.seed, "counters": "data_state.json (epoch, cursor, group_counter)"},
                 "config": t.cfg.model_dump(mode="json"),
             },

@@ -97,7 +97,11 @@ class EnvironmentLoadError(ValueError):
 
 def load_environment(path: str, kwargs: Mapping[str, Any] | None = None) -> Environment:
     """Build `module:Class` with `kwargs`; the class must subclass `Environment`."""
-    cls = environment_class(path)
+    return build_environment(environment_class(path), kwargs, path)
+
+
+def build_environment(cls: type[Environment], kwargs: Mapping[str, Any] | None, path: str) -> Environment:
+    """An instance of `cls` (`path` names it, for the message) with its own deep copy of `kwargs`."""
     try:
         return cls(**copy.deepcopy(dict(kwargs or {})))  # an episode changing its kwargs changes no other's
     except TypeError as e:

@@ -510,15 +510,16 @@ class _Episode:
             ) from None
 
     async def run(self) -> None:
-        from rollout.environments import Task, check_step, environment_class, is_async, load_environment
+        from rollout.environments import Task, build_environment, check_step, environment_class, is_async
 
         state, sample, spec = self.state, self.sample, self.spec
         try:  # a plain class's constructor that blocks (opens a connection, loads a file) must not stall every other
             # episode: in a worker thread, under the turn timeout; an async class's on the loop (it may bind to it)
-            if is_async(environment_class(spec.path)):
-                self.env = load_environment(spec.path, spec.kwargs)
+            cls = environment_class(spec.path)
+            if is_async(cls):
+                self.env = build_environment(cls, spec.kwargs, spec.path)
             else:
-                self.env = await _call(load_environment, spec.path, spec.kwargs, timeout=spec.turn_timeout_s)
+                self.env = await _call(build_environment, cls, spec.kwargs, spec.path, timeout=spec.turn_timeout_s)
         except asyncio.TimeoutError:
             raise _EpisodeError(
                 f"environment {spec.path} construction ran past environment.turn_timeout_s={spec.turn_timeout_s}"

@@ -884,8 +884,9 @@ class EmbeddedEngine(RolloutEngine):
                             self._restart(row)
                         with self._cond:
                             self._queue.extendleft(reversed(unfinished))
-                    for row in unfinished if len(unfinished) == 1 else ():
-                        self._finish(row, "error", error=f"generation failed: {exc!r}")
+                    else:  # a row alone (or nothing left): the error is its own
+                        for row in unfinished:
+                            self._finish(row, "error", error=f"generation failed: {exc!r}")
                 finally:
                     self._in_flight = []
                     with self._cond:

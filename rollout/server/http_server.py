@@ -71,6 +71,7 @@ from rollout.server.openai_api import add_openai_routes
 from rollout.server.state import (
     DEFAULT_MAX_ADAPTER_BODY_BYTES,
     DEFAULT_MAX_BODY_BYTES,
+    SHUTDOWN_MESSAGE,
     STATE_KEY,
     NonFiniteNumberError,
     ServerState,
@@ -121,7 +122,6 @@ _FLUSH_TEXT = (
 _FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 # The abort message of a /generate answered early by /pause_generation; an engine's own abort says why in `error`.
 _PAUSE_ABORT_MESSAGE = "Aborted by /pause_generation"
-_SHUTDOWN_MESSAGE = "the server is shutting down; send the request to another server or after its restart"
 
 
 class RequestError(ValueError):
@@ -415,7 +415,7 @@ async def _generate(request: web.Request) -> web.Response:
     rids = [r.rid or uuid.uuid4().hex for r in reqs]
     await state.running.wait()  # requests that arrive during a pause wait for /continue_generation
     if state.closing:
-        return _error(_SHUTDOWN_MESSAGE, 503)
+        return _error(SHUTDOWN_MESSAGE, 503)
     aborted = asyncio.Event()
     state.inflight.add(aborted)
     task = asyncio.ensure_future(state.engine.agenerate(reqs))
@@ -434,7 +434,7 @@ async def _generate(request: web.Request) -> web.Response:
         task.cancel()
         state.orphans.add(task)
         task.add_done_callback(_forget_orphan(state))
-        message = _SHUTDOWN_MESSAGE if state.closing else _PAUSE_ABORT_MESSAGE
+        message = SHUTDOWN_MESSAGE if state.closing else _PAUSE_ABORT_MESSAGE
         results = [GenerateResult(finish_reason="abort", error=message) for _ in reqs]
     else:
         try:

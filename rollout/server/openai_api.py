@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout.server.state import STATE_KEY, NonFiniteNumberError, context_error, read_json
+from rollout.server.state import SHUTDOWN_MESSAGE, STATE_KEY, NonFiniteNumberError, context_error, read_json
 from rollout.types import GenerateRequest, SamplingParams
 
 _SEED_RANGE = 2**64  # the engine's generators take an unsigned 64-bit seed
@@ -200,7 +200,7 @@ async def _complete(request: web.Request, chat: bool) -> web.Response:
         return _error(str(e), e.status, e.param, e.code)
     await state.running.wait()  # as /generate: wait out a weight sync's pause
     if state.closing:
-        return _error("the server is shutting down; retry after its restart", 503)
+        return _error(SHUTDOWN_MESSAGE, 503)
     # keep_prefix: a chat client (a verifiers episode) re-sends this conversation with its next message
     req = GenerateRequest(input_ids=ids, adapter=adapter, sampling=sampling, rid=uuid.uuid4().hex, keep_prefix=True)
     (result,) = await state.engine.agenerate([req])

@@ -48,6 +48,7 @@ class ServerState:
 
 
 STATE_KEY = web.AppKey("rl_multilora_state", ServerState)
+SHUTDOWN_MESSAGE = "the server is shutting down; send the request to another server or after its restart"
 
 
 def context_error(input_len: int, max_new_tokens: int | None, context_len: int | None) -> str | None:

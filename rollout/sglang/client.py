@@ -140,13 +140,16 @@ class SGLangEngine(RolloutEngine):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _post(self, path: str, body: dict[str, Any] | None, extra_headers: dict[str, str] | None = None) -> Any:
-        headers = {**self._headers(), **(extra_headers or {})}
+        url, resp = self._send(path, json=body, headers={**self._headers(), **(extra_headers or {})})
+        return self._check(url, resp)
+
+    def _send(self, path: str, **kwargs: Any) -> tuple[str, requests.Response]:
+        """POST `path` (the URL and the response); a timeout or a refused connection is an SGLangError naming both."""
         url = self.base_url + path
         try:
-            resp = self._http.post(url, json=body, headers=headers, timeout=self.timeout)
-        except requests.RequestException as exc:  # a timeout, a refused connection: named by the call and engine
+            return url, self._http.post(url, timeout=self.timeout, **kwargs)
+        except requests.RequestException as exc:
             raise SGLangError(f"{url} failed: {type(exc).__name__}: {exc} (timeout={self.timeout:g} s)") from exc
-        return self._check(url, resp)
 
     def _check(self, url: str, resp: requests.Response) -> Any:
         try:
@@ -367,11 +370,7 @@ class SGLangEngine(RolloutEngine):
 
     def flush_cache(self) -> bool:
         """`/flush_cache`; False (and a warning) when SGLang refuses because requests are still running."""
-        url = self.base_url + "/flush_cache"
-        try:
-            resp = self._http.post(url, headers=self._headers(), timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise SGLangError(f"{url} failed: {type(exc).__name__}: {exc} (timeout={self.timeout:g} s)") from exc
+        url, resp = self._send("/flush_cache", headers=self._headers())
         if resp.status_code in (401, 403):
             raise SGLangError(f"{url}: HTTP {resp.status_code}; check api_key")
         if resp.status_code != 200:
