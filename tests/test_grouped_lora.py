@@ -729,13 +729,15 @@ def test_ops_a_lora_linear_adds_to_a_training_step(dtypes, one_gemm, monkeypatch
 
     monkeypatch.setattr(layer_mod, "one_gemm_weight_grads", lambda t: one_gemm)
     monkeypatch.setattr(layer_mod, "_copy_slot_b", lambda t: not one_gemm)  # as CUDA does on its path
+    if one_gemm:  # CUDA's thin products are token-major (`_shrink`)
+        monkeypatch.setattr(layer_mod, "_rank_major_floor", lambda *shape: None)
     m = _dtype_model(dtypes)
     m.use_slot_grads()
-    ids, _ = batch(rows=4, length=6, left_pad=False)
+    ids, _ = batch(rows=4, length=16, left_pad=False)  # rows past the rank-major floor (12 here): no padding
     with torch.no_grad():
         embeds = m.base_model.get_input_embeddings()(ids)
     counts = {}
-    for names in ([None] * 4, ["a"] * 4):
+    for names in ([None] * 4, ["a"] * 4, ["a"] * 4):  # a first step on the adapter probes `_rank_major_floor`
         m.zero_lora_grads()
         with _KernelOps() as spy:
             x = embeds.detach().requires_grad_()
@@ -832,3 +834,22 @@ def test_a_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_at_a_real_width(
     assert len(alone_grads) == len(mixed_grads) == 14
     for g, h in zip(alone_grads, mixed_grads, strict=True):
         assert torch.equal(g, h), float((g - h).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [40, 192, 576])
+def test_the_thin_product_gives_a_token_the_same_bits_whatever_its_rows_length(width, dtype):
+    """`_shrink` (the LoRA's `x @ A.T` and `grad @ B`): on CPU rank-major with rows shorter than the probed floor
+    zero-padded up to it, so a token's values are the same bits in a row of any length (a tenant's numbers must not
+    follow its micro-batch's padding), and they are the product's to float rounding."""
+    from rl_multilora.lora.layer import _shrink
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 80, width, generator=g).to(dtype)
+    w = torch.randn(8, width, generator=g).to(dtype).expand(3, -1, -1)
+    whole = _shrink(x, w)  # (3, 80, 8)
+    torch.testing.assert_close(whole.double(), x.double() @ w[0].double().T, rtol=0.02, atol=0.05 * width**0.5)
+    for length in range(1, 80):
+        part = _shrink(x[:, :length], w)
+        assert part.shape == (3, length, 8)
+        assert torch.equal(part, whole[:, :length]), length

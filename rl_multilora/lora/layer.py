@@ -40,10 +40,11 @@ Design choices:
   anyway, and a one-slot batch's weight gradients are one GEMM each (`one_gemm_weight_grads`). Profiled at
   SmolLM2-135M's shape (1 thread, 16 x 64 tokens): the LoRA's cost was its rank-8 products, each one a memory-bound
   pass over an activation (50 % of the matmul peak at best), and the extra input-gradient sum; per-op overhead was
-  under 1 % (`bench/bench_lora_paths.py`). Every rank-wide product is token-major, `(n, L, r)`: MKL computes a token's
-  values alike for every row length from 2 tokens on that way (rank-major, `a @ x.T`, was 1.6x faster but rounds a
-  token differently in rows of under 12 tokens: a tenant's numbers would follow its micro-batch's padding, and a
-  continued prefill's the number of new tokens).
+  under 1 % (`bench/bench_lora_paths.py`). The thin products that read an activation (`x @ A.T` forward, `grad @ B`
+  backward; `_shrink`) run rank-major on CPU, `A @ x.T` with results `(n, r, L)`: 1.6x as fast in MKL as
+  token-major, but it rounds a token differently in rows of under 12 tokens, so shorter rows are zero-padded up to
+  that floor (probed once per shape, `_rank_major_floor`) and a token's values do not follow its row's length (a
+  tenant's numbers would otherwise follow its micro-batch's padding, and a packed row's its neighbours').
 - Decode (one token per row, no autograd, float32 on CPU) through an engine bank reads each row's slot straight from
   the bank with two segmented weighted sums (`bag_lora`: `embedding_bag`, one bag per row) instead of gathering a
   copy of A and B per row: on CPU the bank stores its slots rank-minor (`(S, in, R)`, `(S, R, out)`), so a slot's A
@@ -407,12 +408,50 @@ def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=N
     else:
         a = _as(lora_a.narrow(1, 0, r).index_select(0, a_slots), dtype)  # a[i] = A[a_slot[i], :r]; (n, r, in)
         bt = _as(lora_b.narrow(2, 0, r).transpose(1, 2).index_select(0, slots), dtype)  # B[slot[i], :, :r].T
-    xa = _scale_(torch.bmm(x3, a.transpose(1, 2)), scales)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
+    xa = _scale_(_shrink(x3, a), scales)  # xa[i] = scale[i] * x[i] @ a[i].T; (n, L, r)
     if y3.dtype == xa.dtype:
         y3.baddbmm_(xa, bt)  # y[i] += xa[i] @ bt[i]
     else:  # a bf16 base's output, a float32 LoRA: summed in float32, rounded once (y3 + delta in y3's kernel)
         y3.add_(torch.bmm(xa, bt))  # y[i] += xa[i] @ bt[i]
     return a, bt, xa
+
+
+def _shrink(x3: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x3[i] @ w[i].T` for every row: x3 `(n, L, k)`, w `(n, r, k)` -> `(n, L, r)`.
+
+    On CPU computed rank-major (`w @ x3.T`, returned as a transposed view), which MKL ran 1.7x as fast as the
+    token-major product at SmolLM2's widths; it computes a token's values alike for every row length from
+    `_rank_major_floor` tokens on, so shorter rows are zero-padded up to it (a tenant's numbers must not follow its
+    micro-batch's padding)."""
+    if x3.is_cuda or (floor := _rank_major_floor(w.shape[1], x3.shape[2], x3.dtype)) is None:
+        return torch.bmm(x3, w.transpose(1, 2))
+    length = x3.shape[1]
+    if length >= floor:
+        return torch.bmm(w, x3.transpose(1, 2)).transpose(1, 2)
+    padded = torch.bmm(w, F.pad(x3, (0, 0, 0, floor - length)).transpose(1, 2))  # (n, r, floor)
+    return padded.narrow(2, 0, length).contiguous().transpose(1, 2)  # the backward keeps no padding
+
+
+_FLOORS: dict[tuple[int, int, torch.dtype], int | None] = {}
+
+
+def _rank_major_floor(r: int, k: int, dtype: torch.dtype) -> int | None:
+    """The fewest tokens from which a rank-major `w @ x.T` (`(r, k) x (k, N)`) gives each token the same bits
+    whatever N is on this machine's CPU kernels (12 with MKL here), probed once per shape; None when it never does up
+    to 64 (the token-major product is used then)."""
+    key = (r, k, dtype)
+    if key not in _FLOORS:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(1, r, k, generator=g).to(dtype)
+        x = torch.randn(1, 160, k, generator=g).to(dtype)
+        ref = torch.bmm(w, x.transpose(1, 2))  # (1, r, 160)
+        floor = None
+        for n in range(64, 0, -1):
+            if not all(torch.equal(torch.bmm(w, x[:, :m].transpose(1, 2)), ref[..., :m]) for m in (n, n + 96)):
+                break
+            floor = n
+        _FLOORS[key] = floor
+    return _FLOORS[key]
 
 
 def _copy_slot_b(x: torch.Tensor) -> bool:
@@ -435,7 +474,7 @@ def _grouped_backward(ctx, grad, grad_x, x3, a, bt, xa, slots, scales, a_slots, 
     sink (see SlotGradSink) the weight grads go there."""
     shape_a, shape_b, r, dtype = ctx.stacked  # dtype: the stacked slots' (the gradients'), autocast or not
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
-    g_xa = _scale_(torch.bmm(grad, bt.transpose(1, 2)), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
+    g_xa = _scale_(_shrink(grad, bt), scales)  # d/d(x[i] @ a[i].T); (n, L, r)
     if need_x:
         grad_x = torch.bmm(g_xa, a) if grad_x is None else grad_x.baddbmm_(g_xa, a)  # (n, L, in)
     if ctx.single is not None and one_gemm_weight_grads(grad):
