@@ -524,3 +524,34 @@ def test_a_shutdown_answers_requests_parked_by_a_pause_at_once(engine):
     assert time.monotonic() - start < 5
     assert [r.status_code for r in answers] == [503] * 4 and all("shutting down" in r.text for r in answers)
     engine.resume()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input_ids": [5, 6], "rid": {"a": 1}}, "rid"),
+        ({"input_ids": [[5, 6], [7]], "rid": ["r0", 3]}, "rid[1]"),
+        ({"input_ids": [[5, 6], [7]], "rid": 7}, "rid"),
+    ],
+)
+def test_generate_refuses_a_rid_that_is_not_a_string_naming_it(server, body, field):
+    """SGLang's `rid` is a string or a list of them; a dict or a number was taken as a request id before."""
+    r = _post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith(f"{field}="), r.text
+    assert _post(server, "/generate", {"input_ids": [[5, 6], [7]], "rid": ["r0", "r1"]}).status_code == 200
+
+
+@pytest.mark.parametrize("version", [str(2**63), str(2**70), "-1", "x"])
+def test_an_adapter_version_header_outside_int64_is_refused_naming_the_header(engine, server, version):
+    body = {
+        "lora_name": "v",
+        "config_dict": engine.model.peft_config("good"),
+        "serialized_named_tensors": [encode_tensors_safetensors(engine.model.adapter_state_dict("good"))],
+        "load_format": "safetensors",
+    }
+    r = requests.post(
+        server.url + "/load_lora_adapter_from_tensors", json=body, headers={**KEY, "X-Adapter-Version": version}
+    )
+    assert r.status_code == 400, r.text
+    assert f"X-Adapter-Version='{version}' is not allowed" in r.text, r.text

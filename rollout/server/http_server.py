@@ -302,6 +302,10 @@ def parse_generate_body(body: dict[str, Any]) -> tuple[list[GenerateRequest], li
         rids = [f"{rid}_{i}" for i in range(n)]  # SGLang's expansion of a string rid over a batch
     else:
         rids = _per_item(rid, n, "rid", single)
+    for i, r in enumerate(rids):  # SGLang's `rid: str | list[str] | None`; anything else would become a dict key
+        if r is not None and not isinstance(r, str):
+            where = "rid" if single or not isinstance(rid, list) else f"rid[{i}]"
+            raise RequestError(f"{where}={str(r)[:80]} is not allowed; allowed: a string (or a list of them)")
     requests = []
     for i in range(n):
         where = "sampling_params" if single else f"sampling_params[{i}]"
@@ -479,8 +483,10 @@ def _version_header(request: web.Request) -> int | None:
         raise RequestError(
             f"{ADAPTER_VERSION_HEADER}={raw!r} is not allowed; allowed: a non-negative integer"
         ) from None
-    if version < 0:
-        raise RequestError(f"{ADAPTER_VERSION_HEADER}={raw!r} is not allowed; allowed: a non-negative integer")
+    if not 0 <= version < 2**63:  # the version is an int64 wherever it travels on (metrics, the journal, a tensor)
+        raise RequestError(
+            f"{ADAPTER_VERSION_HEADER}={raw[:40]!r} is not allowed; allowed: a non-negative integer below 2**63"
+        )
     return version
 
 
