@@ -86,6 +86,7 @@ class StepRecord:
                 dropped_groups=st.dropped_groups,
                 skipped_nonfinite=bool(st.skipped_nonfinite),
                 stepped=bool(st.stepped),
+                optimizer_steps=st.n_steps,
                 stale_samples=st.stale,
                 nonfinite_streak=self.nonfinite_streak,
             )
@@ -202,6 +203,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def training_points(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each adapter's (adapter step, training reward) points, at the step of the weights that sampled the rewards: a
+    row's `adapter_step` counts the optimizer steps the row's update took (`optimizer_steps`), so its samples came
+    from `adapter_step - optimizer_steps`, the step a held-out eval of the same weights is plotted at."""
+    by_adapter: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        took = r.get("optimizer_steps", 1 if r.get("stepped") else 0)  # rows written before the field: one step
+        by_adapter.setdefault(r["adapter"], []).append((r["adapter_step"] - (took or 0), r["reward_mean"]))
+    return by_adapter
+
+
 def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """One reward curve per adapter (per adapter step) into reward_curves.png; None when there is nothing to plot."""
     everything = read_metrics(run_dir)
@@ -214,9 +226,7 @@ def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_adapter: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        by_adapter.setdefault(r["adapter"], []).append((r["adapter_step"], r["reward_mean"]))
+    by_adapter = training_points(rows)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in sorted(by_adapter.items()):
         pts.sort()
@@ -240,7 +250,7 @@ def plot_reward_curves(run_dir: str | Path, out: str | Path | None = None) -> Pa
                 linewidth=1,
                 label=f"{name} (held-out)",
             )
-    ax.set_xlabel("adapter step")
+    ax.set_xlabel("adapter step (training: of the weights that sampled it)")
     ax.set_ylabel("mean reward")
     ax.set_title("Reward per adapter: training (lines), held-out (dots), base (dashed)")
     ax.grid(alpha=0.3)

@@ -16,7 +16,7 @@ from rl_multilora import cli
 from rl_multilora.checkpoint import CheckpointManager
 from rl_multilora.config import parse_run_config
 from rl_multilora.loop import run, summarize
-from rl_multilora.metrics import read_metrics
+from rl_multilora.metrics import read_metrics, training_points
 from tests.tiny_models import MOE_EXPERTS, save_tiny_model, sum_task_adapter, write_sum_task
 
 TIMINGS = {"rollout_s", "reward_s", "train_s", "checkpoint_s", "sync_s", "eval_s", "pause_s", "slot_wait_s"}
@@ -82,6 +82,22 @@ def test_eval_rows_base_every_n_and_final(runs):
     s = summarize(on)
     assert s["a"]["eval_base"] is not None and s["a"]["eval_final_step"] == 4
     assert (on / "reward_curves.png").stat().st_size > 0
+
+
+def test_the_plot_puts_a_training_reward_at_the_step_of_the_weights_that_sampled_it(runs):
+    """A row's `adapter_step` counts its own update; its rewards were sampled before it, by the weights a held-out
+    eval at one step fewer scores (the plot had the training curve one step to the right of the eval dots)."""
+    on, _ = runs
+    rows = [r for r in read_metrics(on) if r.get("kind") != "eval" and r.get("reward_mean") is not None]
+    points = training_points(rows)
+    for name in ("a", "b"):
+        mine = [r for r in rows if r["adapter"] == name]
+        assert mine[0]["stepped"] and mine[0]["optimizer_steps"] == 1 and mine[0]["adapter_step"] == 1
+        assert points[name][0] == (0, mine[0]["reward_mean"])  # sampled by the initial weights: step 0
+        assert [x for x, _ in points[name]] == [r["adapter_step"] - r["optimizer_steps"] for r in mine]
+    assert training_points([{"adapter": "a", "adapter_step": 3, "stepped": True, "reward_mean": 0.5}]) == {
+        "a": [(2, 0.5)]
+    }  # a row from before the field: one step
 
 
 def test_eval_never_changes_training(runs):
@@ -388,7 +404,7 @@ def test_a_resumed_run_does_not_evaluate_an_adapter_step_again(ws, tmp_path):
     """A reviewer's case: a tenant whose groups all scored alike took no optimizer step, so its evaluation at adapter
     step k was logged in a step its stop checkpoint covers; the resumed run evaluated step k again (the same row
     twice in metrics.jsonl, the eval work twice). Here `b` never steps (exact_match of a 6-token answer: 0 always)."""
-    from rl_multilora.metrics import read_metrics
+    from rl_multilora.metrics import read_metrics, training_points
 
     run_dir = tmp_path / "run"
     cfg = _cfg(ws, run_dir, True)
@@ -405,7 +421,7 @@ def test_a_resumed_run_does_not_evaluate_an_adapter_step_again(ws, tmp_path):
 def test_answers_whose_reward_raised_are_counted_in_eval_errors(ws, tmp_path):
     """A reviewer's case: a reward raising on every answer gave eval/reward_mean 0.0 and eval/errors 0, which reads
     as a weak base, not a broken reward (the training rows did say reward_errors)."""
-    from rl_multilora.metrics import read_metrics
+    from rl_multilora.metrics import read_metrics, training_points
 
     cfg = _cfg(ws, tmp_path / "run", True)
     cfg["adapters"][1]["reward"] = {"path": "tests.reward_plugins:raising_reward"}
