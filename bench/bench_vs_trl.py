@@ -24,7 +24,8 @@ training reward over the first and the last quarter of its steps, averaged over 
 adapters of both sides and the base, greedy, on the first `--eval-prompts` test questions of each task, scored by
 one evaluator (HF `generate` + PEFT) in a separate process that is not timed.
 
-Each `--runs` repetition runs the rl-multilora job, then the N TRL jobs; the table shows medians over runs with the
+Each `--runs` repetition runs the rl-multilora job and the N TRL jobs, in turn, the rl-multilora job first in the first
+repetition and last in the second (alternating); the table shows medians over runs with the
 min-max spread, ratios as medians of per-run ratios. Design choices: the held-out evaluation is outside both sides
 (neither side's own eval), so it is the same code for both; the rl-multilora run ends with a checkpoint and each TRL
 job with `save_model`, both timed.
@@ -504,8 +505,13 @@ def summarize(s: Settings, tenants: list[Tenant], sides: dict[str, SideResult], 
     return out
 
 
-def one_run(s: Settings, tenants: list[Tenant], work: Path) -> dict:
-    sides = {"multilora": run_multilora(s, tenants, work), "trl": run_trl(s, tenants, work)}
+def one_run(s: Settings, tenants: list[Tenant], work: Path, trl_first: bool = False) -> dict:
+    """One repetition: both sides, in the order given (`main` alternates it, so a drift in the machine's speed
+    over a repetition does not always favour the side that runs first)."""
+    sides = {}
+    for side in ("trl", "multilora") if trl_first else ("multilora", "trl"):
+        sides[side] = run_trl(s, tenants, work) if side == "trl" else run_multilora(s, tenants, work)
+    sides = {"multilora": sides["multilora"], "trl": sides["trl"]}
     held = heldout(s, tenants, sides, work) if s.eval_prompts > 0 else None
     return summarize(s, tenants, sides, held)
 
@@ -651,7 +657,7 @@ def main() -> None:
                 work = root / f"{preset.name}-n{n}-run{rep}"
                 work.mkdir(parents=True, exist_ok=False)
                 t0 = time.perf_counter()
-                runs.append(one_run(s, tenants, work))
+                runs.append(one_run(s, tenants, work, trl_first=rep % 2 == 1))
                 r = runs[-1]
                 print(f"run {rep}: rl-multilora {r['multilora']['wall_s']:.1f} s wall / {r['multilora']['cpu_s']:.1f}"
                       f" s CPU; TRL {r['trl']['wall_s']:.1f} s / {r['trl']['cpu_s']:.1f} s "

@@ -57,3 +57,19 @@ def test_one_tenant_one_step_prints_every_row_with_measured_numbers(tmp_path):
         assert numbers["steps_logged"] == 1 and numbers["threads"] == [1]
         assert len(numbers["procs"]) == 1 and 0 <= numbers["reward_first"] <= 1
     assert float(table["wall time (s)"][0]) == pytest.approx(run["multilora"]["wall_s"], abs=0.06)
+
+
+def test_repetitions_alternate_which_side_runs_first(monkeypatch, tmp_path):
+    """A drift in the machine's speed over a repetition must not always favour the side that runs first."""
+    sys.path.insert(0, str(ROOT))
+    import bench.bench_vs_trl as b
+
+    order: list[str] = []
+    monkeypatch.setattr(b, "run_multilora", lambda s, tenants, work: order.append("multilora") or {"side": 1})
+    monkeypatch.setattr(b, "run_trl", lambda s, tenants, work: order.append("trl") or {"side": 2})
+    monkeypatch.setattr(b, "summarize", lambda s, tenants, sides, held: sides)
+    settings = type("S", (), {"eval_prompts": 0})()
+    for rep in range(3):
+        sides = b.one_run(settings, [], tmp_path, trl_first=rep % 2 == 1)
+        assert sides == {"multilora": {"side": 1}, "trl": {"side": 2}}
+    assert order == ["multilora", "trl", "trl", "multilora", "multilora", "trl"]
