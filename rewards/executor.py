@@ -11,18 +11,27 @@ Design choices:
   reward gets chunks of up to `async_concurrency` samples run concurrently in the worker's event loop, each with
   its own timeout. A `@batched` reward gets one task per adapter per call.
 - Timeout: each task has `spec.timeout_s` from the moment a worker takes it; past it the worker is killed and
-  replaced, and the task's samples score `spec.failure_value`. An async chunk's samples each have `timeout_s` from
-  when they start running, and the worker cancels them itself; since sync work inside an `async def` blocks the
-  event loop, they may start one after another, so the chunk's clock restarts each time one of its samples starts
-  or finishes (the worker reports it). Its worker is killed only when `timeout_s` (plus a short grace) passes without
-  that, i.e. the loop is blocked for good, or at the latest `timeout_s` per sample of the chunk after it started: a
-  reward that blocks for ever costs one `timeout_s`, a chunk of slow but progressing samples is not cut short.
+  replaced, and the task's samples score `spec.failure_value`. Importing the reward's module is not part of it: a
+  worker imports a custom reward's module the first time it gets a task of that spec, and the clock starts when it
+  reports the import done (`_IMPORT_TIMEOUT_S` bounds the import). A module that takes longer than `timeout_s` to
+  import (torch, a judge model) would otherwise time out in every fresh worker, and a replacement worker is always
+  fresh, so the tenant (and every tenant whose task lands on a replacement) would never score. An async chunk's
+  samples each have `timeout_s` from when they start running, and the worker cancels them itself; since sync work
+  inside an `async def` blocks the event loop, they may start one after another, so the chunk's clock restarts each
+  time one of its samples starts or finishes (the worker reports it). Its worker is killed only when `timeout_s`
+  (plus a short grace) passes without that, i.e. the loop is blocked for good, or at the latest `timeout_s` per
+  sample of the chunk after it started: a reward that blocks for ever costs one `timeout_s`, a chunk of slow but
+  progressing samples is not cut short.
 - Fairness: the next free worker takes a task from the adapter with the fewest tasks in flight, so a tenant whose
   reward hangs holds at most one worker while others have work. After one of its tasks times out, that tenant's
   tasks still queued in the same call are not started: a reward that hangs on every sample costs one timeout of
   wall time per call, not one per sample. An adapter whose reward crashed a worker in its previous call goes last:
   its tasks are started only when no other adapter has a task queued, so that it cannot take the last live worker
   (the others may still be starting) from the tenants it would otherwise block.
+- Not generated is not scored: a sample whose generation FAILED or was ABORTED (an engine abort, a dropped
+  request) is never sent to its reward and counts nowhere in the report (not in `samples`, not as an error): the
+  reward would be called on an empty response (an expensive judge included) and fail, and engine trouble would
+  fail the tenant as "reward failing". It keeps no reward; the trainer already leaves such samples out.
 - Not started is not scored: those samples were never checked, so they get no reward (None) and are marked FAILED
   with the reason in `metadata["error"]`, like a sample whose generation failed; the trainer leaves them out (its
   `excluded`, the step's `failed_samples`) and the rest of their group trains on. Scoring them `failure_value`
@@ -70,6 +79,10 @@ from rollout.types import RewardSpec, Sample, SampleStatus
 _ASYNC_GRACE_S = 0.25
 # A fresh worker imports rewards and math_verify (sympy) before it takes work; past this it is broken.
 _STARTUP_TIMEOUT_S = 120.0
+# The longest a worker may take to import a custom reward's module, before the reward's own timeout_s starts.
+_IMPORT_TIMEOUT_S = 120.0
+# Generation did not finish: the response is empty or cut short, nothing a reward should judge.
+_NOT_GENERATED = (SampleStatus.FAILED, SampleStatus.ABORTED)
 _MAX_STARTUP_FAILURES = 3
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 # The package root goes first so that this `rewards` package is imported even when the working directory holds
@@ -84,7 +97,8 @@ class RewardReport:
     `errors` / `timeouts`: samples whose reward raised / ran past `timeout_s` (they scored `failure_value`);
     `skipped`: samples not started after an earlier task of the adapter timed out or crashed (no reward, marked
     FAILED); `all_failed`: adapters none of whose samples scored, or whose reward crashed a worker, in this call,
-    with the reason; `samples`: samples per adapter; `last_error`: the last failure message per adapter; `seconds`:
+    with the reason; `samples`: samples per adapter sent to the reward (not those whose generation failed or was
+    aborted: they are not scored); `last_error`: the last failure message per adapter; `seconds`:
     wall time; `crashes`: the part of `errors` lost to a worker that died under the adapter's reward (the samples of
     the task it was running).
     """
@@ -107,6 +121,7 @@ class _Task:
     sample_ids: list[int]
     deadline: float = math.inf  # its worker is killed past it
     limit: float = math.inf  # the latest the deadline may move to as an async chunk's samples progress
+    importing: bool = False  # its worker is importing the reward's module: timeout_s has not started
 
 
 _Finish = Callable[..., None]  # finish(task, outcomes, started=True): record a task's outcomes
@@ -119,6 +134,7 @@ class _Worker:
     started_at: float
     ready: bool = False
     task: _Task | None = None
+    imported: set[RewardSpec] = field(default_factory=set)  # specs it resolved: their tasks start the clock at once
 
 
 def _kill(worker: _Worker) -> None:
@@ -224,9 +240,10 @@ class RewardExecutor:
         """Set `sample.reward` on every sample (its reward, or `failure_value` on error / timeout); report counts.
 
         A sample not started because an earlier task of its adapter timed out or crashed gets None and is marked
-        FAILED (see the module docstring). A multi-turn episode (`sample.environment` set) already holds the reward
-        its environment gave: without a RewardSpec it keeps it; with one, its reward function's score is added to it
-        (a failed episode, whose reward is None, keeps None; a not started one gets None)."""
+        FAILED (see the module docstring). A sample whose generation FAILED or was ABORTED is not scored: it gets no
+        reward (None) and counts nowhere in the report. A multi-turn episode (`sample.environment` set) already
+        holds the reward its environment gave: without a RewardSpec it keeps it; with one, its reward function's
+        score is added to it (a failed episode, whose reward is None, keeps None; a not started one gets None)."""
         episodes = {id(s): s.reward for s in samples if s.environment is not None}
         samples = [s for s in samples if s.environment is None or s.reward_spec is not None]
         report = self._score(samples)
@@ -247,7 +264,9 @@ class RewardExecutor:
                 raise RuntimeError("RewardExecutor is closed")
             start = time.monotonic()
             report = RewardReport()
-            outcomes: list[Outcome | None] = [None] * len(samples)
+            outcomes: list[Outcome | None] = [
+                ("unscored", "") if s.status in _NOT_GENERATED else None for s in samples
+            ]
             self._run(self._make_tasks(samples, report, outcomes), samples, outcomes)
             self._apply(samples, outcomes, report)
             report.seconds = time.monotonic() - start
@@ -264,6 +283,8 @@ class RewardExecutor:
     def _make_tasks(self, samples: list[Sample], report: RewardReport, outcomes: list[Outcome | None]) -> list[_Task]:
         groups: dict[tuple[str, RewardSpec], list[int]] = {}
         for i, sample in enumerate(samples):
+            if outcomes[i] is not None:  # its generation failed: nothing to score
+                continue
             adapter = sample.adapter.name if sample.adapter is not None else ""
             report.samples[adapter] = report.samples.get(adapter, 0) + 1
             groups.setdefault((adapter, sample.reward_spec), []).append(i)
@@ -329,7 +350,15 @@ class RewardExecutor:
                     continue
                 worker.task = None
                 self._replace(worker)
-                message = f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
+                if task.importing:
+                    message = (
+                        f"reward {spec_label(task.spec)!r}: its module did not import within "
+                        f"{_IMPORT_TIMEOUT_S:.0f} s; worker killed"
+                    )
+                else:
+                    message = (
+                        f"reward {spec_label(task.spec)!r} ran past timeout_s={task.spec.timeout_s}; worker killed"
+                    )
                 finish(task, [("timeout", message)] * len(task.sample_ids))
                 skip_rest(task.adapter, message)
 
@@ -364,7 +393,8 @@ class RewardExecutor:
                 self._receive(worker, finish)
 
     def _dispatch(self, worker: _Worker, task: _Task, samples: list[Sample], finish: _Finish) -> bool:
-        """Send `task` to an idle worker and start its clock; False if the worker turned out to be dead."""
+        """Send `task` to an idle worker and start its clock (after the import, if the worker has yet to import the
+        reward's module); False if the worker turned out to be dead."""
         items: list[Item] = [
             (s.prompt, s.response, s.label, dict(s.metadata)) for s in (samples[i] for i in task.sample_ids)
         ]
@@ -377,14 +407,22 @@ class RewardExecutor:
             message = f"could not send samples to a reward worker: {format_exc(exc)}"
             finish(task, [("error", message)] * len(items), started=False)
             return True
+        if task.spec in worker.imported:
+            self._start_clock(task)
+        else:  # `_receive` starts the clock when the worker reports the import done
+            task.importing = True
+            task.deadline = task.limit = time.monotonic() + _IMPORT_TIMEOUT_S
+        worker.task = task
+        return True
+
+    def _start_clock(self, task: _Task) -> None:
         now = time.monotonic()
+        task.importing = False
         if is_async(self._resolved[task.spec]):  # `_receive` moves the deadline on as the chunk progresses
             task.deadline = now + task.spec.timeout_s + _ASYNC_GRACE_S
             task.limit = now + task.spec.timeout_s * len(task.sample_ids) + _ASYNC_GRACE_S
         else:
             task.deadline = task.limit = now + task.spec.timeout_s
-        worker.task = task
-        return True
 
     def _receive(self, worker: _Worker, finish: _Finish) -> None:
         task = worker.task
@@ -404,6 +442,10 @@ class RewardExecutor:
             return
         if task_id != task.task_id:
             raise RuntimeError(f"reward worker answered task {task_id}, expected {task.task_id}")
+        if results == "imported":  # the reward's module is imported: its timeout_s starts now
+            worker.imported.add(task.spec)
+            self._start_clock(task)
+            return
         if results is None:  # a sample of its async chunk started or finished: the event loop is not blocked
             task.deadline = min(task.limit, time.monotonic() + task.spec.timeout_s + _ASYNC_GRACE_S)
             return
@@ -416,6 +458,9 @@ class RewardExecutor:
             status, value = outcome if outcome is not None else ("error", "no result")
             if status == "ok":
                 sample.reward = float(value)
+                continue
+            if status == "unscored":  # its generation failed (see the module docstring)
+                sample.reward = None
                 continue
             report.last_error[adapter] = value
             if status == "skipped":  # never scored: not trained on (see the module docstring)

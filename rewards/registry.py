@@ -156,8 +156,15 @@ def _import_path(path: str) -> RewardFn:
                 "is on sys.path (installed, or run from the directory that contains it)"
             ) from exc
         raise RewardConfigError(f"reward.path: {path!r}: importing module {module_name!r} failed: {exc!r}") from exc
-    except Exception as exc:
-        raise RewardConfigError(f"reward.path: {path!r}: importing module {module_name!r} failed: {exc!r}") from exc
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit too: a script that parses its argv at import must not end the run
+        hint = ""
+        if isinstance(exc, SystemExit):
+            hint = " (it exits at import, e.g. argparse at top level: move that under `if __name__ == '__main__':`)"
+        raise RewardConfigError(
+            f"reward.path: {path!r}: importing module {module_name!r} failed: {exc!r}{hint}"
+        ) from exc
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
@@ -171,6 +178,12 @@ def _import_path(path: str) -> RewardFn:
         raise RewardConfigError(
             f"reward.path: {path!r} names a {type(obj).__name__}, not a function; allowed: a function "
             "fn(prompt, response, label, metadata, **kwargs) -> float"
+        )
+    if inspect.isclass(obj):  # callable, but calling it builds an instance: every sample would fail as "not a float"
+        raise RewardConfigError(
+            f"reward.path: {path!r} names the class {obj.__name__!r}, not a function; allowed: a function "
+            "fn(prompt, response, label, metadata, **kwargs) -> float, or an instance of a class with such a "
+            f"__call__ (e.g. `score = {obj.__name__}()` in the module and reward.path '{module_name}:score')"
         )
     return obj
 

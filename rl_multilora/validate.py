@@ -162,7 +162,9 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
     if a.reward is not None:
         try:
             rewards.validate(a.reward)
-        except Exception as e:  # noqa: BLE001 - whatever resolving it raises is the user's reward problem
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - whatever resolving raises (SystemExit too) is the user's problem
             failed["reward"] = str(e)
     if a.environment is not None:
         try:
