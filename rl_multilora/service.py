@@ -83,6 +83,10 @@ class ServiceError(RuntimeError):
     """A user-facing service problem (no service, rejected submission, unknown adapter): exit 2, no traceback."""
 
 
+class ServiceTimeout(ServiceError):
+    """The service did not answer a call within its timeout (it may still be running: busy, or stuck)."""
+
+
 # -- values that cross the actor boundary ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AdapterStatus:
@@ -357,6 +361,11 @@ class ServiceCore:
             m.done.set_exception(ServiceError(f"{m.kind} failed inside the service: {type(e).__name__}: {e}"))
 
     def _drain(self, name: str):
+        if name in self.rt.tenants.clients:  # listed by `status`, but not this API's to remove
+            raise ServiceError(
+                f"adapter {name!r} is a Tinker client's model: it is released through the Tinker API (its session's "
+                "end, or POST /api/v1/unload_model with its model_id), not by remove"
+            )
         tenant = self.rt.tenants.get(name)
         if tenant.state not in (TenantState.PENDING, TenantState.RUNNING):
             # a state error, not a bad value: said the way the tenant state machine says it
@@ -410,7 +419,10 @@ class ServiceCore:
                 return out
 
     def _enqueue(self, m: _Mutation) -> AdapterStatus:
-        self._queue.put(m)
+        with self._lock:  # `_finish` drains the queue once under this lock: a mutation is queued before or refused
+            if self._finished:
+                raise ServiceError("the service is stopping")
+            self._queue.put(m)
         return m.done.result()
 
     def _check_open(self) -> None:
@@ -421,8 +433,15 @@ class ServiceCore:
 
 
 # -- the Ray actor --------------------------------------------------------------------------------------------------
+# The actor's reads (`status`, `model_config`) run in a concurrency group of their own: each `submit` and `remove`
+# holds one of the default group's 16 threads until the current step ends, so 16 of them at once (a shell loop of
+# `rl-multilora submit ... &`) queued every `status` behind them, and `serve`'s health check timed out.
+READS = ("status", "model_config")
+READS_GROUP = "reads"
+
+
 class ServiceActor:
-    """Ray-side wrapper of ServiceCore; created by `serve` as `ray.remote(ServiceActor).options(...)`."""
+    """Ray-side wrapper of ServiceCore; created by `serve` as `ray.remote(...)(ServiceActor).options(...)`."""
 
     def __init__(self, cfg_data: dict[str, Any], workdir: str | None = None, tinker: dict[str, Any] | None = None):
         _setup_worker(workdir)
@@ -614,12 +633,15 @@ class ServiceClient:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        remote = getattr(self.handle, method)
+        if method in READS:  # never queued behind submits and removes that wait for the step to end
+            remote = remote.options(concurrency_group=READS_GROUP)
         try:
-            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+            return ray.get(remote.remote(*args), timeout=timeout)
         except RayActorError as e:
             raise ServiceError(f"the rl-multilora service is not running any more ({e})") from None
         except GetTimeoutError:
-            raise ServiceError(f"the service did not answer {method} within {timeout} s") from None
+            raise ServiceTimeout(f"the service did not answer {method} within {timeout} s") from None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.model_validate(self._call("model_config", timeout=60))
@@ -723,7 +745,7 @@ def serve(
                     "can load"
                 )
         handle = (
-            ray.remote(ServiceActor)
+            ray.remote(concurrency_groups={READS_GROUP: 4})(ServiceActor)  # not an `.options()` setting in Ray
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
             .remote(cfg.model_dump(mode="json"), os.getcwd(), tinker)
         )
@@ -745,7 +767,11 @@ def serve(
                 else tinker_state_dir(cfg) / "token"
             )
             print(f"  tinker API: http://{tinker['host']}:{tinker['port']} (token in {token_at})", flush=True)
-        code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None, allocator=allocator)
+        try:
+            code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None, allocator=allocator)
+        except ServiceError as e:  # the actor is gone, or no answer for long: still try to checkpoint before the kill
+            log.error("%s", e)
+            code = 1
         log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
         print(client.shutdown().table(), flush=True)
         return code
@@ -755,6 +781,9 @@ def serve(
         if handle is not None:
             ray.kill(handle)
         ray.shutdown()
+
+
+_MAX_LATE_STATUS = 5  # serve's health check gives up on a service whose status timed out this many times in a row
 
 
 def _cause(e: BaseException) -> str:
@@ -790,8 +819,17 @@ def _run_until_signal(
         f"  submit: rl-multilora submit ADAPTER.yaml{address} | status: rl-multilora status{address} | stop: Ctrl-C",
         flush=True,
     )
+    late = 0  # status calls in a row that timed out
     while not stop.wait(health_every_s):
-        st = client.status()
+        try:
+            st = client.status()
+        except ServiceTimeout as e:
+            late += 1
+            if late < _MAX_LATE_STATUS:
+                log.warning("%s (%d in a row); still watching", e, late)
+                continue
+            raise ServiceError(f"{e}, {late} times in a row: the service looks stuck") from None
+        late = 0
         if st.error is not None:
             log.error("the service stopped training after an error: %s", st.error)
             return 1

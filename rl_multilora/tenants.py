@@ -298,6 +298,10 @@ class TenantManager:
         return self.table.tenants
 
     @property
+    def clients(self) -> dict[str, ClientTenant]:
+        return self.table.clients
+
+    @property
     def global_step(self) -> int:
         return self.table.global_step
 

@@ -18,6 +18,7 @@ Every function returns problems instead of raising, so one pass reports all of t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -151,6 +152,15 @@ class OutsideFacts:
     eval_rows: int | None
 
 
+def _epochs_used(checkpoint: Path) -> float | None:
+    """The epochs of its data an adapter's checkpoint has used (its `data_state.json` cursor), or None unread."""
+    try:
+        state = json.loads((checkpoint / "data_state.json").read_text())
+        return (int(state["epoch"]) * int(state["n_rows"]) + int(state["cursor"])) / int(state["n_rows"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None  # a damaged checkpoint: admission sets it aside and says so
+
+
 def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> OutsideFacts:
     """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
 
@@ -270,13 +280,19 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
         elif eval_rows == 0:
             problems.append(f"{where}eval: the split has no rows ({fix})")
     problems += resume
-    if found is not None and not clients and not resume and ctx.submitted and a.max_steps is not None:
+    if found is not None and not clients and not resume and ctx.submitted:
+        # admission would resume it at its budget and retire it at once, without a word: say so instead
         done = int(found[1]["adapter_step"])
-        if done >= a.max_steps:  # admission would resume it at its budget and retire it at once: say so instead
+        if a.max_steps is not None and done >= a.max_steps:
             problems.append(
                 bad_value(
                     "max_steps", a.max_steps, f"more than {done}: its checkpoint is already at adapter step {done}"
                 )
+            )
+        used = _epochs_used(found[0])
+        if a.epochs is not None and used is not None and used >= a.epochs - 1e-9:
+            problems.append(
+                bad_value("epochs", a.epochs, f"more than {used:g}: its checkpoint has used {used:g} epochs of its data")
             )
     if ctx.name_holder is not None:
         problems.append(bad_value("name", a.name, f"a name no live adapter has ({ctx.name_holder})"))

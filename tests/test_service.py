@@ -302,6 +302,72 @@ def test_core_applies_mutations_between_steps_only(tmp_path):
     assert rt.events.count("checkpoint_all") == 1 and rt.events[-1] == "close"
 
 
+def test_a_submit_that_reads_its_dataset_while_the_service_stops_is_refused_not_left_waiting(tmp_path):
+    """`submit` passed its open check, read its dataset (seconds for a large one), and meanwhile `stop()` drained the
+    queue and finished: the late mutation was queued after the last drain, and the caller waited for ever."""
+    from rl_multilora.config import AdapterConfig
+    from rl_multilora.service import ServiceCore
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(json.dumps({"prompt": "p", "label": "l"}) + "\n")
+    rt = _GatedRuntime(tmp_path)
+    rt.free_run.set()
+    core = ServiceCore(rt, poll_s=0.05)
+    core.start()
+    stopped = threading.Event()
+
+    def facts_while_stopping(a):
+        core.stop(timeout=10)  # the service stops while this submission reads the outside world
+        stopped.set()
+        return ("facts of", a.name)
+
+    rt.tenants.outside_facts = facts_while_stopping
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(core.submit, AdapterConfig.model_validate(adapter_yaml(tmp_path, "a")))
+        with pytest.raises(ServiceError, match="the service is stopping"):
+            late.result(timeout=10)
+    assert stopped.is_set() and rt.events.count("checkpoint_all") == 1
+
+
+def test_remove_of_a_tinker_clients_model_says_how_it_is_released(tmp_path):
+    from rl_multilora.service import ServiceCore
+    from rl_multilora.tenants import ClientTenant
+
+    rt = _GatedRuntime(tmp_path)
+    rt.tenants.clients["m1"] = ClientTenant(name="m1", rank=8, slot=0)
+    core = ServiceCore(rt, poll_s=0.05)
+    with pytest.raises(ServiceError, match=r"'m1' is a Tinker client's model: it is released through the Tinker API"):
+        core._drain("m1")
+
+
+def test_serve_watch_tolerates_a_slow_status_and_gives_up_on_a_stuck_one(monkeypatch):
+    """A status that timed out once (submits waiting for the step held the actor's threads) ended `serve` with the
+    actor killed, before its final checkpoint; now a few late answers in a row are tolerated."""
+    import rl_multilora.service as service
+
+    answers = iter([service.ServiceTimeout("late"), SimpleNamespace(error=None), service.ServiceTimeout("late")])
+
+    class Client:
+        calls = 0
+
+        def status(self):
+            Client.calls += 1
+            answer = next(answers, service.ServiceTimeout("late"))
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    stop = threading.Event()
+    monkeypatch.setattr(service, "_auth_mode", lambda: "token")
+    monkeypatch.setattr(service, "token_location", lambda: "here")
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:1"))
+    cfg = SimpleNamespace(run_dir="run", model=SimpleNamespace(max_loras=1, max_rank=8))
+    with pytest.raises(ServiceError, match="5 times in a row: the service looks stuck"):
+        service._run_until_signal(Client(), cfg, stop, health_every_s=0.001, started=True)
+    assert Client.calls == 2 + service._MAX_LATE_STATUS  # late, fine, then late five times
+
+
 def test_shipped_service_configs_validate():
     """configs/service.yaml starts empty; each configs/adapters/*.yaml is a valid submission against its model."""
     from rl_multilora.config import load_run_config, load_yaml, parse_adapter_config
@@ -674,3 +740,26 @@ def test_a_name_submitted_again_with_resume_never_starts_over_and_keeps_its_firs
     assert mine and mine[0] == 1 and max(mine) == second.adapter_step
     old_rows = [json.loads(line) for line in (archived / "metrics.jsonl").read_text().splitlines()]
     assert {r["adapter"] for r in old_rows} == {"a"} and len(old_rows) >= first
+
+
+def test_an_adapter_whose_epochs_ran_out_is_refused_when_submitted_again_unchanged(workspace, tmp_path):
+    """Accepted as PENDING ("trains from the next step"), then retired at admission without a step or a word; a
+    `max_steps` already reached was refused up front, and `epochs` now is too, naming the field."""
+    from rl_multilora.config import AdapterConfig, parse_run_config
+    from rl_multilora.loop import Runtime
+    from rl_multilora.service import ServiceCore
+
+    core = ServiceCore(Runtime.build(parse_run_config(service_config(workspace, tmp_path / "run"))), poll_s=0.05)
+    a = adapter_yaml(workspace, "a", epochs=1, prompts_per_step=32)  # 64 rows: two steps
+    core.start()
+    try:
+        core.submit(AdapterConfig.model_validate(a))
+        deadline = time.monotonic() + 120
+        while core.status().get("a").state != "REMOVED":
+            assert time.monotonic() < deadline, core.status().table()
+            time.sleep(0.05)
+        with pytest.raises(ServiceError, match=r"epochs=1\.0 is not allowed; allowed: more than 1: its checkpoint"):
+            core.submit(AdapterConfig.model_validate(a))
+        assert core.submit(AdapterConfig.model_validate({**a, "epochs": 2})).state == "PENDING"  # a larger budget
+    finally:
+        core.stop(timeout=60)
