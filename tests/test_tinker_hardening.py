@@ -321,6 +321,67 @@ def test_samples_of_two_sessions_have_their_own_seeds_and_base_samples_leave_the
     _run(main())
 
 
+def test_samples_of_a_client_models_sampler_weights_leave_the_journal(tmp_path):
+    """A sample of a live model's sampler weights stayed in the journal until that model's next snapshot: a model
+    that only samples grew it by a row a sample, and every restart sampled them all again (a reviewer's repro: 100
+    rows after 100 samples)."""
+
+    async def main():
+        ops = _Ops()
+        async with _Client(ops, tmp_path / "j.sqlite") as c:
+            s = await c.session()
+            path = f"tinker://{await c.model(s)}/sampler_weights/w"
+            ops.samplers[path] = SamplerVersion("w")
+            body = {"session_id": s, "sampling_session_seq_id": 0, "model_path": path}
+            sid = (await c.post("create_sampling_session", body))[1]["sampling_session_id"]
+            keys = [(await c.sample(sid, seq))[1]["request_id"] for seq in range(3)]
+            for key in keys:
+                assert (await c.result(key))["type"] == "sample"
+            await asyncio.sleep(0.2)  # the finished samples' rows are swapped for their results in a thread
+            assert not [k for k, kind, *_ in c.server.journal.replay() if kind == "sample"]
+            assert not any(k in keys for k, _ in c.server._model_keys[f"{s}:train:0"])
+        again = _Ops()
+        again.samplers[path] = SamplerVersion("w")
+        async with _Client(again, tmp_path / "j.sqlite") as c:
+            await asyncio.sleep(0.2)
+            assert again.seeds == []  # nothing sampled again
+            status, out = await c.sample(sid, 1)  # a retried POST: the same future, its result from the journal
+            assert status == 200 and out["request_id"] == keys[1] and again.seeds == []
+            assert (await c.result(keys[1]))["type"] == "sample"
+
+    _run(main())
+
+
+def test_an_ended_session_leaves_only_its_end_in_the_journal(tmp_path):
+    """Every ended session left its models' results (two snapshots' worth) and a `models` row each for ever (a
+    reviewer's repro: the journal grew with each closed session). Its models' results now join the bounded ones of
+    finished samples; its end stays, so a restart still refuses the session."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            s = await c.session()
+            m = await c.model(s)
+            step = (await c.post("optim_step", {"model_id": m, "seq_id": 1, "adam_params": {}}))[1]["request_id"]
+            assert (await c.post(f"sessions/{s}/finish", {}))[0] == 200
+            await c.result(f"{m}.unload")
+            db = c.server.journal._db
+            for _ in range(50):  # the worker compacts the journal right after the unload resolves
+                if not db.execute("SELECT 1 FROM done WHERE model_id = ?", (m,)).fetchone():
+                    break
+                await asyncio.sleep(0.02)
+            assert [k for k, *_ in c.server.journal.replay()] == [f"session.{s}.end"]
+            assert db.execute("SELECT COUNT(*) FROM models").fetchone()[0] == 0
+            assert not db.execute("SELECT 1 FROM done WHERE model_id = ?", (m,)).fetchone()
+        again = _Ops()
+        async with _Client(again, tmp_path / "j.sqlite") as c:
+            assert "metrics" in await c.result(step)  # an answered request's result is still there
+            assert (await c.post("session_heartbeat", {"session_id": s}))[0] == 410
+            status, _ = await c.post("create_model", {"session_id": s, "model_seq_id": 0, "base_model": "tiny"})
+            assert status == 400 and not again.tenants  # a retried create of the ended session does not run again
+
+    _run(main())
+
+
 def test_a_create_whose_session_ended_while_it_waited_is_unloaded(tmp_path):
     """`_expire` lists a session's models from the tenants and the queued creates; a create the worker had already
     taken, waiting for its turn, was in neither, and its slot was never freed."""

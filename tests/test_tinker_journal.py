@@ -113,3 +113,56 @@ def test_sampling_clients_of_freed_weights_leave_the_journal(tmp_path):
         assert sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result()
     finally:
         server.close()
+
+
+def _loss(tc) -> float:
+    return tc.forward([_datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+
+
+def test_a_loaded_model_survives_a_restart_after_its_checkpoint_is_deleted_and_saved_again(tmp_path):
+    """A replayed load_weights read its checkpoint by name again: deleted meanwhile, the loaded model was lost;
+    saved again, it silently came back with the new weights. A load is snapshotted at once now."""
+    import httpx
+
+    state, port = tmp_path / "state", _free_port()
+    first = _OnPort(state, port)
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    a = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    _sft(a, 1, TOKENS)
+    x = a.save_state("x").result().path
+    _sft(a, 1, TOKENS)
+    a.save_state("y").result()  # A's snapshot now: x may be deleted
+    b = sc.create_training_client_from_state(x).result()
+    before = _loss(b)
+    r = httpx.delete(f"{first.url}/api/v1/training_runs/{a.model_id}/checkpoints/weights/x",
+                     headers={"X-API-Key": TOKEN})  # fmt: skip
+    assert r.status_code == 200, r.text
+    _sft(a, 1, TOKENS)
+    a.save_state("x").result()  # the name again, other weights
+    first.close()
+
+    second = _OnPort(state, port)
+    try:
+        assert _loss(b) == before
+    finally:
+        second.close()
+
+
+def test_a_save_state_between_forward_backward_and_optim_step_keeps_the_gradient_across_a_restart(tmp_path):
+    """save_state compacted the journal up to itself, forward_backward included, though its checkpoint holds no
+    gradient: after a restart the optim_step stepped without it. No snapshot is taken while a gradient waits now."""
+    state, port = tmp_path / "state", _free_port()
+    first = _OnPort(state, port)
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    tc.forward_backward([_datum(TOKENS)], "cross_entropy").result()
+    tc.save_state("mid").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    before = _loss(tc)
+    first.close()
+
+    second = _OnPort(state, port)
+    try:
+        assert _loss(tc) == before
+    finally:
+        second.close()

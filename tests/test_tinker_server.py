@@ -395,7 +395,9 @@ def test_client_checkpoints_are_run_checkpoints(server, tmp_path, capsys):
     tc.load_state_with_optimizer(early).result()
     assert ops.backend.adapter_step(ops.tenants[tc.model_id].name) == 2
     np.testing.assert_allclose(_sft(tc, 2, tokens), later_losses, rtol=1e-6)
-    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 4]  # a load writes nothing
+    # a load writes no client checkpoint, only the journal's snapshot of the model (a replay would read "early" again)
+    assert [step for step, _ in list_checkpoints(ckpt.adapter_dir(name))] == [2, 2, 4]
+    assert sorted(ckpt.labels(name)) == ["_journal-snapshot", "early", "step-4"]
 
 
 def test_labeled_checkpoints_last_save_wins_and_a_replayed_save_writes_nothing(tmp_path):
@@ -512,8 +514,11 @@ def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
     replayed save_weights_for_sampler on the worker, which here is slow: the sample waits for it and succeeds."""
     import httpx
 
+    from rl_multilora.tinker.journal import Journal
     from rl_multilora.tinker.ops import ClientOps
 
+    finish = Journal.finish
+    monkeypatch.setattr(Journal, "finish", lambda *_a, **_k: None)  # killed before its row is swapped for its result
     first = _Running(tmp_path / "state")
     sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
     tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
@@ -525,9 +530,9 @@ def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
 
     tokens = sample(tc.save_weights_and_get_sampling_client())
     assert tokens != sample(sc.create_sampling_client(base_model=BASE))  # a base sample would not pass for it
-    # the base's sample belongs to no model: once done, its row was swapped for its result (`Journal.finish`)
-    [key] = [k for k, kind, *_ in first.server.journal.replay() if kind == "sample"]
+    [key] = [k for k, kind, _, owner, _ in first.server.journal.replay() if kind == "sample" and owner is not None]
     first.close()
+    monkeypatch.setattr(Journal, "finish", finish)
 
     publish = ClientOps.publish_sampler
 

@@ -8,16 +8,21 @@ states, sampler versions and the results clients still poll for are rebuilt and 
 Replay recomputes; it does not read results back, so a replayed mixed batch may group rows differently than the first
 run (same math, float rounding).
 
-Bounded by snapshots: every `snapshot_every` optimizer steps of a model (and at each of its `save_state`), the server
-writes the model's state as a run checkpoint (weights, optimizer, step count; its live sampler versions' tensors go
-into `samplers`) and `compact` swaps, in one transaction, the model's requests before that point for the snapshot
-and their results. A restart restores the snapshot and replays only what came after it, so its time follows the
-snapshot interval, not the client's history. Results of compacted requests are kept for the two latest snapshots of a
-model (`done`): a client that polls a future it had not fetched before the restart still gets it.
+Bounded by snapshots: every `snapshot_every` optimizer steps of a model (and at each of its `save_state` and
+`load_weights`; never while a forward_backward's gradient waits for its optim_step), the server writes the model's
+state as a run checkpoint (weights, optimizer, step count; its live sampler versions' tensors go into `samplers`) and
+`compact` swaps, in one transaction, the model's requests before that point for the snapshot and their results. A
+restart restores the snapshot and replays only what came after it, so its time follows the snapshot interval, not the
+client's history. Results of compacted requests are kept for the two latest snapshots of a model (`done`): a client
+that polls a future it had not fetched before the restart still gets it.
 
 A second table records which models hold a slot (written when a create or load makes one and when an unload frees
 it): a restarted service holds slots for those models before it admits GRPO tenants, so the replay finds them.
 A create that was refused (no free slot) is in the log but not here, so it gets no slot it never had.
+
+An ended session leaves one row, its end (a restart must refuse it still: a session the server does not know is
+taken on, and a retried create of it would run again); its models' results join those of finished samples once
+they are unloaded (`retire`), and its other rows are gone.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FINISHED_KEPT = 1024  # results of finished model-less requests (samples of the base) a journal keeps, newest first
+FINISHED_KEPT = 1024  # results of finished samples (`Journal.finish`) a journal keeps, newest first
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Journal:
             if column not in columns:
                 self._db.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
         self._db.execute("CREATE TABLE IF NOT EXISTS models (model_id TEXT PRIMARY KEY, live INTEGER NOT NULL)")
+        self._db.execute("DELETE FROM models WHERE live = 0")  # an unloaded model's row, which `set_live` kept once
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS snapshots (model_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
             " generation INTEGER NOT NULL, info TEXT NOT NULL)"
@@ -116,8 +122,8 @@ class Journal:
             return self._db.execute("SELECT 1 FROM done WHERE key = ?", (key,)).fetchone() is not None
 
     def finish(self, key: str, result: bytes | dict[str, Any], keep: int = FINISHED_KEPT) -> None:
-        """Swap a finished request that belongs to no model (a sample of the base, or of sampler weights no client
-        model here owns) for its result, in one transaction; the results of the `keep` latest such requests are kept."""
+        """Swap a finished sample (of the base, or of any sampler weights) for its result, in one transaction; the
+        results of the `keep` latest such requests are kept."""
         blob, is_json = (result, 0) if isinstance(result, bytes) else (json.dumps(result).encode(), 1)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -126,12 +132,8 @@ class Journal:
                     "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, '', 0, ?, ?)",
                     (key, blob, is_json),
                 )
-                self._db.execute("DELETE FROM requests WHERE key = ? AND model_id IS NULL", (key,))
-                self._db.execute(
-                    "DELETE FROM done WHERE model_id = '' AND rowid NOT IN "
-                    "(SELECT rowid FROM done WHERE model_id = '' ORDER BY rowid DESC LIMIT ?)",
-                    (keep,),
-                )
+                self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+                self._trim_finished(keep)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -193,6 +195,28 @@ class Journal:
                 raise
             return generation
 
+    def retire(self, model_id: str, keep: int = FINISHED_KEPT) -> None:
+        """Move the kept results of `model_id`, unloaded and of an ended session, to those of finished samples (the
+        `keep` newest kept): no snapshot of it comes again to drop them, so every ended session left its models'
+        results for ever. A request of an ended session is refused, never run again, once its result is gone."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE done SET model_id = '', generation = 0 WHERE model_id = ?", (model_id,))
+                self._trim_finished(keep)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _trim_finished(self, keep: int) -> None:
+        """Keep the results of the `keep` latest finished requests (in a transaction, under `_lock`)."""
+        self._db.execute(
+            "DELETE FROM done WHERE model_id = '' AND rowid NOT IN "
+            "(SELECT rowid FROM done WHERE model_id = '' ORDER BY rowid DESC LIMIT ?)",
+            (keep,),
+        )
+
     def drop(self, keys: list[str]) -> None:
         """Forget requests that need no replay any more (a session's rows once it has ended, a sampling session
         whose weights were freed); their results are not kept."""
@@ -202,12 +226,16 @@ class Journal:
             self._db.executemany("DELETE FROM requests WHERE key = ?", [(k,) for k in keys])
 
     def set_live(self, model_id: str, live: bool) -> None:
-        """Record whether `model_id` holds a slot now (idempotent: a replay writes the same)."""
+        """Record whether `model_id` holds a slot now (idempotent: a replay writes the same). A model that holds
+        none has no row (an unloaded one kept its row for ever)."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO models (model_id, live) VALUES (?, ?) ON CONFLICT(model_id) DO UPDATE SET live = ?",
-                (model_id, int(live), int(live)),
-            )
+            if live:
+                self._db.execute(
+                    "INSERT INTO models (model_id, live) VALUES (?, 1) ON CONFLICT(model_id) DO UPDATE SET live = 1",
+                    (model_id,),
+                )
+            else:
+                self._db.execute("DELETE FROM models WHERE model_id = ?", (model_id,))
 
     def live_models(self) -> list[str]:
         """Models that held a slot when the server stopped, in the order they were first created."""

@@ -691,9 +691,10 @@ class ClientOps:
     def snapshot(self, model_id: str, key: str, saved: str | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
         """The model's state for the journal (`Journal.compact`): a run checkpoint of its weights, optimizer and step
         count (written under request id `key`, or the client's own checkpoint at `saved` when the model has not
-        changed since that save_state), how to rebuild it, and its live sampler versions' tensors. Taken right after
-        an optim_step or a save of the model, so no gradient is pending. `info["owned"]`: the journal wrote the
-        checkpoint (and removes it once a newer snapshot supersedes it); a client's own is never removed."""
+        changed since that save_state), how to rebuild it, and its live sampler versions' tensors. It holds no
+        gradient: the server takes none between a forward_backward and its optim_step (`TinkerServer._compact_after`).
+        `info["owned"]`: the journal wrote the checkpoint (and removes it once a newer snapshot supersedes it); a
+        client's own is never removed."""
         from safetensors.torch import save as tensors_to_bytes
 
         t = self.tenant(model_id)

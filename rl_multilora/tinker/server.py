@@ -38,9 +38,9 @@ Design choices (and the pitfalls of other Tinker servers they avoid):
   failure (their gradients are in) resolve with their outputs (`ops.PartialBatch`), only the others run again. A
   backend call holds at most `max_loras` tenants, so a call is all or nothing.
 - Memory and the journal stay bounded: a compacted request's result is in the journal only (`done`; retrieve_future
-  and a retried POST find it there); a sample that no model's snapshot compacts (of the base, or of sampler weights
-  no client model here owns) is swapped for its result once done (the newest 1,024 kept), so a restart does not
-  sample it again. A recording sample stays until none of its stability records is left (expired, evicted or its
+  and a retried POST find it there); a sample (of the base, or of any sampler weights: a model that only samples
+  takes no snapshot) is swapped for its result once done (the newest 1,024 kept), so a restart does not sample it
+  again. A recording sample stays until none of its stability records is left (expired, evicted or its
   session ended): until then its replay rebuilds them.
 - Samples without a seed of their own are seeded by a hash of their whole request id: a replay samples the same
   tokens, and two sessions' first samples differ.
@@ -171,8 +171,8 @@ class TinkerServer:
         self._expired: set[str] = set()
         self._samples: dict[str, asyncio.Task] = {}  # sample request id -> its task, while it runs
         self._recording: set[str] = set()  # sequence ids of recording samples not done yet (under `lock`)
-        # recording samples no snapshot compacts, done: their journal rows go once none of their records is left
-        self._recorded: dict[str, tuple[list[str], bytes | dict[str, Any]]] = {}  # key -> (sequence ids, result)
+        # recording samples, done: their journal rows go once none of their records is left (`_finish_recorded`)
+        self._recorded: dict[str, tuple[list[str], Any, str | None]] = {}  # key -> (sequence ids, result, owner)
         if type(snapshot_every) is not int or snapshot_every < 1:
             raise ValueError(
                 f"snapshot_every={snapshot_every!r} is not allowed; allowed: an int >= 1 (a model's optimizer steps "
@@ -182,6 +182,8 @@ class TinkerServer:
         self._model_keys: dict[str, list[tuple[str, int | None]]] = {}  # model -> (request id, seq) in the journal
         self._snapped_at: dict[str, int] = {}  # model -> its step count at its last snapshot
         self._snap_folder: dict[str, str] = {}  # model -> checkpoint folder of its last snapshot
+        self._grad_pending: set[str] = set()  # models with a forward_backward's gradient and no optim_step since
+        self._unsnapped_load: set[str] = set()  # models whose load_weights no snapshot holds yet (`_compact_after`)
         self.ops = ops
         self.turn = turn  # held while requests run on the model (the service's FIFO lock; nothing standalone)
         self.batch_wait_s = batch_wait_s
@@ -974,7 +976,7 @@ class TinkerServer:
             res.sequence_ids = body.get(SEQUENCE_IDS)
             with self.lock:
                 self._recording.update(res.sequence_ids or ())
-            task = self.loop.create_task(self._sample(key, body, res, finish=model_id is None))
+            task = self.loop.create_task(self._sample(key, body, res, model_id))
             self._samples[key] = task
             task.add_done_callback(lambda _t: self._samples.pop(key, None))
         elif kind == "restore":
@@ -1008,7 +1010,8 @@ class TinkerServer:
     def _resolve(self, res: Result, value: dict[str, Any] | bytes, notify: bool = True) -> None:
         """Set a request's result; `notify` False: its pollers are told later (`_notify`), once the turn has
         compacted the journal after it (a save_state's checkpoint is then the snapshot, so deleting the previous one,
-        which the client may do as soon as it has the result, is no longer refused)."""
+        which the client may do as soon as it has the result, is no longer refused; a load's snapshot holds what it
+        read, so deleting that checkpoint can no longer lose the model)."""
         res.value = value  # at once: a snapshot taken later in this turn keeps it (`_compact`)
         res.resolved = next(self._resolved)  # itertools.count: one step under the GIL, from any thread
         if notify:
@@ -1094,7 +1097,7 @@ class TinkerServer:
                     self._run_one(op)
                 if fwd:
                     self._run_batch(fwd)
-                saves = [self.state.results[op.request_id] for op in ready if op.kind == "save_weights"]
+                saves = [self.state.results[op.request_id] for op in ready if op.kind in _TOLD_AFTER_COMPACT]
                 try:
                     self._compact_after(ready)  # (which may move their results into the journal)
                 finally:
@@ -1198,7 +1201,7 @@ class TinkerServer:
             self._fail(op)
             return
         self._record_live(op)
-        self._resolve(self.state.results[op.request_id], value, notify=op.kind != "save_weights")
+        self._resolve(self.state.results[op.request_id], value, notify=op.kind not in _TOLD_AFTER_COMPACT)
 
     def _unless_ended_model(self, model_id: str) -> None:
         """After a create (or a load) made `model_id`: when its session ended meanwhile (`_expire` or
@@ -1215,20 +1218,38 @@ class TinkerServer:
     # -- the bounded journal ----------------------------------------------------------------------------------------
     def _compact_after(self, ran: list[Op]) -> None:
         """Snapshot the models whose request of this turn calls for it (an optim_step `snapshot_every` steps after
-        the last snapshot, a save_state) and compact their journal; forget an unloaded model's requests. A failed
-        snapshot leaves the journal as it was (the restart replays more)."""
+        the last snapshot, a save_state, a load_weights) and compact their journal; forget an unloaded model's
+        requests. A failed snapshot leaves the journal as it was (the restart replays more).
+
+        A load is snapshotted at once: replayed, it would read its checkpoint by name again, and by then that name
+        may be deleted or saved again (the model came back lost, or silently other weights). A failed
+        create-via-load made no model: it is forgotten, so a replay does not try it again. No snapshot is taken
+        while a forward_backward's gradient waits for its optim_step (`_grad_pending`): the checkpoint cannot hold
+        it, so those rows stay to be replayed, and a load is then snapshotted at the model's next optim_step."""
         for op in ran:
             m = op.model_id
             try:
-                if op.kind == "unload_model" and m not in self.ops.tenants:
+                if op.kind == "forward_backward" and op.body.error is None and not op.body.forward_only:
+                    self._grad_pending.add(m)
+                elif op.kind == "unload_model" and m not in self.ops.tenants:
+                    self._grad_pending.discard(m)
                     self._compact(m, None)
-                elif op.kind in ("optim_step", "save_weights") and m in self.ops.tenants:
+                elif op.kind == "load_weights" and m not in self.ops.tenants:
+                    self._compact(m, None)
+                elif op.kind in ("optim_step", "save_weights", "load_weights") and m in self.ops.tenants:
                     value = self.state.results[op.request_id].value or {}
-                    if "error" in value:
+                    if op.kind == "load_weights":  # failed or not, what it left is the model now
+                        self._unsnapped_load.add(m)
+                    elif "error" in value:
                         continue
+                    elif op.kind == "optim_step":
+                        self._grad_pending.discard(m)
+                    if m in self._grad_pending:
+                        continue
+                    steps = self.ops.steps(m) - self._snapped_at.get(m, 0)
                     if op.kind == "save_weights":  # save_state: its own checkpoint is the snapshot
                         self._compact(m, op.seq_id + 1, saved=value["path"])
-                    elif self.ops.steps(m) - self._snapped_at.get(m, 0) >= self.snapshot_every:
+                    elif m in self._unsnapped_load or steps >= self.snapshot_every:
                         self._compact(m, op.seq_id + 1)
             except Exception:  # noqa: BLE001 - the journal still holds every request: nothing is lost
                 log.exception("journal snapshot of %s failed; its requests stay in the journal", m)
@@ -1253,11 +1274,17 @@ class TinkerServer:
             elif next_seq is None or (seq is not None and seq < next_seq):
                 results[key] = res.value
         self.journal.compact(model_id, next_seq if next_seq is not None else 2**62, info, blobs, results, samples)
+        session = session_of(model_id)
+        if next_seq is None and (session in self._finished or session in self._expired):
+            self.journal.retire(model_id)  # nothing of it can come again: its results need not stay for ever
         with self.lock:
             self._model_keys[model_id] = [(k, q) for k, q in self._model_keys.get(model_id, []) if k not in results]
+            if next_seq is None and not self._model_keys[model_id]:
+                del self._model_keys[model_id]
         for key in results:  # kept in the journal (`done`), where retrieve_future and a retried POST find them
             self.state.results.pop(key, None)
         old = self._snap_folder.pop(model_id, None)  # a checkpoint the journal wrote for its last snapshot
+        self._unsnapped_load.discard(model_id)
         if info is not None:
             if info["owned"]:
                 self._snap_folder[model_id] = info["folder"]
@@ -1271,29 +1298,35 @@ class TinkerServer:
         if op.kind in ("create_model", "load_weights", "unload_model"):
             self.journal.set_live(op.model_id, op.model_id in self.ops.tenants)
 
-    async def _sample(self, key: str, body: dict[str, Any], res: Result, finish: bool = False) -> None:
-        """Run sample request `key` and resolve `res`. `finish`: a sample no model's snapshot compacts (of the base, or
-        of sampler weights whose model is not a client model here): once done, its journal row is swapped for its
-        result (`Journal.finish`), so restarts do not sample it again and the journal does not grow with the
-        server's sampling history. A recording sample once its stability records are gone (its replay would rebuild
-        them until then)."""
+    async def _sample(self, key: str, body: dict[str, Any], res: Result, owner: str | None = None) -> None:
+        """Run sample request `key` and resolve `res`; once done, its journal row is swapped for its result
+        (`Journal.finish`), so restarts do not sample it again and the journal does not grow with the server's
+        sampling history (`owner`, the client model whose sampler weights it read, snapshots only when it trains: a
+        model that only samples kept every sample in the journal). A recording sample once its stability records
+        are gone (its replay would rebuild them until then)."""
         await self._run_sample(key, body, res)
-        if not finish or res.value is None:
+        if res.value is None:
             return
         ids = body.get(SEQUENCE_IDS)
         if ids and self.ops.records.holds_any(ids):
-            self._recorded[key] = (ids, res.value)  # finished by `_finish_recorded` once its records are gone
+            self._recorded[key] = (ids, res.value, owner)  # finished by `_finish_recorded` once its records are gone
             return
-        await asyncio.to_thread(self.journal.finish, key, res.value)
-        self.state.results.pop(key, None)
+        await self._finish_sample(key, res.value, owner)
 
     async def _finish_recorded(self) -> None:
         """Finish the recording samples (`_sample`) none of whose stability records is left (expired, evicted, or
         their session ended): replaying them would record what nobody can name any more."""
-        for key in [k for k, (ids, _) in self._recorded.items() if not self.ops.records.holds_any(ids)]:
-            _, value = self._recorded.pop(key)
-            await asyncio.to_thread(self.journal.finish, key, value)
-            self.state.results.pop(key, None)
+        for key in [k for k, (ids, *_) in self._recorded.items() if not self.ops.records.holds_any(ids)]:
+            _, value, owner = self._recorded.pop(key)
+            await self._finish_sample(key, value, owner)
+
+    async def _finish_sample(self, key: str, value: bytes | dict[str, Any], owner: str | None) -> None:
+        """Swap a done sample's journal row for its result: retrieve_future and a retried POST find it there."""
+        await asyncio.to_thread(self.journal.finish, key, value)
+        self.state.results.pop(key, None)
+        with self.lock:  # no snapshot of its model has it to compact any more
+            if owner in self._model_keys:
+                self._model_keys[owner] = [(k, q) for k, q in self._model_keys[owner] if k != key]
 
     async def _run_sample(self, key: str, body: dict[str, Any], res: Result) -> None:
         try:
@@ -1601,6 +1634,8 @@ def build_service_server(
 SHUTDOWN_S = 5.0
 # Requests after which sampler versions may have been freed (a newer one past --max-sampler-versions, an unload).
 _FREES_SAMPLERS = ("save_weights_for_sampler", "unload_model", "create_model", "load_weights")
+# Requests whose result is told only after the turn's journal snapshot (`_resolve`): a save_state, a load_weights.
+_TOLD_AFTER_COMPACT = ("save_weights", "load_weights")
 
 
 class BackgroundApp:
