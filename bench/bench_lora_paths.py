@@ -157,10 +157,16 @@ def print_table(title: str, times: dict, refs: list[str], unit: Callable[[float]
         print(f"| {key} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _bank_of(before: types.ModuleType, bank: LoRABank) -> LoRABank:
+    """The engine bank in the layout `before`'s revision stored it: rank-minor from `bag_layout` on (this one's),
+    the model's own layout before that."""
+    return bank if getattr(before, "bag_layout", None) is not None else contiguous_bank(bank)
+
+
 def bench_decode(m: MultiLoRAModel, before: types.ModuleType, rows: int, warmup: int, runs: int) -> None:
     m.eval()
     bank = m.new_bank()
-    banks = {"after": bank, "before": contiguous_bank(bank)}
+    banks = {"after": bank, "before": _bank_of(before, bank)}
     config = m.base_model.config
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (rows, PROMPT), generator=g)
@@ -229,7 +235,7 @@ def peft_step(embeds: torch.Tensor) -> Callable[[], None]:
 def bench_prefill(m: MultiLoRAModel, before: types.ModuleType, warmup: int, runs: int) -> None:
     m.eval()
     bank = m.new_bank()
-    banks = {"after": bank, "before": contiguous_bank(bank) if getattr(before, "bag_layout", None) is None else bank}
+    banks = {"after": bank, "before": _bank_of(before, bank)}
     rows, length = 24, 40
     ids = torch.randint(0, m.base_model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(2))
 

@@ -3,10 +3,11 @@
     python bench/bench_multi_vs_single.py [--preset-dir artifacts/tiny] [--adapters 4] [--steps 6] [--repeats 3]
 
 Every run is its own process (`rl-multilora run`), as separate jobs would be. Reported, as medians over
-`--repeats` interleaved repetitions:
+`--repeats` interleaved repetitions (the multi run first in even ones, the singles first in odd ones):
 - wall time: one N-adapter run vs the N one-adapter runs back to back (what a user waits for either way);
 - peak memory (max RSS of the run process): the N-adapter run vs one single-adapter run, and vs N single runs
-  running side by side (N x, what N colocated jobs would hold);
+  running side by side, computed as N x one run's peak, not measured: each RSS counts the file-backed library pages
+  N colocated jobs would share, so it overstates them (reward workers are left out on both sides);
 - the share of step time spent in rollout, reward, train, checkpoint and sync, from metrics.jsonl.
 Each process pays the same start-up (imports, model load, reward workers); that is part of what one run saves.
 """
@@ -106,18 +107,25 @@ def main() -> None:
         work = Path(tmp)
         for rep in range(args.repeats):
             ads = [adapter_cfg(i, preset / "data", args.steps) for i in range(n)]
-            w, rss, rows = timed_run(run_config(work / f"multi{rep}", preset, ads), work)
-            multi_wall.append(w)
-            multi_rss.append(rss)
-            shares_multi.append(phase_shares(rows))
-            walls, rsss = [], []
-            for i, a in enumerate(ads):
-                w, rss, rows = timed_run(run_config(work / f"single{rep}-{i}", preset, [a]), work)
-                walls.append(w)
-                rsss.append(rss)
-                shares_single.append(phase_shares(rows))
-            single_wall.append(sum(walls))
-            single_rss.append(max(rsss))
+
+            def multi(rep=rep, ads=ads):
+                w, rss, rows = timed_run(run_config(work / f"multi{rep}", preset, ads), work)
+                multi_wall.append(w)
+                multi_rss.append(rss)
+                shares_multi.append(phase_shares(rows))
+
+            def singles(rep=rep, ads=ads):
+                walls, rsss = [], []
+                for i, a in enumerate(ads):
+                    w, rss, rows = timed_run(run_config(work / f"single{rep}-{i}", preset, [a]), work)
+                    walls.append(w)
+                    rsss.append(rss)
+                    shares_single.append(phase_shares(rows))
+                single_wall.append(sum(walls))
+                single_rss.append(max(rsss))
+
+            for side in (multi, singles) if rep % 2 == 0 else (singles, multi):  # each side goes first in turn
+                side()
             print(f"rep {rep}: multi {multi_wall[-1]:.1f}s / {multi_rss[-1]:.0f} MiB; "
                   f"{n} singles {single_wall[-1]:.1f}s / {single_rss[-1]:.0f} MiB each", flush=True)  # fmt: skip
     med = statistics.median
