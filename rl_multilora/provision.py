@@ -35,7 +35,9 @@ Presets:
 Design choices:
 
 - PROVISIONED.json is written last, so its presence means the directory is complete. A second call with the same
-  preset, seed and settings returns at once; a different recipe in the same directory is an error unless `force`.
+  preset, seed and settings returns at once, reading only that file (no lock, no write: a finished build answers in
+  a folder the caller cannot write); a different recipe in the same directory is an error naming the settings that
+  differ, and a damaged marker one naming the file, unless `force`, which rebuilds.
 - Same seed, same files: every file except PROVISIONED.json (which holds wall times) is byte-identical across runs
   on the same torch build (the tiny build runs on one intra-op thread whatever the machine has). That is also why
   provisioning uses one core of two: nothing else in it can use the second without changing the files or without
@@ -50,6 +52,7 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
@@ -362,6 +365,8 @@ def provision(
     pretraining on stderr: None (default) when stderr is a terminal, True always, False never.
     """
     if preset == smollm2.PRESET:
+        if pretrain_steps is not None:
+            raise ValueError(_no_pretraining(preset, pretrain_steps))
         return _provision_smollm2_dir(out, seed, force, config)
     if not isinstance(preset, str) or not (preset in PRESETS or _HUB_ID.match(preset)):
         names = ", ".join(map(repr, [*PRESETS, smollm2.PRESET]))
@@ -378,6 +383,8 @@ def provision(
             f"pass the preset whose family the config has, or derive the config from PRESETS[{preset!r}]"
         )
     if pretrain_steps is not None:
+        if not offline:
+            raise ValueError(_no_pretraining(preset, pretrain_steps))
         cfg = replace(cfg, pretrain_steps=pretrain_steps)  # validated again, naming the field
     recipe = {"preset": preset, "seed": seed}
     recipe["settings"] = cfg.settings() if offline else {"n_train": cfg.n_train, "n_test": cfg.n_test}
@@ -388,6 +395,16 @@ def provision(
         return _provision_hub(preset, out, seed, cfg.n_train, cfg.n_test)
 
     return _build(out, recipe, force, build, TASKS, offline)
+
+
+def _no_pretraining(preset: str, pretrain_steps) -> str:
+    """Said instead of ignoring the flag: only the offline presets pretrain, so a step count anywhere else would
+    change nothing while the user believes it did."""
+    offline = ", ".join(map(repr, PRESETS))
+    return (
+        f"pretrain_steps={pretrain_steps!r} (--pretrain-steps) is not allowed for preset={preset!r}: it has no "
+        f"pretraining (only the offline presets {offline} have); leave it out"
+    )
 
 
 def _provision_smollm2_dir(out: str | Path, seed: int, force: bool, config) -> Path:
@@ -405,34 +422,117 @@ def _provision_smollm2_dir(out: str | Path, seed: int, force: bool, config) -> P
 def provision_lock(out: str | Path):
     """An exclusive lock on provisioning `out` (a sibling `<out>.lock` file): a second provisioning of the same
     directory, in another process (two tests side by side, two shells), waits for the first and then finds it done
-    instead of clearing and rewriting the folder under it."""
+    instead of clearing and rewriting the folder under it. `out` is resolved first: "." and "./" have no name to put
+    the lock next to, their absolute path has."""
     from filelock import FileLock
 
-    out = Path(out)
+    out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(out.with_name(out.name + ".lock")))
 
 
-def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
-    """The part every preset shares: the marker check, clearing what provisioning writes, the atomic marker."""
-    with provision_lock(out):
-        return _build_locked(Path(out), recipe, force, build, tasks, offline)
-
-
-def _build_locked(out: Path, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
-    preset, seed = recipe["preset"], recipe["seed"]
+def read_marker(out: Path) -> dict | None:
+    """`out`'s PROVISIONED.json, or None when there is none. An empty or damaged one (a disk that filled, a hand
+    edit) is an error naming the file and what to do, not a JSON traceback: it proves nothing about the folder."""
     marker = out / MARKER
-    if marker.exists():
-        previous = json.loads(marker.read_text())
-        same = all(previous.get(k) == v for k, v in recipe.items())
-        if same and not force:
+    try:
+        text = marker.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # nothing built there (a path under a file: writing says so)
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        why = "empty" if not text.strip() else f"not JSON: {err}"
+    else:
+        why = None
+        if not isinstance(record, dict):
+            why = f"a JSON {type(record).__name__}, not an object"
+        elif not isinstance(record.get("preset"), str):
+            why = "no 'preset' in it"
+    if why:
+        raise ValueError(
+            f"{str(marker)!r} is not a provisioning record ({why}); pass force=True (--force) to rebuild "
+            f"{str(out)!r}, or delete that file"
+        )
+    return record
+
+
+def recipe_differences(previous: dict, recipe: dict) -> list[str]:
+    """Which settings of `recipe` the record `previous` has otherwise, as 'name: X there, Y asked' (the settings'
+    own names, a nested recipe's dotted: 'base.pretrain_steps'), so a refusal says what to change instead of only
+    that it differs. Only the recipe's keys count: the record's sizes, stats and timings are not asked for."""
+    missing = "(none)"
+    out = []
+
+    def walk(there, asked, name: str) -> None:
+        if isinstance(there, dict) and isinstance(asked, dict):
+            for key in [*asked, *(k for k in there if k not in asked)]:
+                key_name = name if key == "settings" else f"{name}.{key}" if name else key
+                walk(there.get(key, missing), asked.get(key, missing), key_name)
+        elif there != asked:
+            show = [v if v is missing else json.dumps(v) for v in (there, asked)]
+            out.append(f"{name}: {show[0]} there, {show[1]} asked")
+
+    if previous.get("preset") != recipe.get("preset"):  # another preset's settings are all its own: noise here
+        return [f"preset: {json.dumps(previous.get('preset'))} there, {json.dumps(recipe.get('preset'))} asked"]
+    for key, value in recipe.items():  # the recipe's keys only, at the top: the record's others are results
+        walk(previous.get(key, missing), value, "" if key == "settings" else key)
+    return out
+
+
+def already_built(out: Path, recipe: dict, force: bool) -> bool:
+    """True when `out` holds a complete build of `recipe` and `force` is off (nothing to do). Another recipe there,
+    or a damaged marker, is an error unless `force`, which rebuilds whatever is there. Read-only: a finished build
+    answers without a lock or any write, so it also answers in a folder the caller cannot write."""
+    if force:
+        return False
+    previous = read_marker(out)
+    if previous is None:
+        return False
+    differences = recipe_differences(previous, recipe)
+    if differences:
+        raise FileExistsError(
+            f"out={str(out)!r} already holds preset={previous.get('preset')!r} seed={previous.get('seed')!r}, "
+            f"another recipe ({'; '.join(differences)}); pass force=True (--force) to rebuild it or choose another "
+            f"directory"
+        )
+    return True
+
+
+@contextlib.contextmanager
+def writing(out: Path):
+    """`provision_lock(out)` held, with a folder that cannot be created or written (a read-only or uncreatable
+    parent) reported as a PermissionError naming it, which the commands print and exit 2 on."""
+    try:
+        with provision_lock(out):
+            yield
+    except (PermissionError, NotADirectoryError, FileExistsError) as err:
+        if isinstance(err, FileExistsError) and err.filename is None:
+            raise  # another recipe in `out` (already_built), not a path that cannot be made
+        raise PermissionError(
+            f"out={str(out)!r} cannot be written ({err.strerror or err}: {err.filename!r}); choose a folder you can write"
+        ) from err
+
+
+def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
+    """The part every preset shares: the marker check, clearing what provisioning writes, the atomic marker. The
+    marker is read before the lock (a finished build needs no write access) and again under it (another process may
+    have finished or replaced the build meanwhile)."""
+    out = Path(out)
+    preset, seed = recipe["preset"], recipe["seed"]
+    if already_built(out, recipe, force):
+        log.info("%s already holds %s (seed %d): nothing to do (--force rebuilds it)", out, preset, seed)
+        return out
+    with writing(out):
+        if already_built(out, recipe, force):
             log.info("%s already holds %s (seed %d): nothing to do (--force rebuilds it)", out, preset, seed)
             return out
-        if not same and not force:
-            raise FileExistsError(
-                f"out={str(out)!r} already holds preset={previous.get('preset')!r} seed={previous.get('seed')!r} "
-                f"(settings may differ too); pass force=True (--force) to rebuild it or choose another directory"
-            )
+        return _build_locked(out, recipe, build, tasks, offline)
+
+
+def _build_locked(out: Path, recipe: dict, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
+    preset, seed = recipe["preset"], recipe["seed"]
+    marker = out / MARKER
     # Clear only what provisioning writes; anything else a user keeps in `out` stays.
     marker.unlink(missing_ok=True)
     for sub in ("model", "data"):
@@ -482,7 +582,7 @@ def provision_command(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else default_out(args.preset)
     try:
         out = provision(args.preset, out, seed=args.seed, force=args.force, pretrain_steps=args.pretrain_steps)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     record = json.loads((out / MARKER).read_text())

@@ -6,8 +6,11 @@
 # provisioned DIR returns at once.
 set -euo pipefail
 
-out="${1:-artifacts/tiny}"
-shift || true
+out=artifacts/tiny
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--force, --seed 1) is for provisioning, not DIR
+  out=$1
+  shift
+fi
 
 # PYTHON (the tests set it to their interpreter) names the Python to run; else the console script, else `python`.
 if [ -n "${PYTHON:-}" ]; then

@@ -4,6 +4,8 @@
 (`artifacts/tiny/model`, provisioned first when missing) and writes `OUT/model`, `OUT/data/<task>/{train,test}.jsonl`
 for five tasks (the tiny preset's three, copied, plus `calc` and `guess`) and `OUT/PROVISIONED.json` with the new
 base's sampled success per task. The tiny preset itself is untouched: the main job's numbers are its base's.
+`--seed N` needs a tiny base of seed N: the base's seed is checked (another is refused, never mixed), and
+artifacts/tiny is only ever provisioned at seed 0, so another seed takes `--tiny DIR` (provisioned there if missing).
 
 The two new tasks (their environments are `examples/multi_lora/agents.py`; the rules below are shared by the
 pretraining transcripts, the base-stats episodes and those environments, so all three agree to the character):
@@ -47,6 +49,7 @@ import math
 import random
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -532,25 +535,106 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+DEFAULT_TINY = "artifacts/tiny"  # the main job's base: provisioned here only at seed 0, the seed the main job trains
+
+
 def provision_agents(
     out: str | Path,
-    tiny: str | Path = "artifacts/tiny",
+    tiny: str | Path | None = None,
     seed: int = 0,
     force: bool = False,
     config: AgentsPresetConfig | None = None,
 ) -> Path:
-    """Write the tiny-agents base and its five datasets into `out` (from the tiny base in `tiny`, provisioned
-    there first when missing); nothing is done when `out` already holds this recipe, unless `force`. Under
-    `provision_lock(out)`: a second provisioning of `out` at the same time waits, then finds it done."""
-    from rl_multilora.provision import provision_lock
+    """Write the tiny-agents base and its five datasets into `out`, from the tiny base in `tiny`; nothing is done
+    when `out` already holds this recipe, unless `force`.
 
-    with provision_lock(out):
-        return _provision_agents(out, tiny, seed, force, config)
+    The base must have been provisioned with `seed`: its three datasets are copied and the new ones drawn from
+    `seed`, so a base of another seed would mix two seeds under one record; it is refused instead (the error names
+    both). A missing base is provisioned first, at `seed`, in `tiny`; without `tiny`, in artifacts/tiny and at seed 0
+    only, since the main job trains on that folder at seed 0 and would refuse another seed there: another seed needs
+    `tiny=DIR` (--tiny DIR), a base of its own. The recipe holds the base's own (preset, seed, settings), so another
+    base makes `out` another recipe. The marker is read before `provision_lock(out)` (a finished build needs no write
+    access) and again under it: a second provisioning of `out` at the same time waits, then finds it done."""
+    from rl_multilora.provision import writing
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} (--seed) is not allowed; allowed: an integer >= 0")
+    cfg = config or AgentsPresetConfig()
+    out, chosen = Path(out), tiny is not None
+    tiny = Path(tiny) if chosen else Path(DEFAULT_TINY)
+    recipe = {
+        "preset": "tiny-agents",
+        "seed": seed,
+        "settings": asdict(cfg) | {"mix": list(cfg.mix)},
+        "base": _base_recipe(tiny, seed, chosen),
+    }
+    if _done(out, tiny, recipe, force):
+        return out
+    with writing(out):
+        if _done(out, tiny, recipe, force):
+            return out
+        return _provision_agents(out, tiny, seed, cfg, recipe)
 
 
-def _provision_agents(
-    out: str | Path, tiny: str | Path, seed: int, force: bool, config: AgentsPresetConfig | None
-) -> Path:
+def _done(out: Path, tiny: Path, recipe: dict, force: bool) -> bool:
+    from rl_multilora.provision import already_built
+
+    if not already_built(out, _compared_recipe(out, tiny, recipe), force):
+        return False
+    log.info("%s already holds tiny-agents (seed %d): nothing to do (--force rebuilds it)", out, recipe["seed"])
+    return True
+
+
+def _base_recipe(tiny: Path, seed: int, chosen: bool) -> dict:
+    """The tiny base's identity (preset, seed, settings), read from its PROVISIONED.json, or the tiny preset's
+    recipe at `seed` when it is still to be provisioned. Refuses a base of another seed, and a missing default base
+    at a seed other than 0 (see `provision_agents`), naming --seed, the folder and what it holds."""
+    from rl_multilora.presets.tiny_config import PRESETS
+    from rl_multilora.provision import read_marker
+
+    try:
+        record = read_marker(tiny)
+    except ValueError as err:
+        raise ValueError(
+            f"the tiny base in {str(tiny)!r} is damaged: {err} (--force here rebuilds only OUT; rebuild the base with "
+            f"`rl-multilora provision --preset tiny --out {tiny} --force`)"
+        ) from None
+    if record is None:
+        if not chosen and seed != 0:
+            raise ValueError(
+                f"seed={seed} (--seed {seed}) needs a tiny base provisioned with seed {seed}, and the default base "
+                f"{DEFAULT_TINY!r} is only ever provisioned at seed 0 (the main job trains on it); pass tiny=DIR "
+                f"(--tiny DIR) for a base of seed {seed} of its own (provisioned there if missing)"
+            )
+        return {"preset": "tiny", "seed": seed, "settings": PRESETS["tiny"].settings()}
+    if record.get("seed") != seed:
+        raise ValueError(
+            f"seed={seed} (--seed {seed}) does not match the tiny base in {str(tiny)!r}, which holds "
+            f"preset={record.get('preset')!r} seed={record.get('seed')!r}; pass tiny=DIR (--tiny DIR) for a base "
+            f"provisioned with seed {seed} (provisioned there if missing), or --seed {record.get('seed')!r}"
+        )
+    return {key: record.get(key) for key in ("preset", "seed", "settings")}
+
+
+def _compared_recipe(out: Path, tiny: Path, recipe: dict) -> dict:
+    """What `out`'s record is compared with. Records written before the recipe held its base ("base") name the base
+    only by its model folder ("from"): one whose folder is `tiny`'s is compared without "base" (its seed still has
+    to match, and `_base_recipe` checked the base's), so an existing preset needs no 3-minute rebuild for a field
+    it predates. Any other record is compared with the whole recipe."""
+    from rl_multilora.provision import read_marker
+
+    try:
+        previous = read_marker(out)
+    except ValueError:
+        return recipe  # already_built reports it
+    if previous is None or "base" in previous or "from" not in previous:
+        return recipe
+    if Path(previous["from"]).resolve() != (tiny / "model").resolve():
+        return recipe
+    return {key: value for key, value in recipe.items() if key != "base"}
+
+
+def _provision_agents(out: Path, tiny: Path, seed: int, cfg: AgentsPresetConfig, recipe: dict) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -558,18 +642,9 @@ def _provision_agents(
     from rl_multilora.provision import MARKER as TINY_MARKER
     from rl_multilora.provision import provision
 
-    cfg = config or AgentsPresetConfig()
-    out, tiny = Path(out), Path(tiny)
-    recipe = {"preset": "tiny-agents", "seed": seed, "settings": asdict(cfg) | {"mix": list(cfg.mix)}}
     marker = out / MARKER
-    if marker.exists() and not force:
-        previous = json.loads(marker.read_text())
-        if all(previous.get(k) == v for k, v in recipe.items()):
-            log.info("%s already holds tiny-agents (seed %d): nothing to do (--force rebuilds it)", out, seed)
-            return out
-        raise FileExistsError(f"out={str(out)!r} holds another recipe; pass force=True (--force) or another directory")
     if not (tiny / TINY_MARKER).exists():
-        log.info("no tiny base in %s: provisioning it first", tiny)
+        log.info("no tiny base in %s: provisioning it first (seed %d)", tiny, seed)
         provision("tiny", tiny, seed=seed)
     marker.unlink(missing_ok=True)
     for sub in ("model", "data"):
@@ -665,20 +740,33 @@ def _old_task_stats(model, tokenizer, tiny: Path, cfg: AgentsPresetConfig, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m rl_multilora.presets.tiny_agents` (examples/multi_lora/provision_agents.sh). A refused seed, base or
+    folder prints the reason and returns 2, no traceback, as `rl-multilora provision` does."""
+    from rl_multilora.presets.arguments import non_negative_int
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/tiny-agents", help="output directory")
     parser.add_argument(
-        "--tiny", default="artifacts/tiny", help="the tiny preset's directory (provisioned if missing)"
+        "--tiny",
+        default=None,
+        help=f"the tiny base's directory, provisioned there at --seed if missing (default {DEFAULT_TINY}, "
+        "provisioned only at seed 0: another seed needs --tiny DIR)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the base's seed too (it must match)")
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT already holds this recipe")
-    parser.add_argument("--pretrain-steps", type=int, default=None, help="override the step count (tests)")
+    parser.add_argument(
+        "--pretrain-steps", type=non_negative_int, default=None, help="override the step count (tests)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = AgentsPresetConfig()
-    if args.pretrain_steps is not None:
-        cfg = replace(cfg, pretrain_steps=args.pretrain_steps)
-    provision_agents(args.out, args.tiny, seed=args.seed, force=args.force, config=cfg)
+    try:
+        cfg = AgentsPresetConfig()
+        if args.pretrain_steps is not None:
+            cfg = replace(cfg, pretrain_steps=args.pretrain_steps)
+        provision_agents(args.out, args.tiny, seed=args.seed, force=args.force, config=cfg)
+    except (ValueError, FileExistsError, FileNotFoundError, PermissionError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
