@@ -358,9 +358,15 @@ class CheckpointManager:
             if parent.exists() and not parent.is_dir():
                 raise FileNotFoundError(f"OUT: {str(parent)!r} is a file -> give a folder whose path has no file")
         out.mkdir(parents=True, exist_ok=True)
-        # Weights first, config last: a folder with adapter_config.json is a complete PEFT folder.
+        # A folder with adapter_config.json is a complete PEFT folder: an earlier export's config goes first, then the
+        # weights and the config each land by rename, so an interrupted export never leaves new weights beside an old
+        # config. A rename replaces a symlink at OUT's file names instead of writing through it (a link into a
+        # run's checkpoint overwrote that checkpoint's weights).
+        (out / CONFIG_NAME).unlink(missing_ok=True)
         for f in (WEIGHTS_NAME, CONFIG_NAME):
-            shutil.copy2(ck / f, out / f)
+            tmp = out / f"{TMP_PREFIX}{f}"
+            shutil.copy2(ck / f, tmp)
+            os.replace(tmp, out / f)
         return ck
 
     def read_weights(

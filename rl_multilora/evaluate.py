@@ -235,6 +235,27 @@ def evaluate_adapters(
     return results
 
 
+def _other_base(ckpt, model_path: str) -> str | None:
+    """Why the run's checkpoints may not be evaluated on `model_path`: the run state records the base they were
+    trained on, and a model folder replaced or re-pointed since (another config, other weight shapes) would score
+    them on a base they never saw, where `run` refuses to resume. None when it is the same base or nothing says."""
+    from rl_multilora.checkpoint import RunStateError, base_identity, base_mismatch
+    from rl_multilora.errors import bad_value
+
+    try:
+        state = ckpt.read_run_state()
+    except RunStateError:
+        return None  # damaged: the checkpoints themselves are still readable, and `run` says what is wrong
+    if state is None or base_mismatch(state, base_identity(model_path), model_path) is None:
+        return None
+    return bad_value(
+        "model.path",
+        model_path,
+        f"the base this run dir's adapters were trained on, {state['base'].get('path')!r} (the model there now has "
+        "another config or other weight shapes): evaluating them on it would score another model",
+    )
+
+
 def evaluate_checkpoints(
     run_dir: str,
     adapters: Sequence[str] | None = None,
@@ -285,6 +306,8 @@ def evaluate_checkpoints(
         except (AdapterFolderError, FileNotFoundError) as e:
             raise ConfigError([f"--peft: {e}"]) from None
     ckpt = CheckpointManager(root)
+    if peft is None and (mismatch := _other_base(ckpt, cfg.model.path)) is not None:
+        raise ConfigError([mismatch])
     weights: dict[str, AdapterWeights] = {}
     for name in names:
         if peft_weights is not None:

@@ -225,6 +225,8 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             check_compatible(a.name, a.model_dump(mode="json"), found[1].get("config", {}), found[0])
         except ConfigError as e:
             resume = e.problems
+        if not resume:
+            resume = coverage_problems(a, found[0], ctx.lora_modules, ctx.lora_parameters)
 
     # -- the judgement -----------------------------------------------------------------------------------------------
     problems = [
@@ -302,6 +304,57 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
     if ctx.rollout is not None:
         problems += staleness_problems(a, ctx.rollout)
     return problems
+
+
+def coverage_problems(
+    a: AdapterConfig, checkpoint: Path, lora_modules: Sequence[str] | None, lora_parameters: Sequence[str] | None
+) -> list[str]:
+    """The Linears `a`'s checkpoint holds LoRA for against those `a` covers now (its `target_modules` within the
+    model's, `model.target_modules`). An adapter that leaves `target_modules` to the model has the same config when
+    `model.target_modules` changes, so `check_compatible` passes, and its checkpoints then failed to load and were set
+    aside as damaged: every good one, the adapter FAILED, and putting the config back did not bring them back."""
+    from safetensors import safe_open
+
+    from rl_multilora.lora.peft_io import PEFT_KEY_PATTERN, matches_target
+
+    if lora_modules is None:
+        return []  # the model is not inspected here (a Hub id): the loader checks
+    try:
+        with safe_open(str(checkpoint / "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: restore sets it aside and takes an older one
+        return []
+    experts = {p.rsplit(".", 1)[0] for p in lora_parameters or ()}  # expert LoRA keys name their module too
+    then = {
+        m.group(1)
+        for k in keys
+        if (m := PEFT_KEY_PATTERN.fullmatch(k)) and ".base_layer" not in m.group(1) and m.group(1) not in experts
+    }
+    targets = a.target_modules
+    if targets is None or targets == "all-linear":
+        now = set(lora_modules)
+    else:
+        wanted = [targets] if isinstance(targets, str) else list(targets)
+        now = {n for n in lora_modules if any(matches_target(n, t) for t in wanted)}
+    if then == now:
+        return []
+    gone, new = sorted(then - now), sorted(now - then)
+    said = "; ".join(
+        part
+        for part in (
+            f"{len(gone)} it holds are not covered now (e.g. {gone[0]!r})" if gone else "",
+            f"{len(new)} covered now are not in it (e.g. {new[0]!r})" if new else "",
+        )
+        if part
+    )
+    return [
+        bad_value(
+            f"adapters.{a.name}.target_modules",
+            a.target_modules,
+            f"the modules its checkpoint {checkpoint} was trained on: {said} (model.target_modules changed? put it "
+            "back, or start over with --fresh)",
+        )
+    ]
 
 
 def _unmatched(wanted: Sequence[str], names: Sequence[str] | None) -> list[str]:

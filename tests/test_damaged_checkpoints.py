@@ -106,3 +106,43 @@ def test_when_every_checkpoint_is_damaged_the_tenant_fails_saying_so_and_the_oth
     assert all(ck.with_name(f".damaged-{ck.name}").is_dir() for ck in cks)
     assert [r for r in read_metrics(run_dir) if r["adapter"] == "t1"] == rows_before
     assert rt.tenants.get("t2").state.value == "REMOVED" and rt.tenants.get("t2").adapter_step == 4
+
+
+def test_a_changed_model_target_modules_is_refused_naming_it_and_no_checkpoint_is_set_aside(workspace, tmp_path, capsys):  # noqa: F811,E501
+    """An adapter that leaves `target_modules` to the model had the same config when `model.target_modules` changed:
+    its checkpoints then failed to load and were set aside as damaged, the adapter FAILED, and putting the config
+    back did not bring them back (a reviewer's repro). Now `run` refuses before touching anything."""
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    run(parse_run_config(dict(cfg, max_global_steps=2)))
+    before = sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir())
+    changed = dict(cfg, model={**cfg["model"], "target_modules": ["q_proj", "v_proj"]})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    assert cli_main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "adapters.t1.target_modules=None is not allowed" in err and "model.target_modules changed" in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir()) == before  # nothing set aside
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli_main(["run", str(path), "--dry-run"]) == 0  # the config put back resumes
+
+
+def test_export_over_links_into_a_checkpoint_replaces_the_links_and_leaves_the_checkpoint_alone(reference, tmp_path):  # noqa: F811,E501
+    """OUT held symlinks to another adapter's checkpoint files: the copy wrote through them, and that checkpoint held
+    the exported adapter's weights and rank beside its own optimizer state (a reviewer's repro)."""
+    from rl_multilora.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(reference)
+    t1 = ckpt.latest("t1")
+    before = {f: (t1 / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors")}
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in before:
+        (out / f).symlink_to(t1 / f)
+    ck = ckpt.export("t2", out)
+    assert {f: (t1 / f).read_bytes() for f in before} == before  # t1's checkpoint untouched
+    for f in before:
+        assert not (out / f).is_symlink() and (out / f).read_bytes() == (ck / f).read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8  # t2's rank, not t1's 4
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]

@@ -431,3 +431,28 @@ def test_answers_whose_reward_raised_are_counted_in_eval_errors(ws, tmp_path):
     base = {r["adapter"]: r for r in read_metrics(tmp_path / "run") if r.get("kind") == "eval" and r.get("eval/base")}
     # every answer: 4 prompts' greedy ones and their k = 2 samples each
     assert base["b"]["eval/errors"] == base["b"]["eval/n_prompts"] * 3 == 12 and base["a"]["eval/errors"] == 0
+
+
+def test_eval_refuses_a_base_other_than_the_one_the_run_trained_on(ws, runs, tmp_path, capsys):
+    """`run` refused to resume on a model folder whose config or weight shapes changed, but `eval` scored the run's
+    adapters on it (a reviewer's repro: rope_theta and rms_norm_eps changed). The same base moved is fine."""
+    import shutil
+
+    from rl_multilora.evaluate import _other_base
+
+    on, _ = runs
+    moved = tmp_path / "same_model"
+    shutil.copytree(ws / "model", moved)
+    assert _other_base(CheckpointManager(on), str(moved)) is None  # the same base in another folder
+    other = tmp_path / "other_model"
+    shutil.copytree(ws / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    run_dir = tmp_path / "run"
+    shutil.copytree(on, run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["model"]["path"] = str(other)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["eval", str(run_dir), "--adapter", "a", "--n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.path={str(other)!r} is not allowed" in err and "trained on" in err and "Traceback" not in err, err

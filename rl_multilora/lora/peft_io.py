@@ -47,6 +47,7 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _PEFT_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_(A|B)\.weight")
+PEFT_KEY_PATTERN = _PEFT_KEY  # `<prefix><module>.lora_A|B.weight`; group 1: the module
 # A copy of a LoRA module's base weight: PEFT's `save_embedding_layers="auto"` writes the output head's (and the input
 # embedding's) base weight next to a LoRA on `lm_head`, for a vocabulary the adapter resized.
 _BASE_COPY_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.base_layer\.weight")
