@@ -410,8 +410,11 @@ class Runtime:
     def sync_now(self) -> SyncStats:
         push, unload = self.tenants.sync_plan()
         pause = self.cfg.rollout.mode != "async" or not self.engine.publishes_without_pause
-        stats = self.weight_sync.sync(push=push, unload=unload, pause=pause)
-        self.tenants.apply_sync(stats.pushed, stats.adapters_unloaded)
+        stats = SyncStats()
+        try:
+            self.weight_sync.sync(push=push, unload=unload, pause=pause, stats=stats)
+        finally:  # what the engine took is recorded even when a later push failed (its versions, its unloads)
+            self.tenants.apply_sync(stats.pushed, stats.adapters_unloaded)
         return stats
 
     def _record(

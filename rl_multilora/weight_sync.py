@@ -51,12 +51,15 @@ class WeightSync:
         self.backend = backend
         self.pauses = 0  # total pauses, for the one-pause-per-step invariant test
 
-    def sync(self, push: Sequence[tuple[str, int]], unload: Sequence[str], pause: bool = True) -> SyncStats:
+    def sync(
+        self, push: Sequence[tuple[str, int]], unload: Sequence[str], pause: bool = True, stats: SyncStats | None = None
+    ) -> SyncStats:
         """Pause once, unload the adapters named in `unload`, push each `(name, version)` of `push` from the
         backend's slots, resume. No-op when both are empty. `pause=False` (an asynchronous run, on an engine that
         `publishes_without_pause`): no pause; other adapters' requests keep running and an adapter's running
-        requests finish on the version they started with."""
-        stats = SyncStats()
+        requests finish on the version they started with. `stats`: filled in as the sync goes, so a caller whose
+        sync raised part way still knows which unloads and pushes the engine took."""
+        stats = SyncStats() if stats is None else stats
         if not push and not unload:
             return stats
         t0 = time.perf_counter()

@@ -124,3 +124,60 @@ def test_a_new_client_pushes_an_adapter_the_server_already_holds():
         ):
             second.load_adapter("full", tensors(1), CONFIG, version=0)  # any other refusal: not retried
         assert fake.calls[calls:] == []
+
+
+def test_a_sync_that_fails_part_way_still_records_what_the_engine_took():
+    """The engine unloaded `x` and took `a` at version 1, then `b`'s push failed: the caller got no stats, so the
+    tenant manager still had `x` in the engine and `a` at version 0 (a retry of the same plan failed unloading `x`,
+    and an asynchronous run served `a` at a version its records did not say). A reviewer's repro."""
+    import torch
+
+    from rl_multilora.loop import Runtime
+    from rl_multilora.weight_sync import SyncStats
+
+    class Engine:
+        publishes_without_pause = True
+
+        def __init__(self):
+            self.loaded = {"x": 0, "a": 0, "b": 0}
+
+        def pause(self):
+            pass
+
+        def resume(self):
+            pass
+
+        def load_adapter(self, name, tensors, config, version=None):
+            if name == "b":
+                raise RuntimeError("load of b failed")
+            self.loaded[name] = version
+
+        def unload_adapter(self, name):
+            del self.loaded[name]
+
+    class Backend:
+        def adapter_state_dict(self, name):
+            return {"k": torch.zeros(2)}
+
+        def peft_config(self, name):
+            return {}
+
+    applied = []
+    engine = Engine()
+    rt = Runtime.__new__(Runtime)  # the parts sync_now reads, nothing else
+    rt.engine = engine
+    rt.weight_sync = WeightSync(engine, Backend())
+    rt.cfg = type("Cfg", (), {"rollout": type("R", (), {"mode": "async"})()})()
+    rt.tenants = type(
+        "Tenants",
+        (),
+        {"sync_plan": lambda self: ([("a", 1), ("b", 1)], ["x"]), "apply_sync": lambda self, p, u: applied.append((p, u))},
+    )()
+    with pytest.raises(RuntimeError, match="load of b failed"):
+        rt.sync_now()
+    assert engine.loaded == {"a": 1, "b": 0}
+    assert applied == [({"a": 1}, ["x"])]  # what it took is recorded; b stays to push again
+    stats = SyncStats()
+    with pytest.raises(RuntimeError):
+        WeightSync(Engine(), Backend()).sync([("a", 2), ("b", 2)], ["x"], pause=False, stats=stats)
+    assert stats.pushed == {"a": 2} and stats.adapters_unloaded == ["x"]
