@@ -928,7 +928,7 @@ def _set_path(data: Any, dotted: str, value: Any, original: str) -> None:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `key.sub=value` overrides (values parsed as YAML: 1e-3, true, [a, b])."""
     for item in overrides:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError([f"--set {item!r}: expected key=value (e.g. grpo.kl_coef=0.01)"])
         key, raw = item.split("=", 1)
         try:
@@ -941,6 +941,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_yaml(path: str | Path) -> Any:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            [bad_value("config", str(path), f"a YAML file; this is a folder (a run dir's own is {path / 'config.yaml'})")]
+        )
     if not path.is_file():
         raise ConfigError(
             [bad_value("config", str(path), "the path of an existing YAML file (there is no such file)")]

@@ -595,6 +595,8 @@ def _ray_init(address: str | None, start_cluster: bool) -> None:
         return
     # Ray logs "token authentication is enabled" on every connect; for a one-shot client it is noise.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if address is not None and (why := _unreachable(address)) is not None:  # ray.init retries a dead one for minutes
+        raise ServiceError(f"no Ray cluster answers at --address {address!r} ({why}); {NO_SERVICE}")
     _prepare_client_auth(address)
     try:
         ray.init(
@@ -611,6 +613,22 @@ def _ray_init(address: str | None, start_cluster: bool) -> None:
         if "auth" in str(e).lower() or "token" in str(e).lower():
             hint = " (token auth: copy the cluster's token to ~/.ray/auth_token or set RAY_AUTH_TOKEN)"
         raise ServiceError(f"cannot connect to Ray at {address or 'auto'!r}: {type(e).__name__}: {e}{hint}") from None
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing listens at a `HOST:PORT` Ray address, or None (it answers, or the address has another form, e.g.
+    `ray://`, which Ray itself then judges). A wrong port made `status --address` print Ray's connection warnings for
+    minutes instead of an error."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
 
 
 class ServiceClient:
@@ -688,7 +706,11 @@ def _actor_resources(cfg: RunConfig) -> dict[str, float]:
 
 
 def serve(
-    cfg: RunConfig, address: str | None = None, health_every_s: float = 5.0, tinker: dict[str, Any] | None = None
+    cfg: RunConfig,
+    address: str | None = None,
+    health_every_s: float = 5.0,
+    tinker: dict[str, Any] | None = None,
+    source: str | None = None,
 ) -> int:
     """Run the service until SIGINT/SIGTERM: then checkpoint, stop, kill the actor, shut Ray down. Returns the exit code.
 
@@ -706,9 +728,8 @@ def serve(
         if problems:
             raise ServiceError("--tinker-port needs the embedded engine: " + "; ".join(problems))
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
-    check_run(
-        cfg, service=True
-    )  # what --dry-run checks, before a cluster starts; the service's own files are read here too
+    # what --dry-run checks, before a cluster starts; the service's own files are read here too
+    check_run(cfg, source, service=True)
     try:  # the actor's process starts with jemalloc preloaded (model.host_allocator; Ray's runtime_env)
         actor_env = jemalloc_ray_options(cfg.model.host_allocator == "jemalloc")
     except ValueError as e:
@@ -882,7 +903,7 @@ def cli(args) -> int:
         cfg = load_run_config(args.config, args.set)
         if args.fresh:
             cfg.checkpoint.resume = "never"
-        return serve(cfg, address=args.address, tinker=tinker)
+        return serve(cfg, address=args.address, tinker=tinker, source=args.config)
     client = ServiceClient.connect(args.address)
     if args.command == "submit":
         st = client.submit(args.target)

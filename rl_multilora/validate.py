@@ -446,10 +446,35 @@ def run_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def own_config_problems(cfg: RunConfig, source: str | None) -> list[str]:
+    """A run writes its resolved config to RUN_DIR/config.yaml; when that is the CONFIG file itself, a user's file
+    (comments, layout, `--set`s not in it) was replaced by the dump without a word. A file that is already the dump of
+    this config (a run resumed from its own config.yaml) is rewritten with the same text, so it may be run."""
+    from rl_multilora.config import dump_config
+
+    if source is None:
+        return []
+    target = Path(cfg.run_dir) / "config.yaml"
+    try:
+        if not target.is_file() or not target.samefile(source) or target.read_text() == dump_config(cfg):
+            return []
+    except OSError:
+        return []
+    return [
+        bad_value(
+            "run_dir",
+            cfg.run_dir,
+            f"a folder other than the one holding CONFIG ({source}): the run writes its resolved config to "
+            "RUN_DIR/config.yaml, which would replace yours (keep the config beside the run dir, e.g. run_dir: "
+            "runs/NAME)",
+        )
+    ]
+
+
 def check_run(cfg: RunConfig, source: str | None = None, service: bool = False) -> None:
     """Raise ConfigError listing every problem `run_problems` finds; a run (not a `service`, which takes adapters by
     `submit`) needs at least one adapter."""
-    problems = run_problems(cfg)
+    problems = run_problems(cfg) + own_config_problems(cfg, source)
     if not cfg.adapters and not service:
         problems.insert(
             0, bad_value("adapters", [], "at least one adapter (`serve` starts without and takes `submit`)")

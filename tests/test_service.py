@@ -763,3 +763,20 @@ def test_an_adapter_whose_epochs_ran_out_is_refused_when_submitted_again_unchang
         assert core.submit(AdapterConfig.model_validate({**a, "epochs": 2})).state == "PENDING"  # a larger budget
     finally:
         core.stop(timeout=60)
+
+
+def test_status_at_an_address_nothing_listens_on_is_a_quick_clear_error(capsys):
+    """`status --address` with a wrong port printed Ray's connection warnings for minutes instead of an error."""
+    import socket
+
+    pytest.importorskip("ray")
+    from rl_multilora.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    assert main(["status", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Ray cluster answers at --address '127.0.0.1:{port}'" in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 30

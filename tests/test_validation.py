@@ -336,3 +336,33 @@ def test_run_exits_1_when_an_adapter_failed_and_keeps_the_others(ws, capsys):
 
     healthy = CheckpointManager(run_dir).latest("a")
     assert healthy is not None and json.loads((healthy / "checkpoint.json").read_text())["adapter_step"] == 2
+
+
+def test_a_config_inside_its_own_run_dir_is_not_replaced_by_the_run(ws, capsys):
+    """`run_dir: .` beside CONFIG (or RUN_DIR/config.yaml as CONFIG): the run wrote its resolved config over the
+    user's file, comments and layout gone, without a word (a reviewer's repro). Refused now, naming run_dir; a file
+    that is already the run's own dump of this config (resuming from it) is fine."""
+    from rl_multilora.config import dump_config, parse_run_config
+
+    folder = ws / "own"
+    folder.mkdir()
+    data = _base(ws)
+    data["run_dir"] = str(folder)
+    path = folder / "config.yaml"
+    text = "# my notes\n" + yaml.safe_dump(data)
+    path.write_text(text)
+    for extra in (["--dry-run"], []):
+        code, err = _cli(["run", str(path), *extra], capsys)
+        assert code == 2 and f"run_dir={str(folder)!r} is not allowed" in err and "Traceback" not in err, err
+    assert path.read_text() == text
+    path.write_text(dump_config(parse_run_config(data)))  # what a run writes there: a resume may run from it
+    code, err = _cli(["run", str(path), "--dry-run"], capsys)
+    assert code == 0, err
+
+
+def test_a_folder_as_config_and_a_set_without_a_key_say_so(ws, capsys):
+    code, err = _cli(["run", str(ws), "--dry-run"], capsys)
+    assert code == 2 and "a YAML file; this is a folder" in err, err
+    path = _write(ws, "valid-set", lambda d, ws: None)
+    code, err = _cli(["run", str(path), "--set", "=3", "--dry-run"], capsys)
+    assert code == 2 and "--set '=3': expected key=value" in err, err
