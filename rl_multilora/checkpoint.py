@@ -302,6 +302,31 @@ class AdapterWeights:
     adapter_step: int
 
 
+def _out_error(out: Path, err: OSError) -> str:
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(out) else ""
+    return (
+        f"OUT: {str(out)!r} cannot be written: {err.strerror or err}{where} -> give a folder you can create and write"
+    )
+
+
+def _refuse_checkpoint_out(out: Path) -> None:
+    """FileNotFoundError naming OUT when it is, or lies inside, a run's checkpoint folder (one holding checkpoint.json)
+    or a run directory's adapters/ folder (beside its run_state.json): an export there would put one adapter's weights
+    beside another checkpoint's optimizer state and checkpoint.json."""
+    resolved = out.resolve()
+    for folder in (resolved, *resolved.parents):
+        if (folder / CKPT_META).exists():
+            raise FileNotFoundError(
+                f"OUT: {str(out)!r} is inside the run checkpoint {str(folder)!r} (it holds {CKPT_META}) -> give a "
+                f"folder outside any run's checkpoints"
+            )
+        if folder.name == "adapters" and (folder.parent / "run_state.json").exists():
+            raise FileNotFoundError(
+                f"OUT: {str(out)!r} is inside the run checkpoints {str(folder)!r} (of the run {str(folder.parent)!r}) "
+                f"-> give a folder outside any run's checkpoints"
+            )
+
+
 class CheckpointManager:
     """The files of a run directory: adapter checkpoints, the run state, the metrics rewrite. It never sees the
     runtime: tenants hand it `AdapterSnapshot`s and get them back (`rl_multilora.tenants` decides when)."""
@@ -333,7 +358,9 @@ class CheckpointManager:
 
     def export(self, name: str, out: Path, step: int | None = None, label: str | None = None) -> Path:
         """Copy `name`'s checkpoint (newest, at adapter step `step`, or the newest labeled `label`) into `out` as a
-        PEFT folder; returns the checkpoint folder. Raises FileNotFoundError naming the steps (labels) there are."""
+        PEFT folder; returns the checkpoint folder. Raises FileNotFoundError naming the steps (labels) there are, or
+        naming OUT when it is a file, lies inside any run's checkpoints (a folder holding checkpoint.json, or a run
+        directory's adapters/), or cannot be created or written (the OS error's reason said with it)."""
         if label is not None:
             found = self.find_labeled(name, label)
             ck = found[0] if found is not None and (step is None or found[1]["adapter_step"] == step) else None
@@ -347,26 +374,34 @@ class CheckpointManager:
             labels = self.labels(name)
             have += f"; its labels: {', '.join(labels)}" if labels else ""
             raise FileNotFoundError(f"no complete checkpoint of adapter {name!r} ({which}) in {self.run_dir}{have}")
-        if out.exists() and not out.is_dir():
-            raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
-        adapters = (self.run_dir / "adapters").resolve()
-        if out.resolve().is_relative_to(adapters):  # the folder itself too
-            raise FileNotFoundError(  # writing there would overwrite a checkpoint's weights (and not its config)
-                f"OUT: {str(out)!r} is inside the run's checkpoints ({adapters}) -> give a folder outside it"
-            )
-        for parent in out.parents:  # a file where a folder of OUT's path would be: said as such, not ENOTDIR
-            if parent.exists() and not parent.is_dir():
-                raise FileNotFoundError(f"OUT: {str(parent)!r} is a file -> give a folder whose path has no file")
-        out.mkdir(parents=True, exist_ok=True)
-        # A folder with adapter_config.json is a complete PEFT folder: an earlier export's config goes first, then the
-        # weights and the config each land by rename, so an interrupted export never leaves new weights beside an old
-        # config. A rename replaces a symlink at OUT's file names instead of writing through it (a link into a
-        # run's checkpoint overwrote that checkpoint's weights).
-        (out / CONFIG_NAME).unlink(missing_ok=True)
-        for f in (WEIGHTS_NAME, CONFIG_NAME):
-            tmp = out / f"{TMP_PREFIX}{f}"
-            shutil.copy2(ck / f, tmp)
-            os.replace(tmp, out / f)
+        try:
+            if out.exists() and not out.is_dir():
+                raise FileNotFoundError(f"OUT: {str(out)!r} is a file -> give a folder (it is created if missing)")
+            adapters = (self.run_dir / "adapters").resolve()
+            if out.resolve().is_relative_to(adapters):  # the folder itself too
+                raise FileNotFoundError(  # writing there would overwrite a checkpoint's weights (and not its config)
+                    f"OUT: {str(out)!r} is inside the run's checkpoints ({adapters}) -> give a folder outside it"
+                )
+            _refuse_checkpoint_out(out)  # any run's checkpoints, not only this run's
+            for parent in out.parents:  # a file where a folder of OUT's path would be: said as such, not ENOTDIR
+                if parent.exists() and not parent.is_dir():
+                    raise FileNotFoundError(f"OUT: {str(parent)!r} is a file -> give a folder whose path has no file")
+            out.mkdir(parents=True, exist_ok=True)
+            # A folder with adapter_config.json is a complete PEFT folder: an earlier export's config goes first, then
+            # the weights and the config each land by rename, so an interrupted export never leaves new weights beside
+            # an old config. A rename replaces a symlink at OUT's file names instead of writing through it (a link
+            # into a run's checkpoint overwrote that checkpoint's weights).
+            (out / CONFIG_NAME).unlink(missing_ok=True)
+            for f in (WEIGHTS_NAME, CONFIG_NAME):
+                tmp = out / f"{TMP_PREFIX}{f}"
+                shutil.copy2(ck / f, tmp)
+                os.replace(tmp, out / f)
+        except FileNotFoundError as err:
+            if err.errno is None:  # one of ours above, already naming OUT
+                raise
+            raise FileNotFoundError(_out_error(out, err)) from None
+        except OSError as err:  # a read-only, full or special folder (/proc): named as OUT, not a bare errno
+            raise FileNotFoundError(_out_error(out, err)) from None
         return ck
 
     def read_weights(

@@ -38,6 +38,10 @@ Design choices:
   preset, seed and settings returns at once, reading only that file (no lock, no write: a finished build answers in
   a folder the caller cannot write); a different recipe in the same directory is an error naming the settings that
   differ, and a damaged marker one naming the file, unless `force`, which rebuilds.
+- Only `DIR/model` and `DIR/data` are cleared, and only when they are provisioning's own: DIR holds PROVISIONED.json
+  or `.provisioning` (written under the lock before anything is cleared, removed once PROVISIONED.json is written, so
+  a build killed or failed half-way is redone by the next call without `force`). A non-empty `model/` or `data/` in a
+  folder that holds neither is the user's: an error naming it, unless `force`; nothing else in DIR is touched.
 - Same seed, same files: every file except PROVISIONED.json (which holds wall times) is byte-identical across runs
   on the same torch build (the tiny build runs on one intra-op thread whatever the machine has). That is also why
   provisioning uses one core of two: nothing else in it can use the second without changing the files or without
@@ -68,6 +72,10 @@ from rl_multilora.presets.tiny_config import PRESETS, TinyPresetConfig, named_rn
 from rl_multilora.presets.tiny_tasks import TASKS, TaskExample, generate_split
 
 MARKER = "PROVISIONED.json"
+# Written in OUT (under the lock) before provisioning clears anything, removed once MARKER is written: a build killed
+# half-way leaves it, so the next call knows OUT/model and OUT/data are its own to clear and redo.
+IN_PROGRESS = ".provisioning"
+OWNED = ("model", "data")  # what provisioning clears and writes in OUT; anything else there is left alone
 log = logging.getLogger("rl_multilora.provision")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -488,6 +496,7 @@ def already_built(out: Path, recipe: dict, force: bool) -> bool:
         return False
     previous = read_marker(out)
     if previous is None:
+        refuse_foreign(out)
         return False
     differences = recipe_differences(previous, recipe)
     if differences:
@@ -499,16 +508,49 @@ def already_built(out: Path, recipe: dict, force: bool) -> bool:
     return True
 
 
+def refuse_foreign(out: Path) -> None:
+    """A FileExistsError naming the folder when `out` holds a non-empty `model/` or `data/` (or a file or link by
+    that name) that no provisioning wrote: no MARKER and no IN_PROGRESS beside it. Provisioning replaces those two,
+    and nothing a user owns is deleted without `force`. Read-only."""
+    if (out / MARKER).exists() or (out / IN_PROGRESS).exists():
+        return  # ours: a finished build (compared by already_built) or one that was stopped half-way
+    for sub in OWNED:
+        path = out / sub
+        try:
+            foreign = path.is_symlink() or (path.exists() and (not path.is_dir() or any(path.iterdir())))
+        except OSError:  # unreadable: not ours to judge, so not ours to delete
+            foreign = True
+        if foreign:
+            raise FileExistsError(
+                f"out={str(out)!r} already holds {str(path)!r}, which provisioning did not write (there is no "
+                f"{MARKER} or {IN_PROGRESS} in it); provisioning replaces {'/ and '.join(OWNED)}/ in OUT, so it "
+                f"deletes nothing of yours: choose another folder (--out), move {sub}/ away, or pass force=True "
+                f"(--force) to replace it"
+            )
+
+
 @contextlib.contextmanager
-def writing(out: Path):
+def writing(out: Path, force: bool | None = None):
     """`provision_lock(out)` held, with a folder that cannot be created or written (a read-only or uncreatable
-    parent) reported as a PermissionError naming it, which the commands print and exit 2 on."""
+    parent) reported as a PermissionError naming it, which the commands print and exit 2 on. Under the lock, OUT
+    is created and IN_PROGRESS written in it before the caller clears anything (`force=False` checks first, under
+    the lock, that OUT holds nothing foreign: see `refuse_foreign`); it is removed on leaving once MARKER is there
+    (a finished build, or another recipe's refused), and left otherwise, so a build that failed or was killed
+    half-way is redone by the next call without `force`."""
     try:
         with provision_lock(out):
-            yield
+            if force is False:
+                refuse_foreign(out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / IN_PROGRESS).touch()
+            try:
+                yield
+            finally:
+                if (out / MARKER).exists():
+                    (out / IN_PROGRESS).unlink(missing_ok=True)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:
         if isinstance(err, FileExistsError) and err.filename is None:
-            raise  # another recipe in `out` (already_built), not a path that cannot be made
+            raise  # another recipe or a user's model/ or data/ in `out`, not a path that cannot be made
         raise PermissionError(
             f"out={str(out)!r} cannot be written ({err.strerror or err}: {err.filename!r}); choose a folder you can write"
         ) from err
@@ -523,7 +565,7 @@ def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offlin
     if already_built(out, recipe, force):
         log.info("%s already holds %s (seed %d): nothing to do (--force rebuilds it)", out, preset, seed)
         return out
-    with writing(out):
+    with writing(out, force):
         if already_built(out, recipe, force):
             log.info("%s already holds %s (seed %d): nothing to do (--force rebuilds it)", out, preset, seed)
             return out
@@ -533,11 +575,15 @@ def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offlin
 def _build_locked(out: Path, recipe: dict, build, tasks: tuple[str, ...], offline: bool | None) -> Path:
     preset, seed = recipe["preset"], recipe["seed"]
     marker = out / MARKER
-    # Clear only what provisioning writes; anything else a user keeps in `out` stays.
+    # Clear only what provisioning writes; anything else a user keeps in `out` stays. `writing` has written
+    # IN_PROGRESS first, and refused a model/ or data/ of the user's unless `force`.
     marker.unlink(missing_ok=True)
-    for sub in ("model", "data"):
-        shutil.rmtree(out / sub, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    for sub in OWNED:
+        path = out / sub
+        if path.is_symlink() or path.is_file():  # the link goes, never what it points at
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     phases = "model download, datasets"
     if offline:
@@ -553,6 +599,7 @@ def _build_locked(out: Path, recipe: dict, build, tasks: tuple[str, ...], offlin
     tmp = out / (MARKER + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(marker)  # atomic: a crash never leaves a half-written marker
+    (out / IN_PROGRESS).unlink(missing_ok=True)  # complete: nothing in progress
     timings = built["timings"]
     log.info(
         "provisioned %s into %s in %s (%s of CPU time); %s marks it complete",

@@ -146,3 +146,37 @@ def test_export_over_links_into_a_checkpoint_replaces_the_links_and_leaves_the_c
         assert not (out / f).is_symlink() and (out / f).read_bytes() == (ck / f).read_bytes()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8  # t2's rank, not t1's 4
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_export_refuses_another_runs_checkpoints_naming_out(reference, tmp_path, capsys):  # noqa: F811
+    """`export RUN_A NAME RUN_B/adapters/NAME/step_N` exited 0 and put RUN_A's weights into RUN_B's checkpoint,
+    beside its own optimizer state and checkpoint.json (a reviewer's repro): any run's checkpoints are refused."""
+    import shutil
+
+    from rl_multilora.checkpoint import CheckpointManager
+
+    run_b = tmp_path / "run_b"
+    shutil.copytree(reference, run_b)
+    step = CheckpointManager(run_b).latest("t1")
+    before = {p: p.read_bytes() for p in sorted(run_b.rglob("*")) if p.is_file()}
+    for out in [
+        step,  # the checkpoint folder itself
+        step / "sub",  # inside it
+        run_b / "adapters" / "t1" / "new",  # inside a run's adapters/ (beside its run_state.json)
+        run_b / "adapters",
+    ]:
+        assert cli_main(["export", str(reference), "t2", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"OUT: {str(out)!r} is inside the run checkpoint" in err and "Traceback" not in err, err
+        assert "outside any run's checkpoints" in err, err
+    assert {p: p.read_bytes() for p in sorted(run_b.rglob("*")) if p.is_file()} == before  # nothing written
+    assert cli_main(["export", str(reference), "t2", str(run_b / "exported")]) == 0  # beside the run is fine
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_export_to_an_uncreatable_out_names_out(reference, tmp_path, capsys):  # noqa: F811
+    """`export RUN arith /proc/x` said only "error: [Errno 2] ..." (a reviewer's repro): it names OUT and why."""
+    assert cli_main(["export", str(reference), "t2", "/proc/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: OUT: '/proc/x' cannot be written: ") and "[Errno" not in err, err
+    assert "give a folder you can create and write" in err and "Traceback" not in err

@@ -208,6 +208,78 @@ def test_pretrain_steps_is_refused_where_there_is_no_pretraining(tmp_path, capsy
     assert not (tmp_path / "hub").exists()
 
 
+def _users_folder(out: Path) -> dict[str, str]:
+    """A folder never provisioned, with a model/ and data/ of the user's (and a file beside them)."""
+    files = {"data/my_train.jsonl": '{"question": "mine"}\n', "model/config.json": "{}", "notes.txt": "keep"}
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return files
+
+
+def test_a_users_model_and_data_are_refused_not_deleted(tmp_path, capsys, monkeypatch):
+    """`provision --preset Qwen/Qwen3-4B --out X` deleted X/model and X/data before its download, so a network
+    error lost the user's files (a reviewer's repro): a folder with neither PROVISIONED.json nor .provisioning is
+    the user's, refused with exit 2 naming it unless --force, for every preset and for tiny-agents."""
+    monkeypatch.setattr("rl_multilora.provision._provision_hub", _no_provisioning)
+    monkeypatch.setattr("rl_multilora.provision._provision_tiny", _no_provisioning)
+    out = tmp_path / "x"
+    files = _users_folder(out)
+    for preset in ["Qwen/Qwen3-4B", "tiny"]:
+        assert main(["--preset", preset, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        held = f"error: out={str(out)!r} already holds {str(out / 'model')!r}, which provisioning did not write"
+        assert err.startswith(held), err
+        assert "--force" in err and "--out" in err and "Traceback" not in err
+    tiny = _marker(tmp_path / "tiny")
+    assert main_agents(["--out", str(out), "--tiny", str(tiny)], capsys) == 2
+    with pytest.raises(FileExistsError, match="which provisioning did not write"):
+        provision_agents(out, tiny, config=AGENTS)
+    assert {name: (out / name).read_text() for name in files} == files
+    assert sorted(p.name for p in out.iterdir()) == ["data", "model", "notes.txt"]  # no .provisioning either
+
+    def hub(repo_id, out, seed, n_train, n_test):
+        (out / "model").mkdir()
+        (out / "data").mkdir()
+        return {"model": {"repo_id": repo_id}, "data": {}, "timings": {}}
+
+    monkeypatch.setattr("rl_multilora.provision._provision_hub", hub)
+    provision("Qwen/Qwen3-4B", out, force=True)  # --force replaces them; the file beside them stays
+    assert not (out / "data" / "my_train.jsonl").exists() and (out / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "data", "model", "notes.txt"]
+
+
+def test_a_build_stopped_half_way_is_redone_without_force(tmp_path, monkeypatch):
+    """.provisioning, written before anything is cleared and removed once PROVISIONED.json is, marks model/ and
+    data/ as provisioning's own: a failed download (or a kill) is redone by the next call, no --force needed."""
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+
+    def failing(repo_id, out, seed, n_train, n_test):
+        (out / "model").mkdir()
+        (out / "model" / "part.safetensors").write_text("half")
+        raise ConnectionError("network is down")
+
+    monkeypatch.setattr("rl_multilora.provision._provision_hub", failing)
+    with pytest.raises(ConnectionError):
+        provision("Qwen/Qwen3-4B", out)
+    assert (out / ".provisioning").exists() and (out / "model" / "part.safetensors").exists()
+
+    def hub(repo_id, out, seed, n_train, n_test):
+        assert not (out / "model").exists()  # the half-written model was cleared first
+        (out / "model").mkdir()
+        (out / "data").mkdir()
+        return {"model": {"repo_id": repo_id}, "data": {}, "timings": {}}
+
+    monkeypatch.setattr("rl_multilora.provision._provision_hub", hub)
+    assert provision("Qwen/Qwen3-4B", out) == out
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "data", "model", "notes.txt"]
+    assert json.loads((out / MARKER).read_text())["preset"] == "Qwen/Qwen3-4B"
+    monkeypatch.setattr("rl_multilora.provision._provision_hub", _no_provisioning)
+    assert provision("Qwen/Qwen3-4B", out) == out  # done: nothing to do
+
+
 # ---------------------------------------------------------------------------------------------------- the scripts
 
 

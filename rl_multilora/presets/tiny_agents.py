@@ -570,7 +570,7 @@ def provision_agents(
     }
     if _done(out, tiny, recipe, force):
         return out
-    with writing(out):
+    with writing(out, force):
         if _done(out, tiny, recipe, force):
             return out
         return _provision_agents(out, tiny, seed, cfg, recipe)
