@@ -10,8 +10,8 @@ Design choices:
   RL_MULTILORA_API_KEY); without one, a random key (`secrets.token_urlsafe(32)`) is generated at every start and
   written to `--key-file` (default `$XDG_CACHE_HOME/rl-multilora/engine-serve-<port>.key`, i.e.
   `~/.cache/rl-multilora/...`), a file only its owner can read, replaced atomically so no reader sees a partial
-  key. 127.0.0.1 alone is not enough: every local user and process can reach it. The port is checked first, so a
-  second `engine-serve` started on a busy port fails at once instead of overwriting the running server's key file.
+  key. 127.0.0.1 alone is not enough: every local user and process can reach it. The host and port are checked first,
+  so a second `engine-serve` started on a busy port fails at once instead of overwriting the running server's key file.
 - The generated key is never printed, only the file's path: server output goes to terminals, nohup/systemd logs
   and CI logs that others read, and SGLang and vLLM users expect no printed key (neither generates one).
 - `--no-api-key` is the explicit opt-out (serves every endpoint open, with a warning); it refuses to combine
@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rl_multilora.errors import bad_value
 
 if TYPE_CHECKING:
     from rollout.engines.base import RolloutEngine
@@ -155,7 +157,9 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         "class; the command starts itself again with it preloaded, as `rl-multilora run` does (default glibc)",
     )
     args = parser.parse_args(argv)
-    for key in ("port", "max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb", "max_batch_size"):
+    if not 1 <= args.port <= 65535:
+        parser.error(bad_value("--port", args.port, "a port from 1 to 65535"))
+    for key in ("max_loras", "max_rank", "max_body_mb", "max_adapter_body_mb", "max_batch_size"):
         if getattr(args, key) < 1:
             flag = f"--{key.replace('_', '-')}"
             parser.error(f"{flag}={getattr(args, key)!r} is not allowed; allowed: a positive integer")
@@ -167,10 +171,10 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         parser.error(f"--prefix-cache-mb={args.prefix_cache_mb!r} is not allowed; allowed: an integer >= 0 (0: off)")
     if args.adapter_root is not None and not Path(args.adapter_root).expanduser().is_dir():
         parser.error(f"--adapter-root={args.adapter_root!r} is not allowed; allowed: an existing folder")
-    if not Path(args.model).is_dir():
-        parser.error(f"--model={args.model!r} is not allowed; allowed: an existing model folder (HF format)")
-    if _port_in_use(args.host, args.port):
-        parser.error(f"--port={args.port!r} is not allowed; allowed: a free port ({args.host}:{args.port} is in use)")
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(bad_value("--model", args.model, "an existing model folder (HF format, with its config.json)"))
+    if problem := bind_problem(args.host, args.port):
+        parser.error(problem)
     try:  # before the key: a start again with jemalloc would write a second one
         if args.host_allocator == "jemalloc":  # `rl-multilora` (cli.main) restores the children's environment
             start_with_jemalloc(["engine-serve", *argv], process_entry, "--host-allocator")
@@ -180,17 +184,23 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
     api_key = _resolve_api_key(parser, args)
     from rollout.server.http_server import serve
 
-    engine, tokenizer = build_embedded_engine(
-        args.model,
-        args.max_loras,
-        args.max_rank,
-        args.target_modules,
-        args.target_parameters,
-        args.expert_lora,
-        max_batch_size=args.max_batch_size,
-        prefix_cache_mb=args.prefix_cache_mb,
-        max_wave_tokens=args.max_wave_tokens,
-    )
+    try:
+        engine, tokenizer = build_embedded_engine(
+            args.model,
+            args.max_loras,
+            args.max_rank,
+            args.target_modules,
+            args.target_parameters,
+            args.expert_lora,
+            max_batch_size=args.max_batch_size,
+            prefix_cache_mb=args.prefix_cache_mb,
+            max_wave_tokens=args.max_wave_tokens,
+        )
+    except ValueError as e:  # only target selection's refusals (they need the model's modules); others are bugs
+        flag = _target_flag(str(e))
+        if flag is None:
+            raise
+        parser.error(flag + "=" + str(e).split("=", 1)[1])
     try:
         serve(
             engine,
@@ -208,15 +218,34 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
     return 0
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    """True when `host:port` cannot be bound because something listens there (other bind errors are left to the
-    server, which reports them itself)."""
+# Target selection's refusals (rl_multilora.lora.model: select_targets, select_parameters) name the config field;
+# the command names its flag instead.
+_TARGET_FLAGS = {"target_modules=": "--target-modules", "target_parameters=": "--target-parameters"}
+
+
+def _target_flag(message: str) -> str | None:
+    """The flag behind a target selection's refusal `message`; None for any other error."""
+    return next((flag for field, flag in _TARGET_FLAGS.items() if message.startswith(field)), None)
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on `host:port`, as a usage error naming --host or --port; None when it can (or
+    when the reason is left to the server, which reports it itself). `engine-serve` and `tinker-serve` check it
+    before a model loads, so a busy port or a host that does not resolve costs no load and shows no traceback."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else str(exc)
+        return bad_value("--host", host, f"an address of this machine, or a name that resolves to one ({reason})")
+    try:
         with socket.create_server((host, port), family=family):  # SO_REUSEADDR, as aiohttp binds
-            return False
+            return None
     except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
+        if exc.errno == errno.EADDRINUSE:
+            return bad_value("--port", port, f"a free port ({host}:{port} is in use)")
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return bad_value("--host", host, "an address of this machine (no interface here has it)")
+        return None
 
 
 def default_key_file(port: int) -> Path:

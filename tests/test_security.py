@@ -175,6 +175,7 @@ def test_engine_serve_key_sources_and_conflicts(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(http_server, "serve", lambda engine, **kw: served.append(kw["api_key"]))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("RL_MULTILORA_API_KEY", raising=False)
+    (tmp_path / "config.json").write_text("{}")  # engine-serve checks it before the (stubbed) build
     model = ["--model", str(tmp_path), "--port", str(free_port())]
 
     key_file = tmp_path / "keys" / "nested" / "k"

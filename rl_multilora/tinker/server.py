@@ -1656,17 +1656,33 @@ class BackgroundApp:
         self._thread.join(10)
 
 
-def resolve_token(state_dir: Path) -> str:
-    """$RL_MULTILORA_TINKER_TOKEN, else the token in state_dir/token (created 0600 on first start)."""
-    if token := os.environ.get("RL_MULTILORA_TINKER_TOKEN"):
-        return token
-    path = state_dir / "token"
-    if not path.exists():
-        state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("tml-" + secrets.token_hex(24))
-    return path.read_text().strip()
+def resolve_token(state_dir: Path, check: bool = False) -> str:
+    """$RL_MULTILORA_TINKER_TOKEN, else the token in state_dir/token (created 0600 on first start). `check`: raise
+    ValueError naming where the token came from (the variable or the file) when it is one the SDK refuses."""
+    path = None
+    if not (token := os.environ.get("RL_MULTILORA_TINKER_TOKEN")):
+        path = state_dir / "token"
+        if not path.exists():
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("tml-" + secrets.token_hex(24))
+        token = path.read_text().strip()
+    if check and not token.startswith("tml-"):
+        shown = repr(token) if not token.strip() else f"<{len(token)} characters, not shown>"  # maybe another key
+        if path is None:
+            where, fix = (
+                f"RL_MULTILORA_TINKER_TOKEN={shown}",
+                "a tml-... token, or unset it to use --state-dir's token",
+            )
+        else:
+            where, fix = (
+                f"the token file {path} holding {shown}",
+                "delete the file and the next start writes a new one",
+            )
+        raise ValueError(f"{where} is not allowed: token must start with 'tml-' (the tinker SDK refuses other API "
+                         f"keys); allowed: {fix}")  # fmt: skip
+    return token
 
 
 def main(argv: list[str] | None = None, process_entry: bool | None = None) -> int:
@@ -1739,11 +1755,25 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
         p.error("; ".join(problems))
     if args.max_tenants is not None and args.max_tenants < args.max_loras:
         p.error(bad_value("--max-tenants", args.max_tenants, f"an integer >= --max-loras ({args.max_loras}) or none"))
+    from rl_multilora.engine_serve import bind_problem
+
+    if problem := bind_problem(args.host, args.port):  # before the model loads, not at web.run_app after it
+        p.error(problem)
+    if args.state_dir.exists() and not args.state_dir.is_dir():
+        p.error(bad_value("--state-dir", str(args.state_dir), "a folder, or a path to create one at (it is a file)"))
+    try:
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(bad_value("--state-dir", str(args.state_dir), f"a folder this user can create ({e.strerror or e})"))
     logging.basicConfig(level=logging.INFO)
     try:
         if args.host_allocator == "jemalloc":  # `rl-multilora` (cli.main) restores the children's environment
             start_with_jemalloc(["tinker-serve", *argv], process_entry, "--host-allocator")
-        token = resolve_token(args.state_dir)
+        try:
+            token = resolve_token(args.state_dir, check=True)
+        except OSError as e:  # the token file cannot be written or read
+            where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+            p.error(bad_value("--state-dir", str(args.state_dir), f"a folder this user can write ({where})"))
         server = build_server(
             args.model, args.state_dir, token, args.base_model_name, args.max_loras, args.max_rank,
             max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
