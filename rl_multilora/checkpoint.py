@@ -393,9 +393,13 @@ class CheckpointManager:
             # into a run's checkpoint overwrote that checkpoint's weights).
             (out / CONFIG_NAME).unlink(missing_ok=True)
             for f in (WEIGHTS_NAME, CONFIG_NAME):
-                tmp = out / f"{TMP_PREFIX}{f}"
-                shutil.copy2(ck / f, tmp)
-                os.replace(tmp, out / f)
+                fd, tmp = tempfile.mkstemp(dir=out, prefix=f"{TMP_PREFIX}{f}-")  # its own: two exports never share it
+                os.close(fd)
+                try:
+                    shutil.copy2(ck / f, tmp)
+                    os.replace(tmp, out / f)
+                finally:  # a failed or interrupted copy leaves no temp file in OUT
+                    Path(tmp).unlink(missing_ok=True)
         except FileNotFoundError as err:
             if err.errno is None:  # one of ours above, already naming OUT
                 raise

@@ -525,7 +525,7 @@ def refuse_foreign(out: Path) -> None:
                 f"out={str(out)!r} already holds {str(path)!r}, which provisioning did not write (there is no "
                 f"{MARKER} or {IN_PROGRESS} in it); provisioning replaces {'/ and '.join(OWNED)}/ in OUT, so it "
                 f"deletes nothing of yours: choose another folder (--out), move {sub}/ away, or pass force=True "
-                f"(--force) to replace it"
+                f"(--force) to replace it (a build by an older version stopped half-way looks the same: --force)"
             )
 
 
@@ -537,23 +537,25 @@ def writing(out: Path, force: bool | None = None):
     the lock, that OUT holds nothing foreign: see `refuse_foreign`); it is removed on leaving once MARKER is there
     (a finished build, or another recipe's refused), and left otherwise, so a build that failed or was killed
     half-way is redone by the next call without `force`."""
-    try:
-        with provision_lock(out):
+    with contextlib.ExitStack() as held:
+        try:  # only these name OUT: a permission error inside the build (an HF cache, say) is its own
+            held.enter_context(provision_lock(out))
             if force is False:
                 refuse_foreign(out)
             out.mkdir(parents=True, exist_ok=True)
             (out / IN_PROGRESS).touch()
-            try:
-                yield
-            finally:
-                if (out / MARKER).exists():
-                    (out / IN_PROGRESS).unlink(missing_ok=True)
-    except (PermissionError, NotADirectoryError, FileExistsError) as err:
-        if isinstance(err, FileExistsError) and err.filename is None:
-            raise  # another recipe or a user's model/ or data/ in `out`, not a path that cannot be made
-        raise PermissionError(
-            f"out={str(out)!r} cannot be written ({err.strerror or err}: {err.filename!r}); choose a folder you can write"
-        ) from err
+        except (PermissionError, NotADirectoryError, FileExistsError) as err:
+            if isinstance(err, FileExistsError) and err.filename is None:
+                raise  # another recipe or a user's model/ or data/ in `out`, not a path that cannot be made
+            raise PermissionError(
+                f"out={str(out)!r} cannot be written ({err.strerror or err}: {err.filename!r}); choose a folder you "
+                "can write"
+            ) from err
+        try:
+            yield
+        finally:
+            if (out / MARKER).exists():
+                (out / IN_PROGRESS).unlink(missing_ok=True)
 
 
 def _build(out, recipe: dict, force: bool, build, tasks: tuple[str, ...], offline: bool | None) -> Path:

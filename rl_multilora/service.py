@@ -436,7 +436,7 @@ class ServiceCore:
 # The actor's reads (`status`, `model_config`) run in a concurrency group of their own: each `submit` and `remove`
 # holds one of the default group's 16 threads until the current step ends, so 16 of them at once (a shell loop of
 # `rl-multilora submit ... &`) queued every `status` behind them, and `serve`'s health check timed out.
-READS = ("status", "model_config")
+READS = ("status", "model_config", "shutdown")  # shutdown too: a stop must not wait behind the mutations either
 READS_GROUP = "reads"
 
 
@@ -788,13 +788,17 @@ def serve(
                 else tinker_state_dir(cfg) / "token"
             )
             print(f"  tinker API: http://{tinker['host']}:{tinker['port']} (token in {token_at})", flush=True)
+        stuck = False
         try:
             code = _run_until_signal(client, cfg, stop, health_every_s, started=address is None, allocator=allocator)
         except ServiceError as e:  # the actor is gone, or no answer for long: still try to checkpoint before the kill
             log.error("%s", e)
-            code = 1
+            code, stuck = 1, True
         log.info("%s: checkpointing and stopping the service", received[0] if received else "error")
-        print(client.shutdown().table(), flush=True)
+        try:  # a stuck service gets a bounded wait: the `finally` below kills the actor either way
+            print(client.shutdown(timeout=STUCK_SHUTDOWN_S if stuck else None).table(), flush=True)
+        except ServiceError as e:
+            log.error("the service did not stop cleanly (%s); killing it: adapters keep their last checkpoints", e)
         return code
     finally:
         for s, h in previous.items():
@@ -805,6 +809,7 @@ def serve(
 
 
 _MAX_LATE_STATUS = 5  # serve's health check gives up on a service whose status timed out this many times in a row
+STUCK_SHUTDOWN_S = 120.0  # how long serve waits for a service it found stuck to checkpoint and stop, before the kill
 
 
 def _cause(e: BaseException) -> str:

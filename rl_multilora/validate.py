@@ -449,16 +449,20 @@ def run_problems(cfg: RunConfig) -> list[str]:
 def own_config_problems(cfg: RunConfig, source: str | None) -> list[str]:
     """A run writes its resolved config to RUN_DIR/config.yaml; when that is the CONFIG file itself, a user's file
     (comments, layout, `--set`s not in it) was replaced by the dump without a word. A file that is already the dump of
-    this config (a run resumed from its own config.yaml) is rewritten with the same text, so it may be run."""
-    from rl_multilora.config import dump_config
+    the config it holds (a run resumed from its own config.yaml, with or without --set, --resume or --fresh) is the
+    run's own, so it may be run."""
+    from rl_multilora.config import ConfigError, dump_config, load_run_config
 
     if source is None:
         return []
     target = Path(cfg.run_dir) / "config.yaml"
     try:
-        if not target.is_file() or not target.samefile(source) or target.read_text() == dump_config(cfg):
+        if not target.is_file() or not target.samefile(source):
             return []
-    except OSError:
+        # the file as written, without the command line's --set / --resume / --fresh (they change `cfg`, not it)
+        if target.read_text() == dump_config(load_run_config(target)):
+            return []
+    except (OSError, ConfigError):
         return []
     return [
         bad_value(

@@ -180,3 +180,18 @@ def test_export_to_an_uncreatable_out_names_out(reference, tmp_path, capsys):  #
     err = capsys.readouterr().err
     assert err.startswith("error: OUT: '/proc/x' cannot be written: ") and "[Errno" not in err, err
     assert "give a folder you can create and write" in err and "Traceback" not in err
+
+
+def test_an_export_that_fails_mid_copy_leaves_no_temp_file_in_out(reference, tmp_path, monkeypatch):  # noqa: F811
+    import shutil
+
+    from rl_multilora.checkpoint import CheckpointManager
+
+    def full_disk(src, dst, **kw):
+        raise OSError(28, "No space left on device", str(dst))
+
+    monkeypatch.setattr(shutil, "copy2", full_disk)
+    out = tmp_path / "out"
+    with pytest.raises(FileNotFoundError, match="OUT"):
+        CheckpointManager(reference).export("t2", out)
+    assert list(out.iterdir()) == []

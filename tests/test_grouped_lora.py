@@ -853,3 +853,15 @@ def test_the_thin_product_gives_a_token_the_same_bits_whatever_its_rows_length(w
         part = _shrink(x[:, :length], w)
         assert part.shape == (3, length, 8)
         assert torch.equal(part, whole[:, :length]), length
+
+
+def test_the_floor_probe_measures_its_own_dtype_under_autocast():
+    """First probed inside a CPU autocast, the float32 probe ran in bf16 and cached bf16's floor (1) for float32."""
+    import rl_multilora.lora.layer as layer_mod
+
+    key = (8, 200, torch.float32)
+    layer_mod._FLOORS.pop(key, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = layer_mod._rank_major_floor(*key)
+    layer_mod._FLOORS.pop(key, None)
+    assert inside == layer_mod._rank_major_floor(*key)

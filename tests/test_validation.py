@@ -356,8 +356,9 @@ def test_a_config_inside_its_own_run_dir_is_not_replaced_by_the_run(ws, capsys):
         assert code == 2 and f"run_dir={str(folder)!r} is not allowed" in err and "Traceback" not in err, err
     assert path.read_text() == text
     path.write_text(dump_config(parse_run_config(data)))  # what a run writes there: a resume may run from it
-    code, err = _cli(["run", str(path), "--dry-run"], capsys)
-    assert code == 0, err
+    for extra in ([], ["--resume"], ["--fresh"], ["--set", "seed=3"]):  # the command line changes cfg, not the file
+        code, err = _cli(["run", str(path), "--dry-run", *extra], capsys)
+        assert code == 0 or "run_dir=" not in err, (extra, err)
 
 
 def test_a_folder_as_config_and_a_set_without_a_key_say_so(ws, capsys):

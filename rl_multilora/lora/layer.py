@@ -441,17 +441,23 @@ def _rank_major_floor(r: int, k: int, dtype: torch.dtype) -> int | None:
     to 64 (the token-major product is used then)."""
     key = (r, k, dtype)
     if key not in _FLOORS:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(1, r, k, generator=g).to(dtype)
-        x = torch.randn(1, 160, k, generator=g).to(dtype)
-        ref = torch.bmm(w, x.transpose(1, 2))  # (1, r, 160)
-        floor = None
-        for n in range(64, 0, -1):
-            if not all(torch.equal(torch.bmm(w, x[:, :m].transpose(1, 2)), ref[..., :m]) for m in (n, n + 96)):
-                break
-            floor = n
-        _FLOORS[key] = floor
+        with torch.autocast("cpu", enabled=False), torch.no_grad():  # the probe's own dtype, whatever the caller's
+            _FLOORS[key] = _probe_floor(r, k, dtype)
     return _FLOORS[key]
+
+
+def _probe_floor(r: int, k: int, dtype: torch.dtype) -> int | None:
+    """`_rank_major_floor`'s measurement: the products of every length from 64 down, against one of 160 tokens."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, r, k, generator=g).to(dtype)
+    x = torch.randn(1, 160, k, generator=g).to(dtype)
+    ref = torch.bmm(w, x.transpose(1, 2))  # (1, r, 160)
+    floor = None
+    for n in range(64, 0, -1):
+        if not all(torch.equal(torch.bmm(w, x[:, :m].transpose(1, 2)), ref[..., :m]) for m in (n, n + 96)):
+            break
+        floor = n
+    return floor
 
 
 def _copy_slot_b(x: torch.Tensor) -> bool:

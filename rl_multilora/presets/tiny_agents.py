@@ -648,7 +648,11 @@ def _provision_agents(out: Path, tiny: Path, seed: int, cfg: AgentsPresetConfig,
         provision("tiny", tiny, seed=seed)
     marker.unlink(missing_ok=True)
     for sub in ("model", "data"):
-        shutil.rmtree(out / sub, ignore_errors=True)
+        path = out / sub
+        if path.is_symlink() or path.is_file():  # the link goes, never what it points at (as `provision` clears)
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
     threads = torch.get_num_threads()
