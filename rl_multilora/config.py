@@ -943,7 +943,11 @@ def load_yaml(path: str | Path) -> Any:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(
-            [bad_value("config", str(path), f"a YAML file; this is a folder (a run dir's own is {path / 'config.yaml'})")]
+            [
+                bad_value(
+                    "config", str(path), f"a YAML file; this is a folder (a run dir's own is {path / 'config.yaml'})"
+                )
+            ]
         )
     if not path.is_file():
         raise ConfigError(

@@ -294,7 +294,9 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
         used = _epochs_used(found[0])
         if a.epochs is not None and used is not None and used >= a.epochs - 1e-9:
             problems.append(
-                bad_value("epochs", a.epochs, f"more than {used:g}: its checkpoint has used {used:g} epochs of its data")
+                bad_value(
+                    "epochs", a.epochs, f"more than {used:g}: its checkpoint has used {used:g} epochs of its data"
+                )
             )
     if ctx.name_holder is not None:
         problems.append(bad_value("name", a.name, f"a name no live adapter has ({ctx.name_holder})"))

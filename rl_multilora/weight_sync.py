@@ -52,7 +52,11 @@ class WeightSync:
         self.pauses = 0  # total pauses, for the one-pause-per-step invariant test
 
     def sync(
-        self, push: Sequence[tuple[str, int]], unload: Sequence[str], pause: bool = True, stats: SyncStats | None = None
+        self,
+        push: Sequence[tuple[str, int]],
+        unload: Sequence[str],
+        pause: bool = True,
+        stats: SyncStats | None = None,
     ) -> SyncStats:
         """Pause once, unload the adapters named in `unload`, push each `(name, version)` of `push` from the
         backend's slots, resume. No-op when both are empty. `pause=False` (an asynchronous run, on an engine that

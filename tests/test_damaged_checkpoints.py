@@ -108,7 +108,7 @@ def test_when_every_checkpoint_is_damaged_the_tenant_fails_saying_so_and_the_oth
     assert rt.tenants.get("t2").state.value == "REMOVED" and rt.tenants.get("t2").adapter_step == 4
 
 
-def test_a_changed_model_target_modules_is_refused_naming_it_and_no_checkpoint_is_set_aside(workspace, tmp_path, capsys):  # noqa: F811,E501
+def test_a_changed_model_target_modules_is_refused_and_nothing_set_aside(workspace, tmp_path, capsys):  # noqa: F811
     """An adapter that leaves `target_modules` to the model had the same config when `model.target_modules` changed:
     its checkpoints then failed to load and were set aside as damaged, the adapter FAILED, and putting the config
     back did not bring them back (a reviewer's repro). Now `run` refuses before touching anything."""

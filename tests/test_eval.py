@@ -404,7 +404,7 @@ def test_a_resumed_run_does_not_evaluate_an_adapter_step_again(ws, tmp_path):
     """A reviewer's case: a tenant whose groups all scored alike took no optimizer step, so its evaluation at adapter
     step k was logged in a step its stop checkpoint covers; the resumed run evaluated step k again (the same row
     twice in metrics.jsonl, the eval work twice). Here `b` never steps (exact_match of a 6-token answer: 0 always)."""
-    from rl_multilora.metrics import read_metrics, training_points
+    from rl_multilora.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     cfg = _cfg(ws, run_dir, True)
@@ -421,7 +421,7 @@ def test_a_resumed_run_does_not_evaluate_an_adapter_step_again(ws, tmp_path):
 def test_answers_whose_reward_raised_are_counted_in_eval_errors(ws, tmp_path):
     """A reviewer's case: a reward raising on every answer gave eval/reward_mean 0.0 and eval/errors 0, which reads
     as a weak base, not a broken reward (the training rows did say reward_errors)."""
-    from rl_multilora.metrics import read_metrics, training_points
+    from rl_multilora.metrics import read_metrics
 
     cfg = _cfg(ws, tmp_path / "run", True)
     cfg["adapters"][1]["reward"] = {"path": "tests.reward_plugins:raising_reward"}

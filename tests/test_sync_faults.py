@@ -171,7 +171,10 @@ def test_a_sync_that_fails_part_way_still_records_what_the_engine_took():
     rt.tenants = type(
         "Tenants",
         (),
-        {"sync_plan": lambda self: ([("a", 1), ("b", 1)], ["x"]), "apply_sync": lambda self, p, u: applied.append((p, u))},
+        {
+            "sync_plan": lambda self: ([("a", 1), ("b", 1)], ["x"]),
+            "apply_sync": lambda self, p, u: applied.append((p, u)),
+        },
     )()
     with pytest.raises(RuntimeError, match="load of b failed"):
         rt.sync_now()

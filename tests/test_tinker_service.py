@@ -469,7 +469,7 @@ def test_serve_passes_the_tinker_flags_to_the_service(monkeypatch):
     from rl_multilora import cli, service
 
     seen = {}
-    monkeypatch.setattr(service, "serve", lambda cfg, address=None, tinker=None: seen.update(tinker) or 0)
+    monkeypatch.setattr(service, "serve", lambda cfg, address=None, tinker=None, source=None: seen.update(tinker) or 0)
     config = str(REPO / "examples/multi_lora/configs/tiny.yaml")
     args = cli.build_parser().parse_args(
         [
