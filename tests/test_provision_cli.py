@@ -16,24 +16,13 @@ import pytest
 
 from rl_multilora.presets import tiny_agents
 from rl_multilora.presets.tiny_agents import AgentsPresetConfig, provision_agents
-from rl_multilora.presets.tiny_config import PRESETS, TinyPresetConfig
+from rl_multilora.presets.tiny_config import PRESETS
 from rl_multilora.provision import MARKER, main, provision
+from tests.test_provision import SMALL as TEST_PROVISION_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
-# A few seconds to build on 2 shared cores: the point here is the folder's handling, not the model.
-SMALL = TinyPresetConfig(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    n_train=40,
-    n_test=10,
-    pretrain_steps=1,
-    batch_size=16,
-    eval_prompts=0,
-)
+# test_provision's small preset, with one pretraining step and no eval: the point here is the folder's handling.
+SMALL = replace(TEST_PROVISION_SMALL, pretrain_steps=1, eval_prompts=0)
 AGENTS = replace(
     AgentsPresetConfig(), pretrain_steps=1, eval_prompts=0, n_train=5, n_test=5, guess_train=5, guess_test=5
 )
