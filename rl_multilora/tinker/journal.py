@@ -27,9 +27,11 @@ they are unloaded (`retire`), and its other rows are gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,20 +126,13 @@ class Journal:
     def finish(self, key: str, result: bytes | dict[str, Any], keep: int = FINISHED_KEPT) -> None:
         """Swap a finished sample (of the base, or of any sampler weights) for its result, in one transaction; the
         results of the `keep` latest such requests are kept."""
-        blob, is_json = (result, 0) if isinstance(result, bytes) else (json.dumps(result).encode(), 1)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, '', 0, ?, ?)",
-                    (key, blob, is_json),
-                )
-                self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
-                self._trim_finished(keep)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, '', 0, ?, ?)",
+                (key, *_encoded(result)),
+            )
+            self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+            self._trim_finished(keep)
 
     def compact(
         self,
@@ -151,59 +146,58 @@ class Journal:
         """Swap `model_id`'s requests before `next_seq` (and its finished samples `sample_keys`) for its snapshot
         `info` (None: the model is gone, forget it) with its sampler versions, keeping the results of what is
         removed. One transaction: a kill leaves the log before or after, never between. Returns the generation."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute("SELECT generation FROM snapshots WHERE model_id = ?", (model_id,)).fetchone()
-                generation = (row[0] if row else 0) + 1
-                removed = [
-                    key
-                    for (key,) in self._db.execute(
-                        "SELECT key FROM requests WHERE model_id = ? AND (seq < ? OR seq IS NULL)",
-                        (model_id, next_seq),
-                    )
-                    if key in results or key in sample_keys
-                ]
-                for key in removed:
-                    value = results.get(key)
-                    if value is not None:
-                        blob, is_json = (value, 0) if isinstance(value, bytes) else (json.dumps(value).encode(), 1)
-                        self._db.execute(
-                            "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, ?, ?, ?, ?)",
-                            (key, model_id, generation, blob, is_json),
-                        )
-                    self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
-                self._db.execute("DELETE FROM done WHERE model_id = ? AND generation < ?", (model_id, generation - 1))
-                self._db.execute("DELETE FROM samplers WHERE model_id = ?", (model_id,))
-                if info is None:
-                    self._db.execute("DELETE FROM snapshots WHERE model_id = ?", (model_id,))
-                else:
-                    for path, tensors in samplers.items():
-                        self._db.execute(
-                            "INSERT INTO samplers (path, model_id, tensors) VALUES (?, ?, ?)",
-                            (path, model_id, tensors),
-                        )
+        with self._transaction():
+            row = self._db.execute("SELECT generation FROM snapshots WHERE model_id = ?", (model_id,)).fetchone()
+            generation = (row[0] if row else 0) + 1
+            removed = [
+                key
+                for (key,) in self._db.execute(
+                    "SELECT key FROM requests WHERE model_id = ? AND (seq < ? OR seq IS NULL)",
+                    (model_id, next_seq),
+                )
+                if key in results or key in sample_keys
+            ]
+            for key in removed:
+                value = results.get(key)
+                if value is not None:
                     self._db.execute(
-                        "INSERT INTO snapshots (model_id, next_seq, generation, info) VALUES (?, ?, ?, ?) "
-                        "ON CONFLICT(model_id) DO UPDATE SET next_seq = excluded.next_seq, "
-                        "generation = excluded.generation, info = excluded.info",
-                        (model_id, next_seq, generation, json.dumps(info)),
+                        "INSERT OR REPLACE INTO done (key, model_id, generation, result, is_json) VALUES (?, ?, ?, ?, ?)",
+                        (key, model_id, generation, *_encoded(value)),
                     )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            return generation
+                self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+            self._db.execute("DELETE FROM done WHERE model_id = ? AND generation < ?", (model_id, generation - 1))
+            self._db.execute("DELETE FROM samplers WHERE model_id = ?", (model_id,))
+            if info is None:
+                self._db.execute("DELETE FROM snapshots WHERE model_id = ?", (model_id,))
+            else:
+                for path, tensors in samplers.items():
+                    self._db.execute(
+                        "INSERT INTO samplers (path, model_id, tensors) VALUES (?, ?, ?)",
+                        (path, model_id, tensors),
+                    )
+                self._db.execute(
+                    "INSERT INTO snapshots (model_id, next_seq, generation, info) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(model_id) DO UPDATE SET next_seq = excluded.next_seq, "
+                    "generation = excluded.generation, info = excluded.info",
+                    (model_id, next_seq, generation, json.dumps(info)),
+                )
+        return generation
 
     def retire(self, model_id: str, keep: int = FINISHED_KEPT) -> None:
         """Move the kept results of `model_id`, unloaded and of an ended session, to those of finished samples (the
         `keep` newest kept): no snapshot of it comes again to drop them, so every ended session left its models'
         results for ever. A request of an ended session is refused, never run again, once its result is gone."""
+        with self._transaction():
+            self._db.execute("UPDATE done SET model_id = '', generation = 0 WHERE model_id = ?", (model_id,))
+            self._trim_finished(keep)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One SQLite transaction under `_lock`: all of it lands or none (a kill leaves the log before or after)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("UPDATE done SET model_id = '', generation = 0 WHERE model_id = ?", (model_id,))
-                self._trim_finished(keep)
+                yield
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -245,3 +239,8 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _encoded(result: bytes | dict[str, Any]) -> tuple[bytes, int]:
+    """A result as the `done` table stores it: (bytes, is_json)."""
+    return (result, 0) if isinstance(result, bytes) else (json.dumps(result).encode(), 1)
