@@ -433,11 +433,12 @@ class ServiceCore:
 
 
 # -- the Ray actor --------------------------------------------------------------------------------------------------
-# The actor's reads (`status`, `model_config`) run in a concurrency group of their own: each `submit` and `remove`
-# holds one of the default group's 16 threads until the current step ends, so 16 of them at once (a shell loop of
-# `rl-multilora submit ... &`) queued every `status` behind them, and `serve`'s health check timed out.
-READS = ("status", "model_config", "shutdown")  # shutdown too: a stop must not wait behind the mutations either
-READS_GROUP = "reads"
+# The calls that must never wait behind mutations (`status`, `model_config`, `shutdown`) run in a concurrency group
+# of their own: each `submit` and `remove` holds one of the default group's 16 threads until the current step ends,
+# so 16 of them at once (a shell loop of `rl-multilora submit ... &`) queued every `status` behind them, and
+# `serve`'s health check timed out.
+UNQUEUED = ("status", "model_config", "shutdown")
+UNQUEUED_GROUP = "unqueued"
 
 
 class ServiceActor:
@@ -652,8 +653,8 @@ class ServiceClient:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         remote = getattr(self.handle, method)
-        if method in READS:  # never queued behind submits and removes that wait for the step to end
-            remote = remote.options(concurrency_group=READS_GROUP)
+        if method in UNQUEUED:  # never queued behind submits and removes that wait for the step to end
+            remote = remote.options(concurrency_group=UNQUEUED_GROUP)
         try:
             return ray.get(remote.remote(*args), timeout=timeout)
         except RayActorError as e:
@@ -766,7 +767,7 @@ def serve(
                     "can load"
                 )
         handle = (
-            ray.remote(concurrency_groups={READS_GROUP: 4})(ServiceActor)  # not an `.options()` setting in Ray
+            ray.remote(concurrency_groups={UNQUEUED_GROUP: 4})(ServiceActor)  # not an `.options()` setting in Ray
             .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", max_concurrency=16, **opts)
             .remote(cfg.model_dump(mode="json"), os.getcwd(), tinker)
         )
