@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import FAMILIES, assert_same_bits, tiny_model
 
-from rl_multilora.lora import LoRALinear, MultiLoRAModel
+from rl_multilora.lora import LoRALinear, MultiLoRAModel, cpu_kernels
 
 VOCAB = 128
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -525,13 +525,35 @@ def test_a_one_slot_batch_equals_the_same_rows_in_a_mixed_batch_bit_for_bit(fami
 
 class _ProductDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the operand dtypes of every matrix product over more than one term (the rotary embedding's float32
-    outer product, over one, is left out): the base's Linears and attention, and the LoRA's products."""
+    outer product, over one, is left out): the base's Linears and attention, and the LoRA's products, the CPU
+    kernels' (`cpu_kernels.forward` / `backward`, outside torch's dispatch) included."""
 
     OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "baddbmm_": (1, 2), "linear": (0, 1)}
 
     def __init__(self):
         super().__init__()
         self.seen: set[torch.dtype] = set()
+        self._patches: list = []
+
+    def __enter__(self):
+        from rl_multilora.lora import cpu_kernels
+
+        for name in ("forward", "backward"):
+            real = getattr(cpu_kernels, name)
+
+            def spied(*args, _real=real, **kwargs):
+                self.seen.update(a.dtype for a in args[:4] if isinstance(a, torch.Tensor))
+                return _real(*args, **kwargs)
+
+            self._patches.append((cpu_kernels, name, real))
+            setattr(cpu_kernels, name, spied)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for module, name, real in self._patches:
+            setattr(module, name, real)
+        self._patches.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         which = self.OPS.get(func.overloadpacket.__name__)
@@ -670,8 +692,14 @@ def test_float32_lora_over_a_bf16_base_trains_in_one_node_and_saves_less(names, 
         assert any(torch.count_nonzero(g) > 0 for g, _ in grads)
         for g, h in grads:
             torch.testing.assert_close(g, h, atol=5e-3, rtol=0.05)
-    # bytes saved for the backward, parameters left out: one slot 0.43x, mixed 0.83x (the per-row slot copies stay)
-    assert one[3] < (0.5 if len(set(names)) == 1 else 0.9) * other[3], (one[3], other[3])
+    # bytes saved for the backward, parameters left out. The CPU kernels save the used slots' weights, not a copy per
+    # row, on either path: one slot 0.72x, mixed 0.77x (the input in bf16, not float32). The torch path: one slot
+    # 0.47x (a view of the slot against per-row copies), mixed 0.83x (the per-row slot copies stay).
+    if cpu_kernels.usable(lora_layers(m)[0].lora_A):
+        limit = 0.8
+    else:
+        limit = 0.5 if len(set(names)) == 1 else 0.9
+    assert one[3] < limit * other[3], (one[3], other[3])
 
 
 def _dtype_model(setting: str, device="cpu") -> MultiLoRAModel:
@@ -727,6 +755,7 @@ def test_ops_a_lora_linear_adds_to_a_training_step(dtypes, one_gemm, monkeypatch
     takes for a one-slot batch's weight gradients (forced on here)."""
     import rl_multilora.lora.layer as layer_mod
 
+    monkeypatch.setattr(layer_mod, "_kernels", lambda *tensors: False)  # the torch path (CUDA's; a CPU without them)
     monkeypatch.setattr(layer_mod, "one_gemm_weight_grads", lambda t: one_gemm)
     monkeypatch.setattr(layer_mod, "_copy_slot_b", lambda t: not one_gemm)  # as CUDA does on its path
     if one_gemm:  # CUDA's thin products are token-major (`_shrink`)
@@ -767,6 +796,7 @@ def test_one_gemm_weight_grads_of_a_one_slot_batch_track_the_per_row_path(adapte
     logits are untouched, the ranks above the adapter's stay exactly zero, and no other slot gets a gradient."""
     import rl_multilora.lora.layer as layer_mod
 
+    monkeypatch.setattr(layer_mod, "_kernels", lambda *tensors: False)  # two torch paths, CUDA's and the per-row one
     m = _dtype_model(setting)
     ids, _ = batch(rows=5, length=6, left_pad=False)
     names = [adapter] * 5

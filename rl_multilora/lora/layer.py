@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rl_multilora.lora import triton_decode
+from rl_multilora.lora import cpu_kernels, triton_decode
 from rl_multilora.lora.routing import BASE_SLOT, Routing, SlotRouter
 
 
@@ -315,20 +315,30 @@ class _GroupedLoRA(torch.autograd.Function):
     def forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, a_slots=None, sink=None, slot_index=None):
         # x3: (n, L, in), y3: (n, L, out), lora_a: (S, R, in), lora_b: (S, out, R), slots: (n,), scales: (n,)
         # a_slots: (n,) A's index per row when it differs from B's (a shared expert A), else None
-        a_slots = slots if a_slots is None else a_slots
-        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
-        ctx.mark_dirty(y3)
-        ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
         ctx.single = None  # rows are gathered per slot here (`_LinearLoRA` passes a one-slot batch's slot)
+        ctx.mark_dirty(y3)
+        ctx.kernel = a_slots is None and x3.dtype == torch.float32 and _kernels(x3, lora_a, lora_b, scales)
+        if ctx.kernel:
+            ctx.save_for_backward(*_kernel_forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r)[1])
+            return y3
+        a_slots = slots if a_slots is None else a_slots
+        a, bt, xa = _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots)
+        ctx.save_for_backward(x3, a, bt, xa, slots, scales, a_slots)
         return y3
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
-        x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
         grad = grad.contiguous()
+        if ctx.kernel:
+            need_x = ctx.needs_input_grad[1]
+            saved = ctx.saved_tensors
+            grad_x = grad.new_zeros(saved[0].shape) if need_x else None
+            grad_x, grad_a, grad_b = _kernel_backward(ctx, saved, grad, grad_x, (1, 2, 3))
+            return grad, grad_x, grad_a, grad_b, None, None, None, None, None, None
+        x3, a, bt, xa, slots, scales, a_slots = ctx.saved_tensors
         grad_x, grad_a, grad_b = _grouped_backward(ctx, grad, None, x3, a, bt, xa, slots, scales, a_slots, (1, 2, 3))
         return grad, grad_x, grad_a, grad_b, None, None, None, None, None, None
 
@@ -356,22 +366,41 @@ class _LinearLoRA(torch.autograd.Function):
     def forward(
         ctx, x3, weight, bias, lora_a, lora_b, slots, scales, r, sink=None, slot_index=None, single=None, compute=None
     ):
-        y3 = F.linear(x3, weight, bias)  # (n, L, out)
         cast = compute is not None and compute != x3.dtype
-        xc = x3.to(compute) if cast else x3  # (n, L, in)
-        a, bt, xa = _grouped_forward(y3, xc, lora_a, lora_b, slots, scales, r, slots, single)
-        ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.stacked = (lora_a.shape, lora_b.shape, r, lora_a.dtype)
         ctx.sink = (sink, lora_a, lora_b) if sink is not None else None
         ctx.slot_index = slot_index
+        ctx.kernel = (x3.dtype if compute is None else compute) == torch.float32 and _kernels(
+            x3, lora_a, lora_b, scales
+        )
+        if ctx.kernel:
+            ctx.weight = weight  # a frozen Parameter: held, not saved (nothing in the forward changes it)
+            if cast:  # a bf16 base: its output first, the float32 delta added and rounded once
+                y3, saved = _kernel_forward(ctx, F.linear(x3, weight, bias), x3, lora_a, lora_b, slots, scales, r)
+            else:
+                y3, saved = _kernel_forward(ctx, None, x3, lora_a, lora_b, slots, scales, r, weight, bias)
+            ctx.save_for_backward(*saved)
+            return y3
+        y3 = F.linear(x3, weight, bias)  # (n, L, out)
+        xc = x3.to(compute) if cast else x3  # (n, L, in)
+        a, bt, xa = _grouped_forward(y3, xc, lora_a, lora_b, slots, scales, r, slots, single)
+        ctx.save_for_backward(x3, weight, a, bt, xa, slots, scales)
         ctx.compute = compute if cast else None
         ctx.single = single
         return y3
 
     @staticmethod
     def backward(ctx, grad):  # grad: (n, L, out)
-        x3, weight, a, bt, xa, slots, scales = ctx.saved_tensors
         grad = grad.contiguous()
+        if ctx.kernel:
+            saved = ctx.saved_tensors
+            if saved[0].dtype == torch.float32:  # the LoRA's input gradient, the base's added onto it
+                grad_x, grad_a, grad_b = _kernel_backward(ctx, saved, grad, None, (0, 3, 4), ctx.weight)
+            else:  # a bf16 base: its input gradient, then the LoRA's float32 one added and rounded
+                grad_x = torch.matmul(grad, ctx.weight) if ctx.needs_input_grad[0] else None
+                grad_x, grad_a, grad_b = _kernel_backward(ctx, saved, grad, grad_x, (0, 3, 4))
+            return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None, None
+        x3, weight, a, bt, xa, slots, scales = ctx.saved_tensors
         base_x = None
         if ctx.needs_input_grad[0]:  # grad @ W: (n, L, in)
             base_x = torch.matmul(grad, weight)
@@ -383,6 +412,85 @@ class _LinearLoRA(torch.autograd.Function):
             lora_x, grad_a, grad_b = _grouped_backward(ctx, gc, None, xc, a, bt, xa, slots, scales, slots, inputs)
             grad_x = None if base_x is None else base_x.add_(lora_x.to(base_x.dtype))
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None, None, None
+
+
+def _kernels(x3, lora_a, lora_b, scales) -> bool:
+    """Whether a training forward whose LoRA computes in float32 takes the C kernels (`cpu_kernels`): float32 slots
+    on a CPU that has them (a bf16 base's input is cast to float32 for them, as the torch path casts it)."""
+    return cpu_kernels.usable(lora_a, lora_b, scales) and x3.device.type == "cpu"
+
+
+def _kernel_forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, weight=None, bias=None):
+    """`y3[i] += scale[i] * (x3[i] @ A[slot[i], :r].T) @ B[slot[i], :, :r].T` in place with `cpu_kernels.forward`,
+    in float32 (a bf16 `y3` gets the float32 sum rounded once, as the torch path does); returns `(y3, saved)`,
+    `saved` the tensors its backward reads: the input as given (a bf16 input stays bf16), the used slots' A.T and
+    B.T (copies padded to a multiple of 8 columns), `xa`, the used slots and each row's index into them, the scales.
+
+    With `weight` (`_LinearLoRA`, float32, y3 None) the base's product is added after the LoRA's instead of before:
+    the kernel writes the delta into a new output and the base GEMM accumulates onto it (`addmm_`, beta 1) while
+    each tile is in cache, where adding the delta to the GEMM's output read it back from memory (MKL's large
+    outputs leave the caches): 0.9 against 0.37 ms at SmolLM2's MLP width (16 x 64 tokens, one thread)."""
+    used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
+    xc = x3.to(torch.float32).contiguous()
+    at, bt = cpu_kernels.slot_weights(lora_a, lora_b, used, r)  # (U, in, R8), (U, R8, out)
+    if weight is not None:
+        y3 = xc.new_empty(*xc.shape[:-1], weight.shape[0])
+        xa = cpu_kernels.forward(y3, xc, at, bt, inverse, scales, fresh=True)  # y3 = delta
+        y2 = y3.view(-1, weight.shape[0])
+        if bias is not None:
+            y2.add_(bias)
+        y2.addmm_(xc.view(-1, xc.shape[-1]), weight.t())  # y3 += x3 @ W.T
+    else:
+        yc = (
+            y3
+            if y3.dtype == torch.float32 and y3.is_contiguous()
+            else y3.to(torch.float32, memory_format=torch.contiguous_format)
+        )
+        xa = cpu_kernels.forward(yc, xc, at, bt, inverse, scales)  # (n, L, R8)
+        if yc is not y3:
+            y3.copy_(yc)
+    return y3, (x3 if x3.dtype != torch.float32 else xc, at, bt, xa, used, inverse, scales)
+
+
+def _kernel_backward(ctx, saved, grad, grad_x, inputs, weight=None):
+    """`_kernel_forward`'s gradients: the LoRA's input gradient (float32) added into `grad_x` in place (rounded to its
+    dtype when that is not float32), the used slots' A and B gradients to the sink or as stacked gradients (other
+    slots exactly zero). Returns (grad_x, grad_a, grad_b), None for what the sink took or no input needs.
+
+    With `weight` (`_LinearLoRA`, float32, grad_x None) the input gradient is made here, the LoRA's part first and
+    the base's `grad @ W` accumulated onto it (`addmm_`), for the forward's reason; None when x needs none."""
+    x3, at, bt, xa, used, inverse, scales = saved  # ctx.saved_tensors, unpacked once (activation checkpointing)
+    shape_a, shape_b, r, dtype = ctx.stacked
+    need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
+    xc, gc = x3.to(torch.float32).contiguous(), grad.to(torch.float32).contiguous()
+    if weight is not None:
+        grad_x = xc.new_empty(xc.shape) if need_x else None
+        ga, gb = cpu_kernels.backward(xc, gc, xa, at, bt, inverse, scales, grad_x, fresh=True)
+        if grad_x is not None:
+            grad_x.view(-1, xc.shape[-1]).addmm_(gc.view(-1, gc.shape[-1]), weight)  # += grad @ W
+    else:
+        lora_x = (
+            grad_x
+            if grad_x is None or grad_x.dtype == torch.float32
+            else torch.zeros_like(grad_x, dtype=torch.float32)
+        )
+        ga, gb = cpu_kernels.backward(xc, gc, xa, at, bt, inverse, scales, lora_x)  # (U, R8, in), (U, R8, out)
+        if lora_x is not grad_x:
+            grad_x.add_(lora_x.to(grad_x.dtype))
+    compact_a = ga.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
+    compact_a.narrow(1, 0, r).copy_(ga.narrow(1, 0, r))
+    compact_b = gb.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
+    compact_b.narrow(2, 0, r).copy_(gb.narrow(1, 0, r).transpose(1, 2))
+    if ctx.sink is not None:
+        sink, lora_a, lora_b = ctx.sink
+        if need_a:
+            sink.add(lora_a, used, _as(compact_a, dtype))
+        if need_b:
+            sink.add(lora_b, used, _as(compact_b, dtype))
+        return grad_x, None, None
+    grad_a = compact_a.new_zeros(shape_a).index_copy_(0, used, compact_a) if need_a else None
+    grad_b = compact_b.new_zeros(shape_b).index_copy_(0, used, compact_b) if need_b else None
+    return grad_x, grad_a, grad_b
 
 
 def _grouped_forward(y3, x3, lora_a, lora_b, slots, scales, r, a_slots, single=None):
