@@ -48,11 +48,11 @@ def _kernels(p, fresh=False):
     f = {k: v.float().contiguous() if v.is_floating_point() else v for k, v in p.items()}
     used, inverse = torch.unique(f["slots"], return_inverse=True)
     r = f["a"].shape[1]
-    at, bt = cpu_kernels.slot_weights(f["a"], f["b"], used, r)
+    at, bt, a, b = cpu_kernels.slot_weights(f["a"], f["b"], used, r)
     y = f["y"].clone()
     xa = cpu_kernels.forward(y, f["x"], at, bt, inverse, f["scales"], fresh=fresh)
     dx = torch.full_like(f["x"], float("nan")) if fresh else torch.zeros_like(f["x"])
-    ga, gb = cpu_kernels.backward(f["x"], f["grad"], xa, at, bt, inverse, f["scales"], dx, fresh=fresh)
+    ga, gb = cpu_kernels.backward(f["x"], f["grad"], xa, a, b, inverse, f["scales"], dx, fresh=fresh)
     return y, xa, dx, ga, gb, used
 
 

@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c99")
@@ -129,16 +130,16 @@ def padded_rank(r: int) -> int:
 
 
 def slot_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, used: torch.Tensor, r: int):
-    """The used slots' A and B in the kernels' layouts, zero-padded to `padded_rank(r)`: `at (U, in, R8)` (A.T, the
-    forward's shrink), `bt (U, R8, out)` (B.T, its expand), from stacked `lora_a (S, R, in)`, `lora_b (S, out, R)`."""
+    """The used slots' A and B in the kernels' layouts, zero-padded to `padded_rank(r)` ranks, from stacked
+    `lora_a (S, R, in)`, `lora_b (S, out, R)`: `(at (U, in, R8), bt (U, R8, out), a (U, R8, in), b (U, out, R8))`,
+    A.T and B.T for the forward's shrink and expand, A and B for the backward's."""
     r8 = padded_rank(r)
-    a = lora_a.narrow(1, 0, r).index_select(0, used)  # (U, r, in)
-    b = lora_b.narrow(2, 0, r).index_select(0, used)  # (U, out, r)
-    at = a.new_zeros(a.shape[0], a.shape[2], r8)
-    at.narrow(2, 0, r).copy_(a.transpose(1, 2))
-    bt = b.new_zeros(b.shape[0], r8, b.shape[1])
-    bt.narrow(1, 0, r).copy_(b.transpose(1, 2))
-    return at, bt
+    a = lora_a.narrow(1, 0, r).index_select(0, used)  # (U, r, in), contiguous
+    b = lora_b.narrow(2, 0, r).index_select(0, used)  # (U, out, r), contiguous
+    if r8 != r:
+        a = F.pad(a, (0, 0, 0, r8 - r))
+        b = F.pad(b, (0, r8 - r))
+    return a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous(), a, b
 
 
 def _threads(flops: float) -> int:
@@ -166,15 +167,13 @@ def forward(y3, x3, at, bt, idx, scales, fresh: bool = False):
     return xa
 
 
-def backward(x3, grad, xa, at, bt, idx, scales, dx: torch.Tensor | None, fresh: bool = False):
-    """The LoRA's gradients from `forward`'s saved tensors: `dx += g_xa @ A` in place (when dx is given; `dx = ...`
-    with `fresh`) and the used slots' `(gA (U, R8, in), gB (U, R8, out))`, each summed over the slot's tokens in
-    batch order."""
+def backward(x3, grad, xa, a, b, idx, scales, dx: torch.Tensor | None, fresh: bool = False):
+    """The LoRA's gradients from `forward`'s saved tensors and `slot_weights`' `a (U, R8, in)`, `b (U, out, R8)`:
+    `dx += g_xa @ A` in place (when dx is given; `dx = ...` with `fresh`) and the used slots' `(gA (U, R8, in),
+    gB (U, R8, out))`, each summed over the slot's tokens in batch order."""
     n, length, fan_in = x3.shape
-    fan_out, r8, used = grad.shape[2], at.shape[2], at.shape[0]
-    _check(x3, grad, xa, *([] if dx is None else [dx]))
-    a = at.transpose(1, 2).contiguous()  # (U, R8, in)
-    b = bt.transpose(1, 2).contiguous()  # (U, out, R8)
+    fan_out, r8, used = grad.shape[2], a.shape[1], a.shape[0]
+    _check(x3, grad, xa, a, b, *([] if dx is None else [dx]))
     g_xa = x3.new_empty(n, length, r8)
     ga = x3.new_zeros(used, r8, fan_in)
     gb = x3.new_zeros(used, r8, fan_out)

@@ -431,8 +431,8 @@ def _kernels(x3, lora_a, lora_b, scales) -> bool:
 def _kernel_forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, weight=None, bias=None):
     """`y3[i] += scale[i] * (x3[i] @ A[slot[i], :r].T) @ B[slot[i], :, :r].T` in place with `cpu_kernels.forward`,
     in float32 (a bf16 `y3` gets the float32 sum rounded once, as the torch path does); returns `(y3, saved)`,
-    `saved` the tensors its backward reads: the input as given (a bf16 input stays bf16), the used slots' A.T and
-    B.T (copies padded to a multiple of 8 columns), `xa`, the used slots and each row's index into them, the scales.
+    `saved` the tensors its backward reads: the input as given (a bf16 input stays bf16), the used slots' A and B
+    (copies padded to a multiple of 8 ranks), `xa`, the used slots and each row's index into them, the scales.
 
     With `weight` (`_LinearLoRA`, float32, y3 None) the base's product is added after the LoRA's instead of before:
     the kernel writes the delta into a new output and the base GEMM accumulates onto it (`addmm_`, beta 1) while
@@ -440,7 +440,7 @@ def _kernel_forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, weight=None, 
     outputs leave the caches): 0.9 against 0.37 ms at SmolLM2's MLP width (16 x 64 tokens, one thread)."""
     used, inverse = _slot_index(ctx, slots)  # (U,), (n,)
     xc = x3.to(torch.float32).contiguous()
-    at, bt = cpu_kernels.slot_weights(lora_a, lora_b, used, r)  # (U, in, R8), (U, R8, out)
+    at, bt, a, b = cpu_kernels.slot_weights(lora_a, lora_b, used, r)  # A.T, B.T, A, B of the used slots
     if weight is not None:
         y3 = xc.new_empty(*xc.shape[:-1], weight.shape[0])
         xa = cpu_kernels.forward(y3, xc, at, bt, inverse, scales, fresh=True)  # y3 = delta
@@ -457,7 +457,7 @@ def _kernel_forward(ctx, y3, x3, lora_a, lora_b, slots, scales, r, weight=None, 
         xa = cpu_kernels.forward(yc, xc, at, bt, inverse, scales)  # (n, L, R8)
         if yc is not y3:
             y3.copy_(yc)
-    return y3, (x3 if x3.dtype != torch.float32 else xc, at, bt, xa, used, inverse, scales)
+    return y3, (x3 if x3.dtype != torch.float32 else xc, a, b, xa, used, inverse, scales)
 
 
 def _kernel_backward(ctx, saved, grad, grad_x, inputs, weight=None):
@@ -467,13 +467,13 @@ def _kernel_backward(ctx, saved, grad, grad_x, inputs, weight=None):
 
     With `weight` (`_LinearLoRA`, float32, grad_x None) the input gradient is made here, the LoRA's part first and
     the base's `grad @ W` accumulated onto it (`addmm_`), for the forward's reason; None when x needs none."""
-    x3, at, bt, xa, used, inverse, scales = saved  # ctx.saved_tensors, unpacked once (activation checkpointing)
+    x3, a, b, xa, used, inverse, scales = saved  # ctx.saved_tensors, unpacked once (activation checkpointing)
     shape_a, shape_b, r, dtype = ctx.stacked
     need_x, need_a, need_b = (ctx.needs_input_grad[i] for i in inputs)
     xc, gc = x3.to(torch.float32).contiguous(), grad.to(torch.float32).contiguous()
     if weight is not None:
         grad_x = xc.new_empty(xc.shape) if need_x else None
-        ga, gb = cpu_kernels.backward(xc, gc, xa, at, bt, inverse, scales, grad_x, fresh=True)
+        ga, gb = cpu_kernels.backward(xc, gc, xa, a, b, inverse, scales, grad_x, fresh=True)
         if grad_x is not None:
             grad_x.view(-1, xc.shape[-1]).addmm_(gc.view(-1, gc.shape[-1]), weight)  # += grad @ W
     else:
@@ -482,13 +482,16 @@ def _kernel_backward(ctx, saved, grad, grad_x, inputs, weight=None):
             if grad_x is None or grad_x.dtype == torch.float32
             else torch.zeros_like(grad_x, dtype=torch.float32)
         )
-        ga, gb = cpu_kernels.backward(xc, gc, xa, at, bt, inverse, scales, lora_x)  # (U, R8, in), (U, R8, out)
+        ga, gb = cpu_kernels.backward(xc, gc, xa, a, b, inverse, scales, lora_x)  # (U, R8, in), (U, R8, out)
         if lora_x is not grad_x:
             grad_x.add_(lora_x.to(grad_x.dtype))
-    compact_a = ga.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
-    compact_a.narrow(1, 0, r).copy_(ga.narrow(1, 0, r))
-    compact_b = gb.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
-    compact_b.narrow(2, 0, r).copy_(gb.narrow(1, 0, r).transpose(1, 2))
+    if r == ga.shape[1] == shape_a[1]:  # the slots' rank is the stored one and a multiple of 8: no padding
+        compact_a, compact_b = ga, gb.transpose(1, 2).contiguous()  # (U, R, in), (U, out, R)
+    else:
+        compact_a = ga.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
+        compact_a.narrow(1, 0, r).copy_(ga.narrow(1, 0, r))
+        compact_b = gb.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
+        compact_b.narrow(2, 0, r).copy_(gb.narrow(1, 0, r).transpose(1, 2))
     if ctx.sink is not None:
         sink, lora_a, lora_b = ctx.sink
         if need_a:
