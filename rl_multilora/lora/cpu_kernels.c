@@ -13,7 +13,8 @@
  * slot's weights (`idx`: each row's index into the per-slot arrays) and scale. Every output value is a fixed sequence
  * of fused multiply-adds (shrink: over k in order; expand: over the rank in order, starting from y; outer: over the
  * batch's tokens in order), whatever the thread count, the row's length or the rows around it: a tenant's numbers
- * do not follow who shares its batch. Threads (OpenMP) split tokens (shrink, expand) or columns (outer), never a sum.
+ * do not follow who shares its batch. Threads (OpenMP) split tokens (the forward) or columns (the backward), never a
+ * sum.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -21,6 +22,7 @@
 #include <omp.h>
 #endif
 #include <stdint.h>
+#include <stdlib.h>
 
 /* z[t, j] = s * sum_k x[t, k] * w[k, j] for tokens [t0, t1) of one row; w (K, R), R % 8 == 0. */
 static void shrink_rows(const float *x, const float *w, float *z, long t0, long t1, long K, long R, float s) {
@@ -178,11 +180,11 @@ static void outer_cols(float *g, const float *z, const float *x, long T, long K,
 /* ---- one call per LoRA Linear and direction; `threads` workers split the tokens or the columns ---- */
 
 typedef struct {
-    int kind;        /* 0: forward, 1: backward's rank-wide gradient, 2: backward's weight and input gradients */
+    int kind; /* 0: forward, 2: backward */
     long n, L, K, O, R;
     const float *x, *grad, *w, *v, *scale, *w2;
     const int64_t *idx;
-    float *y, *z, *z2, *g, *g2;
+    float *y, *z, *g, *g2;
     long part, parts;
     int fresh; /* y (forward) or dx (backward) is written, not added to */
 } job_t;
@@ -194,61 +196,54 @@ static void range_of(long total, long step, long part, long parts, long *lo, lon
     *hi = b1 * step < total ? b1 * step : total;
 }
 
-/* The backward on one thread, a row at a time: the row's rank-wide gradient from its output gradient, B's gradient
- * from the same rows while they are in cache, then A's gradient and the input gradient from the row's input. The
- * same sums in the same order as the split path (`run_job` kinds 1 and 2). */
-static void backward_rows(const job_t *j) {
+/* The backward, a row at a time: the row's rank-wide gradient g_xa from its output gradient, B's gradient from the
+ * same rows while they are in cache, then A's gradient and the input gradient from the row's input. With several
+ * threads each takes a range of B's and of A's columns (and dx's) for every row, and computes the row's g_xa itself
+ * (the same values on every thread: one fixed sum per token), so no thread waits for another and no sum is split. */
+static void backward_rows(const job_t *j, float *gz) {
     const long L = j->L, R = j->R, K = j->K, O = j->O;
+    long o0, o1, k0, k1;
+    range_of(O, 8, j->part, j->parts, &o0, &o1);
+    range_of(K, 8, j->part, j->parts, &k0, &k1);
     for (long row = 0; row < j->n; row++) {
         const int64_t u = j->idx[row];
         const float *grad = j->grad + row * L * O, *x = j->x + row * L * K;
-        float *gz = j->z2 + row * L * R;
-        shrink_rows(grad, j->w2 + u * O * R, gz, 0, L, O, R, j->scale[row]);
-        outer_cols(j->g + u * R * O, j->z + row * L * R, grad, L, O, R, 0, O);
-        outer_cols(j->g2 + u * R * K, gz, x, L, K, R, 0, K);
-        if (j->y) expand_rows(j->y + row * L * K, gz, j->w + u * R * K, 0, L, K, R, 0, K, j->fresh);
+        shrink_rows(grad, j->w2 + u * O * R, gz, 0, L, O, R, j->scale[row]);  /* gz: this row's g_xa (L, R) */
+        if (o0 < o1) outer_cols(j->g + u * R * O, j->z + row * L * R, grad, L, O, R, o0, o1);
+        if (k0 < k1) {
+            outer_cols(j->g2 + u * R * K, gz, x, L, K, R, k0, k1);
+            if (j->y) expand_rows(j->y + row * L * K, gz, j->w + u * R * K, 0, L, K, R, k0, k1, j->fresh);
+        }
     }
 }
 
-static void *run_job(void *arg) {
-    const job_t *j = (const job_t *)arg;
+static int run_job(const job_t *j) {
     const long N = j->n * j->L, L = j->L, R = j->R;
-    if (j->kind == 0 || j->kind == 1) {
-        /* forward: z = s * x @ at[idx] and y += z @ bt[idx]; kind 1: z = s * grad @ b[idx] (w: (O, R) per slot) */
-        const long K = j->kind == 0 ? j->K : j->O;
-        const float *in = j->kind == 0 ? j->x : j->grad;
+    if (j->kind == 0) { /* forward: xa = s * x @ at[idx], y += xa @ bt[idx], a range of tokens per thread */
         long lo, hi;
         range_of(N, 8, j->part, j->parts, &lo, &hi);
         while (lo < hi) {
             const long row = lo / L, end = (row + 1) * L < hi ? (row + 1) * L : hi;
             const int64_t u = j->idx[row];
-            shrink_rows(in, j->w + u * K * R, j->z, lo, end, K, R, j->scale[row]);
-            if (j->kind == 0) expand_rows(j->y, j->z, j->v + u * R * j->O, lo, end, j->O, R, 0, j->O, j->fresh);
+            shrink_rows(j->x, j->w + u * j->K * R, j->z, lo, end, j->K, R, j->scale[row]);
+            expand_rows(j->y, j->z, j->v + u * R * j->O, lo, end, j->O, R, 0, j->O, j->fresh);
             lo = end;
         }
         return 0;
     }
-    /* kind 2, columns split: g[idx] (R, O) += z.T @ grad (B's gradient, z = xa); g2[idx] (R, K) += z2.T @ x (A's,
-     * z2 = g_xa); y (dx, may be NULL) += z2 @ w[idx] (w: A as (R, K)) */
-    long lo, hi;
-    range_of(j->O, 8, j->part, j->parts, &lo, &hi);
-    for (long row = 0; row < j->n && lo < hi; row++)
-        outer_cols(j->g + j->idx[row] * R * j->O, j->z + row * L * R, j->grad + row * L * j->O, L, j->O, R, lo, hi);
-    range_of(j->K, 8, j->part, j->parts, &lo, &hi);
-    for (long row = 0; row < j->n && lo < hi; row++) {
-        const float *zr = j->z2 + row * L * R, *xr = j->x + row * L * j->K;
-        outer_cols(j->g2 + j->idx[row] * R * j->K, zr, xr, L, j->K, R, lo, hi);
-        if (j->y) /* dx[:, lo:hi] += z2 @ a[:, lo:hi] (a: A as (R, K)) */
-            expand_rows(j->y + row * L * j->K, zr, j->w + j->idx[row] * R * j->K, 0, L, j->K, R, lo, hi, j->fresh);
-    }
+    float *gz = (float *)malloc(sizeof(float) * (size_t)(L * R));
+    if (!gz) return 1;
+    backward_rows(j, gz);
+    free(gz);
     return 0;
 }
 
 static int run_parallel(job_t *proto, int threads) {
     if (threads < 1) threads = 1;
+    int failed = 0;
     /* OpenMP: built with -fopenmp and loaded after torch, this is torch's own runtime and thread pool (the same
      * libgomp.so.1), so the workers are torch's, already running; without OpenMP one thread does every part. */
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         job_t j = *proto;
 #ifdef _OPENMP
@@ -258,9 +253,9 @@ static int run_parallel(job_t *proto, int threads) {
         j.part = 0;
         j.parts = 1;
 #endif
-        run_job(&j);
+        failed |= run_job(&j);
     }
-    return 0;
+    return failed;
 }
 
 /* Forward of n rows of L tokens: xa = scale * x @ at[idx] (at: (U, K, R)), y += xa @ bt[idx] (bt: (U, R, O)). */
@@ -271,20 +266,13 @@ int lora_forward(const float *x, float *y, float *xa, const float *at, const flo
     return run_parallel(&j, threads);
 }
 
-/* Backward: g_xa = scale * grad @ b[idx] (b: (U, O, R)); then gb[idx] (U, R, O) += xa.T @ grad,
- * ga[idx] (U, R, K) += g_xa.T @ x, and dx (may be NULL) += g_xa @ a[idx] (a: (U, R, K)). */
-int lora_backward(const float *x, const float *grad, const float *xa, float *g_xa, const float *a, const float *b,
+/* Backward: per row g_xa = scale * grad @ b[idx] (b: (U, O, R)), then gb[idx] (U, R, O) += xa.T @ grad,
+ * ga[idx] (U, R, K) += g_xa.T @ x, and dx (may be NULL) += g_xa @ a[idx] (a: (U, R, K)). Returns non-zero when a
+ * thread could not allocate its g_xa scratch (L x R floats). */
+int lora_backward(const float *x, const float *grad, const float *xa, const float *a, const float *b,
                   const int64_t *idx, const float *scale, float *dx, float *ga, float *gb, long n, long L, long K,
                   long O, long R, int fresh, int threads) {
-    job_t j2 = {.kind = 2, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .grad = grad, .w = a, .w2 = b,
-                .scale = scale, .idx = idx, .y = dx, .z = (float *)xa, .z2 = g_xa, .g = gb, .g2 = ga, .parts = 1,
-                .fresh = fresh};
-    if (threads <= 1) {
-        backward_rows(&j2);
-        return 0;
-    }
-    job_t j1 = {.kind = 1, .n = n, .L = L, .K = K, .O = O, .R = R, .grad = grad, .w = b, .scale = scale, .idx = idx,
-                .z = g_xa};
-    run_parallel(&j1, threads);
-    return run_parallel(&j2, threads);
+    job_t j = {.kind = 2, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .grad = grad, .w = a, .w2 = b,
+               .scale = scale, .idx = idx, .y = dx, .z = (float *)xa, .g = gb, .g2 = ga, .fresh = fresh};
+    return run_parallel(&j, threads);
 }

@@ -119,7 +119,7 @@ def _build() -> Path:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lora_forward.argtypes = [_p] * 7 + [_l] * 5 + [ctypes.c_int] * 2
     lib.lora_forward.restype = ctypes.c_int
-    lib.lora_backward.argtypes = [_p] * 11 + [_l] * 5 + [ctypes.c_int] * 2
+    lib.lora_backward.argtypes = [_p] * 10 + [_l] * 5 + [ctypes.c_int] * 2
     lib.lora_backward.restype = ctypes.c_int
     return lib
 
@@ -174,15 +174,15 @@ def backward(x3, grad, xa, a, b, idx, scales, dx: torch.Tensor | None, fresh: bo
     n, length, fan_in = x3.shape
     fan_out, r8, used = grad.shape[2], a.shape[1], a.shape[0]
     _check(x3, grad, xa, a, b, *([] if dx is None else [dx]))
-    g_xa = x3.new_empty(n, length, r8)
     ga = x3.new_zeros(used, r8, fan_in)
     gb = x3.new_zeros(used, r8, fan_out)
     idx, scales = idx.contiguous(), scales.contiguous()
     threads = _threads(2.0 * n * length * r8 * (fan_in + fan_out))
-    library().lora_backward(
-        _ptr(x3), _ptr(grad), _ptr(xa), _ptr(g_xa), _ptr(a), _ptr(b), _ptr(idx), _ptr(scales), _ptr(dx), _ptr(ga),
-        _ptr(gb), n, length, fan_in, fan_out, r8, int(fresh), threads,
-    )  # fmt: skip
+    if library().lora_backward(
+        _ptr(x3), _ptr(grad), _ptr(xa), _ptr(a), _ptr(b), _ptr(idx), _ptr(scales), _ptr(dx), _ptr(ga), _ptr(gb), n,
+        length, fan_in, fan_out, r8, int(fresh), threads,
+    ):  # fmt: skip
+        raise MemoryError(f"cpu_kernels: no memory for a {length} x {r8} scratch")
     return ga, gb
 
 
