@@ -180,7 +180,7 @@ static void outer_cols(float *g, const float *z, const float *x, long T, long K,
 /* ---- one call per LoRA Linear and direction; `threads` workers split the tokens or the columns ---- */
 
 typedef struct {
-    int kind; /* 0: forward, 2: backward */
+    int backward; /* 0: the forward (`lora_forward`), 1: the backward (`lora_backward`) */
     long n, L, K, O, R;
     const float *x, *grad, *w, *v, *scale, *w2;
     const int64_t *idx;
@@ -219,7 +219,7 @@ static void backward_rows(const job_t *j, float *gz) {
 
 static int run_job(const job_t *j) {
     const long N = j->n * j->L, L = j->L, R = j->R;
-    if (j->kind == 0) { /* forward: xa = s * x @ at[idx], y += xa @ bt[idx], a range of tokens per thread */
+    if (!j->backward) { /* forward: xa = s * x @ at[idx], y += xa @ bt[idx], a range of tokens per thread */
         long lo, hi;
         range_of(N, 8, j->part, j->parts, &lo, &hi);
         while (lo < hi) {
@@ -261,7 +261,7 @@ static int run_parallel(job_t *proto, int threads) {
 /* Forward of n rows of L tokens: xa = scale * x @ at[idx] (at: (U, K, R)), y += xa @ bt[idx] (bt: (U, R, O)). */
 int lora_forward(const float *x, float *y, float *xa, const float *at, const float *bt, const int64_t *idx,
                  const float *scale, long n, long L, long K, long O, long R, int fresh, int threads) {
-    job_t j = {.kind = 0, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .w = at, .v = bt, .scale = scale, .idx = idx,
+    job_t j = {.backward = 0, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .w = at, .v = bt, .scale = scale, .idx = idx,
                .y = y, .z = xa, .fresh = fresh};
     return run_parallel(&j, threads);
 }
@@ -272,7 +272,7 @@ int lora_forward(const float *x, float *y, float *xa, const float *at, const flo
 int lora_backward(const float *x, const float *grad, const float *xa, const float *a, const float *b,
                   const int64_t *idx, const float *scale, float *dx, float *ga, float *gb, long n, long L, long K,
                   long O, long R, int fresh, int threads) {
-    job_t j = {.kind = 2, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .grad = grad, .w = a, .w2 = b,
+    job_t j = {.backward = 1, .n = n, .L = L, .K = K, .O = O, .R = R, .x = x, .grad = grad, .w = a, .w2 = b,
                .scale = scale, .idx = idx, .y = dx, .z = (float *)xa, .g = gb, .g2 = ga, .fresh = fresh};
     return run_parallel(&j, threads);
 }

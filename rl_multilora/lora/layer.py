@@ -485,13 +485,8 @@ def _kernel_backward(ctx, saved, grad, grad_x, inputs, weight=None):
         ga, gb = cpu_kernels.backward(xc, gc, xa, a, b, inverse, scales, lora_x)  # (U, R8, in), (U, R8, out)
         if lora_x is not grad_x:
             grad_x.add_(lora_x.to(grad_x.dtype))
-    if r == ga.shape[1] == shape_a[1]:  # the slots' rank is the stored one and a multiple of 8: no padding
-        compact_a, compact_b = ga, gb.transpose(1, 2).contiguous()  # (U, R, in), (U, out, R)
-    else:
-        compact_a = ga.new_zeros(len(used), *shape_a[1:])  # (U, R, in)
-        compact_a.narrow(1, 0, r).copy_(ga.narrow(1, 0, r))
-        compact_b = gb.new_zeros(len(used), *shape_b[1:])  # (U, out, R)
-        compact_b.narrow(2, 0, r).copy_(gb.narrow(1, 0, r).transpose(1, 2))
+    compact_a = _padded(ga.narrow(1, 0, r).contiguous(), shape_a[1], 1)  # (U, R, in): ga itself at r = R8 = R
+    compact_b = _padded(gb.narrow(1, 0, r).transpose(1, 2).contiguous(), shape_b[2], 2)  # (U, out, R)
     if ctx.sink is not None:
         sink, lora_a, lora_b = ctx.sink
         if need_a:
