@@ -156,3 +156,46 @@ def test_a_forward_that_scales_in_code_sends_the_trainer_to_the_models_logits():
         m.train()
         assert (m.output_head() is not None) == plain, cls.__name__
         assert m.training and m.base_model.training  # the probe ran in eval mode and put the mode back
+
+
+def test_the_head_probe_leaves_activation_checkpointing_on():
+    """`output_head`'s probe runs the base in eval mode and put it back with `train(mode)`, which reset the decoder
+    layers' `training = True` that routed checkpointing keeps in eval mode (the trainer's forwards run in eval mode):
+    every later training forward kept all its activations (the SmolLM2 example's micro-batch 338 MiB instead of
+    31). The forward after the probe keeps what the one before it kept, and the layers still recompute."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl_multilora.lora import MultiLoRAModel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = MultiLoRAModel.from_model(LlamaForCausalLM(cfg), max_loras=2, max_rank=4)
+    m.add_adapter("a", rank=4, alpha=8, seed=0)
+    m.gradient_checkpointing_enable()
+    m.eval()  # as the trainer runs its forwards
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def saved_bytes() -> int:
+        held: dict[int, int] = {}
+
+        def pack(t):
+            if (ptr := t.untyped_storage().data_ptr()) not in params:
+                held[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m.forward_hidden(ids, adapter_names=["a", "a"]).sum().backward()
+        return sum(held.values())
+
+    before = saved_bytes()
+    assert m._head_is_plain is None and m.output_head() is not None  # the probe ran here
+    after = saved_bytes()
+    layers = m.base_model.get_decoder().layers
+    assert all(layer.gradient_checkpointing and layer.training for layer in layers)
+    assert not m.training and not m.base_model.training
+    assert after == before
+    m.gradient_checkpointing_disable()
+    assert saved_bytes() > 2 * before  # what the forward keeps without the recompute: the check can fail

@@ -947,8 +947,11 @@ class MultiLoRAModel(nn.Module):
         """Whether the base model's logits are `head(last hidden state)` bit for bit, on a 4-token input (run once):
         what a config key cannot say, a forward that scales the hidden states or the logits in code (MiniCPM divides
         the hidden states by `hidden_size / dim_model_base` before its head) or a remote-code model's own head.
-        Eval mode for the probe (dropout would make the two forwards differ); no routing, so the base's head."""
-        was_training = self.base_model.training
+        Eval mode for the probe (dropout would make the two forwards differ); no routing, so the base's head. Every
+        module's mode is put back as it was, not reset by `train(mode)`: the decoder layers' `training = True` that
+        routed checkpointing keeps in eval mode (`train`) would be lost, and with it the recompute of every later
+        forward (the SmolLM2 example's training then kept 338 MiB a micro-batch for its backward instead of 31)."""
+        modes = [(module, module.training) for module in self.base_model.modules()]
         ids = torch.arange(1, 5, device=head.weight.device).remainder(head.weight.shape[0]).unsqueeze(0)  # (1, 4)
         try:
             self.base_model.eval()
@@ -960,7 +963,8 @@ class MultiLoRAModel(nn.Module):
             log.info("output head probe failed (%s: %s); the trainer uses the model's logits", type(e).__name__, e)
             return False
         finally:
-            self.base_model.train(was_training)
+            for module, mode in modes:
+                module.training = mode
         same = logits.shape == plain.shape and torch.equal(logits, plain.to(logits.dtype))
         if not same:
             log.info("the model's logits are not lm_head(hidden states): the trainer uses the model's logits")
