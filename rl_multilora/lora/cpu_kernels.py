@@ -16,6 +16,7 @@ concurrent processes never load half a file. Where there is no compiler, no AVX2
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -46,6 +47,12 @@ def enabled() -> bool:
     """Whether this process may use the kernels at all (before building them): x86-64 with AVX2, not switched off."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
+    return _cpu_has_avx2()
+
+
+@functools.cache
+def _cpu_has_avx2() -> bool:
+    """x86-64 with AVX2 (torch's own dispatch level): asked once per process, not per Linear and step."""
     return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
         "AVX2", "AVX512",
     )  # fmt: skip
