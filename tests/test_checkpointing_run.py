@@ -47,8 +47,26 @@ def _run(ws: Path, run_dir: Path, checkpointing: bool) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r.get("kind") != "eval"]
 
 
-def test_a_run_with_gradient_checkpointing_equals_the_run_without_bit_for_bit(ws, tmp_path):
-    rows = {ckpt: _run(ws, tmp_path / f"ckpt_{ckpt}", ckpt) for ckpt in (False, True)}
+def test_a_run_with_gradient_checkpointing_equals_the_run_without_bit_for_bit(ws, tmp_path, monkeypatch):
+    from rl_multilora.lora import LoRALinear
+
+    lora_forward = LoRALinear.forward
+    calls = {(c, b): 0 for c in (False, True) for b in (False, True)}  # (checkpointing, in a backward): LoRA forwards
+
+    def counted(self, x):
+        if torch.is_grad_enabled():  # training's forwards (rollout and reference passes run without autograd)
+            calls[checkpointing, torch._C._current_graph_task_id() != -1] += 1
+        return lora_forward(self, x)
+
+    monkeypatch.setattr(LoRALinear, "forward", counted)
+    rows = {}
+    for checkpointing in (False, True):
+        rows[checkpointing] = _run(ws, tmp_path / f"ckpt_{checkpointing}", checkpointing)
+    # The recompute really ran: every LoRA Linear a training forward ran, once more in the backward. Equal metrics alone
+    # did not show it: a head probe that reset the layers' training flags turned checkpointing off after the first
+    # forward (43f9afb), and every number stayed the same.
+    assert calls[False, False] > 0 and calls[False, True] == 0, calls
+    assert calls[True, False] == calls[False, False] and calls[True, True] == calls[True, False], calls
     plain, ckpt = rows[False], rows[True]
     assert len(plain) == len(ckpt) == 6  # 2 tenants x 3 steps
     assert sum(r.get("stepped", False) for r in plain) >= 4  # the comparison covers optimizer steps, not skips
