@@ -63,8 +63,8 @@ def test_a_run_with_gradient_checkpointing_equals_the_run_without_bit_for_bit(ws
     for checkpointing in (False, True):
         rows[checkpointing] = _run(ws, tmp_path / f"ckpt_{checkpointing}", checkpointing)
     # The recompute really ran: every LoRA Linear a training forward ran, once more in the backward. Equal metrics alone
-    # did not show it: a head probe that reset the layers' training flags turned checkpointing off after the first
-    # forward (43f9afb), and every number stayed the same.
+    # did not show it: a head probe that reset the layers' training flags turned checkpointing off for the first
+    # training micro-batch (43f9afb), and every number stayed the same.
     assert calls[False, False] > 0 and calls[False, True] == 0, calls
     assert calls[True, False] == calls[False, False] and calls[True, True] == calls[True, False], calls
     plain, ckpt = rows[False], rows[True]

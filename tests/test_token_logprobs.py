@@ -161,8 +161,9 @@ def test_a_forward_that_scales_in_code_sends_the_trainer_to_the_models_logits():
 def test_the_head_probe_leaves_activation_checkpointing_on():
     """`output_head`'s probe runs the base in eval mode and put it back with `train(mode)`, which reset the decoder
     layers' `training = True` that routed checkpointing keeps in eval mode (the trainer's forwards run in eval mode):
-    every later training forward kept all its activations (the SmolLM2 example's micro-batch 338 MiB instead of
-    31). The forward after the probe keeps what the one before it kept, and the layers still recompute."""
+    the training forward that ran the probe kept all its activations (the SmolLM2 example's first micro-batch 338
+    MiB instead of 31, the run's peak). The forward after the probe keeps what the one before it kept, and the
+    layers still recompute."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rl_multilora.lora import MultiLoRAModel

@@ -949,8 +949,9 @@ class MultiLoRAModel(nn.Module):
         the hidden states by `hidden_size / dim_model_base` before its head) or a remote-code model's own head.
         Eval mode for the probe (dropout would make the two forwards differ); no routing, so the base's head. Every
         module's mode is put back as it was, not reset by `train(mode)`: the decoder layers' `training = True` that
-        routed checkpointing keeps in eval mode (`train`) would be lost, and with it the recompute of every later
-        forward (the SmolLM2 example's training then kept 338 MiB a micro-batch for its backward instead of 31)."""
+        routed checkpointing keeps in eval mode (`train`) would be lost, and with it the recompute of the forward
+        that asked (the first training micro-batch: the SmolLM2 example's kept 338 MiB for its backward instead of
+        31 and set the run's peak; the trainer's next `eval()` put the flags back)."""
         modes = [(module, module.training) for module in self.base_model.modules()]
         ids = torch.arange(1, 5, device=head.weight.device).remainder(head.weight.shape[0]).unsqueeze(0)  # (1, 4)
         try:
