@@ -559,3 +559,85 @@ def test_a_recording_base_sample_leaves_the_journal_once_its_records_are_gone(tm
             assert again.seeds == []  # not sampled again
 
     _run(main())
+
+
+def test_a_sample_in_a_sampling_session_needs_an_int_seq_id(tmp_path):
+    """A reviewer's repro: `seq_id` null (or "1" beside 1) keyed two different requests of a sampling session the
+    same, so the second got the first one's samples."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            sid = await c.base_sampler(await c.session())
+            body = {"sampling_session_id": sid, "num_samples": 1, "prompt": PROMPT,
+                    "sampling_params": {"max_tokens": 2}}  # fmt: skip
+            for seq in (None, "1", -1, 1.0):
+                status, out = await c.post("asample", body | {"seq_id": seq})
+                assert status == 400 and f"seq_id={seq!r} is not allowed" in out["detail"], (seq, out)
+            status, out = await c.post("asample", {k: v for k, v in body.items()})  # no seq_id at all
+            assert status == 400 and "seq_id=None is not allowed" in out["detail"], out
+            status, out = await c.sample(sid, 1)
+            assert status == 200 and len((await c.result(out["request_id"]))["sequences"]) == 1
+
+    _run(main())
+
+
+def test_after_a_restart_a_request_waiting_for_a_seq_id_never_sent_does_not_hold_up_samples(tmp_path):
+    """A reviewer's repro: a model's seq_id 3 acknowledged and waiting for a 2 the client had not sent; after a
+    restart, a sample naming sampler weights that do not exist got no answer (the restart's wait for replayed
+    requests waited on seq 3), where before the restart it was refused at once. Once 2 comes, 3 still runs."""
+
+    async def main():
+        async with _Client(_Ops(), tmp_path / "j.sqlite") as c:
+            m = await c.model(await c.session())
+            status, out = await c.post("optim_step", {"model_id": m, "seq_id": 1, "adam_params": {}})
+            assert status == 200 and "metrics" in await c.result(out["request_id"])
+            status, out = await c.post("optim_step", {"model_id": m, "seq_id": 3, "adam_params": {}})
+            assert status == 200, out
+        ops = _Ops()
+        async with _Client(ops, tmp_path / "j.sqlite") as c:
+            body = {"model_path": f"tinker://{m}/sampler_weights/nope", "num_samples": 1, "prompt": PROMPT,
+                    "sampling_params": {"max_tokens": 2}}  # fmt: skip
+            status, out = await asyncio.wait_for(c.post("asample", body), 5)
+            assert status == 400 and "names no sampler weights" in out["detail"], out
+            status, out = await c.post("optim_step", {"model_id": m, "seq_id": 2, "adam_params": {}})
+            assert status == 200 and "metrics" in await c.result(out["request_id"])
+            assert "metrics" in await c.result(f"{m}.3")
+            assert len(ops.optim_calls) == 3  # the replayed 1, then 2 and 3
+
+    _run(main())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "inputs", "why"),
+    [
+        ([], {"target_tokens": []}, "model_input has 0 tokens"),
+        ([1, 2], {"target_tokens": [2, 3], "weight": [1.0, 1.0]},
+         "loss_fn_inputs\\['weight'\\] is not allowed for loss_fn 'cross_entropy'.*allowed: 'target_tokens', 'weights'"),
+        ([[1, 2], [3, 4]], {"target_tokens": [2, 3, 4, 5]}, "model_input is not a flat list of token ids"),
+    ],
+)  # fmt: skip
+def test_malformed_datums_are_user_errors_naming_the_field(tokens, inputs, why):
+    """Reviewers' repros: an empty model_input failed as a server error (`min() arg is an empty sequence`, with a
+    traceback, re-running a mixed batch request by request); an unknown loss input (a misspelt `weights`) was
+    ignored, training every token at weight 1; nested token lists were flattened."""
+    from rl_multilora.tinker.ops import _datum_row
+
+    datum = Datum(np.asarray(tokens), {k: np.asarray(v) for k, v in inputs.items()})
+    with pytest.raises(UserError, match=why):
+        _datum_row("t", "cross_entropy", datum, vocab_size=100, context_length=64)
+
+
+def test_a_sample_prompt_must_be_a_flat_nonempty_list_of_token_ids():
+    """A nested prompt was acknowledged and failed later in its turn (its length counted as 2 by the context check);
+    an empty one reached the engine."""
+    from rl_multilora.tinker.ops import check_tokens
+
+    with pytest.raises(UserError, match="prompt is not a flat list of token ids"):
+        check_tokens("prompt", [[5, 6], [7, 8]], 100)
+    with pytest.raises(UserError, match="prompt is not a flat list of token ids"):
+        check_tokens("prompt", [[5, 6], [7]], 100)
+    ops = ClientOps.__new__(ClientOps)
+    ops.limits = ModelLimits(100, 64)
+    with pytest.raises(UserError, match="prompt has 0 tokens"):
+        ops.check_sample([], {"max_tokens": 2})
+    assert ops.check_sample([5], {"max_tokens": 2}) == 2

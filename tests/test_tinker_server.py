@@ -477,6 +477,33 @@ def test_sampler_versions_are_bounded_and_freed_on_unload(tmp_path):
         s.close()
 
 
+def test_inflight_sampling_clients_share_one_target_that_each_inflight_save_updates(tmp_path):
+    """SDK 0.38's `kind="inflight"`: every inflight sampling client of a model samples the newest inflight weights,
+    and the target is one version however many inflight saves there are. The server ignored `kind`: each save was a
+    snapshot of its own, the first client kept the old weights and broke once later saves evicted its version."""
+    s = _Running(tmp_path / "state", max_sampler_versions=2)
+    try:
+        sc = tinker.ServiceClient(base_url=s.url, api_key=TOKEN)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+        first = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        seq = types.ModelInput.from_ints(list(range(5, 15)))
+        before = first.compute_logprobs(seq).result()
+        _sft(tc, 2, list(range(5, 15)), lr=5e-2)
+        snapshot = tc.save_weights_and_get_sampling_client().result()  # the trained weights, fixed
+        for _ in range(4):  # more inflight saves than the model keeps versions: still one target
+            second = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        trained = snapshot.compute_logprobs(seq).result()
+        assert trained != before
+        assert first.compute_logprobs(seq).result() == trained == second.compute_logprobs(seq).result()
+        assert _sample(first) == _sample(second)
+        paths = list(s.server.ops.tenants[tc.model_id].sampler_paths)
+        assert len(paths) == 2 and sum(p.endswith("/sampler_weights/_inflight") for p in paths) == 1, paths
+        with pytest.raises(tinker.BadRequestError, match="path='_inflight' is not allowed"):
+            tc.save_weights_for_sampler("_inflight").result()
+    finally:
+        s.close()
+
+
 def test_ppo_loss_is_clipped_surrogate(server):
     """forward_backward with loss_fn="ppo" and its loss_fn_config: each token's loss is
     -min(r A, clip(r, low, high) A), r = exp(logp - sampler_logp), checked in float64 token by token (one-hot
@@ -536,9 +563,9 @@ def test_replayed_sample_waits_for_its_sampler_weights(tmp_path, monkeypatch):
 
     publish = ClientOps.publish_sampler
 
-    def slow_publish(self, *args):
+    def slow_publish(self, *args, **kwargs):
         time.sleep(1.0)  # the replayed sample task starts at once on the event loop; this publish comes later
-        return publish(self, *args)
+        return publish(self, *args, **kwargs)
 
     monkeypatch.setattr(ClientOps, "publish_sampler", slow_publish)
     again = _Running(tmp_path / "state")

@@ -193,6 +193,14 @@ class SamplerVersion:
         return sum(t.numel() * t.element_size() for t in (self.tensors or {}).values())
 
 
+INFLIGHT_NAME = "_inflight"  # the sampler path name of a model's inflight target (`publish_sampler`)
+
+
+def is_inflight(path: str | None) -> bool:
+    """Whether sampler `path` is a model's inflight target (replaced in place by each inflight save)."""
+    return path is not None and path.endswith(f"/sampler_weights/{INFLIGHT_NAME}")
+
+
 MAX_FREED_PATHS = 100_000  # freed versions whose samples get "freed: <why>"; older ones get "names no sampler weights"
 
 
@@ -461,6 +469,8 @@ class ClientOps:
         range (`sampling_settings`)."""
         sampling_settings(params)
         check_tokens("prompt", prompt, self.limits.vocab_size)
+        if not prompt:
+            raise UserError("prompt has 0 tokens; allowed: 1 or more (the model needs a token to continue)")
         return self.limits.new_tokens(len(prompt), params.get("max_tokens"))
 
     # -- training --------------------------------------------------------------------------------------------------
@@ -754,12 +764,17 @@ class ClientOps:
         except DamagedCheckpoint as e:
             raise UserError(f"checkpoint {path!r} cannot be read: {e}") from None
 
-    def publish_sampler(self, model_id: str, name: str | None) -> tuple[str, str]:
+    def publish_sampler(self, model_id: str, name: str | None, inflight: bool = False) -> tuple[str, str]:
         """A new in-memory sampler version of the tenant: (its tinker:// path, its engine name). The model's least
-        recently used version beyond `max_sampler_versions` is freed."""
+        recently used version beyond `max_sampler_versions` is freed.
+
+        `inflight` (the SDK's `kind="inflight"`): the version replaces the model's one inflight target, at the same
+        path (`INFLIGHT_NAME`), so every inflight sampling client of the model samples the newest inflight weights
+        (a sample that had looked up the replaced version takes the new one: `sample`)."""
         t = self.tenant(model_id)
         n = t.sampler_versions + 1
-        path = f"tinker://{model_id}/sampler_weights/{checkpoint_name('path', name or f's{n}')}"
+        label = INFLIGHT_NAME if inflight else checkpoint_name("path", name or f"s{n}")
+        path = f"tinker://{model_id}/sampler_weights/{label}"
         t.sampler_versions = n
         engine_name = f"{t.name}.s{n}"
         version = SamplerVersion(
@@ -933,7 +948,16 @@ class ClientOps:
             for i in range(n)
         ]
         for _ in range(4):  # an LRU eviction by a concurrent sampler aborts rows: load again and resubmit
-            self._ensure_loaded(v)
+            if not v.live and is_inflight(v.path):  # an inflight save replaced it: its clients take the newest
+                v = self.sampler(v.path)
+                for request in requests:
+                    request.adapter = v.engine_name
+            try:
+                self._ensure_loaded(v)
+            except UserError:
+                if v.live or not is_inflight(v.path):
+                    raise
+                continue  # replaced between the check and the load
             results = await self.engine.agenerate(requests)
             if all(r.finish_reason in ("stop", "length") for r in results):
                 return [(r.output_ids, r.output_logprobs, r.finish_reason) for r in results]
@@ -954,7 +978,12 @@ def check_tokens(field_name: str, tokens: Any, vocab_size: int) -> list[int]:
     ...
     rl_multilora.tinker.ops.UserError: prompt[1]=12 is not allowed; allowed: a token id in [0, 10) ...
     """
-    ids = np.asarray(tokens).reshape(-1)
+    try:
+        ids = np.asarray(tokens)
+    except ValueError:  # ragged nesting
+        ids = None
+    if ids is None or ids.ndim != 1:
+        raise UserError(f"{field_name} is not a flat list of token ids; allowed: a list of ints")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise UserError(f"{field_name} holds {ids.dtype} values; allowed: integer token ids")
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
@@ -973,6 +1002,8 @@ def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int, context_lengt
     is missing, has the wrong length or a non-finite value, a token id outside the vocabulary, and a `model_input`
     longer than the model's context (positions past it are ones the model never saw; the sampler refuses them too)."""
     n = len(d.tokens)
+    if n == 0:
+        raise UserError("model_input has 0 tokens; allowed: 1 or more (position i predicts target_tokens[i])")
     if context_length is not None and n > context_length:
         raise UserError(
             f"model_input has {n} tokens; allowed: at most {context_length} (the model's context, "
@@ -1004,6 +1035,20 @@ def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int, context_lengt
     for key in ("target_tokens", *definition.inputs):
         if key not in d.inputs:
             raise UserError(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]; got {sorted(d.inputs)}")
+    # a loss that reads provenance takes its sampler log-probs from the server's records: the client's `logprobs`
+    # (rl_loop's datums always carry them) are accepted and replaced (`ClientOps._row`)
+    known = (
+        "target_tokens",
+        *definition.inputs,
+        *definition.optional_inputs,
+        *(("logprobs",) * definition.provenance),
+    )
+    unknown = sorted(set(d.inputs) - set(known))
+    if unknown:  # a misspelt `weights` would otherwise train every token at weight 1, the prompt's too
+        raise UserError(
+            f"loss_fn_inputs[{unknown[0]!r}] is not allowed for loss_fn {loss_fn!r} (this server would ignore it); "
+            f"allowed: {', '.join(map(repr, known))}"
+        )
     input_ids = check_tokens("model_input", d.tokens, vocab_size)
     vec("target_tokens")  # its length
     targets = check_tokens("loss_fn_inputs['target_tokens']", d.inputs["target_tokens"], vocab_size)

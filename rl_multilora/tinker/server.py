@@ -88,6 +88,7 @@ from google.protobuf.message import DecodeError
 from rl_multilora.tinker import wire
 from rl_multilora.tinker.journal import Journal
 from rl_multilora.tinker.ops import (
+    INFLIGHT_NAME,
     MAX_FREED_PATHS,
     MODEL_ID_PATTERN,
     PLAIN_NAME_PATTERN,
@@ -286,6 +287,8 @@ class TinkerServer:
             if kind not in ("create_session", "create_sampling_session", "sample", "end_session"):
                 self._replayed.append(self.state.results[key])
         self._drop_unreachable()
+        gapped = self._gapped()
+        self._replayed = [res for res in self._replayed if id(res) not in gapped]
         self._worker.start()
         app[_REAPER] = self.loop.create_task(self._reap_sessions())
 
@@ -306,6 +309,30 @@ class TinkerServer:
                         op.kind, op.request_id)  # fmt: skip
             why = f"{op.kind} {op.request_id!r} can never run: its model was never created here or its seq_id is taken"
             self._resolve(self.state.results[op.request_id], {"error": why, "category": "user"})
+
+    def _gapped(self) -> set[int]:
+        """The results (ids) of replayed requests that wait behind a seq_id the journal does not hold (the client
+        never sent it, or it was refused): they run only once the client sends it, so a restart's wait for replayed
+        requests (`_replay_done`) skips them, as a server that never restarted would not wait for them either (a
+        sample naming weights only they would publish was refused at once there, and is here). Before the worker
+        starts: nothing runs yet, so each model's next seq_id is exact."""
+        gapped: set[int] = set()
+        with self.lock:
+            created = {op.model_id for op in self.state.creates}
+            firsts: dict[str, int] = {}
+            for model_id, queue in self.state.queues.items():
+                k = self.state.next_seq.get(model_id, 1 if model_id in created else None)
+                if k is None:
+                    continue
+                while k in queue:
+                    k += 1
+                firsts[model_id] = k
+                gapped.update(id(self.state.results[op.request_id]) for seq, op in queue.items() if seq > k)
+            for after, op in self.state.unloads:
+                k = firsts.get(op.model_id, self.state.next_seq.get(op.model_id))
+                if k is not None and after >= k:
+                    gapped.add(id(self.state.results[op.request_id]))
+        return gapped
 
     async def _on_shutdown(self, app) -> None:
         """Before the server waits for its requests to end: every long-poll of `retrieve_future` answers try_again
@@ -752,6 +779,15 @@ class TinkerServer:
     async def save_weights_for_sampler(self, r: web.Request) -> web.Response:
         body = await r.json()
         key, model_id, seq = self._model_request(body, "save_weights_for_sampler")
+        kind = body.get("kind", "snapshot")
+        if kind not in ("snapshot", "inflight"):
+            raise UserError(f"kind={kind!r} is not allowed; allowed: 'snapshot' or 'inflight'")
+        if kind == "inflight" and body.get("path") is not None:
+            raise UserError(f"path={body['path']!r} is not allowed with kind='inflight' (its clients share the "
+                            "model's one mutable target); leave it out, or save a named snapshot")  # fmt: skip
+        if body.get("path") == INFLIGHT_NAME:
+            raise UserError(f"path={INFLIGHT_NAME!r} is not allowed: the server keeps its inflight target under that "
+                            "name; choose another")  # fmt: skip
         return await self._ack(key, "save_weights_for_sampler", body, None, model_id, seq)
 
     async def load_weights(self, r: web.Request) -> web.Response:
@@ -810,7 +846,10 @@ class TinkerServer:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         else:
             path = self._session_path(sid)
-            key = f"{sid}.{body.get('seq_id', uuid.uuid4().hex)}"
+            seq = body.get("seq_id")
+            if type(seq) is not int or seq < 0:  # it keys the request: a null or a "1" made two requests one
+                raise UserError(f"seq_id={seq!r} is not allowed with a sampling_session_id; allowed: an int >= 0")
+            key = f"{sid}.{seq}"
         n = body.get("num_samples", 1)
         if type(n) is not int or not 1 <= n <= MAX_NUM_SAMPLES:
             raise UserError(f"num_samples={n!r} is not allowed; allowed: an int in [1, {MAX_NUM_SAMPLES}]")
@@ -1175,7 +1214,8 @@ class TinkerServer:
                 path, size = self.ops.save_external(op.model_id, b.get("path"))
                 value = {"type": "save_weights_external", "path": path, "size_bytes": size}
             elif op.kind == "save_weights_for_sampler":
-                path, _ = self.ops.publish_sampler(op.model_id, b.get("path"))
+                inflight = b.get("kind") == "inflight"
+                path, _ = self.ops.publish_sampler(op.model_id, b.get("path"), inflight=inflight)
                 value = {"type": "save_weights_for_sampler", "path": path}
                 if b.get("path") is None:  # an unnamed version is known by its sampling session, not by a path
                     sid = f"{op.model_id}.sampler.{b.get('sampling_session_seq_id')}"
