@@ -94,6 +94,32 @@ def test_the_journal_stays_bounded_and_a_restart_from_a_snapshot_continues_exact
     second.close()
 
 
+def test_a_client_that_only_runs_forward_keeps_the_journal_bounded(tmp_path):
+    """A reviewer's repro: a model whose client only calls `forward` (an evaluation loop) never called for a
+    snapshot, so the journal kept a row and the server a result per call without bound (300 rows after 300
+    forwards), and a restart replayed them all. Now `ROWS_PER_SNAPSHOT * snapshot_every` rows snapshot it; the
+    results of its two latest snapshots stay retrievable (as for a training client), across a restart too."""
+    state, port = tmp_path / "state", _free_port()
+    first = _OnPort(state, port, snapshot_every=2)  # a snapshot once the model holds 8 rows
+    sc = tinker.ServiceClient(base_url=first.url, api_key=TOKEN)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+    expected = tc.forward([_datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    for _ in range(24):
+        got = tc.forward([_datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert got == expected
+    journal = first.server.journal
+    assert journal.size() <= 8, journal.size()
+    assert len(first.server._model_keys[tc.model_id]) < 8
+    assert len(journal.snapshots()) == 1
+    assert "loss_fn_outputs" in _retrieve(first, f"{tc.model_id}.20")  # the last snapshots' results stay
+    first.close()
+    second = _OnPort(state, port, snapshot_every=2)
+    assert "loss_fn_outputs" in _retrieve(second, f"{tc.model_id}.22")
+    again = tc.forward([_datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert again == expected
+    second.close()
+
+
 def test_sampling_clients_of_freed_weights_leave_the_journal(tmp_path):
     """The cookbook's loop (train, `save_weights_for_sampler(name)`, `create_sampling_client(model_path=...)`,
     sample) added one sampling session a step for ever, in memory and as a journal row, even with a snapshot every

@@ -106,6 +106,7 @@ from rl_multilora.tinker.stability import DAY_S, MAX_TOKENS, StabilityRecords, s
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+ROWS_PER_SNAPSHOT = 4  # a model holding this many journal rows per `snapshot_every` is snapshotted (`_compact_after`)
 MAX_NUM_SAMPLES = 1024  # sequences one sample request may ask for (each up to the max_tokens cap)
 PROTO_ACCEPT = re.compile(r"application/x-protobuf", re.IGNORECASE)  # a client that reads proto results says so
 FWDBWD_KEY = re.compile(MODEL_ID_PATTERN.pattern + r"\.[0-9]+")  # a forward_backward's request id (fullmatch)
@@ -1291,6 +1292,19 @@ class TinkerServer:
                         self._compact(m, op.seq_id + 1, saved=value["path"])
                     elif m in self._unsnapped_load or steps >= self.snapshot_every:
                         self._compact(m, op.seq_id + 1)
+            except Exception:  # noqa: BLE001 - the journal still holds every request: nothing is lost
+                log.exception("journal snapshot of %s failed; its requests stay in the journal", m)
+        # A model whose requests never call for a snapshot (a client that only runs `forward`, or saves for the
+        # sampler) still gets one once it holds `ROWS_PER_SNAPSHOT * snapshot_every` journal rows: else its rows and
+        # results grew without bound, and a restart replayed every one of them.
+        last = {op.model_id: op for op in ran if op.kind not in ("create_model", "unload_model", "restore")}
+        for m, op in last.items():
+            with self.lock:
+                rows = len(self._model_keys.get(m, ()))
+            if rows < ROWS_PER_SNAPSHOT * self.snapshot_every or m not in self.ops.tenants or m in self._grad_pending:
+                continue
+            try:
+                self._compact(m, op.seq_id + 1)
             except Exception:  # noqa: BLE001 - the journal still holds every request: nothing is lost
                 log.exception("journal snapshot of %s failed; its requests stay in the journal", m)
 
