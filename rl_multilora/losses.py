@@ -199,7 +199,14 @@ REGISTRY: dict[str, LossDef] = {
             config=CLIP_DEFAULTS,
             config_rules=CLIP_RULES,
         ),
-        LossDef("dro", _dro, inputs=("logprobs", "advantages"), config={"beta": 0.05}),
+        LossDef(
+            "dro",
+            _dro,
+            inputs=("logprobs", "advantages"),
+            config={"beta": 0.05},
+            # a negative beta turns the proximity penalty into an unbounded reward for drifting from the sampler
+            config_rules={"beta": (lambda v: v >= 0.0, "a finite number >= 0")},
+        ),
         LossDef(
             "stable_reinforce",
             _stable_reinforce,

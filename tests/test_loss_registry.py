@@ -171,6 +171,7 @@ def test_both_doors_accept_the_names_the_registry_derives():
             "loss_fn_config['tis_cap']=0 is not allowed; allowed: a finite number > 0",
         ),
         ("stable_reinforce", {"beta": 1.0}, "allowed: kl_coeff, tis_cap"),
+        ("dro", {"beta": -1.0}, "loss_fn_config['beta']=-1.0 is not allowed; allowed: a finite number >= 0"),
         ("ppo", {"clip_low": 0.5}, "loss_fn_config ['clip_low'] is not allowed for loss_fn 'ppo'"),
         ("ppo", {"clip_low_threshold": float("nan")}, "loss_fn_config['clip_low_threshold']=nan"),
         ("cross_entropy", {"beta": 1.0}, "allowed: none"),

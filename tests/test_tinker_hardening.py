@@ -612,7 +612,7 @@ def test_after_a_restart_a_request_waiting_for_a_seq_id_never_sent_does_not_hold
     [
         ([], {"target_tokens": []}, "model_input has 0 tokens"),
         ([1, 2], {"target_tokens": [2, 3], "weight": [1.0, 1.0]},
-         "loss_fn_inputs\\['weight'\\] is not allowed for loss_fn 'cross_entropy'.*allowed: 'target_tokens', 'weights'"),
+         "loss_fn_inputs\\['weight'\\] is not an input of any loss.*allowed for loss_fn 'cross_entropy': 'target_tokens', 'weights'"),
         ([[1, 2], [3, 4]], {"target_tokens": [2, 3, 4, 5]}, "model_input is not a flat list of token ids"),
     ],
 )  # fmt: skip

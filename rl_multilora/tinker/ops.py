@@ -193,6 +193,9 @@ class SamplerVersion:
         return sum(t.numel() * t.element_size() for t in (self.tensors or {}).values())
 
 
+ALL_LOSS_INPUTS = frozenset(
+    ["target_tokens", *(k for d in REGISTRY.values() for k in (*d.inputs, *d.optional_inputs))]
+)  # the loss_fn_inputs keys some loss reads (`_datum_row`)
 INFLIGHT_NAME = "_inflight"  # the sampler path name of a model's inflight target (`publish_sampler`)
 
 
@@ -1035,19 +1038,15 @@ def _datum_row(name: str, loss_fn: str, d: Datum, vocab_size: int, context_lengt
     for key in ("target_tokens", *definition.inputs):
         if key not in d.inputs:
             raise UserError(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]; got {sorted(d.inputs)}")
-    # a loss that reads provenance takes its sampler log-probs from the server's records: the client's `logprobs`
-    # (rl_loop's datums always carry them) are accepted and replaced (`ClientOps._row`)
-    known = (
-        "target_tokens",
-        *definition.inputs,
-        *definition.optional_inputs,
-        *(("logprobs",) * definition.provenance),
-    )
-    unknown = sorted(set(d.inputs) - set(known))
-    if unknown:  # a misspelt `weights` would otherwise train every token at weight 1, the prompt's too
+    # A key no loss reads (a misspelt `weights`, the cookbook's `mask`) is refused: ignored, a misspelt `weights`
+    # trained every token at weight 1. Another loss's input (`advantages` beside cross_entropy) is accepted and not
+    # read, so a client can send one set of datums to several losses.
+    unknown = sorted(set(d.inputs) - ALL_LOSS_INPUTS)
+    if unknown:
+        known = ("target_tokens", *definition.inputs, *definition.optional_inputs)
         raise UserError(
-            f"loss_fn_inputs[{unknown[0]!r}] is not allowed for loss_fn {loss_fn!r} (this server would ignore it); "
-            f"allowed: {', '.join(map(repr, known))}"
+            f"loss_fn_inputs[{unknown[0]!r}] is not an input of any loss this server serves; allowed for loss_fn "
+            f"{loss_fn!r}: {', '.join(map(repr, known))}"
         )
     input_ids = check_tokens("model_input", d.tokens, vocab_size)
     vec("target_tokens")  # its length
