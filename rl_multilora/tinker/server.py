@@ -106,6 +106,8 @@ from rl_multilora.tinker.stability import DAY_S, MAX_TOKENS, StabilityRecords, s
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+REQUEST_TOKENS = 16384  # the tokens an SDK that reads client/config puts in one forward_backward request (at most)
+SDK_BYTES_PER_TOKEN = 8  # the least the SDK counts for a datum's token (`_estimate_datum_bytes_count_proto`)
 ROWS_PER_SNAPSHOT = 4  # a model holding this many journal rows per `snapshot_every` is snapshotted (`_compact_after`)
 MAX_NUM_SAMPLES = 1024  # sequences one sample request may ask for (each up to the max_tokens cap)
 PROTO_ACCEPT = re.compile(r"application/x-protobuf", re.IGNORECASE)  # a client that reads proto results says so
@@ -161,7 +163,14 @@ class TinkerServer:
         snapshot_every: int = 50,
         session_timeout_s: float = 120.0,
         tokenizer_id: str | None = None,
+        request_tokens: int = REQUEST_TOKENS,
     ) -> None:
+        if type(request_tokens) is not int or request_tokens < 1:
+            raise ValueError(
+                f"request_tokens={request_tokens!r} is not allowed; allowed: an int >= 1 (the tokens the SDK puts in "
+                "one forward_backward request)"
+            )
+        self.request_tokens = request_tokens
         if not (isinstance(session_timeout_s, int | float) and session_timeout_s > 0):
             raise ValueError(
                 f"session_timeout_s={session_timeout_s!r} is not allowed; allowed: seconds > 0 (a session without "
@@ -540,8 +549,13 @@ class TinkerServer:
         # API keys only (no JWT exchange), plain httpx transport, per-request future polling; forward_backward and
         # forward as (zstd-compressed) protos: SDK 0.24 sends JSON unless told `proto_write_fwdbwd` (later releases
         # always send protos), and compresses only when told `proto_compress_fwdbwd`.
+        # A forward_backward runs as one pass over all its datums, so its memory follows its tokens: SDKs that read
+        # `fwdbwd_max_chunk_bytes_count` (0.38) split a call into requests of at most `request_tokens` tokens each
+        # (the SDK counts at least 8 bytes a token: 4 in model_input, 4 or more in target_tokens), whose gradients
+        # accumulate until the optim_step as any two requests' do.
         return self._json({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_write_fwdbwd": True,
-                           "fwd_via_fwdbwd": True, "proto_compress_fwdbwd": True})  # fmt: skip
+                           "fwd_via_fwdbwd": True, "proto_compress_fwdbwd": True,
+                           "fwdbwd_max_chunk_bytes_count": SDK_BYTES_PER_TOKEN * self.request_tokens})  # fmt: skip
 
     async def dynamic_config(self, _r) -> web.Response:
         return self._json({})
@@ -1544,8 +1558,10 @@ def build_server(
     unembed_lora: bool = True,
     stability_ttl_s: float = DAY_S,
     stability_max_tokens: int = MAX_TOKENS,
+    request_tokens: int = REQUEST_TOKENS,
 ) -> TinkerServer:
-    """`max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
+    """`request_tokens`: the most tokens an SDK that reads client/config puts in one forward_backward request.
+    `max_tenants` > `max_loras`: clients beyond the slots are paged between them and host memory (the
     `model.max_tenants` of a run config), spilling past `host_budget_gb` to `state_dir/paged`. The budget counts the
     in-memory sampler versions too: past it the least recently used ones spill to `state_dir/paged/samplers`.
     `unembed_lora`: the model's LoRA targets are its `all-linear` modules plus its output head, which clients train
@@ -1593,7 +1609,8 @@ def build_server(
         )
     name = base_model or model_path
     return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
-                        session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path))  # fmt: skip
+                        session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path),
+                        request_tokens=request_tokens)  # fmt: skip
 
 
 def _local_folder(path: str) -> str | None:
@@ -1766,6 +1783,10 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
                    "steps' requests per model (default 50)")  # fmt: skip
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="the most tokens one sample may generate (default: the model's context length)")  # fmt: skip
+    p.add_argument("--request-tokens", type=int, default=REQUEST_TOKENS,
+                   help="the tokens SDK 0.38 puts in one forward_backward request at most (it splits a larger call "
+                   "into several, whose gradients accumulate): a request's memory follows its tokens "
+                   f"(default {REQUEST_TOKENS})")  # fmt: skip
     p.add_argument("--no-unembed-lora", dest="unembed_lora", action="store_false",
                    help="no LoRA on the output head: clients' train_unembed is then not applied (reported false); "
                    "by default lm_head is a LoRA target and train_unembed=True (the SDK's default) trains it")  # fmt: skip
@@ -1789,7 +1810,8 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
 
     if not (Path(args.model) / "config.json").is_file():
         p.error(bad_value("--model", args.model, "a model folder in HF format, with its config.json"))
-    for flag in ("--port", "--max-sampler-versions", "--snapshot-every", "--stability-max-tokens", "--max-tokens-cap"):
+    for flag in ("--port", "--max-sampler-versions", "--snapshot-every", "--stability-max-tokens", "--max-tokens-cap",
+                 "--request-tokens"):  # fmt: skip
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not 1 <= value <= (65535 if flag == "--port" else math.inf):
             p.error(bad_value(flag, value, "a port from 1 to 65535" if flag == "--port" else "an integer >= 1"))
@@ -1833,7 +1855,7 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> in
             max_sampler_versions=args.max_sampler_versions, snapshot_every=args.snapshot_every,
             max_tokens_cap=args.max_tokens_cap, session_timeout_s=args.session_timeout_s,
             max_tenants=args.max_tenants, host_budget_gb=args.host_budget_gb, unembed_lora=args.unembed_lora,
-            stability_max_tokens=args.stability_max_tokens,
+            stability_max_tokens=args.stability_max_tokens, request_tokens=args.request_tokens,
         )  # fmt: skip
     except ValueError as e:  # a setting or token the server refuses (each message names it and what is allowed)
         print(f"error: {e}", file=sys.stderr)
