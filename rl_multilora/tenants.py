@@ -58,6 +58,7 @@ from rl_multilora.checkpoint import (
 from rl_multilora.config import CASE_REASON, AdapterConfig, ConfigError
 from rl_multilora.errors import bad_value
 from rl_multilora.turns import TurnScheduler
+from rollout.data_source import DatasetError
 from rollout.types import AdapterRef
 
 if TYPE_CHECKING:
@@ -548,6 +549,14 @@ class TenantManager:
                 skipped.append(aside.name)
                 log.warning("adapter %s: skipped damaged checkpoint %s; set aside as %s", t.name, e, aside.name)
                 continue
+            # A dataset other than the checkpoint's (another row count or seed) is the config's mistake, not the
+            # checkpoint's damage: setting it aside lost every good checkpoint (validation says so before; this is
+            # for a dataset that changed between the check and the start).
+            try:
+                self.data.check_state(t.name, snap.data_state)
+            except DatasetError as e:
+                why = f"adapters.{t.name}.dataset: {e} (checkpoint {path}; or start over with --fresh)"
+                raise ConfigError([why]) from None
             try:
                 self.backend.load_adapter_state_dict(t.name, snap.tensors, snap.peft_config, source=str(path))
                 self.backend.load_optimizer_state_dict(t.name, snap.optimizer)

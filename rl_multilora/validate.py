@@ -161,6 +161,26 @@ def _epochs_used(checkpoint: Path) -> float | None:
         return None  # a damaged checkpoint: admission sets it aside and says so
 
 
+def data_problems(a: AdapterConfig, checkpoint: Path, n_rows: int | None) -> list[str]:
+    """The dataset's row count against the one `a`'s checkpoint was trained on (its `data_state.json`): the cursor
+    indexes rows of that dataset. A dataset with rows added or removed failed the checkpoint's load, which set every
+    good checkpoint aside as damaged and FAILED the adapter (putting the dataset back did not bring them back)."""
+    try:
+        then = int(json.loads((checkpoint / "data_state.json").read_text())["n_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # a damaged checkpoint: admission sets it aside and says so
+    if n_rows is None or n_rows == then:
+        return []
+    return [
+        bad_value(
+            f"adapters.{a.name}.dataset",
+            f"{n_rows} rows",
+            f"{then} rows, what the checkpoint {checkpoint} was trained on (its data cursor indexes them): resume with "
+            "that dataset, or start over with --fresh",
+        )
+    ]
+
+
 def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> OutsideFacts:
     """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
 
@@ -227,6 +247,8 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             resume = e.problems
         if not resume:
             resume = coverage_problems(a, found[0], ctx.lora_modules, ctx.lora_parameters)
+        if not resume:
+            resume = data_problems(a, found[0], facts.n_rows)
 
     # -- the judgement -----------------------------------------------------------------------------------------------
     problems = [

@@ -680,6 +680,23 @@ class MultiLoRADataSource:
             "bad_rows": {str(index): reason for index, reason in sorted(stream.bad_rows.items())},
         }
 
+    def check_state(self, name: str, state: Mapping[str, Any]) -> None:
+        """A DatasetError when `state` (a checkpoint's cursor) was taken on another dataset or seed than `name`'s
+        now; nothing else is checked or changed (`load_state_dict` checks the rest)."""
+        stream = self._stream(name)
+        if not isinstance(state, Mapping):
+            return  # damaged: load_state_dict says so
+        if "seed" in state and state["seed"] != stream.seed:
+            raise DatasetError(
+                f"data state of {name!r}: seed={state['seed']!r} differs from the adapter's seed={stream.seed!r}; "
+                "resume with the seed the run started with"
+            )
+        if "n_rows" in state and state["n_rows"] != stream.n_rows:
+            raise DatasetError(
+                f"data state of {name!r}: n_rows={state['n_rows']!r} differs from the dataset's {stream.n_rows} rows; "
+                "resume with the same dataset"
+            )
+
     def load_state_dict(self, name: str, state: Mapping[str, Any]) -> None:
         """Restore `name`'s cursor; the adapter must be added with the same seed and dataset first."""
         stream = self._stream(name)

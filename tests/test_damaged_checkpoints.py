@@ -16,6 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from rl_multilora import validate
 from rl_multilora.checkpoint import list_checkpoints
 from rl_multilora.cli import main as cli_main
 from rl_multilora.config import parse_run_config
@@ -98,7 +99,7 @@ def test_when_every_checkpoint_is_damaged_the_tenant_fails_saying_so_and_the_oth
     assert len(cks) == 3
     for ck in cks:  # readable JSON the data source refuses: fails after the weights and optimizer loaded
         state = json.loads((ck / "data_state.json").read_text())
-        state["n_rows"] = 999
+        state["cursor"] = 10**9  # past the dataset's rows
         (ck / "data_state.json").write_text(json.dumps(state))
     rt = run(parse_run_config(cfg))
     t1 = rt.tenants.get("t1")
@@ -126,6 +127,35 @@ def test_a_changed_model_target_modules_is_refused_and_nothing_set_aside(workspa
     assert sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir()) == before  # nothing set aside
     path.write_text(yaml.safe_dump(cfg))
     assert cli_main(["run", str(path), "--dry-run"]) == 0  # the config put back resumes
+
+
+def test_a_dataset_with_another_row_count_is_refused_and_nothing_set_aside(workspace, tmp_path, capsys, monkeypatch):  # noqa: F811,E501
+    """A reviewer's repro: resuming with a dataset of another row count (rows added, or a smaller file) failed the
+    data cursor's load, which set every good checkpoint aside as damaged and FAILED the adapter for good (putting the
+    dataset back did not bring them back). Now `run` refuses it before touching anything, naming the dataset."""
+    run_dir = tmp_path / "run"
+    cfg = _config(workspace, run_dir)
+    run(parse_run_config(dict(cfg, max_global_steps=2)))
+    before = sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir())
+    smaller = tmp_path / "t1-smaller.jsonl"
+    rows = (workspace / "data" / "t1.jsonl").read_text().splitlines()
+    smaller.write_text("\n".join(rows[: len(rows) // 2]) + "\n")
+    t1 = dict(cfg["adapters"][0], dataset={**cfg["adapters"][0]["dataset"], "data_files": str(smaller)})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(dict(cfg, adapters=[t1, *cfg["adapters"][1:]])))
+    for argv in (["run", str(path), "--dry-run"], ["run", str(path)]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"adapters.t1.dataset='{len(rows) // 2} rows' is not allowed; allowed: {len(rows)} rows" in err, err
+        assert "Traceback" not in err
+    assert sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir()) == before  # nothing set aside
+    # past validation (a dataset that changed between the check and the start): t1 fails, its checkpoints stay
+    monkeypatch.setattr(validate, "data_problems", lambda *a: [])
+    rt = run(parse_run_config(dict(cfg, adapters=[t1, *cfg["adapters"][1:]], max_global_steps=3)))
+    assert rt.tenants.get("t1").state.value == "FAILED" and "n_rows" in rt.tenants.get("t1").reason
+    assert sorted(p.name for p in (run_dir / "adapters" / "t1").iterdir()) == before
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli_main(["run", str(path), "--dry-run"]) == 0  # the dataset put back resumes
 
 
 def test_export_over_links_into_a_checkpoint_replaces_the_links_and_leaves_the_checkpoint_alone(reference, tmp_path):  # noqa: F811,E501
