@@ -721,6 +721,45 @@ def _steps_done(meta: dict) -> int:
     return int(meta.get("steps_done", int(meta["global_step"]) + 1))
 
 
+RUN_DIR_LOCK = ".lock"  # in a run dir: held by the process that trains into it (`hold_run_dir`)
+RUN_DIR_OWNER = ".lock-owner"  # beside it: that process's pid and host, for the message a second one gets
+
+
+def hold_run_dir(run_dir: Path, field: str = "run_dir", wait_s: float = 10.0):
+    """An exclusive lock on `run_dir` for this process (a `filelock.FileLock`, held until its `release()` or the
+    process's end), or a ConfigError naming `field` and the process that holds it. Two runs (or a run and `serve`)
+    in one run dir wrote each other's checkpoints, run state and metrics rows, and both exited 0. Within one process
+    it is re-entrant (a library caller's runs one after another, or one left open). It waits up to `wait_s` for a
+    holder that is on its way out (a service restarted at once: its old actor's process ends a moment later)."""
+    import socket
+
+    from filelock import FileLock, Timeout
+
+    from rl_multilora.config import ConfigError
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(run_dir / RUN_DIR_LOCK), thread_local=False, is_singleton=True)
+    try:
+        lock.acquire(timeout=wait_s)
+    except Timeout:
+        try:
+            owner = (run_dir / RUN_DIR_OWNER).read_text().strip() or "another process"
+        except OSError:
+            owner = "another process"
+        raise ConfigError(
+            [
+                bad_value(
+                    field,
+                    str(run_dir),
+                    f"a run dir no other process is training into ({owner} holds it: stop "
+                    "it first, or choose another run_dir)",
+                )
+            ]  # fmt: skip
+        ) from None
+    (run_dir / RUN_DIR_OWNER).write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    return lock
+
+
 def check_compatible(name: str, now: dict, then: dict, ck: Path) -> None:
     """Raise ConfigError when adapter config `now` cannot resume checkpoint `ck`, trained with config `then`."""
     from rl_multilora.config import ConfigError

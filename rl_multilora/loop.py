@@ -47,7 +47,7 @@ from pathlib import Path
 from rl_multilora import components, validate
 from rl_multilora.backends.base import TrainingBackend, paging_stats_of
 from rl_multilora.batch import AdapterStepStats
-from rl_multilora.checkpoint import CheckpointManager, base_identity
+from rl_multilora.checkpoint import CheckpointManager, base_identity, hold_run_dir
 from rl_multilora.config import AdapterConfig, RunConfig, dump_config
 from rl_multilora.evaluate import EvalJob, EvalResult, EvalSet, evaluate_adapters, run_evals
 from rl_multilora.host_memory import jemalloc_loaded, release_freed_memory, set_mmap_threshold
@@ -171,16 +171,22 @@ class Runtime:
             log.info("host allocator: jemalloc (freed memory is purged between a step's phases)")
         components.seed_everything(cfg.seed)
         run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        tokenizer = components.build_tokenizer(cfg.model)
-        backend = components.build_backend(cfg, components.pad_token_id(tokenizer))
-        engine, launcher = components.build_engine(cfg, backend, tokenizer)
-        generator = components.build_generator(cfg, engine, tokenizer)
-        data = components.build_data_source(cfg, tokenizer)
-        ahead = components.build_generator(cfg, engine, tokenizer) if cfg.rollout.mode == "async" else None
-        scorer = components.build_scorer(cfg)
-        return cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer, ahead_generator=ahead)
+        held = hold_run_dir(run_dir)  # released by `close` (one process trains into a run dir at a time)
+        try:
+            (run_dir / "config.yaml").write_text(dump_config(cfg))
+            tokenizer = components.build_tokenizer(cfg.model)
+            backend = components.build_backend(cfg, components.pad_token_id(tokenizer))
+            engine, launcher = components.build_engine(cfg, backend, tokenizer)
+            generator = components.build_generator(cfg, engine, tokenizer)
+            data = components.build_data_source(cfg, tokenizer)
+            ahead = components.build_generator(cfg, engine, tokenizer) if cfg.rollout.mode == "async" else None
+            scorer = components.build_scorer(cfg)
+            rt = cls(cfg, backend, tokenizer, engine, launcher, data, generator, scorer, ahead_generator=ahead)
+        except BaseException:
+            held.release()
+            raise
+        rt._run_dir_lock = held
+        return rt
 
     # -- tenants --------------------------------------------------------------------------------------------------
     def register(self, a: AdapterConfig, facts=None):
@@ -499,6 +505,14 @@ class Runtime:
         self.tenants.checkpoint_all()
 
     def close(self) -> None:
+        held, self._run_dir_lock = getattr(self, "_run_dir_lock", None), None
+        try:
+            self._close()
+        finally:
+            if held is not None:
+                held.release()
+
+    def _close(self) -> None:
         self.metrics.close()
         self.scorer.close()
         self.engine.close()  # a rollout still running ahead (async) ends here: its rows come back as errors

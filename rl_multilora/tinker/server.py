@@ -1574,6 +1574,9 @@ def build_server(
     from rollout.engines.embedded import EmbeddedEngine
 
     _check_token(token)
+    from rl_multilora.checkpoint import hold_run_dir
+
+    held = hold_run_dir(Path(state_dir), "--state-dir")  # one server a state dir: held for the process's life
     torch.manual_seed(seed)
     m = ModelConfig(
         path=model_path,
@@ -1608,9 +1611,11 @@ def build_server(
             f"{max_tenants}); allowed: --max-loras or --max-tenants >= {len(live)}, or another --state-dir"
         )
     name = base_model or model_path
-    return TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
-                        session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path),
-                        request_tokens=request_tokens)  # fmt: skip
+    server = TinkerServer(ops, journal, token, name, poll_s, batch_wait_s, snapshot_every=snapshot_every,
+                          session_timeout_s=session_timeout_s, tokenizer_id=_local_folder(model_path),
+                          request_tokens=request_tokens)  # fmt: skip
+    server._state_dir_lock = held
+    return server
 
 
 def _local_folder(path: str) -> str | None:
