@@ -18,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -800,6 +801,12 @@ def _semantic_problems(cfg: RunConfig) -> list[str]:
         )
     if r.urls is not None and (r.engine != "http" or r.num_engines == 1):
         problems.append(bad_value("rollout.urls", r.urls, "null unless engine is 'http' with num_engines > 1"))
+    if r.url is not None and r.engine == "embedded":  # read by no one: the run would use the embedded engine anyway
+        problems.append(bad_value("rollout.url", r.url, "null unless engine is 'http' or 'sglang'"))
+    for field, urls in (("rollout.url", [r.url]), ("rollout.urls", r.urls or [])):
+        for u in urls:
+            if u is not None and not re.fullmatch(r"https?://[^\s/?#]+(/\S*)?", u):
+                problems.append(bad_value(field, u, "an http:// or https:// URL (e.g. http://127.0.0.1:30000)"))
     if r.engine_actors and r.engine != "embedded":
         problems.append(bad_value("rollout.engine_actors", True, "false unless engine is 'embedded'"))
     if cfg.trainer.colocate_engines:
@@ -925,18 +932,47 @@ def _set_path(data: Any, dotted: str, value: Any, original: str) -> None:
             raise ConfigError([f"--set {original}: {'.'.join(keys[:i])} is not a mapping or list"])
 
 
+_COMMENT = re.compile(r"(^|\s)#")  # where YAML starts a comment in a plain (unquoted) scalar
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `key.sub=value` overrides (values parsed as YAML: 1e-3, true, [a, b])."""
+    """Apply `key.sub=value` overrides (values parsed as YAML: 1e-3, true, [a, b]). A plain value holding ` #` is
+    taken whole as a string: YAML would read the rest as a comment and drop it (`system_prompt=... #### N`, a
+    run_dir `runs/my #1`); a quoted or bracketed value is YAML's to read."""
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError([f"--set {item!r}: expected key=value (e.g. grpo.kl_coef=0.01)"])
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
+        if raw.strip()[:1] not in ("'", '"', "[", "{") and _COMMENT.search(raw):
+            value = raw.strip()
+        else:
+            try:
+                value = yaml.load(raw, Loader=_UniqueKeyLoader)
+            except yaml.YAMLError:
+                value = raw
         _set_path(data, key.strip(), value, item)
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (plain YAML keeps the last one silently: a
+    second `lr:` further down an adapter overrode the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:  # the keys written here (a `<<:` merge's may be overridden, as YAML allows)
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key!r} appears twice in one mapping (first {seen[key]})",
+                    key_node.start_mark,
+                )
+            seen[key] = f"at line {key_node.start_mark.line + 1}"
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -954,7 +990,7 @@ def load_yaml(path: str | Path) -> Any:
             [bad_value("config", str(path), "the path of an existing YAML file (there is no such file)")]
         )
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(
             [bad_value("config", str(path), f"a valid YAML file; this one is not valid YAML: {e}")]

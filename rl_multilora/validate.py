@@ -299,8 +299,8 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             f"eval.split={split!r}: give the dataset a '{split}' split, e.g. data_files: {{train: ..., test: ...}}, "
             "or set eval.data_files, or eval.enabled: false"
         )
-        if "eval" in failed:
-            problems.append(f"{where}eval: {failed['eval']} ({fix})")
+        if "eval" in failed:  # the split hint where the split is what failed (a bad column is the dataset's own)
+            problems.append(f"{where}eval: {failed['eval']}" + (f" ({fix})" if "split" in failed["eval"] else ""))
         elif eval_rows == 0:
             problems.append(f"{where}eval: the split has no rows ({fix})")
     problems += resume

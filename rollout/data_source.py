@@ -266,7 +266,14 @@ def load_dataset_rows(spec: DatasetSpec):
     except StopIteration:  # what `datasets` raises for an empty file: a dataset without rows, which admission refuses
         return datasets.Dataset.from_dict({})
     except Exception as exc:  # datasets raises many types (hub, network, parsing): report them all the same way
-        raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        # with the cause: `datasets` wraps a parse error (the file, the line, mismatched columns) in a generic one
+        cause = exc.__cause__ or exc.__context__
+        why = f"{type(exc).__name__}: {exc}"
+        lines = [line.strip() for line in str(cause or "").splitlines() if line.strip()]
+        if lines and lines[-1] not in str(exc):  # its last line: the error itself, not a worker's traceback text
+            text = lines[-1] if len(lines[-1]) <= 400 else lines[-1][:400] + "..."
+            why += f" (because {type(cause).__name__}: {text})"
+        raise DatasetError(f"dataset.path={spec.path!r} cannot be loaded: {why}") from exc
     _check_columns(spec, list(rows.column_names))
     return rows
 

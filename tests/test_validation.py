@@ -170,6 +170,9 @@ CASES = [
     ("prompts-past-the-dataset", lambda d, ws: _adapter(d).update(prompts_per_step=10**11), "at most the dataset's"),
     ("run-dir-is-a-file", lambda d, ws: d.update(run_dir=str(ws / "a_file")), "run_dir="),
     ("no-adapters", lambda d, ws: d.update(adapters=[]), "adapters=[] is not allowed"),
+    # a reviewer's: read by no one (the embedded engine ran), or a crash with a traceback once the engine was built
+    ("url-with-embedded", lambda d, ws: d["rollout"].update(url="http://127.0.0.1:1"), "rollout.url='http://127.0"),
+    ("url-not-a-url", lambda d, ws: d["rollout"].update(engine="http", url="notaurl"), "rollout.url='notaurl'"),
 ]
 
 
@@ -367,3 +370,28 @@ def test_a_folder_as_config_and_a_set_without_a_key_say_so(ws, capsys):
     path = _write(ws, "valid-set", lambda d, ws: None)
     code, err = _cli(["run", str(path), "--set", "=3", "--dry-run"], capsys)
     assert code == 2 and "--set '=3': expected key=value" in err, err
+
+
+def test_set_values_with_a_hash_and_duplicate_yaml_keys(ws, capsys):
+    """A reviewer's repros: `--set` parsed its value as YAML, so ` #` and all after it went as a comment
+    (`system_prompt=... end with #### N` lost its format); a key written twice in a config kept the last silently."""
+    from rl_multilora.config import load_run_config
+
+    path = _write(ws, "hash", lambda d, ws: None)
+    prompt = "Solve it and end with #### N"
+    cfg = load_run_config(path, [f"adapters.0.dataset.system_prompt={prompt}", "seed=3", 'run_dir="runs/x #1"'])
+    assert cfg.adapters[0].dataset.system_prompt == prompt and cfg.seed == 3 and cfg.run_dir == "runs/x #1"
+    path.write_text("seed: 1\nseed: 2\n" + path.read_text())
+    code, err = _cli(["run", str(path), "--dry-run"], capsys)
+    assert code == 2 and "the key 'seed' appears twice in one mapping" in err, err
+
+
+def test_a_dataset_that_does_not_parse_says_why(tmp_path):
+    """`datasets` wraps a parse error in a generic one ("An error occurred while generating the dataset"), which was
+    all the error said: no file, no line, no reason (a reviewer's repro). Its cause is said too now."""
+    from rollout.data_source import DatasetError, DatasetSpec, load_dataset_rows
+
+    path = tmp_path / "unparseable.jsonl"
+    path.write_text('{"q": "1", "a": "2"}\n{"q": "3", "a": \n')
+    with pytest.raises(DatasetError, match=r"DatasetGenerationError: .* \(because ArrowInvalid: .*in row 1\)"):
+        load_dataset_rows(DatasetSpec(path="json", data_files=str(path), prompt_key="q", label_key="a"))
