@@ -146,6 +146,9 @@ class _Data:
     def remove_adapter(self, name):
         pass
 
+    def check_state(self, name, state):
+        pass  # one dataset, one seed
+
     def load_state_dict(self, name, state):
         self.loaded = state
 
