@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rl_multilora.config import AdapterConfig, GRPOSettings, ModelConfig, RunConfig
+from rl_multilora.config import AdapterConfig, ConfigError, GRPOSettings, ModelConfig, RunConfig
+from rl_multilora.errors import bad_value
 from rollout.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -249,7 +250,16 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
 
     if r.engine == "http":
         urls = r.urls if r.num_engines > 1 else [r.url]
-        return _one_or_many([SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]), None
+        field = "rollout.url" if r.num_engines == 1 else "rollout.urls"
+        try:
+            engines = [SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ConfigError([bad_value(field, r.url if r.num_engines == 1 else r.urls, str(e))]) from None
+        for u, engine in zip(urls, engines, strict=True):  # no server there: said now, not as a crash at the sync
+            if not _answers(engine, HTTP_ENGINE_WAIT_S):
+                raise ConfigError([bad_value(field, u, f"a server that answers GET /health (none did in "
+                                             f"{HTTP_ENGINE_WAIT_S:g} s)")])  # fmt: skip
+        return _one_or_many(engines), None
     # A model whose expert LoRA SGLang cannot serve exactly fails here, before a minutes-long server start.
     model = backend.shared_model or build_model(cfg.model)
     expert_shapes = sglang_expert_shapes(model)
@@ -268,15 +278,42 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
             api_key=r.api_key,
             expert_lora=bool(expert_shapes),
         )
-        url = launcher.start()
-    # SGLang wants one serialized copy of the tensors per tensor-parallel rank: take the size from the launch
-    # arguments, or ask an attached server.
-    tp_size = launcher.tp_size if launcher is not None else None
-    engine = SGLangEngine(
-        url, api_key=r.api_key, tensor_format="sglang", module_shapes=model.layer_shapes, expert_shapes=expert_shapes
-    )
-    engine.tp_size = tp_size or engine.server_tp_size() or 1
+    try:
+        if launcher is not None:
+            url = launcher.start()
+        # SGLang wants one serialized copy of the tensors per tensor-parallel rank: take the size from the launch
+        # arguments, or ask an attached server.
+        tp_size = launcher.tp_size if launcher is not None else None
+        engine = SGLangEngine(
+            url,
+            api_key=r.api_key,
+            tensor_format="sglang",
+            module_shapes=model.layer_shapes,
+            expert_shapes=expert_shapes,
+        )
+        engine.tp_size = tp_size or engine.server_tp_size() or 1
+    except (RuntimeError, ValueError, OSError) as e:  # the server did not start, or does not answer
+        if launcher is not None:
+            launcher.stop()
+        field, value = ("rollout.url", r.url) if r.url is not None else ("rollout.engine", r.engine)
+        raise ConfigError([bad_value(field, value, f"an SGLang server that starts and answers ({e})")]) from None
     return engine, launcher
+
+
+HTTP_ENGINE_WAIT_S = 10.0  # how long a run waits for rollout.url's server to answer before it says it does not
+
+
+def _answers(engine, wait_s: float) -> bool:
+    """Whether `engine`'s server answers its health check within `wait_s` (a server still starting gets that long)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if engine.health():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _ray_engines(cfg: RunConfig, backend: TrainingBackend) -> list:

@@ -451,6 +451,18 @@ def run_problems(cfg: RunConfig) -> list[str]:
         except HooksError as e:
             problems.append(f"rollout.hooks: {e}")
     problems += allocator_problems(cfg.model)
+    if cfg.rollout.engine == "sglang" and cfg.rollout.url is None:
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:  # launching one would fail after the model loaded
+            problems.append(
+                bad_value(
+                    "rollout.engine",
+                    "sglang",
+                    "'sglang' where the sglang package is installed (it launches `python -m sglang.launch_server`), "
+                    "or rollout.url naming a running server, or 'embedded'",
+                )
+            )
     run_dir = Path(cfg.run_dir).expanduser()
     if run_dir.exists() and not run_dir.is_dir():
         problems.append(bad_value("run_dir", cfg.run_dir, "a folder, new or a run's (this is a file)"))
