@@ -612,6 +612,10 @@ class TenantManager:
         would be discarded by the next restore of the name as a step that never finished."""
         for t in self.running():
             if self.budget_done(t, in_flight):
+                why = self.data.unusable(t.name) if t.name not in in_flight else None
+                if why is not None:  # every row bad: not a spent budget (it said "budget reached" and exited 0)
+                    self.fail(t.name, why)
+                    continue
                 self.drain(t.name, "budget reached")
         for t in self.in_state(TenantState.DRAINING):
             self.save_checkpoint(t, in_step=in_step)

@@ -638,6 +638,19 @@ class MultiLoRADataSource:
         """True when the adapter's data budget (epochs or rows) is used up or it has no usable row."""
         return self._stream(name).exhausted()
 
+    def unusable(self, name: str) -> str | None:
+        """Why none of the adapter's rows can be trained on (every row skipped as bad: a chat template that refuses
+        them, a prompt over max_prompt_tokens, ...), or None while some row can. Its data is then "exhausted" too,
+        which is no budget reached: the adapter trained nothing."""
+        stream = self._stream(name)
+        if stream.n_rows == 0 or len(stream.bad_rows) < stream.n_rows:
+            return None
+        reasons: dict[str, int] = {}
+        for reason in stream.bad_rows.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        said = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        return f"no usable row: all {stream.n_rows} rows of its dataset were skipped ({said})"
+
     def stats(self, name: str) -> dict[str, Any]:
         """Counters for metrics: rows and samples served, epoch progress, bad rows by reason."""
         stream = self._stream(name)

@@ -149,6 +149,9 @@ class _Data:
     def check_state(self, name, state):
         pass  # one dataset, one seed
 
+    def unusable(self, name):
+        return None
+
     def load_state_dict(self, name, state):
         self.loaded = state
 

@@ -1,0 +1,27 @@
+"""An adapter none of whose rows can be trained on ends FAILED with the reason, not REMOVED with "budget reached":
+the run exits 1. It used to finish its budget-less tenant silently, print no summary line for it and exit 0 (a
+reviewer's repro: a chat dataset with a role the template refuses, every row skipped)."""
+
+from __future__ import annotations
+
+import yaml
+
+from rl_multilora.cli import main as cli_main
+from rl_multilora.config import parse_run_config
+from rl_multilora.loop import run
+from tests.test_resume import _config, workspace  # noqa: F401 - fixtures
+
+
+def test_an_adapter_whose_every_row_is_skipped_fails_saying_why(workspace, tmp_path, capsys):  # noqa: F811
+    cfg = _config(workspace, tmp_path / "run", max_global_steps=6)
+    t1 = cfg["adapters"][0]
+    t1["dataset"] = {**t1["dataset"], "max_prompt_tokens": 1}  # every prompt is longer: every row is skipped
+    rt = run(parse_run_config(cfg))
+    t = rt.tenants.get("t1")
+    assert t.state.value == "FAILED" and t.adapter_step == 0, (t.state, t.reason)
+    assert "no usable row: all 40 rows of its dataset were skipped" in t.reason, t.reason
+    assert rt.tenants.get("t2").adapter_step > 0  # the others train on
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(dict(cfg, run_dir=str(tmp_path / "run2"))))
+    assert cli_main(["run", str(path)]) == 1
+    assert "t1: no usable row" in capsys.readouterr().err
