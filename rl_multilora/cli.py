@@ -81,7 +81,7 @@ def cmd_run(args) -> int:
     summary = summarize(cfg.run_dir)
     print(f"run finished: {cfg.run_dir}")
     for name, s in sorted(summary.items()):
-        state = rt.tenants.tenants[name].state.value if name in rt.tenants.tenants else "?"
+        state = rt.tenants.tenants[name].state.value if name in rt.tenants.tenants else "ABSENT"  # not in the config
         held = ""
         if s["eval_base"] is not None and s["eval_final"] is not None:
             held = (

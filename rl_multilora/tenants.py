@@ -813,6 +813,12 @@ class TenantManager:
         for name, s in state["adapters"].items():
             st = TenantState(s["state"])
             if st not in FINISHED:
+                if self.cfg.adapters and name not in configured:  # renamed or dropped from a run's config: say so
+                    log.warning(
+                        "adapter %s (%s at adapter step %s in this run dir) is not in the config, so it does not "
+                        "train in this run; its checkpoints stay in %s (put it back to resume it)", name, st.value,
+                        s.get("adapter_step"), self.ckpt.adapter_dir(name),
+                    )  # fmt: skip
                 continue
             cfg = AdapterConfig.model_validate(s["config"])
             new = configured.get(name)

@@ -25,3 +25,21 @@ def test_an_adapter_whose_every_row_is_skipped_fails_saying_why(workspace, tmp_p
     path.write_text(yaml.safe_dump(dict(cfg, run_dir=str(tmp_path / "run2"))))
     assert cli_main(["run", str(path)]) == 1
     assert "t1: no usable row" in capsys.readouterr().err
+
+
+def test_an_adapter_renamed_in_the_config_is_named_in_a_warning_and_the_summary(workspace, tmp_path, capsys, caplog):  # noqa: F811
+    """A reviewer's repro: renaming (or dropping) a RUNNING adapter in the config on resume forgot it without a word;
+    the summary printed its state as `?`. Its checkpoints stay; putting the name back resumes it."""
+    import logging
+
+    cfg = _config(workspace, tmp_path / "run", max_global_steps=2)
+    run(parse_run_config(cfg))
+    t1 = dict(cfg["adapters"][0], name="t1b")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(dict(cfg, adapters=[t1, *cfg["adapters"][1:]], max_global_steps=3)))
+    with caplog.at_level(logging.WARNING, logger="rl_multilora"):
+        assert cli_main(["run", str(path)]) == 0
+    assert any("adapter t1 (RUNNING at adapter step" in r.getMessage() and "not in the config" in r.getMessage()
+               for r in caplog.records), caplog.text  # fmt: skip
+    out = capsys.readouterr().out
+    assert "  t1           ABSENT" in out, out
