@@ -912,13 +912,15 @@ def _set_path(data: Any, dotted: str, value: Any, original: str) -> None:
     for i, key in enumerate(keys):
         last = i == len(keys) - 1
         if isinstance(node, list):
-            if key.isdigit() and int(key) < len(node):
-                idx = int(key)
-            else:  # adapters.<name>.field addresses an adapter by name
-                matches = [j for j, item in enumerate(node) if isinstance(item, dict) and item.get("name") == key]
-                if not matches:
-                    raise ConfigError([f"--set {original}: no list item {key!r} (use an index or an adapter name)"])
+            # adapters.<name>.field addresses an adapter by name, and a name wins over an index: an adapter named
+            # "2" is the one `adapters.2` means (it was the third adapter, whatever its name)
+            matches = [j for j, item in enumerate(node) if isinstance(item, dict) and str(item.get("name")) == key]
+            if matches:
                 idx = matches[0]
+            elif key.isdigit() and int(key) < len(node):
+                idx = int(key)
+            else:
+                raise ConfigError([f"--set {original}: no list item {key!r} (use an index or an adapter name)"])
             if last:
                 node[idx] = value
             else:

@@ -395,3 +395,13 @@ def test_a_dataset_that_does_not_parse_says_why(tmp_path):
     path.write_text('{"q": "1", "a": "2"}\n{"q": "3", "a": \n')
     with pytest.raises(DatasetError, match=r"DatasetGenerationError: .* \(because ArrowInvalid: .*in row 1\)"):
         load_dataset_rows(DatasetSpec(path="json", data_files=str(path), prompt_key="q", label_key="a"))
+
+
+def test_set_names_an_adapter_before_an_index():
+    """A reviewer's repro: with adapters named "2", "0", "1", `--set adapters.2.rank=99` changed the third adapter
+    (named "1"), not the one named "2"."""
+    from rl_multilora.config import apply_overrides
+
+    data = {"adapters": [{"name": "2"}, {"name": "0"}, {"name": "b"}]}
+    apply_overrides(data, ["adapters.2.rank=99", "adapters.b.rank=7", "adapters.1.rank=5"])
+    assert data["adapters"] == [{"name": "2", "rank": 99}, {"name": "0", "rank": 5}, {"name": "b", "rank": 7}]
