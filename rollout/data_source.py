@@ -201,7 +201,8 @@ def _check_data_files_exist(data_files: str | list[str] | dict) -> None:
         files = list(data_files)
     for file in files:
         if isinstance(file, str) and _is_local_path(file) and not os.path.exists(file):
-            raise DatasetError(f"dataset.data_files: file {file!r} does not exist")
+            where = "" if os.path.isabs(file) else f" (relative to {os.getcwd()}, where this runs)"
+            raise DatasetError(f"dataset.data_files: file {file!r} does not exist{where}")
 
 
 def load_dataset_rows(spec: DatasetSpec):

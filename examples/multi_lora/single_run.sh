@@ -15,6 +15,10 @@ if [ $# -gt 0 ] && [[ $1 != -* ]]; then  # a leading flag (--set ...) is for `ru
   fi
 fi
 cd "$(dirname "$0")/../.."
+if [[ $config == /* ]] && [[ $config != "$PWD"/* ]]; then  # a config of the caller's, outside the checkout
+  echo "note: the run starts in $PWD: relative paths in $config (data_files, run_dir, model.path) resolve from" \
+    "there; make them absolute, or run \`rl-multilora run $config\` from its own folder"
+fi
 preset=artifacts/tiny
 # The tiny preset is what the default config (and any config on artifacts/tiny/) trains on; another config's model
 # is its own to provision (e.g. `rl-multilora provision --preset tiny-moe --out artifacts/tiny-moe`).
