@@ -498,7 +498,9 @@ class GRPOSettings(_Strict):
 class RewardsSettings(_Strict):
     """The reward worker pool (each adapter names its own reward function)."""
 
-    num_workers: int = Field(2, ge=1, description="Reward worker processes (killable on timeout).")
+    num_workers: int = Field(
+        2, ge=1, le=256, description="Reward worker processes (killable on timeout), started at once: at most 256."
+    )
 
     @model_validator(mode="before")
     @classmethod
