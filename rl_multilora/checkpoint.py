@@ -737,7 +737,12 @@ def hold_run_dir(run_dir: Path, field: str = "run_dir", wait_s: float = 10.0):
 
     from rl_multilora.config import ConfigError
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # /proc/x, a read-only mount, a file on the way
+        raise ConfigError(
+            [bad_value(field, str(run_dir), f"a folder this user can create ({e.strerror or e})")]
+        ) from None
     lock = FileLock(str(run_dir / RUN_DIR_LOCK), thread_local=False, is_singleton=True)
     try:
         lock.acquire(timeout=wait_s)

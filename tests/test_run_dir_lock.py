@@ -72,3 +72,15 @@ def test_a_second_tinker_server_on_a_state_dir_is_refused(tmp_path):
         holder.kill()
         holder.wait()
     build_server(str(model), state, "tml-lock-test")  # the holder gone
+
+
+def test_a_run_dir_that_cannot_be_created_is_named(tmp_path):
+    """`run_dir: /proc/x` said only `[Errno 2] No such file or directory: '/proc/x'` (a reviewer's repro)."""
+    import pytest
+
+    from rl_multilora.config import ConfigError
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(ConfigError, match=r"run_dir='.*a_file/run' is not allowed; allowed: a folder this user can"):
+        hold_run_dir(blocked / "run")
