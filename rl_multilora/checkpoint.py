@@ -743,7 +743,8 @@ def hold_run_dir(run_dir: Path, field: str = "run_dir", wait_s: float = 10.0):
         raise ConfigError(
             [bad_value(field, str(run_dir), f"a folder this user can create ({e.strerror or e})")]
         ) from None
-    lock = FileLock(str(run_dir / RUN_DIR_LOCK), thread_local=False, is_singleton=True)
+    # the resolved path: one lock object per run dir in this process, however the path is spelled
+    lock = FileLock(str((run_dir / RUN_DIR_LOCK).resolve()), thread_local=False, is_singleton=True)
     try:
         lock.acquire(timeout=wait_s)
     except Timeout:

@@ -968,6 +968,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # an unhashable key: the constructor below refuses it with its own message
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,

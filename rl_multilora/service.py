@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rl_multilora.backends.base import paging_stats_of
-from rl_multilora.checkpoint import CheckpointManager
+from rl_multilora.checkpoint import CheckpointManager, hold_run_dir
 from rl_multilora.config import (
     AdapterConfig,
     ConfigError,
@@ -453,10 +453,15 @@ class ServiceActor:
             enter_ray_process(cfg.model.host_allocator == "jemalloc")
         except ValueError as e:
             raise ServiceError(str(e)) from None
-        if tinker is not None and cfg.checkpoint.resume == "never":
-            # --fresh: the earlier run (its Tinker journal too) is archived before the Tinker app opens the journal.
-            CheckpointManager(Path(cfg.run_dir)).archive_previous()
-        self.core = ServiceCore(Runtime.build(cfg), cfg.service_poll_s)
+        held = hold_run_dir(Path(cfg.run_dir))  # before --fresh archives anything: a live run's files stay its own
+        try:
+            if tinker is not None and cfg.checkpoint.resume == "never":
+                # --fresh: the earlier run (its Tinker journal too) is archived before the Tinker app opens the journal.
+                CheckpointManager(Path(cfg.run_dir)).archive_previous()
+            runtime = Runtime.build(cfg)  # takes the same lock again (re-entrant), which its close releases
+        finally:
+            held.release()
+        self.core = ServiceCore(runtime, cfg.service_poll_s)
         self.tinker = None
         server = None
         if tinker is not None:  # the Tinker API on this Runtime (see rl_multilora.tinker.server)

@@ -132,7 +132,8 @@ def test_a_changed_model_target_modules_is_refused_and_nothing_set_aside(workspa
 def test_a_dataset_with_another_row_count_is_refused_and_nothing_set_aside(workspace, tmp_path, capsys, monkeypatch):  # noqa: F811,E501
     """A reviewer's repro: resuming with a dataset of another row count (rows added, or a smaller file) failed the
     data cursor's load, which set every good checkpoint aside as damaged and FAILED the adapter for good (putting the
-    dataset back did not bring them back). Now `run` refuses it before touching anything, naming the dataset."""
+    dataset back did not bring them back). Now `run` refuses it before touching anything, naming the dataset; a
+    mismatch found only at the start (the file changed after the check) fails the adapter and keeps its checkpoints."""
     run_dir = tmp_path / "run"
     cfg = _config(workspace, run_dir)
     run(parse_run_config(dict(cfg, max_global_steps=2)))

@@ -498,6 +498,9 @@ def test_inflight_sampling_clients_share_one_target_that_each_inflight_save_upda
         assert _sample(first) == _sample(second)
         paths = list(s.server.ops.tenants[tc.model_id].sampler_paths)
         assert len(paths) == 2 and sum(p.endswith("/sampler_weights/_inflight") for p in paths) == 1, paths
+        for i in range(3):  # named snapshots past the limit evict each other, never the inflight target
+            tc.save_weights_for_sampler(f"named{i}").result()
+        assert first.compute_logprobs(seq).result() == trained
         with pytest.raises(tinker.BadRequestError, match="path='_inflight' is not allowed"):
             tc.save_weights_for_sampler("_inflight").result()
     finally:

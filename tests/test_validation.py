@@ -381,7 +381,11 @@ def test_set_values_with_a_hash_and_duplicate_yaml_keys(ws, capsys):
     prompt = "Solve it and end with #### N"
     cfg = load_run_config(path, [f"adapters.0.dataset.system_prompt={prompt}", "seed=3", 'run_dir="runs/x #1"'])
     assert cfg.adapters[0].dataset.system_prompt == prompt and cfg.seed == 3 and cfg.run_dir == "runs/x #1"
-    path.write_text("seed: 1\nseed: 2\n" + path.read_text())
+    text = path.read_text()
+    path.write_text("? [1, 2]\n: x\n" + text)  # an unhashable key: YAML's own error, not a TypeError's traceback
+    code, err = _cli(["run", str(path), "--dry-run"], capsys)
+    assert code == 2 and "not valid YAML: while constructing a mapping" in err and "Traceback" not in err, err
+    path.write_text("seed: 1\nseed: 2\n" + text)
     code, err = _cli(["run", str(path), "--dry-run"], capsys)
     assert code == 2 and "the key 'seed' appears twice in one mapping" in err, err
 

@@ -444,7 +444,7 @@ class ClientOps:
                 self._score_bank = LoRABank(model.layer_shapes, 1, model.max_rank, model.lora_dtype, device,
                                             expert_shapes=getattr(model, "_expert_shapes", None))  # fmt: skip
             if v.engine_name is not None:
-                self._score_bank.set_adapter(0, self._tensors(v), v.config)
+                self._score_bank.set_adapter(0, self._current_tensors(v), v.config)
             device = next(model.parameters()).device
             ids = torch.tensor([prompt], device=device)  # (1, N)
             slots = torch.tensor([0 if v.engine_name is not None else -1], device=device)
@@ -790,8 +790,9 @@ class ClientOps:
             self.freed.pop(path, None)
             t.sampler_paths[path] = None
             self._hold(version)
-            while len(t.sampler_paths) > self.max_sampler_versions:
-                old = next(iter(t.sampler_paths))
+            # the inflight target is not counted (nor evicted): its clients would all fail until the next inflight save
+            while sum(not is_inflight(p) for p in t.sampler_paths) > self.max_sampler_versions:
+                old = next(p for p in t.sampler_paths if not is_inflight(p))
                 self._free_sampler(
                     t,
                     old,
@@ -850,6 +851,19 @@ class ClientOps:
             v.spilled.unlink()
             v.spilled = None
         v.tensors = None
+
+    def _current_tensors(self, v: SamplerVersion) -> dict[str, torch.Tensor]:
+        """`v`'s tensors; for an inflight target an inflight save replaced meanwhile, the newest one's (its clients
+        take the newest weights, as `sample` does)."""
+        for _ in range(4):
+            if not v.live and is_inflight(v.path):
+                v = self.sampler(v.path)
+            try:
+                return self._tensors(v)
+            except UserError:
+                if v.live or not is_inflight(v.path):
+                    raise
+        raise UserError(f"sampler weights {v.path!r} were replaced four times while this request waited; retry it")
 
     def _tensors(self, v: SamplerVersion) -> dict[str, torch.Tensor]:
         """`v`'s tensors, read back into host memory when it was spilled (it becomes the most recently used; others

@@ -1313,8 +1313,9 @@ class TinkerServer:
         # results grew without bound, and a restart replayed every one of them.
         last = {op.model_id: op for op in ran if op.kind not in ("create_model", "unload_model", "restore")}
         for m, op in last.items():
-            with self.lock:
-                rows = len(self._model_keys.get(m, ()))
+            with self.lock:  # the rows a snapshot removes: done ones (not those queued or in flight, which stay)
+                keys = list(self._model_keys.get(m, ()))
+            rows = sum(1 for k, _ in keys if (res := self.state.results.get(k)) is not None and res.value is not None)
             if rows < ROWS_PER_SNAPSHOT * self.snapshot_every or m not in self.ops.tenants or m in self._grad_pending:
                 continue
             try:
