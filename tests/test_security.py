@@ -308,8 +308,13 @@ class ServeCluster:
         self.env = env
         self.log = root / f"serve-{time.time_ns()}.log"
         self._fh = self.log.open("w")
+        # a run dir of its own (under `home`): the module's cluster may be serving root/run, and one process trains
+        # into a run dir at a time
+        config = yaml.safe_load((root / "service.yaml").read_text())
+        config["run_dir"] = str(home / "run")
+        (home / "service.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rl_multilora.cli", "serve", str(root / "service.yaml")],
+            [sys.executable, "-m", "rl_multilora.cli", "serve", str(home / "service.yaml")],
             cwd=root,
             env=env,
             stdout=self._fh,
