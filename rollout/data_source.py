@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import string
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -646,18 +647,13 @@ class MultiLoRADataSource:
         stream = self._stream(name)
         if stream.n_rows == 0 or len(stream.bad_rows) < stream.n_rows:
             return None
-        reasons: dict[str, int] = {}
-        for reason in stream.bad_rows.values():
-            reasons[reason] = reasons.get(reason, 0) + 1
-        said = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        said = ", ".join(f"{n} {reason}" for reason, n in Counter(stream.bad_rows.values()).most_common())
         return f"no usable row: all {stream.n_rows} rows of its dataset were skipped ({said})"
 
     def stats(self, name: str) -> dict[str, Any]:
         """Counters for metrics: rows and samples served, epoch progress, bad rows by reason."""
         stream = self._stream(name)
-        reasons: dict[str, int] = {}
-        for reason in stream.bad_rows.values():
-            reasons[reason] = reasons.get(reason, 0) + 1
+        reasons = dict(Counter(stream.bad_rows.values()))
         return {
             "rows_served": stream.rows_served,
             "samples_served": stream.samples_served,
@@ -726,16 +722,10 @@ class MultiLoRADataSource:
             raise DatasetError(
                 f"data state of {name!r}: version={state.get('version')!r} is not supported (expected {_STATE_VERSION})"
             )
-        if state["seed"] != stream.seed:
-            raise DatasetError(
-                f"data state of {name!r}: seed={state['seed']!r} differs from the adapter's seed={stream.seed!r}; "
-                "resume with the seed the run started with"
-            )
-        if state["n_rows"] != stream.n_rows:
-            raise DatasetError(
-                f"data state of {name!r}: n_rows={state['n_rows']!r} differs from the dataset's {stream.n_rows} rows; "
-                "resume with the same dataset"
-            )
+        missing = sorted({"seed", "n_rows"} - set(state))
+        if missing:
+            raise DatasetError(f"data state of {name!r}: {', '.join(missing)} missing")
+        self.check_state(name, state)
         if not 0 <= state["cursor"] < max(stream.n_rows, 1):
             raise DatasetError(f"data state of {name!r}: cursor={state['cursor']!r} is outside [0, {stream.n_rows})")
         stream.epoch = int(state["epoch"])
