@@ -204,6 +204,11 @@ def is_inflight(path: str | None) -> bool:
     return path is not None and path.endswith(f"/sampler_weights/{INFLIGHT_NAME}")
 
 
+def _replaced(v: SamplerVersion) -> bool:
+    """Whether `v` is an inflight target that an inflight save replaced (its path holds a newer version)."""
+    return not v.live and is_inflight(v.path)
+
+
 MAX_FREED_PATHS = 100_000  # freed versions whose samples get "freed: <why>"; older ones get "names no sampler weights"
 
 
@@ -852,16 +857,19 @@ class ClientOps:
             v.spilled = None
         v.tensors = None
 
+    def _newest(self, v: SamplerVersion) -> SamplerVersion:
+        """`v`, or the version that replaced it when `v` is an inflight target an inflight save replaced (its clients
+        take the newest weights); a UserError when neither is there."""
+        return self.sampler(v.path) if _replaced(v) else v
+
     def _current_tensors(self, v: SamplerVersion) -> dict[str, torch.Tensor]:
-        """`v`'s tensors; for an inflight target an inflight save replaced meanwhile, the newest one's (its clients
-        take the newest weights, as `sample` does)."""
+        """`v`'s tensors, or its replacement's (`_newest`), also when the replacement lands while they are read."""
         for _ in range(4):
-            if not v.live and is_inflight(v.path):
-                v = self.sampler(v.path)
+            v = self._newest(v)
             try:
                 return self._tensors(v)
             except UserError:
-                if v.live or not is_inflight(v.path):
+                if not _replaced(v):
                     raise
         raise UserError(f"sampler weights {v.path!r} were replaced four times while this request waited; retry it")
 
@@ -965,14 +973,14 @@ class ClientOps:
             for i in range(n)
         ]
         for _ in range(4):  # an LRU eviction by a concurrent sampler aborts rows: load again and resubmit
-            if not v.live and is_inflight(v.path):  # an inflight save replaced it: its clients take the newest
-                v = self.sampler(v.path)
+            if _replaced(v):  # an inflight save replaced it: its clients take the newest
+                v = self._newest(v)
                 for request in requests:
                     request.adapter = v.engine_name
             try:
                 self._ensure_loaded(v)
             except UserError:
-                if v.live or not is_inflight(v.path):
+                if not _replaced(v):
                     raise
                 continue  # replaced between the check and the load
             results = await self.engine.agenerate(requests)
