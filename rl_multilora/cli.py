@@ -126,6 +126,7 @@ def cmd_export(args) -> int:
 
     from rl_multilora.checkpoint import CheckpointManager
     from rl_multilora.config import ConfigError
+    from rl_multilora.errors import bad_value
     from rl_multilora.lora.peft_io import validate_adapter_name
 
     name, label = args.name, None
@@ -137,6 +138,10 @@ def cmd_export(args) -> int:
         validate_adapter_name(name)  # NAME becomes a path under RUN_DIR: no '..', no separators
     except ValueError as e:
         raise ConfigError([f"NAME: {e}"]) from None
+    if not args.out.strip():  # Path('') is '.': an unset shell variable would write into the current folder
+        raise ConfigError([bad_value("OUT", args.out, "a folder path (it is created if missing)")])
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError([bad_value("RUN_DIR", args.run_dir, "an existing run dir (or a Tinker --state-dir)")])
     out = Path(args.out)
     ck = CheckpointManager(Path(args.run_dir)).export(name, out, args.step, label=label)
     print(f"exported {ck} -> {out}")

@@ -126,8 +126,12 @@ class ServiceStatus:
     def table(self) -> str:
         used = sum(a.slot is not None for a in self.adapters)
         mode = "ERROR" if self.error else ("training" if self.training else "idle")
+        # Paging: a tenant holds a place (of model.max_tenants), and the resident ones of them sit in the slots.
+        held = f"slots {used}/{self.max_loras}"
+        if self.paging is not None:
+            held = f"slots {self.paging['resident']}/{self.max_loras}, places {used}/{self.paging['max_tenants']}"
         head = (
-            f"service: {mode} | global step {self.global_step} | slots {used}/{self.max_loras} | "
+            f"service: {mode} | global step {self.global_step} | {held} | "
             f"trainer ranks {self.trainer_ranks} | engines {self.engines} | {self.run_dir}"
         )
         lines = [head]
@@ -143,7 +147,17 @@ class ServiceStatus:
         if not self.adapters:
             lines.append("no adapters (submit one with rl-multilora submit ADAPTER.yaml)")
             return "\n".join(lines)
-        rows = [("NAME", "STATE", "SLOT", "STEPS", "LAST REWARD", "CHECKPOINT", "REASON")]
+        rows = [
+            (
+                "NAME",
+                "STATE",
+                "SLOT" if self.paging is None else "PLACE",
+                "STEPS",
+                "LAST REWARD",
+                "CHECKPOINT",
+                "REASON",
+            )
+        ]
         for a in self.adapters:
             steps = f"{a.adapter_step}/{a.max_steps}" if a.max_steps is not None else str(a.adapter_step)
             paged = " (paged)" if a.resident is False and a.slot is not None else ""
@@ -349,7 +363,8 @@ class ServiceCore:
             if m.kind == "submit":
                 tenant = self.rt.register(m.adapter, facts=m.facts)
                 free = len(self.rt.tenants.free_slots())
-                log.info("submitted %s: PENDING (%d free slot(s))", tenant.name, free)
+                paging = self.rt.backend.max_tenants > self.rt.cfg.model.max_loras  # then the free ones are places
+                log.info("submitted %s: PENDING (%d free %s)", tenant.name, free, "place(s)" if paging else "slot(s)")
             else:
                 tenant = self._drain(m.name)
             m.done.set_result(AdapterStatus.from_record(tenant.to_status()))
@@ -736,6 +751,9 @@ def serve(
         resolve_token(tinker_state_dir(cfg))  # written (0600) here, so the banner can point at it
     # what --dry-run checks, before a cluster starts; the service's own files are read here too
     check_run(cfg, source, service=True)
+    # A run dir another process trains into, said now: the actor takes the lock for good, but its refusal comes after
+    # a Ray cluster has started (about 30 s) and behind Ray's copy of the actor's traceback.
+    hold_run_dir(Path(cfg.run_dir)).release()
     try:  # the actor's process starts with jemalloc preloaded (model.host_allocator; Ray's runtime_env)
         actor_env = jemalloc_ray_options(cfg.model.host_allocator == "jemalloc")
     except ValueError as e:

@@ -213,6 +213,21 @@ def test_export_to_an_uncreatable_out_names_out(reference, tmp_path, capsys):  #
     assert "give a folder you can create and write" in err and "Traceback" not in err
 
 
+def test_export_to_an_empty_out_or_from_a_missing_run_dir_says_which(reference, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """`export RUN NAME ''` (an unset shell variable) wrote the adapter into the current folder and exited 0; a run dir
+    that does not exist was said as "no complete checkpoint" (a reviewer's finds)."""
+    monkeypatch.chdir(tmp_path)
+    for out in ["", "  "]:
+        assert cli_main(["export", str(reference), "t2", out]) == 2
+        err = capsys.readouterr().err
+        assert f"OUT={out!r} is not allowed; allowed: a folder path" in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())  # nothing written where the command ran
+    assert cli_main(["export", str(tmp_path / "nosuch"), "t2", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"RUN_DIR={str(tmp_path / 'nosuch')!r} is not allowed; allowed: an existing run dir" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_export_that_fails_mid_copy_leaves_no_temp_file_in_out(reference, tmp_path, monkeypatch):  # noqa: F811
     import shutil
 

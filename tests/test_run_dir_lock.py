@@ -8,14 +8,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import yaml
 
+from rl_multilora import service
 from rl_multilora.checkpoint import hold_run_dir
 from rl_multilora.cli import main as cli_main
 from tests.test_resume import _config, workspace  # noqa: F401 - fixtures
 
 
-def test_a_second_process_in_a_run_dir_is_refused_naming_the_first(workspace, tmp_path, capsys):  # noqa: F811
+def test_a_second_process_in_a_run_dir_is_refused_naming_the_first(workspace, tmp_path, capsys, monkeypatch):  # noqa: F811
     run_dir = tmp_path / "run"
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(_config(workspace, run_dir, max_global_steps=1)))
@@ -37,6 +39,14 @@ def test_a_second_process_in_a_run_dir_is_refused_naming_the_first(workspace, tm
         assert f"run_dir='{run_dir}' is not allowed" in err and f"pid {holder.pid} on " in err, err
         assert "Traceback" not in err
         assert not (run_dir / "config.yaml").exists() and not (run_dir / "metrics.jsonl").exists()
+        # `serve` says so before it starts a Ray cluster: its actor's refusal came about 30 s later, behind Ray's copy
+        # of the actor's traceback (a reviewer's find)
+        pytest.importorskip("ray")
+        monkeypatch.setattr(service, "_ray_init", lambda *a, **k: pytest.fail("serve started Ray"))
+        assert cli_main(["serve", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"run_dir='{run_dir}' is not allowed" in err and f"pid {holder.pid} on " in err, err
+        assert "Traceback" not in err
     finally:
         holder.kill()
         holder.wait()
@@ -51,8 +61,6 @@ def test_a_second_process_in_a_run_dir_is_refused_naming_the_first(workspace, tm
 
 def test_a_second_tinker_server_on_a_state_dir_is_refused(tmp_path):
     """The same for `tinker-serve --state-dir`: two servers replayed one journal and wrote one set of checkpoints."""
-    import pytest
-
     from rl_multilora.tinker.server import build_server
     from tests.tiny_models import save_tiny_model
 
@@ -76,8 +84,6 @@ def test_a_second_tinker_server_on_a_state_dir_is_refused(tmp_path):
 
 def test_a_run_dir_that_cannot_be_created_is_named(tmp_path):
     """`run_dir: /proc/x` said only `[Errno 2] No such file or directory: '/proc/x'` (a reviewer's repro)."""
-    import pytest
-
     from rl_multilora.config import ConfigError
 
     blocked = tmp_path / "a_file"

@@ -141,6 +141,23 @@ def test_status_table_shows_every_column():
     assert lines[4].split() == ["c", "FAILED", "-", "2/9", "-", "-", "reward", "failing"]
     assert st.get("b").state == "PENDING" and st.get("zz") is None
     assert json.loads(json.dumps(st.to_dict()))["adapters"][0]["last_reward"] == 0.625
+    # Paging: three tenants hold places 0-2 of 3, one of them resident in the only slot (a review found "slots 3/1"
+    # and a "slot 2" of a one-slot model)
+    paged = ServiceStatus(
+        global_step=3,
+        training=True,
+        run_dir="runs/x",
+        max_loras=1,
+        adapters=[AdapterStatus(n, "RUNNING", i, 1, 9, 0.5, None, resident=i == 2) for i, n in enumerate("abc")],
+        paging={"max_tenants": 3, "resident": 1, "paged": 2, "spilled": 0, "host_mb": 1.8, "page_ins": 4,
+                "page_in_s": 0.01},
+    )  # fmt: skip
+    lines = paged.table().splitlines()
+    assert lines[0] == (
+        "service: training | global step 3 | slots 1/1, places 3/3 | trainer ranks 1 | engines 1 | runs/x"
+    )
+    assert lines[2].split()[:3] == ["NAME", "STATE", "PLACE"]
+    assert [line.split()[2:4] for line in lines[3:]] == [["0", "(paged)"], ["1", "(paged)"], ["2", "1/9"]]
     idle = ServiceStatus(0, False, "runs/x", 2, error="RuntimeError: boom")
     assert idle.table().splitlines()[:2] == [
         "service: ERROR | global step 0 | slots 0/2 | trainer ranks 1 | engines 1 | runs/x",
