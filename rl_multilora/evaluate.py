@@ -256,6 +256,27 @@ def _other_base(ckpt, model_path: str) -> str | None:
     )
 
 
+def checkpointed_adapters(ckpt, skip: set[str] = frozenset()) -> dict[str, AdapterConfig]:
+    """name -> adapter config, for each adapter of the run dir with a complete checkpoint whose `checkpoint.json`
+    holds the config it was trained with (a GRPO tenant's does; a Tinker client's has none), except the names in
+    `skip`."""
+    from pydantic import ValidationError
+
+    root = ckpt.run_dir / "adapters"
+    found = {}
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.name in skip or not folder.is_dir() or (newest := ckpt.latest_meta(folder.name)) is None:
+            continue
+        config = newest[1].get("config")
+        try:
+            a = AdapterConfig.model_validate(config) if isinstance(config, dict) else None
+        except ValidationError:  # a config of an older version of this project: not evaluated unless it is listed
+            a = None
+        if a is not None and a.name == folder.name:
+            found[folder.name] = a
+    return found
+
+
 def evaluate_checkpoints(
     run_dir: str,
     adapters: Sequence[str] | None = None,
@@ -285,6 +306,9 @@ def evaluate_checkpoints(
         raise ConfigError([bad_value("RUN_DIR", run_dir, "a run directory (it holds config.yaml)")])
     cfg = load_run_config(root / "config.yaml")
     known = {a.name: a for a in cfg.adapters}
+    # A service's config.yaml lists no adapters (they were submitted), nor a run's once one was taken out of it:
+    # those are known by the config their newest checkpoint was trained with.
+    known |= checkpointed_adapters(CheckpointManager(root), skip=set(known))
     names = list(dict.fromkeys(adapters)) if adapters else list(known)  # an adapter named twice is evaluated once
     problems = [
         bad_value("--adapter", x, f"an adapter of this run ({', '.join(known) or 'none'})")

@@ -147,17 +147,8 @@ class ServiceStatus:
         if not self.adapters:
             lines.append("no adapters (submit one with rl-multilora submit ADAPTER.yaml)")
             return "\n".join(lines)
-        rows = [
-            (
-                "NAME",
-                "STATE",
-                "SLOT" if self.paging is None else "PLACE",
-                "STEPS",
-                "LAST REWARD",
-                "CHECKPOINT",
-                "REASON",
-            )
-        ]
+        held_in = "SLOT" if self.paging is None else "PLACE"
+        rows = [("NAME", "STATE", held_in, "STEPS", "LAST REWARD", "CHECKPOINT", "REASON")]
         for a in self.adapters:
             steps = f"{a.adapter_step}/{a.max_steps}" if a.max_steps is not None else str(a.adapter_step)
             paged = " (paged)" if a.resident is False and a.slot is not None else ""

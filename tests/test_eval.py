@@ -147,6 +147,33 @@ def test_eval_cli_on_a_run_dir_and_a_peft_folder(runs, ws, capsys):
     assert (step_dir / "adapter_model.safetensors").read_bytes() == before
 
 
+def test_eval_cli_on_a_run_dir_whose_config_lists_no_adapters(runs, ws, tmp_path, capsys):
+    """A service's run dir: its config.yaml says `adapters: []` (they were submitted), so `eval` said "this one has
+    none" and refused `--adapter` (a reviewer's find). Its adapters are evaluated with the config their checkpoints
+    were trained with, as the same adapters listed in config.yaml are."""
+    import shutil
+
+    on, _ = runs
+    svc = tmp_path / "svc"
+    shutil.copytree(on, svc)
+    cfg = yaml.safe_load((svc / "config.yaml").read_text())
+    listed = {a["name"]: a for a in cfg["adapters"]}
+    (svc / "config.yaml").write_text(yaml.safe_dump({**cfg, "adapters": []}))
+    assert cli.main(["eval", str(on), "--n", "3", "--out", str(tmp_path / "listed.json")]) == 0
+    assert cli.main(["eval", str(svc), "--n", "3", "--out", str(tmp_path / "svc.json")]) == 0
+
+    def rows(name):  # the checkpoint's folder is the only difference: the copy's
+        return [{k: v for k, v in r.items() if k != "checkpoint"} for r in json.loads((tmp_path / name).read_text())]
+
+    assert rows("svc.json") == rows("listed.json")
+    assert {r["adapter"] for r in rows("listed.json")} == set(listed) == {"a", "b"}
+    assert cli.main(["eval", str(svc), "--adapter", "b", "--n", "3", "--out", str(tmp_path / "b.json")]) == 0
+    assert rows("b.json") == [r for r in rows("listed.json") if r["adapter"] == "b"]
+    capsys.readouterr()
+    assert cli.main(["eval", str(svc), "--adapter", "zzz"]) == 2
+    assert "--adapter='zzz' is not allowed; allowed: an adapter of this run (a, b)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
