@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl_multilora import plugin_probe
 from rl_multilora.backends.base import paging_stats_of
 from rl_multilora.checkpoint import CheckpointManager, hold_run_dir
 from rl_multilora.config import (
@@ -266,6 +267,11 @@ class ServiceCore:
         # split: seconds for a large dataset) is read here only; rt.register repeats the checks against the run's
         # state, authoritative, between steps, with these facts, so a submission does not pause every tenant's
         # training for as long as its dataset takes to load.
+        # Its reward module and environment are loaded in a throwaway process first: one that exits or crashes when
+        # imported would end this process, and every tenant's unsaved steps with it.
+        problems = plugin_probe.probe(a)
+        if problems:
+            raise ServiceError(f"adapter {a.name!r} rejected: {ConfigError(problems)}")
         facts = self.rt.tenants.outside_facts(a)
         problems = self.rt.tenants.admission_problems(a, facts=facts)
         if problems:

@@ -797,3 +797,77 @@ def test_status_at_an_address_nothing_listens_on_is_a_quick_clear_error(capsys):
     err = capsys.readouterr().err
     assert f"no Ray cluster answers at --address '127.0.0.1:{port}'" in err and "Traceback" not in err, err
     assert time.monotonic() - started < 30
+
+
+def _plugin_module(folder: Path, name: str, body: str) -> str:
+    (folder / f"{name}.py").write_text(body)
+    return name
+
+
+def test_a_submitted_plugin_that_ends_its_process_at_import_is_refused_and_the_others_keep_training(
+    workspace, tmp_path, monkeypatch
+):
+    """A reward module that called `os._exit(3)` at import, submitted to a running service, ended the service's
+    process and every tenant's unsaved steps with it (a reviewer's repro). Plugins are loaded in a throwaway process
+    first (rl_multilora/plugin_probe.py): the submission is refused naming the field, and `a` trains on. Were the
+    probe gone, this test's own process would end here."""
+    from rl_multilora.config import AdapterConfig, parse_run_config
+    from rl_multilora.loop import Runtime
+    from rl_multilora.service import ServiceCore
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _plugin_module(tmp_path, "exits_at_import", "import os\nos._exit(3)\ndef fn(prompt, response, label, metadata):\n"
+                   "    return 0.0\n")  # fmt: skip
+    _plugin_module(tmp_path, "env_exits_when_built", "import os\nfrom rollout.environments import Environment\n"
+                   "class Env(Environment):\n    def __init__(self):\n        os._exit(4)\n")  # fmt: skip
+    core = ServiceCore(Runtime.build(parse_run_config(service_config(workspace, tmp_path / "run"))), poll_s=0.05)
+    core.start()
+    try:
+        core.submit(AdapterConfig.model_validate(adapter_yaml(workspace, "a")))
+        bad = adapter_yaml(workspace, "b", reward={"path": "exits_at_import:fn"})
+        with pytest.raises(ServiceError, match=r"reward\.path='exits_at_import:fn' is not allowed: loading it ended the "
+                           r"process \(exit code 3\)"):  # fmt: skip
+            core.submit(AdapterConfig.model_validate(bad))
+        env = adapter_yaml(workspace, "c", reward=None, environment={"path": "env_exits_when_built:Env"})
+        with pytest.raises(ServiceError, match=r"environment\.path='env_exits_when_built:Env' is not allowed: .*exit "
+                           r"code 4"):  # fmt: skip
+            core.submit(AdapterConfig.model_validate(env))
+        seen = core.status().get("a").adapter_step
+        deadline = time.monotonic() + 120
+        while core.status().get("a").adapter_step < seen + 2:
+            assert time.monotonic() < deadline, core.status().table()
+            time.sleep(0.05)
+        assert core.status().get("b") is None and core.status().get("c") is None
+    finally:
+        core.stop(timeout=60)
+
+
+def test_the_plugin_probe_says_how_a_plugin_ended_its_process(tmp_path, monkeypatch):
+    from rl_multilora import plugin_probe
+    from rl_multilora.config import AdapterConfig
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = "\ndef fn(prompt, response, label, metadata):\n    return 0.0\n"
+    _plugin_module(tmp_path, "fine", fn)
+    _plugin_module(tmp_path, "raises", "raise ValueError('no')" + fn)  # the in-process checks say it, as before
+    _plugin_module(tmp_path, "crashes", "import ctypes\nctypes.string_at(0)" + fn)
+    _plugin_module(tmp_path, "hangs", "import time\ntime.sleep(60)" + fn)
+
+    def adapter(module):
+        return AdapterConfig.model_validate(
+            {"name": "x", "dataset": {"path": "json", "data_files": {"train": "x.jsonl"}},
+             "reward": {"path": f"{module}:fn"}, "max_steps": 1}
+        )  # fmt: skip
+
+    assert plugin_probe.probe(adapter("fine")) == []
+    assert plugin_probe.probe(adapter("raises")) == []
+    assert (
+        plugin_probe.probe(AdapterConfig.model_validate({**adapter("fine").model_dump(), "reward": {"name": "gsm8k"}}))
+        == []
+    )
+    (crashed,) = plugin_probe.probe(adapter("crashes"))
+    assert crashed.startswith(
+        "reward.path='crashes:fn' is not allowed: loading it ended the process (killed by SIGSEGV"
+    )
+    (hung,) = plugin_probe.probe(adapter("hangs"), timeout_s=3)
+    assert hung == "reward.path='hangs:fn' is not allowed: loading it did not finish within 3 s (in a fresh process)"
