@@ -185,6 +185,12 @@ def _import_path(path: str) -> RewardFn:
             "fn(prompt, response, label, metadata, **kwargs) -> float, or an instance of a class with such a "
             f"__call__ (e.g. `score = {obj.__name__}()` in the module and reward.path '{module_name}:score')"
         )
+    call = obj if inspect.isroutine(obj) else type(obj).__call__
+    if inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call):  # each call would return a generator
+        raise RewardConfigError(
+            f"reward.path: {path!r} is a generator function (it yields); allowed: a function that returns a float "
+            "(`return score`, not `yield score`)"
+        )
     return obj
 
 

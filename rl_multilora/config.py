@@ -898,6 +898,20 @@ def parse_adapter_config(data: Any, model: ModelConfig, source: str | None = Non
     """Validate one adapter (a service submission) against the running model."""
     if not isinstance(data, dict):
         raise ConfigError([bad_value("(top level)", type(data).__name__, "a YAML mapping (one adapter)")], source)
+    if "adapters" in data and "name" not in data:  # a whole run config: its sections would each be an unknown key
+        names = (
+            [a.get("name") for a in data["adapters"] if isinstance(a, dict)]
+            if isinstance(data["adapters"], list)
+            else []
+        )
+        listed = f" (it lists {', '.join(map(repr, names))})" if names else ""
+        raise ConfigError(
+            [
+                "(top level): this is a run config with an `adapters:` list; allowed: one adapter's mapping (name, "
+                f"dataset, reward, ...): put each adapter of the list in a file of its own and submit each{listed}"
+            ],
+            source,
+        )
     try:
         a = AdapterConfig.model_validate(data)
     except ValidationError as e:

@@ -170,3 +170,15 @@ def numpy_batched_reward(prompts, responses, labels, metadatas):
     import numpy as np
 
     return np.array([float(r == str(label)) for r, label in zip(responses, labels, strict=True)])
+
+
+def yielding_reward(prompt: str, response: str, label: Any, metadata: dict[str, Any]):
+    yield 1.0  # a generator function: refused at validation (it passed dry-run and failed every sample at run time)
+
+
+class YieldingScorer:
+    def __call__(self, prompt, response, label, metadata):
+        yield 1.0
+
+
+yielding_scorer = YieldingScorer()

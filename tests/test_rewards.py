@@ -215,6 +215,8 @@ def test_format_builtin():
         (RewardSpec(path="no_such_module_xyz:fn"), ["reward.path", "module 'no_such_module_xyz' not found"]),
         (plugin("nope"), ["reward.path", "no attribute 'nope'", "sync_reward"]),
         (plugin("NOT_CALLABLE"), ["reward.path", "names a int, not a function"]),
+        (plugin("yielding_reward"), ["reward.path", "yielding_reward'", "is a generator function", "not `yield"]),
+        (plugin("yielding_scorer"), ["reward.path", "yielding_scorer'", "is a generator function"]),
         (plugin("two_arg_reward"), ["reward.path", "wrong signature", "fn(prompt, response, label, metadata"]),
         (plugin("sync_reward", kwargs={"sclae": 2}), ["reward.kwargs", "'sclae'", "allowed keys: scale"]),
         (plugin("kwargs_reward"), ["reward.kwargs", "{}", "lacks 'weight'"]),

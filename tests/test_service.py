@@ -84,6 +84,11 @@ _DROP = object()
         ({"learning_rate": 0.1}, r"learning_rate=0.1 is not allowed; allowed: no such key"),
         ({"name": "bad/name"}, r"name='bad/name' is not allowed; allowed: a string of 1 to 128 letters"),
         ({"max_steps": None}, r"max_steps=None is not allowed; allowed: .*needs a budget"),
+        # a whole run config: its sections were listed as unknown keys of one adapter
+        (
+            "run_dir: r\nmodel: {path: m}\nadapters:\n  - {name: a1}\n  - {name: a2}\n",
+            r"this is a run config with an `adapters:` list; allowed: one adapter's mapping .* \(it lists 'a1', 'a2'\)",
+        ),
     ],
 )
 def test_client_rejects_bad_adapter_yaml_before_the_actor(tmp_path, content, expected):
