@@ -304,12 +304,13 @@ HTTP_ENGINE_WAIT_S = 10.0  # how long a run waits for rollout.url's server to an
 
 
 def _answers(engine, wait_s: float) -> bool:
-    """Whether `engine`'s server answers its health check within `wait_s` (a server still starting gets that long)."""
+    """Whether `engine`'s server (an `SGLangEngine`) answers its health check within `wait_s` (a server still starting
+    gets that long; one that accepts connections and never answers is given up on then too)."""
     import time
 
     deadline = time.monotonic() + wait_s
     while True:
-        if engine.health():
+        if engine.health(timeout_s=max(0.0, deadline - time.monotonic())):  # a server that accepts but never answers
             return True
         if time.monotonic() > deadline:
             return False

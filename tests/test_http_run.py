@@ -71,3 +71,24 @@ def test_http_engine_run_matches_embedded(workspace, engine_server, tmp_path):  
     # Every version pushed over HTTP reached the server (the run's final sync unloads drained adapters).
     info = requests.get(f"{engine_server}/get_model_info", headers={"Authorization": "Bearer secret-token"}).json()
     assert info.get("adapter_versions", {}) == {}
+
+
+@pytest.mark.parametrize("server", ["silent", "none"])
+def test_an_http_engine_url_that_is_silent_is_a_config_error_within_the_wait(workspace, tmp_path, monkeypatch, server):  # noqa: F811,E501
+    """rollout.url where a server accepts connections and never answers (or nothing listens): the run exits 2
+    naming rollout.url after HTTP_ENGINE_WAIT_S; each /health try waited up to 30 s of its own before."""
+    from rl_multilora import components
+    from rl_multilora.config import ConfigError
+
+    monkeypatch.setattr(components, "HTTP_ENGINE_WAIT_S", 1.0)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        if server == "silent":
+            listener.listen(8)  # the kernel completes the handshakes; nothing ever reads or answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        cfg = _config(workspace, tmp_path / "run", ["t1"], steps=1)
+        cfg["rollout"].update(engine="http", url=url)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"rollout.url='{url}' is not allowed; allowed: a server that answers"):
+            components.build_engine(parse_run_config(cfg), backend=None, tokenizer=None)
+        assert time.monotonic() - t0 < 5

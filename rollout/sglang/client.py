@@ -389,9 +389,12 @@ class SGLangEngine(RolloutEngine):
             return None
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
-    def health(self) -> bool:
+    def health(self, timeout_s: float | None = None) -> bool:
+        """Whether the server answers GET /health with 200 within `timeout_s` (default: the client's timeout, at most
+        30 s)."""
+        wait = min(self.timeout, 30) if timeout_s is None else max(0.1, timeout_s)
         try:
-            resp = self._http.get(self.base_url + "/health", headers=self._headers(), timeout=min(self.timeout, 30))
+            resp = self._http.get(self.base_url + "/health", headers=self._headers(), timeout=wait)
         except requests.RequestException:
             return False
         return resp.status_code == 200
