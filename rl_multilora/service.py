@@ -360,8 +360,8 @@ class ServiceCore:
             if m.kind == "submit":
                 tenant = self.rt.register(m.adapter, facts=m.facts)
                 free = len(self.rt.tenants.free_slots())
-                paging = self.rt.backend.max_tenants > self.rt.cfg.model.max_loras  # then the free ones are places
-                log.info("submitted %s: PENDING (%d free %s)", tenant.name, free, "place(s)" if paging else "slot(s)")
+                held_in = "place(s)" if self.rt.cfg.model.paging else "slot(s)"  # paging: the free ones are places
+                log.info("submitted %s: PENDING (%d free %s)", tenant.name, free, held_in)
             else:
                 tenant = self._drain(m.name)
             m.done.set_result(AdapterStatus.from_record(tenant.to_status()))

@@ -377,7 +377,7 @@ class TenantManager:
         (seconds for a large dataset), with no lock held, so the checks that need the run's state can reuse them."""
         from rl_multilora import validate
 
-        return validate.outside_facts(a, self.cfg.eval_for(a))
+        return validate.outside_facts(a, self.cfg.eval_for(a), self.data)
 
     def admission(self, a: AdapterConfig, restart: bool = False) -> Admission:
         """The facts adapter `a` is admitted against: the model's LoRA, its eval, this run's checkpoints (when it
@@ -400,6 +400,7 @@ class TenantManager:
             submitted=not restart,
             rollout=self.cfg.rollout,
             name_holder=holder,
+            prompts=self.data,
         )
 
     def submit(self, a: AdapterConfig, checked: bool = False, restart: bool = False, facts=None) -> Tenant:

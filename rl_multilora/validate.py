@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,9 @@ class Admission:
     rollout: RolloutConfig | None = None
     name_holder: str | None = None
     where: str | None = None
+    # The run's prompts (a `MultiLoRADataSource`: its tokenizer and the model's context), when the caller has them:
+    # then a dataset none of whose rows fits (a template, max_prompt_tokens, the context) is refused, as `run` would.
+    prompts: Any = None
 
 
 @dataclass
@@ -150,6 +154,7 @@ class OutsideFacts:
     n_rows: int | None
     usable: Any
     eval_rows: int | None
+    skipped: dict[str, int] | None = None  # reason -> rows, before the first usable one (with a prompts source)
 
 
 def _epochs_used(checkpoint: Path) -> float | None:
@@ -181,12 +186,46 @@ def data_problems(a: AdapterConfig, checkpoint: Path, n_rows: int | None) -> lis
     ]
 
 
-def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> OutsideFacts:
-    """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split."""
+def _build_environment_once(spec) -> str | None:
+    """Build (and close) one instance of environment `spec` as an episode would: in a daemon thread, given
+    `turn_timeout_s`; what went wrong, or None. A constructor that never returns held `--dry-run` (and a service's
+    submit) for good, and a slow one was called valid though every episode would fail on it."""
+    from rollout.environments import EnvironmentLoadError, load_environment
+
+    outcome: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            env = load_environment(spec.path, spec.kwargs)
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: whatever building raises is the user's problem
+            outcome["error"] = e
+            return
+        with contextlib.suppress(Exception):
+            env.close()
+        outcome["built"] = True
+
+    thread = threading.Thread(target=build, name="validate-environment", daemon=True)
+    thread.start()
+    thread.join(spec.turn_timeout_s)
+    if thread.is_alive():
+        return (
+            f"environment.path={spec.path!r}: building it ran past environment.turn_timeout_s={spec.turn_timeout_s:g} "
+            "(every episode would fail so); allowed: a constructor that returns within it (or a larger turn_timeout_s)"
+        )
+    e = outcome.get("error")
+    if e is None:
+        return None
+    if isinstance(e, EnvironmentLoadError):
+        return str(e)
+    return f"environment.path={spec.path!r}: building it raised {type(e).__name__}: {e}"
+
+
+def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None, prompts=None) -> OutsideFacts:
+    """Resolve `a`'s reward, build (and close) one environment instance, load its dataset and eval split; with
+    `prompts` (a `MultiLoRADataSource`) its rows are read as a run reads them (`Admission.prompts`)."""
 
     import rewards
     from rollout.data_source import eval_split, first_usable_row, load_dataset_rows
-    from rollout.environments import load_environment
 
     failed: dict[str, str] = {}  # field -> message, for each probe that raised
     if a.reward is not None:
@@ -197,17 +236,17 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
         except BaseException as e:  # noqa: BLE001 - whatever resolving raises (SystemExit too) is the user's problem
             failed["reward"] = str(e)
     if a.environment is not None:
-        try:
-            env = load_environment(a.environment.path, a.environment.kwargs)  # one instance is built, then closed
-        except Exception as e:  # noqa: BLE001 - whatever building it raises is the user's environment problem
-            failed["environment"] = str(e)
-        else:
-            with contextlib.suppress(Exception):
-                env.close()
-    n_rows, usable = None, None
+        problem = _build_environment_once(a.environment)
+        if problem is not None:
+            failed["environment"] = problem
+    n_rows, usable, skipped = None, None, None
     try:
         rows = load_dataset_rows(a.dataset)
-        n_rows, usable = len(rows), first_usable_row(rows, a.dataset)
+        n_rows = len(rows)
+        if prompts is not None:
+            usable, skipped = prompts.first_usable_row(a.dataset, rows)
+        else:
+            usable = first_usable_row(rows, a.dataset)
     except Exception as e:  # noqa: BLE001 - any failure here is a user config problem, reported as such
         failed["dataset"] = str(e)
     eval_rows = None
@@ -216,7 +255,7 @@ def outside_facts(a: AdapterConfig, eval_settings: EvalSettings | None) -> Outsi
             eval_rows = len(load_dataset_rows(eval_split(a.dataset, eval_settings.split, eval_settings.data_files)))
         except Exception as e:  # noqa: BLE001
             failed["eval"] = str(e)
-    return OutsideFacts(failed, n_rows, usable, eval_rows)
+    return OutsideFacts(failed, n_rows, usable, eval_rows, dict(skipped) if skipped else None)
 
 
 def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts | None = None) -> list[str]:
@@ -234,7 +273,7 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
 
     # -- facts from the outside world --------------------------------------------------------------------------------
     if facts is None:
-        facts = outside_facts(a, ctx.eval_settings)
+        facts = outside_facts(a, ctx.eval_settings, ctx.prompts)
     failed, eval_rows = facts.failed, facts.eval_rows
     eval_on = ctx.eval_settings is not None and ctx.eval_settings.enabled
     found = ctx.ckpt.latest_meta(a.name) if ctx.ckpt is not None else None
@@ -260,6 +299,9 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             if facts.n_rows == 0
             else f"has no row with a non-empty {a.dataset.prompt_key!r} and {a.dataset.label_key!r}"
         )
+        if facts.n_rows and facts.skipped:  # read as a run reads them: every row would be skipped, and why
+            said = ", ".join(f"{n} {reason}" for reason, n in sorted(facts.skipped.items(), key=lambda x: -x[1]))
+            what = f"has no usable row: all {facts.n_rows} rows would be skipped ({said})"
         problems.append(
             bad_value(
                 f"{where}dataset.path", a.dataset.path, f"a dataset with at least one usable row; this one {what}"
@@ -428,6 +470,17 @@ def resume_problems(ckpt: CheckpointManager, mode: str, model_path: str | None =
     return []
 
 
+def _prompts(cfg: RunConfig):
+    """The run's data source (its tokenizer, the model's context) to read the adapters' rows with, or None when the
+    tokenizer does not load (said by the run itself then)."""
+    from rl_multilora import components
+
+    try:
+        return components.build_data_source(cfg, components.build_tokenizer(cfg.model))
+    except Exception:  # noqa: BLE001 - the rows are then checked for a filled prompt and label only
+        return None
+
+
 def run_problems(cfg: RunConfig) -> list[str]:
     """Everything `run` needs before it starts: model, device, targets, hooks, and each adapter's I/O checks."""
     from rollout.generate_state import HooksError, load_hooks
@@ -476,8 +529,9 @@ def run_problems(cfg: RunConfig) -> list[str]:
     ckpt = CheckpointManager(Path(cfg.run_dir)) if cfg.checkpoint.resume != "never" else None
     if ckpt is not None:
         problems += resume_problems(ckpt, cfg.checkpoint.resume, cfg.model.path)
+    prompts = _prompts(cfg) if cfg.adapters and not problems else None
     for a in cfg.adapters:
-        admission = Admission(lora_modules, lora_parameters, cfg.eval_for(a), ckpt)
+        admission = Admission(lora_modules, lora_parameters, cfg.eval_for(a), ckpt, prompts=prompts)
         problems += adapter_problems(a, admission)
     return problems
 

@@ -640,6 +640,21 @@ class MultiLoRADataSource:
         """True when the adapter's data budget (epochs or rows) is used up or it has no usable row."""
         return self._stream(name).exhausted()
 
+    def first_usable_row(self, spec: DatasetSpec, rows) -> tuple[int | None, Counter]:
+        """The index of the first of `rows` this source would train on under `spec` (its chat template, system
+        prompt, max_prompt_tokens and the model's context all applied, as when it is drawn), or None, and the skip
+        reasons of the rows before it: what `--dry-run` checks, where `first_usable_row` (the module's) only looks
+        for a filled prompt and label."""
+        stream = _AdapterStream(AdapterRef("(validation)", -1), spec, None, rows, 0, 1, 1, None, None)
+        self._clash_warned.add(stream.ref.name)  # no metadata warning for a check
+        skipped: Counter = Counter()
+        for i in range(len(rows)):
+            got = self._prepare_row(stream, i)
+            if not isinstance(got, str):
+                return i, skipped
+            skipped[got] += 1
+        return None, skipped
+
     def unusable(self, name: str) -> str | None:
         """Why none of the adapter's rows can be trained on (every row skipped as bad: a chat template that refuses
         them, a prompt over max_prompt_tokens, ...), or None while some row can. Its data is then "exhausted" too,

@@ -121,13 +121,28 @@ def environment_class(path: str) -> type[Environment]:
         raise EnvironmentLoadError(f"environment.path={path!r} is not allowed; allowed: 'module:Class'")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise EnvironmentLoadError(f"environment.path={path!r} does not load: {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit too: a module that exits at import must not end (or pass) the run
+        hint = ""
+        if isinstance(e, SystemExit):
+            hint = " (it exits at import, e.g. argparse at top level: move that under `if __name__ == '__main__':`)"
+        raise EnvironmentLoadError(f"environment.path={path!r} does not load: {type(e).__name__}: {e}{hint}") from None
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvironmentLoadError(
             f"environment.path={path!r} is not allowed; allowed: a subclass of rollout.environments.Environment"
         )
+    if cls.step is Environment.step:  # every episode would fail with an empty NotImplementedError
+        raise EnvironmentLoadError(
+            f"environment.path={path!r} is not allowed: {cls.__name__} does not define step(action) -> EnvStep; "
+            "allowed: a subclass of rollout.environments.Environment that overrides step"
+        )
     return cls
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_step(result: Any) -> EnvStep:
@@ -138,10 +153,19 @@ def check_step(result: Any) -> EnvStep:
     if isinstance(reward, str | bytes) or not hasattr(reward, "__float__") or not math.isfinite(float(reward)):
         raise ValueError(f"step returned reward={reward!r}; allowed: a finite number")
     result.reward = float(reward)
+    done = result.done  # "False" is truthy: it ended every episode after one turn, silently
+    if not (isinstance(done, bool) or (type(done).__module__ == "numpy" and type(done).__name__ in ("bool", "bool_"))):
+        raise ValueError(f"step returned done={done!r} ({type(done).__name__}); allowed: True or False")
+    result.done = bool(done)
     if not result.done:
         obs = result.observation
-        if not isinstance(obs, list) or not obs:
+        if obs is None or (isinstance(obs, list) and not obs):
             raise ValueError("step returned done=False without observation messages")
+        if not isinstance(obs, list):
+            raise ValueError(
+                f"step returned observation={_short(obs)} ({type(obs).__name__}); allowed: a list of "
+                "{'role': str, 'content': str} messages, e.g. [{'role': 'user', 'content': 'try again'}]"
+            )
         for m in obs:
             if (
                 not isinstance(m, Mapping)

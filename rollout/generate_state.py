@@ -38,6 +38,7 @@ from rollout.engines.base import RolloutEngine
 from rollout.types import AdapterRef, GenerateRequest, GenerateResult, RewardSpec, Sample, SampleStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
+_CLOSE_FAILURES_SAID: set[tuple[str, str]] = set()  # (environment path, failure) pairs already logged
 
 _STATUS_BY_FINISH_REASON = {
     "stop": SampleStatus.COMPLETED,
@@ -254,7 +255,10 @@ class GenerateState:
         on a fresh loop in a worker thread, because `asyncio.run` cannot nest."""
         try:
             asyncio.get_running_loop()
+            in_loop = True
         except RuntimeError:
+            in_loop = False
+        if not in_loop:  # outside the except block: an exception of the run would carry "no running event loop"
             return asyncio.run(self.run(groups))
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(asyncio.run, self.run(groups)).result()
@@ -524,7 +528,14 @@ class _Episode:
             raise _EpisodeError(
                 f"environment {spec.path} construction ran past environment.turn_timeout_s={spec.turn_timeout_s}"
             ) from None
-        await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
+        got = await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
+        if got is not None:  # a gymnasium port's (observation, info): its text would never reach the model
+            text = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+            raise _EpisodeError(
+                f"environment reset returned {text} ({type(got).__name__}); allowed: None (the episode's first "
+                "text is the dataset row's prompt; put an opening observation there, or return it from the first "
+                "step)"
+            )
         adapter, sampling = state.request_params(sample)
         # the episode's tokens after the prompt: its max_tokens, and no more than the model's context holds (a prompt
         # too long for it is left to the engine, which fails the turn naming both lengths)
@@ -581,8 +592,11 @@ class _Episode:
         if self.env is not None:
             try:
                 await _call(self.env.close, timeout=self.spec.turn_timeout_s)
-            except Exception:  # noqa: BLE001 - a failing close changes nothing about the episode
-                logger.warning("environment %s: close failed", self.spec.path, exc_info=True)
+            except Exception as e:  # noqa: BLE001 - a failing close changes nothing about the episode
+                said = (self.spec.path, f"{type(e).__name__}: {e}")
+                if said not in _CLOSE_FAILURES_SAID:  # once per environment and message, not once per episode
+                    _CLOSE_FAILURES_SAID.add(said)
+                    logger.warning("environment %s: close failed: %s (the same failure again is not logged)", *said)
 
     def fill(self) -> None:
         s = self.sample

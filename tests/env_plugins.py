@@ -67,6 +67,9 @@ class ExitingInit(Environment):
     def __init__(self):
         raise KeyboardInterrupt("from the constructor")
 
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(done=True)
+
 
 class SlowInit(Environment):
     """A constructor that blocks (connects to a sandbox, loads a file)."""
@@ -128,3 +131,42 @@ class GatedEcho(Echo):
             while not GatedEcho.release.is_set():
                 await asyncio.sleep(0.01)
         return Echo.step(self, action)
+
+
+class DoneString(Environment):
+    def step(self, action: str) -> EnvStep:  # "False" is truthy: it ended every episode after one turn, silently
+        return EnvStep(observation=[{"role": "user", "content": "again"}], reward=1.0, done="False")
+
+
+class ObsString(Environment):
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(observation="try again")
+
+
+class ResetReturnsObs(Environment):
+    """A gymnasium port: reset returns (observation, info), which the episode would drop."""
+
+    def reset(self, task):
+        return "Welcome! The rules: ...", {}
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=1.0, done=True)
+
+
+class NumpyDone(Environment):
+    def step(self, action: str) -> EnvStep:
+        import numpy as np
+
+        return EnvStep(reward=np.float32(0.5), done=np.bool_(True))
+
+
+class NoStep(Environment):
+    """Overrides nothing: every episode would fail with an empty NotImplementedError."""
+
+
+class CloseRaises(Environment):
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=1.0, done=True)
+
+    def close(self):
+        raise RuntimeError("close boom")

@@ -134,6 +134,11 @@ def test_async_environments_and_turn_limits(setup):
         ("AsyncExiting", "environment raised SystemExit: 3"),
         ("AsyncCancelled", "environment raised CancelledError"),
         ("ExitingInit", "environment raised KeyboardInterrupt: from the constructor"),
+        # a reviewer's finds: each was taken silently or said wrongly
+        ("DoneString", "step returned done='False' (str); allowed: True or False"),
+        ("ObsString", "step returned observation='try again' (str); allowed: a list of {'role': str, 'content': str}"),
+        ("ResetReturnsObs", "environment reset returned ('Welcome! The rules: ...', {}) (tuple); allowed: None"),
+        ("NoStep", "NoStep does not define step(action) -> EnvStep"),
     ],
 )
 def test_a_misbehaving_environment_costs_only_its_own_episodes(setup, cls, reason):
@@ -420,3 +425,21 @@ def test_an_episode_whose_engine_gave_no_log_probs_has_none_like_a_single_turn_s
         got[kind] = (done.rollout_logprobs, make_row(done).rollout_logprobs)
     assert got["episode"] == got["single"] == ([], None)
     assert isinstance(GenerateResult(output_ids=[1]).output_logprobs, list)  # an engine may leave them out
+
+
+def test_a_numpy_done_and_reward_are_taken(setup):
+    engine, tok = setup
+    for s in _run(engine, tok, [_samples(tok, "env", _spec("NumpyDone"))])[:2]:
+        assert s.status != SampleStatus.FAILED and s.reward == 0.5 and s.metadata["turn_rewards"] == [0.5]
+
+
+def test_a_failing_close_is_logged_once_in_one_line(setup, caplog):
+    """Each episode logged a two-part traceback, chained to an internal "no running event loop" (a reviewer's find)."""
+    engine, tok = setup
+    with caplog.at_level("WARNING", logger="rollout.generate_state"):
+        done = _run(engine, tok, [_samples(tok, "env", _spec("CloseRaises"), n=4)])
+    assert all(s.reward == 1.0 for s in done)
+    said = [r for r in caplog.records if "close failed" in r.getMessage()]
+    assert len(said) <= 1 and all(r.exc_info is None for r in said)
+    if said:  # an earlier test in this process may have said it already
+        assert "close failed: RuntimeError: close boom" in said[0].getMessage()

@@ -824,7 +824,8 @@ def test_a_submitted_plugin_that_ends_its_process_at_import_is_refused_and_the_o
     _plugin_module(tmp_path, "exits_at_import", "import os\nos._exit(3)\ndef fn(prompt, response, label, metadata):\n"
                    "    return 0.0\n")  # fmt: skip
     _plugin_module(tmp_path, "env_exits_when_built", "import os\nfrom rollout.environments import Environment\n"
-                   "class Env(Environment):\n    def __init__(self):\n        os._exit(4)\n")  # fmt: skip
+                   "class Env(Environment):\n    def __init__(self):\n        os._exit(4)\n"
+                   "    def step(self, action):\n        return None\n")  # fmt: skip
     core = ServiceCore(Runtime.build(parse_run_config(service_config(workspace, tmp_path / "run"))), poll_s=0.05)
     core.start()
     try:

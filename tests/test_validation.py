@@ -27,6 +27,8 @@ def ws(tmp_path_factory) -> Path:
     (root / "data" / "empty_rows.jsonl").write_text("".join(json.dumps({"q": "", "a": ""}) + "\n" for _ in range(5)))
     (root / "data" / "empty.jsonl").write_text("")
     (root / "data" / "nolabel.jsonl").write_text(json.dumps({"q": "1+1="}) + "\n")
+    long = "".join(json.dumps({"q": "1+1=" * 300, "a": "2"}) + "\n" for _ in range(4))  # past the tiny context
+    (root / "data" / "long.jsonl").write_text(long)
     (root / "a_file").write_text("x")
     return root
 
@@ -173,6 +175,30 @@ CASES = [
     # a reviewer's: read by no one (the embedded engine ran), or a crash with a traceback once the engine was built
     ("url-with-embedded", lambda d, ws: d["rollout"].update(url="http://127.0.0.1:1"), "rollout.url='http://127.0"),
     ("url-not-a-url", lambda d, ws: d["rollout"].update(engine="http", url="notaurl"), "rollout.url='notaurl'"),
+    # a reviewer's: an environment module that exits at import made both exit 0 having done nothing; the others were
+    # called valid, then every episode failed, or no row was ever drawn
+    (
+        "env-exits-at-import",
+        lambda d, ws: _adapter(d).update(environment={"path": "tests.plugin_exits_at_import:E"}),
+        "environment.path='tests.plugin_exits_at_import:E' does not load: SystemExit: 0 (it exits at import",
+    ),
+    (
+        "env-without-step",
+        lambda d, ws: _adapter(d).update(environment={"path": "tests.env_plugins:NoStep"}),
+        "NoStep does not define step(action) -> EnvStep",
+    ),
+    (
+        "env-constructor-past-turn-timeout",
+        lambda d, ws: _adapter(d).update(
+            environment={"path": "tests.env_plugins:SlowInit", "kwargs": {"delay": 3.0}, "turn_timeout_s": 0.3}
+        ),
+        "building it ran past environment.turn_timeout_s=0.3",
+    ),
+    (
+        "no-prompt-fits-the-context",
+        lambda d, ws: _adapter(d)["dataset"].update(data_files=str(ws / "data" / "long.jsonl")),
+        "all 4 rows would be skipped (4 prompt_exceeds_context)",
+    ),
 ]
 
 
