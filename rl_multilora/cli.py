@@ -94,6 +94,12 @@ def cmd_run(args) -> int:
             f"  {name:<12} {state:<8} reward first{s['window']} {s['first']:.3f} -> last{s['window']} {s['last']:.3f} "
             f"(gain {s['gain']:+.3f}, {s['steps']} steps){held}"
         )
+    for name, t in sorted(rt.tenants.tenants.items()):  # every tenant has a line: the one that needs a look too
+        if name not in summary:
+            print(
+                f"  {name:<12} {t.state.value:<8} no reward in its metrics: no step scored a sample "
+                f"({t.adapter_step} steps)"
+            )
     # A FAILED adapter (its reward kept raising, its loss was not finite, ...) is the run's failure, not a success:
     # exit 1 for scripts and CI, after the summary; the others trained on and their checkpoints are kept.
     failed = {name: t.reason for name, t in rt.tenants.tenants.items() if t.state.value == "FAILED"}

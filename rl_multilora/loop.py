@@ -452,6 +452,9 @@ class Runtime:
             reward_errors=report.errors.get(name, 0),
             reward_timeouts=report.timeouts.get(name, 0),
             reward_crashes=report.crashes.get(name, 0),
+            reward_error_reason=_most_common(
+                str(s.metadata["reward_error"]) for s in mine if "reward_error" in s.metadata
+            ),
             bad_rows=self.data.stats(name).get("bad_rows", 0),
             weight_version=t.weight_version,
             row_share=round(len(mine) / n_samples, 4) if n_samples else None,
@@ -547,15 +550,20 @@ def _paging_row(before, after, engine) -> dict[str, float] | None:
     return row
 
 
+def _most_common(reasons) -> str | None:
+    """The most common of `reasons` (each shortened to 500 characters), or None when there is none."""
+    counted = collections.Counter(r[:500] for r in reasons)
+    return counted.most_common(1)[0][0] if counted else None
+
+
 def _failed_reason(samples: list[Sample]) -> str | None:
     """The most common reason among the failed samples (`metadata["error"]`, shortened to 500 characters): why an
     environment, a chat template or an engine request failed, which nothing else reports."""
-    reasons = [
-        str(s.metadata.get("error") or s.status.value)[:500]
+    return _most_common(
+        str(s.metadata.get("error") or s.status.value)
         for s in samples
         if s.status in (SampleStatus.FAILED, SampleStatus.ABORTED)
-    ]
-    return collections.Counter(reasons).most_common(1)[0][0] if reasons else None
+    )
 
 
 def _reward_stats(mine: list[Sample]) -> tuple[float | None, float | None]:

@@ -51,6 +51,9 @@ class StepRecord:
     timings: dict[str, float] = field(default_factory=dict)  # rollout_s, reward_s, train_s, checkpoint_s, sync_s
     paging: dict[str, float] | None = None  # more tenants than slots: resident vs paged, page-ins and their time
     failed_reason: str | None = None  # the most common reason of this step's failed samples (`failed_samples` > 0)
+    # the most common error of this step's samples whose reward raised, returned a non-number or timed out (scored
+    # `reward.failure_value`, counted in reward_errors / reward_timeouts)
+    reward_error_reason: str | None = None
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -67,6 +70,7 @@ class StepRecord:
             "reward_errors": self.reward_errors,
             "reward_timeouts": self.reward_timeouts,
             "reward_crashes": self.reward_crashes,
+            "reward_error_reason": self.reward_error_reason,
             "bad_rows": self.bad_rows,
             "weight_version": self.weight_version,
             "row_share": self.row_share,
@@ -184,7 +188,19 @@ def console_line(record: StepRecord) -> str:
         f"± {f('reward_std')} | len {f('response_len_mean', '{:.1f}')} | loss {f('loss', '{:+.4f}')} "
         f"| kl {f('kl', '{:.4f}')} | gnorm {f('grad_norm')} | lr {f('lr', '{:.2e}')} | v{rec.get('weight_version')}"
         + _failed_part(rec)
+        + _reward_errors_part(rec)
     )
+
+
+def _reward_errors_part(rec: dict[str, Any]) -> str:
+    """` | reward errors 8/8: <why>` when the reward raised or timed out on samples this step: they score
+    `failure_value` and train, so without it the console showed a plausible reward until the tenant FAILED."""
+    n = (rec.get("reward_errors") or 0) + (rec.get("reward_timeouts") or 0)
+    if not n:
+        return ""
+    why = rec.get("reward_error_reason") or "?"
+    why = why if len(why) <= 160 else why[:157] + "..."
+    return f" | reward errors {n}/{rec['n_samples']}: {why}"
 
 
 def _failed_part(rec: dict[str, Any]) -> str:

@@ -208,3 +208,21 @@ def rt_record(row: dict):
 
     fields = {k: row[k] for k in StepRecord.__dataclass_fields__ if k in row and k not in ("train", "timings")}
     return StepRecord(**fields)
+
+
+def test_reward_errors_are_on_the_console_line_from_the_first_step(ws, tmp_path):
+    """A reward that returns None scores failure_value and trains: the console showed `reward 0.000` for steps until
+    the tenant FAILED (a reviewer's find). Its line says how many samples' reward failed, and why, from the first."""
+    from rl_multilora.metrics import console_line
+
+    broken = sum_task_adapter(
+        ws / "data", "p", 7, max_steps=50, reward={"path": "tests.reward_plugins:raising_reward"}
+    )
+    cfg = _cfg(ws, tmp_path / "r", [_healthy(ws), broken], faults={"max_reward_fail_steps": 2})
+    run(parse_run_config(cfg))
+    rows = [r for r in read_metrics(tmp_path / "r") if r["adapter"] == "p"]
+    assert rows and all("ZeroDivisionError" in r["reward_error_reason"] for r in rows)
+    line = console_line(rt_record(rows[0]))
+    assert f"| reward errors {rows[0]['n_samples']}/{rows[0]['n_samples']}: " in line and "ZeroDivisionError" in line
+    healthy = [r for r in read_metrics(tmp_path / "r") if r["adapter"] == "h"]
+    assert all(r["reward_error_reason"] is None and "reward errors" not in console_line(rt_record(r)) for r in healthy)

@@ -361,10 +361,30 @@ def test_run_exits_1_when_an_adapter_failed_and_keeps_the_others(ws, capsys):
     assert code == 1, err[-2000:]
     assert "run finished" in out and "Traceback" not in err
     assert "error: 1 of 2 adapter(s) FAILED (boom: " in err, err[-2000:]
+    lines = [line.split()[:2] for line in out.splitlines() if line.startswith("  ")]
+    assert lines == [["a", "REMOVED"], ["boom", "FAILED"]], out
     from rl_multilora.checkpoint import CheckpointManager
 
     healthy = CheckpointManager(run_dir).latest("a")
     assert healthy is not None and json.loads((healthy / "checkpoint.json").read_text())["adapter_step"] == 2
+
+
+def test_the_summary_has_a_line_for_a_tenant_none_of_whose_samples_was_scored(ws, capsys):
+    """Every episode of `envboom` fails: no metrics row holds a reward mean, and the summary left it out (a
+    reviewer's find: the tenant that needs a look was the one not shown)."""
+
+    def mutate(d, ws):
+        d["run_dir"] = str(ws / "runs" / "unscored")
+        d["max_global_steps"] = 2
+        episodes = sum_task_adapter(
+            ws / "data", "a", 3, max_steps=2, environment={"path": "tests.env_plugins:Raising"}
+        )
+        d["adapters"].append({**episodes, "name": "envboom"})
+
+    assert cli.main(["run", str(_write(ws, "unscored", mutate))]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("  ")] == ["a", "envboom"], out
+    assert "  envboom      RUNNING  no reward in its metrics: no step scored a sample (0 steps)" in out, out
 
 
 def test_a_config_inside_its_own_run_dir_is_not_replaced_by_the_run(ws, capsys):
