@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import importlib
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -77,6 +79,25 @@ class _NoSignalHandlers:
         return getattr(self._real, name)
 
 
+# verifiers' Rubric catches a reward function that raises (or returns what float() refuses, None say), logs "Error
+# calling reward function <name>: <error>" and scores it 0: the episode trained as a plain 0 and no metric counted it.
+# A handler on verifiers' loggers collects those records for the episode whose rollout emitted them (a context var,
+# which the rollout's task inherits from its episode), and the episode fails with the first.
+_RUBRIC_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("rubric_errors", default=None)
+
+
+class _RubricErrors(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        errors = _RUBRIC_ERRORS.get()
+        if errors is not None and record.levelno >= logging.ERROR:
+            message = record.getMessage()
+            if message.startswith(("Error calling reward function", "Error calling group reward function")):
+                errors.append(message)
+
+
+_RUBRIC_HANDLER = _RubricErrors()
+
+
 def _import_verifiers():
     try:
         import verifiers as vf
@@ -90,6 +111,9 @@ def _import_verifiers():
         ) from exc
     if not isinstance(environment_module.signal, _NoSignalHandlers):
         environment_module.signal = _NoSignalHandlers(environment_module.signal)
+    root = logging.getLogger("verifiers")
+    if _RUBRIC_HANDLER not in root.handlers:
+        root.addHandler(_RUBRIC_HANDLER)
     return vf
 
 
@@ -283,9 +307,14 @@ class VerifiersEnvironment(Environment):
         self._reply: asyncio.Future | None = None
         self._turn = 0
         rollout_input = json.loads(json.dumps(meta["input"]))  # the environment may change its input; rows stay
-        self._rollout = asyncio.ensure_future(
-            vf_env.run_rollout(rollout_input, _client_class()(self._turns), "rl-multilora", {})
-        )
+        self._rubric_errors: list[str] = []
+        said = _RUBRIC_ERRORS.set(self._rubric_errors)  # the rollout's task copies this context: its errors land here
+        try:
+            self._rollout = asyncio.ensure_future(
+                vf_env.run_rollout(rollout_input, _client_class()(self._turns), "rl-multilora", {})
+            )
+        finally:
+            _RUBRIC_ERRORS.reset(said)
         first = await self._next()
         if first is None:
             raise RuntimeError(f"the verifiers rollout ended before its first model turn{self._error_suffix()}")
@@ -358,6 +387,12 @@ class VerifiersEnvironment(Environment):
         output = self._rollout.result()
         if output.get("error"):
             raise RuntimeError(f"the verifiers rollout ended with an error{self._error_suffix()}")
+        if self._rubric_errors:  # verifiers scored the function 0; trained so, a broken rubric looked like a bad model
+            more = f" (and {len(self._rubric_errors) - 1} more)" if len(self._rubric_errors) > 1 else ""
+            raise RuntimeError(
+                f"the environment's rubric failed: {self._rubric_errors[0]}{more}; verifiers scores such a function 0, "
+                "so the episode is not trained on"
+            )
         reward = output.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
             raise ValueError(f"the environment's rubric gave reward={reward!r}; allowed: a finite number")

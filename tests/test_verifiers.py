@@ -119,6 +119,25 @@ def cancelling() -> vf.Environment:
     return Cancelling(max_turns=3, dataset=_sums(4), parser=parser, rubric=_rubric(parser))
 
 
+def raising_rubric(returns_none: bool = False) -> vf.Environment:
+    """A single-turn environment one of whose reward functions raises (or returns None) on every rollout: verifiers
+    logs it and scores it 0."""
+    parser = vf.Parser()
+    rubric = _rubric(parser)
+
+    def broken(completion, **kwargs) -> float:
+        if returns_none:
+            return None
+        raise RuntimeError("rubric boom")
+
+    rubric.add_reward_func(broken)
+    return vf.SingleTurnEnv(dataset=_sums(4), parser=parser, rubric=rubric)
+
+
+def raising_rubric_none() -> vf.Environment:
+    return raising_rubric(returns_none=True)
+
+
 def grouped() -> vf.Environment:
     rubric = vf.Rubric()
 
@@ -417,3 +436,20 @@ def test_a_verifiers_tenant_trains_and_evaluates_next_to_a_plain_tenant(tmp_path
     assert all(r["failed_samples"] == 0 and r["reward_mean"] is not None for r in train)
     evals = [r for r in rows if r.get("kind") == "eval"]
     assert evals and all(r["eval/n_prompts"] == 3 and r["eval/errors"] == 0 for r in evals)
+
+
+@pytest.mark.parametrize(
+    ("task", "why"), [("raising_rubric", "broken: rubric boom"), ("raising_rubric_none", "NoneType")]
+)
+def test_a_rubric_function_that_raises_fails_its_own_episodes(setup, task, why):
+    """verifiers scores a rubric function that raises (or returns None) 0 and logs it: the tenant trained on 0 with
+    reward_errors and failed_samples at 0 (a reviewer's find). The episode fails naming it, as a NaN reward does."""
+    engine, tok = setup
+    (bad, *_) = _groups(tok, task, prompts=1, n=2)
+    (good, *_) = _groups(tok, "single_turn", prompts=1, n=2)
+    samples = _run(engine, tok, [bad, [dataclasses.replace(s, group_index=5) for s in good]])
+    for s in samples[:2]:
+        assert s.status == SampleStatus.FAILED, s.metadata
+        assert "the environment's rubric failed: Error calling reward function broken" in s.metadata["error"]
+        assert why in s.metadata["error"]
+    assert all(s.status == SampleStatus.COMPLETED and s.reward is not None for s in samples[2:])
