@@ -239,6 +239,14 @@ def _bind_mode(fn: RewardFn, spec: RewardSpec) -> str:
             for p in sig.parameters.values()
             if p.name not in bound.arguments and p.default is p.empty and p.kind not in variadic
         ]
+        trl = [m for m in missing if m in _TRL_DATA_PARAMETERS and m not in spec.kwargs]
+        if trl:  # the data comes from the samples, not from reward.kwargs: a TRL reward function's signature
+            raise RewardConfigError(
+                f"reward.path: {where} takes TRL's batched data arguments ({', '.join(map(repr, trl))}); allowed: "
+                f"{shape} for one sample (returning a float), or a function decorated with @rewards.batched taking "
+                "fn(prompts, responses, labels, metadatas, **kwargs) and returning one float per sample "
+                "(docs/guides/rewards.md)"
+            )
         if any(name not in spec.kwargs for name in missing):
             raise RewardConfigError(
                 f"reward.kwargs: {spec.kwargs!r} lacks {', '.join(repr(m) for m in missing if m not in spec.kwargs)}, "
@@ -253,6 +261,11 @@ def _bind_mode(fn: RewardFn, spec: RewardSpec) -> str:
             f"reward.kwargs: {spec.kwargs!r} cannot be passed to {where}; allowed keys: {', '.join(accepted) or '(none)'}"
         )
     raise RewardConfigError(f"reward.path: {where} has the wrong signature ({data_errors[0]}); allowed: {shape}")
+
+
+# Parameters a TRL reward function takes for its batch's data (GRPOTrainer's reward_funcs): missing from a call of
+# ours, they were reported as missing reward.kwargs, and passing them there passed --dry-run and failed every sample.
+_TRL_DATA_PARAMETERS = frozenset({"prompts", "completions", "completion_ids", "prompt_ids", "trainer_state"})
 
 
 # The longest a tenant may let one sample's reward run: the step's other tenants wait for it (their rewards are in the
@@ -278,13 +291,32 @@ def _check_numbers(spec: RewardSpec) -> None:
         raise RewardConfigError(f"reward.kwargs={spec.kwargs!r} is not allowed; allowed: a mapping of str keys")
 
 
+def as_spec(spec: RewardSpec | Mapping[str, Any]) -> RewardSpec:
+    """`spec`, or the RewardSpec a mapping written like the config's `reward:` section gives (anything else is
+    returned as it is, for the caller to refuse)."""
+    if not isinstance(spec, Mapping):
+        return spec
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(RewardSpec).validate_python(dict(spec))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise RewardConfigError(f"reward: {dict(spec)!r}: {where}: {first['msg']}") from None
+
+
 def resolve(spec: RewardSpec) -> RewardFn:
     """Validate `spec` and return its reward function (the built-in or the imported custom function).
 
     Raises `RewardConfigError` naming the field, the value and what is allowed.
     """
+    spec = as_spec(spec)
     if not isinstance(spec, RewardSpec):
-        raise RewardConfigError(f"reward: {spec!r} is a {type(spec).__name__}; allowed: a rollout.types.RewardSpec")
+        raise RewardConfigError(
+            f"reward: {spec!r} is a {type(spec).__name__}; allowed: a rollout.types.RewardSpec, or a mapping like the "
+            "config's reward: section"
+        )
     _check_numbers(spec)
     fn = _lookup(spec)
     builtin = _REGISTRY.get(spec.name) if spec.name is not None else None
@@ -418,8 +450,15 @@ async def acall_reward(fn: RewardFn, spec: RewardSpec, item: Item) -> float:
     return check_reward(fn, spec, item, await out if inspect.isawaitable(out) else out)
 
 
-def score(spec: RewardSpec, prompt: str, response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
-    """Score one sample in this process, synchronously (tests, notebooks, debugging).
+def score(
+    spec: RewardSpec | Mapping[str, Any],
+    prompt: str,
+    response: str,
+    label: Any,
+    metadata: dict[str, Any] | None = None,
+) -> float:
+    """Score one sample in this process, synchronously (tests, notebooks, debugging). `spec`: a RewardSpec, or a
+    mapping written like the config's `reward:` section.
 
     No timeout and no isolation: exceptions from the reward propagate with their traceback. The training loop
     uses `RewardExecutor` instead.
@@ -429,6 +468,9 @@ def score(spec: RewardSpec, prompt: str, response: str, label: Any, metadata: di
     1.0
     >>> score(RewardSpec(name="gsm8k", format_bonus=0.1), "How many?", "#### 4", "5")
     0.1
+    >>> score({"name": "exact_match"}, "Capital of France?", "Paris", "Paris")
+    1.0
     """
+    spec = as_spec(spec)
     fn = resolve(spec)
     return call_reward(fn, spec, [(prompt, response, label, dict(metadata or {}))])[0]

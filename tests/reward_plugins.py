@@ -182,3 +182,7 @@ class YieldingScorer:
 
 
 yielding_scorer = YieldingScorer()
+
+
+def trl_style(prompts, completions, **kwargs):  # TRL's GRPOTrainer signature: refused, naming @rewards.batched
+    return [1.0 for _ in completions]

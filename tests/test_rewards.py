@@ -217,6 +217,12 @@ def test_format_builtin():
         (plugin("NOT_CALLABLE"), ["reward.path", "names a int, not a function"]),
         (plugin("yielding_reward"), ["reward.path", "yielding_reward'", "is a generator function", "not `yield"]),
         (plugin("yielding_scorer"), ["reward.path", "yielding_scorer'", "is a generator function"]),
+        # it said "reward.kwargs lacks 'prompts', 'completions'", and passing them there passed --dry-run
+        (
+            plugin("trl_style"),
+            ["reward.path", "takes TRL's batched data arguments ('prompts', 'completions')", "@rewards.batched"],
+        ),
+        (plugin("trl_style", kwargs={"prompts": 1}), ["TRL's batched data arguments ('completions')"]),
         (plugin("two_arg_reward"), ["reward.path", "wrong signature", "fn(prompt, response, label, metadata"]),
         (plugin("sync_reward", kwargs={"sclae": 2}), ["reward.kwargs", "'sclae'", "allowed keys: scale"]),
         (plugin("kwargs_reward"), ["reward.kwargs", "{}", "lacks 'weight'"]),
@@ -616,3 +622,15 @@ def test_a_reward_that_moves_the_worker_does_not_move_the_next_tenants(tmp_path,
             reader = make_samples("reader", plugin("relative_file_reward"), ["x", "y", "z"])
             report = ex.score_samples(wanderer + reader)
             assert [s.reward for s in wanderer + reader] == [1.0] * 5, report.last_error
+
+
+def test_score_takes_the_reward_section_as_the_config_writes_it():
+    """`rewards.score({'path': ..., 'kwargs': ...}, ...)` said the dict is not a RewardSpec (a reviewer's find: the
+    rewards guide shows the config's mapping)."""
+    from rewards import score
+
+    assert score({"path": "tests.reward_plugins:sync_reward", "kwargs": {"scale": 2.0}}, "p", "r", "l", {}) == score(
+        RewardSpec(path="tests.reward_plugins:sync_reward", kwargs={"scale": 2.0}), "p", "r", "l", {}
+    )
+    with pytest.raises(RewardConfigError, match=r"reward: \{'nmae': 'gsm8k'\}: nmae: Unexpected keyword argument"):
+        score({"nmae": "gsm8k"}, "p", "r", "l")
