@@ -19,6 +19,7 @@ Design choices:
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -607,10 +608,33 @@ class RunConfig(_Strict):
     adapters: list[AdapterConfig] = Field(default_factory=list, description="Tenants trained in this run.")
 
 
-def _format_pydantic(err: ValidationError, prefix: str = "") -> list[str]:
+def adapter_keys(adapters: Any) -> list[str]:
+    """How messages name each adapter of a config's `adapters:` list: `adapters.<name>`, as `--set`, validation and
+    the run's own messages do, where its name is a valid one that no other adapter's equals in letter case;
+    `adapters.<index>` where it is not (missing, malformed, or shared)."""
+    items = adapters if isinstance(adapters, list) else []
+    names = [item.get("name") if isinstance(item, dict) else None for item in items]
+    folded = Counter(n.casefold() for n in names if isinstance(n, str))
+    keys = []
+    for i, name in enumerate(names):
+        ok = isinstance(name, str) and folded[name.casefold()] == 1 and not _name_problem(name, "")
+        keys.append(f"adapters.{name}" if ok else f"adapters.{i}")
+    return keys
+
+
+def _format_pydantic(err: ValidationError, prefix: str = "", data: Any = None) -> list[str]:
     problems = []
+    keys = adapter_keys(data.get("adapters")) if isinstance(data, dict) else []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc_parts = list(e["loc"])
+        if (
+            len(loc_parts) >= 2
+            and loc_parts[0] == "adapters"
+            and isinstance(loc_parts[1], int)
+            and loc_parts[1] < len(keys)
+        ):
+            loc_parts[:2] = [keys[loc_parts[1]]]  # the adapter by its name
+        loc = ".".join(str(p) for p in loc_parts)
         loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] in ("missing", "missing_argument"):
@@ -768,8 +792,9 @@ CASE_REASON = (
 def _semantic_problems(cfg: RunConfig) -> list[str]:
     problems = []
     seen: dict[str, tuple[int, str]] = {}  # casefolded name -> (index, the name)
+    keys = adapter_keys([{"name": a.name} for a in cfg.adapters])
     for i, a in enumerate(cfg.adapters):
-        where = f"adapters.{i}."
+        where = f"{keys[i]}."
         problems += adapter_problems(a, cfg.model, where)
         problems += staleness_problems(a, cfg.rollout, where)
         own_temp = a.sampling.temperature if a.sampling is not None else None
@@ -865,7 +890,7 @@ def parse_run_config(data: Any, source: str | None = None) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        problems = _format_pydantic(e)
+        problems = _format_pydantic(e, data=data)
         # Cross-field checks still run on the adapters that did validate, so one pass reports everything.
         problems += _partial_adapter_problems(data)
         raise ConfigError(problems, source) from None
@@ -883,14 +908,15 @@ def _partial_adapter_problems(data: dict) -> list[str]:
         return []
     problems = []
     raw_adapters = data.get("adapters") or []
+    keys = adapter_keys(raw_adapters)
     for i, raw in enumerate(raw_adapters if isinstance(raw_adapters, list) else []):
         if not isinstance(raw, dict):
             continue
         name, rank = raw.get("name"), raw.get("rank")
         if isinstance(name, str):
-            problems += _name_problem(name, f"adapters.{i}.")
+            problems += _name_problem(name, f"{keys[i]}.")
         if isinstance(rank, int) and rank > model.max_rank:
-            problems.append(bad_value(f"adapters.{i}.rank", rank, f"an integer <= model.max_rank ({model.max_rank})"))
+            problems.append(bad_value(f"{keys[i]}.rank", rank, f"an integer <= model.max_rank ({model.max_rank})"))
     return problems
 
 

@@ -53,9 +53,11 @@ def test_every_mistake_reported_at_once():
     for fragment in [
         "rollout.engine='vllm'",
         "rollout.temperature=-1",
-        "adapters.1.lr=-1",
-        "adapters.1.learning_rate=0.001 is not allowed; allowed: no such key",
-        "adapters.2.reward",
+        # an adapter is named by its name where that is a valid one of its own (as --set and validation name it),
+        # by its index where it is not
+        "adapters.b.lr=-1",
+        "adapters.b.learning_rate=0.001 is not allowed; allowed: no such key",
+        "adapters.c.reward",
         "adapters.0.name='bad/name'",
         "adapters.0.rank=16 is not allowed; allowed: an integer <= model.max_rank (8)",
     ]:
@@ -117,7 +119,7 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "adapters.0.lr=0" in proc.stderr and "adapters.0.rank=8" in proc.stderr and "adapters.1.name" in proc.stderr
+    assert "adapters.a.lr=0" in proc.stderr and "adapters.a.rank=8" in proc.stderr and "adapters.1.name" in proc.stderr
     missing = subprocess.run(
         [sys.executable, "-m", "rl_multilora.cli", "run", str(tmp_path / "nope.yaml")], capture_output=True, text=True
     )
