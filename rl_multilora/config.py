@@ -342,7 +342,13 @@ class AdapterConfig(_Strict):
         # The reward scores with the task stored in each row's metadata; rows of any other source have none.
         if self.reward is not None and self.reward.name == "reasoning_gym" and self.dataset.source != "reasoning_gym":
             raise ValueError(
-                bad_value("dataset.source", self.dataset.source, "reasoning_gym with reward.name: reasoning_gym")
+                bad_value(
+                    "reward.name",
+                    "reasoning_gym",
+                    "reasoning_gym only with dataset.source: reasoning_gym (it scores with the task each such row "
+                    f"carries; rows of dataset.path {self.dataset.path!r} carry none): another reward, or "
+                    "reasoning-gym's rows (docs/guides/reasoning-gym.md)",
+                )
             )
         return self
 
@@ -360,8 +366,15 @@ class AdapterConfig(_Strict):
             if rows and not episodes:
                 where = None if self.environment is None else self.environment.path
                 raise ValueError(bad_value("environment.path", where, f"{path} with dataset.source: {source}"))
-            if episodes and not rows:
-                raise ValueError(bad_value("dataset.source", self.dataset.source, f"{source} with {path}"))
+            if episodes and not rows:  # named by what the user wrote: the environment (the source may be a default)
+                raise ValueError(
+                    bad_value(
+                        "environment.path",
+                        path,
+                        f"{path} only with dataset.source: {source} (it plays the episode each such row names; rows of "
+                        f"dataset.path {self.dataset.path!r} name none)",
+                    )
+                )
         return self
 
     @model_validator(mode="after")

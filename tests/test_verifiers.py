@@ -304,7 +304,8 @@ def test_config_names_the_environment_that_plays_the_rows():
     rows = {"source": "verifiers", "task": f"{HERE}:single_turn"}
     with pytest.raises(ValidationError, match=f"environment.path=None is not allowed; allowed: {ENVIRONMENT_PATH}"):
         AdapterConfig(name="a", dataset=rows, reward={"name": "gsm8k"}, max_steps=1)
-    with pytest.raises(ValidationError, match="dataset.source='datasets' is not allowed; allowed: verifiers"):
+    with pytest.raises(ValidationError, match=f"environment.path='{ENVIRONMENT_PATH}' is not allowed; allowed: "
+                       f"{ENVIRONMENT_PATH} only with dataset.source: verifiers"):  # fmt: skip
         AdapterConfig(name="a", dataset={"path": "x.jsonl"}, environment={"path": ENVIRONMENT_PATH}, max_steps=1)
     assert AdapterConfig(name="a", dataset=rows, environment={"path": ENVIRONMENT_PATH}, max_steps=1).reward is None
 
