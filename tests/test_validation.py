@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.tiny_models import save_tiny_model, sum_task_adapter, write_sum_task
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
+def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("validation")
     save_tiny_model(root / "model", hidden=32, layers=2)
     write_sum_task(root / "data" / "a.jsonl", 20, 1)
@@ -29,8 +30,13 @@ def ws(tmp_path_factory) -> Path:
     (root / "data" / "nolabel.jsonl").write_text(json.dumps({"q": "1+1="}) + "\n")
     long = "".join(json.dumps({"q": "1+1=" * 300, "a": "2"}) + "\n" for _ in range(4))  # past the tiny context
     (root / "data" / "long.jsonl").write_text(long)
-    (root / "a_file").write_text("x")
-    return root
+    # a script with sys.exit at top level, as an environment module (written here: pytest's doctest collection
+    # imports every module under tests/, and this one would end the collection)
+    (root / "plugins").mkdir()
+    (root / "plugins" / "env_exits_at_import.py").write_text("import sys\n\nsys.exit(0)\n")
+    sys.path.insert(0, str(root / "plugins"))
+    yield root
+    sys.path.remove(str(root / "plugins"))
 
 
 def _base(ws: Path) -> dict:
@@ -179,8 +185,8 @@ CASES = [
     # called valid, then every episode failed, or no row was ever drawn
     (
         "env-exits-at-import",
-        lambda d, ws: _adapter(d).update(environment={"path": "tests.plugin_exits_at_import:E"}),
-        "environment.path='tests.plugin_exits_at_import:E' does not load: SystemExit: 0 (it exits at import",
+        lambda d, ws: _adapter(d).update(environment={"path": "env_exits_at_import:E"}),
+        "environment.path='env_exits_at_import:E' does not load: SystemExit: 0 (it exits at import",
     ),
     (
         "env-without-step",
