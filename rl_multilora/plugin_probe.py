@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 PROBE_TIMEOUT_S = 120.0  # an import that takes longer is refused (it would hold the submission as long in the service)
@@ -50,7 +51,7 @@ def probe(a, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
         field = _last_field(e.stdout)
-        return [_problem(a, field, specs, f"loading it did not finish within {timeout_s:g} s (in a fresh process)")]
+        return [_problem(field, specs, f"loading it did not finish within {timeout_s:g} s (in a fresh process)")]
     if _last_field(done.stdout) == "done" and done.returncode == 0:
         return []
     field = _last_field(done.stdout)
@@ -62,7 +63,7 @@ def probe(a, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     said = f"; it said: {tail}" if tail else ""
     return [
         _problem(
-            a, field, specs,
+            field, specs,
             f"loading it ended the process ({how}){said}; a plugin must not exit or crash when it is imported or "
             "built (in a service it would end every tenant's training with it)",
         )
@@ -76,9 +77,16 @@ def _last_field(stdout: str | bytes | None) -> str | None:
     return marks[-1] if marks else None
 
 
-def _problem(a, field: str | None, specs: dict, what: str) -> str:
+def _problem(field: str | None, specs: dict, what: str) -> str:
     field = field if field in specs else next(iter(specs))
     return f"{field}.path={specs[field]['path']!r} is not allowed: {what}"
+
+
+def _build(load_environment, env) -> None:
+    try:
+        load_environment(env.path, env.kwargs).close()
+    except BaseException:  # noqa: BLE001, S110 - what building or closing raises is the in-process checks' to say
+        pass
 
 
 def _load(specs: dict[str, dict[str, Any]]) -> None:
@@ -94,13 +102,11 @@ def _load(specs: dict[str, dict[str, Any]]) -> None:
         try:
             if field == "reward":
                 rewards.validate(TypeAdapter(RewardSpec).validate_python(spec))
-            else:
+            else:  # built as validation builds it: in a daemon thread, given turn_timeout_s (a later check says so)
                 env = TypeAdapter(EnvironmentSpec).validate_python(spec)
-                built = load_environment(env.path, env.kwargs)
-                try:
-                    built.close()
-                except Exception:  # noqa: BLE001, S110 - closing is the environment's business; it loaded
-                    pass
+                thread = threading.Thread(target=_build, args=(load_environment, env), daemon=True)
+                thread.start()
+                thread.join(env.turn_timeout_s)
         except BaseException:  # noqa: BLE001, S110 - a raise (SystemExit too) is the in-process checks' to say
             pass
     print(_MARK + "done", flush=True)
