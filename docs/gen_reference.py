@@ -193,8 +193,8 @@ def _render_parser(parser: argparse.ArgumentParser, title: str, help_text: str) 
         out.append(f"| `{a.metavar or a.dest}` | | {_cell(a.help)} |\n")
     for a in options:
         flag = ", ".join(a.option_strings)
-        if a.nargs != 0:
-            flag += f" {a.metavar or a.dest.upper()}"
+        if a.nargs != 0:  # argparse's own usage: the choices where there are some and no metavar
+            flag += f" {a.metavar or ('{' + ','.join(map(str, a.choices)) + '}' if a.choices else a.dest.upper())}"
         if a.required:
             default = "required"
         elif a.nargs == 0 or a.default in (None, []):

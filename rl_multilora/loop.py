@@ -455,7 +455,8 @@ class Runtime:
             reward_error_reason=_most_common(
                 str(s.metadata["reward_error"]) for s in mine if "reward_error" in s.metadata
             ),
-            bad_rows=self.data.stats(name).get("bad_rows", 0),
+            bad_rows=(data := self.data.stats(name)).get("bad_rows", 0),
+            bad_row_reasons=data.get("bad_row_reasons") or None,
             weight_version=t.weight_version,
             row_share=round(len(mine) / n_samples, 4) if n_samples else None,
             slot_wait_s=round(t.admitted_at - t.registered_at, 3) if t.admitted_at is not None else None,

@@ -54,6 +54,7 @@ class StepRecord:
     # the most common error of this step's samples whose reward raised, returned a non-number or timed out (scored
     # `reward.failure_value`, counted in reward_errors / reward_timeouts)
     reward_error_reason: str | None = None
+    bad_row_reasons: dict[str, int] | None = None  # `bad_rows` by reason (missing_q, prompt_exceeds_context, ...)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -72,6 +73,7 @@ class StepRecord:
             "reward_crashes": self.reward_crashes,
             "reward_error_reason": self.reward_error_reason,
             "bad_rows": self.bad_rows,
+            "bad_row_reasons": self.bad_row_reasons,
             "weight_version": self.weight_version,
             "row_share": self.row_share,
             "slot_wait_s": self.slot_wait_s,

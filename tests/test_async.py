@@ -83,7 +83,7 @@ def test_async_run_bounds_each_tenants_staleness_and_publishes_without_a_pause(w
 def test_max_staleness_is_refused_in_a_sync_run_and_must_be_a_count(workspace, tmp_path, capsys):
     cfg = _config(workspace, tmp_path / "run", mode="sync")
     cfg["adapters"][0]["max_staleness"] = 2
-    with pytest.raises(ConfigError, match=r"adapters\.0\.max_staleness.*2.*null unless rollout\.mode is 'async'"):
+    with pytest.raises(ConfigError, match=r"adapters\.t1\.max_staleness.*2.*null unless rollout\.mode is 'async'"):
         parse_run_config(cfg)
     cfg = _config(workspace, tmp_path / "run")
     cfg["rollout"]["max_staleness"] = -1

@@ -50,6 +50,7 @@ def test_undecodable_and_over_long_rows_are_bad_rows_of_their_tenant(tmp_path):
     assert good.state.value == "REMOVED" and good.adapter_step == 3
     rows = [r for r in read_metrics(tmp_path / "run") if r["adapter"] == "bad"]
     assert rows[-1]["bad_rows"] == 2 and sum(r["n_samples"] for r in rows) == 6 * 4
+    assert rows[-1]["bad_row_reasons"] == {"undecodable_row": 1, "prompt_exceeds_context": 1}, rows[-1]
     assert all(r["failed_samples"] == 0 for r in read_metrics(tmp_path / "run") if "failed_samples" in r)
     # The same command again resumes (nothing left to do) instead of crashing on the same rows.
     again = run(cfg)

@@ -110,7 +110,7 @@ def test_tis_is_refused_at_a_sampling_temperature_its_log_probs_cannot_correct()
         {"adapters": [{**tenant, "sampling": {"temperature": 0.7}}]},
         {"rollout": {"temperature": 0.9}, "adapters": [tenant]},
     ):
-        with pytest.raises(ConfigError, match=r"adapters\.0\.tis=.*TIS needs temperature 1"):
+        with pytest.raises(ConfigError, match=r"adapters\.a\.tis=.*TIS needs temperature 1"):
             parse_run_config({"model": {"path": "m"}, **cfg})
     assert parse_run_config({"model": {"path": "m"}, "adapters": [tenant]}).adapters[0].tis.cap == 2.0
 

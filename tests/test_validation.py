@@ -35,6 +35,7 @@ def ws(tmp_path_factory):
     (root / "plugins").mkdir()
     (root / "plugins" / "env_exits_at_import.py").write_text("import sys\n\nsys.exit(0)\n")
     sys.path.insert(0, str(root / "plugins"))
+    (root / "a_file").write_text("x")
     yield root
     sys.path.remove(str(root / "plugins"))
 
