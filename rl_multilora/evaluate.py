@@ -305,11 +305,12 @@ def evaluate_checkpoints(
     if not (root / "config.yaml").is_file():
         raise ConfigError([bad_value("RUN_DIR", run_dir, "a run directory (it holds config.yaml)")])
     cfg = load_run_config(root / "config.yaml")
-    known = {a.name: a for a in cfg.adapters}
+    listed = {a.name: a for a in cfg.adapters}
     # A service's config.yaml lists no adapters (they were submitted), nor a run's once one was taken out of it:
-    # those are known by the config their newest checkpoint was trained with.
-    known |= checkpointed_adapters(CheckpointManager(root), skip=set(known))
-    names = list(dict.fromkeys(adapters)) if adapters else list(known)  # an adapter named twice is evaluated once
+    # those are known by the config their newest checkpoint was trained with, evaluated when named (--adapter), or
+    # by default where the config lists none (a service's run dir).
+    known = listed | checkpointed_adapters(CheckpointManager(root), skip=set(listed))
+    names = list(dict.fromkeys(adapters)) if adapters else list(listed or known)  # named twice: evaluated once
     problems = [
         bad_value("--adapter", x, f"an adapter of this run ({', '.join(known) or 'none'})")
         for x in names

@@ -44,6 +44,8 @@ def probe(a, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     if not specs:
         return []
     request = json.dumps({"sys_path": sys.path, "specs": specs})
+    if "environment" in specs:  # its build is given turn_timeout_s there, after the imports
+        timeout_s += float(specs["environment"].get("turn_timeout_s") or 0.0)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "rl_multilora.plugin_probe"],
@@ -51,7 +53,13 @@ def probe(a, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
         field = _last_field(e.stdout)
-        return [_problem(field, specs, f"loading it did not finish within {timeout_s:g} s (in a fresh process)")]
+        return [
+            _problem(
+                field, specs,
+                f"loading it did not finish within {timeout_s:g} s (the limit of the fresh process a service loads a "
+                "submitted plugin in first)",
+            )
+        ]  # fmt: skip
     if _last_field(done.stdout) == "done" and done.returncode == 0:
         return []
     field = _last_field(done.stdout)
@@ -89,8 +97,9 @@ def _build(load_environment, env) -> None:
         pass
 
 
-def _load(specs: dict[str, dict[str, Any]]) -> None:
-    """In the child: what `validate.outside_facts` does for these fields."""
+def _load(specs: dict[str, dict[str, Any]], marks) -> None:
+    """In the child: what `validate.outside_facts` does for these fields; progress on `marks`, a stream the
+    plugins do not share."""
     from pydantic import TypeAdapter
 
     import rewards
@@ -98,7 +107,7 @@ def _load(specs: dict[str, dict[str, Any]]) -> None:
     from rollout.types import EnvironmentSpec, RewardSpec
 
     for field, spec in specs.items():
-        print(_MARK + field, flush=True)
+        print(_MARK + field, file=marks, flush=True)
         try:
             if field == "reward":
                 rewards.validate(TypeAdapter(RewardSpec).validate_python(spec))
@@ -109,12 +118,16 @@ def _load(specs: dict[str, dict[str, Any]]) -> None:
                 thread.join(env.turn_timeout_s)
         except BaseException:  # noqa: BLE001, S110 - a raise (SystemExit too) is the in-process checks' to say
             pass
-    print(_MARK + "done", flush=True)
+    print(_MARK + "done", file=marks, flush=True)
 
 
 if __name__ == "__main__":
     request = json.loads(sys.stdin.read())
     sys.path[:] = request["sys_path"]
-    _load(request["specs"])
-    sys.stdout.flush()
+    # The marks go to the real stdout, kept on a descriptor of its own; what the plugins print (a partial line, a
+    # replaced sys.stdout) goes to stderr and cannot hide them.
+    marks = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _load(request["specs"], marks)
     os._exit(0)  # no interpreter shutdown: a plugin's atexit hooks or threads are not the probe's to wait for

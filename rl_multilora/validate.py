@@ -18,6 +18,7 @@ Every function returns problems instead of raising, so one pass reports all of t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -186,32 +187,66 @@ def data_problems(a: AdapterConfig, checkpoint: Path, n_rows: int | None) -> lis
     ]
 
 
+ASYNC_BUILD_S = 60.0  # how long validation waits for an async environment's constructor (an episode: unbounded)
+
+
 def _build_environment_once(spec) -> str | None:
-    """Build (and close) one instance of environment `spec` as an episode would: in a daemon thread, given
-    `turn_timeout_s`; what went wrong, or None. A constructor that never returns held `--dry-run` (and a service's
-    submit) for good, and a slow one was called valid though every episode would fail on it."""
-    from rollout.environments import EnvironmentLoadError, load_environment
+    """Build (and close) one instance of environment `spec` as an episode would: a plain class in a daemon thread,
+    given `turn_timeout_s`; an async one on an event loop (of its own, in a daemon thread, given ASYNC_BUILD_S).
+    What went wrong, or None. A constructor that never returns held `--dry-run` (and a service's submit) for good,
+    and a slow one was called valid though every episode would fail on it."""
+    import asyncio
+
+    from rollout.environments import EnvironmentLoadError, environment_class, is_async, load_environment
 
     outcome: dict[str, object] = {}
+    try:
+        on_loop = is_async(environment_class(spec.path))
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: whatever importing raises is the user's problem
+        on_loop, outcome["error"] = False, e
 
-    def build() -> None:
+    def build():
         try:
             env = load_environment(spec.path, spec.kwargs)
         except BaseException as e:  # noqa: BLE001 - SystemExit too: whatever building raises is the user's problem
             outcome["error"] = e
-            return
-        with contextlib.suppress(Exception):
-            env.close()
-        outcome["built"] = True
+            return None
+        try:
+            return env.close()  # a coroutine where close is `async def`
+        except Exception:  # noqa: BLE001 - closing is the environment's business: it was built
+            return None
 
-    thread = threading.Thread(target=build, name="validate-environment", daemon=True)
-    thread.start()
-    thread.join(spec.turn_timeout_s)
-    if thread.is_alive():
-        return (
-            f"environment.path={spec.path!r}: building it ran past environment.turn_timeout_s={spec.turn_timeout_s:g} "
-            "(every episode would fail so); allowed: a constructor that returns within it (or a larger turn_timeout_s)"
-        )
+    def build_in_a_thread() -> None:
+        closing = build()
+        if inspect.iscoroutine(closing):
+            closing.close()
+
+    async def build_on_a_loop() -> None:  # an async class's constructor may bind the loop it is built on
+        closing = build()
+        if inspect.isawaitable(closing):
+            with contextlib.suppress(Exception):
+                await closing
+
+    if "error" not in outcome:
+        # A plain class is built as an episode builds it: in a worker thread, cut at turn_timeout_s. An async one is
+        # built on the rollout's event loop without that bound; here on a loop of its own, given ASYNC_BUILD_S.
+        wait = ASYNC_BUILD_S if on_loop else spec.turn_timeout_s
+        target = (lambda: asyncio.run(build_on_a_loop())) if on_loop else build_in_a_thread
+        thread = threading.Thread(target=target, name="validate-environment", daemon=True)
+        thread.start()
+        thread.join(wait)
+        if thread.is_alive() and on_loop:
+            return (
+                f"environment.path={spec.path!r}: building it did not finish within {wait:g} s; allowed: an async "
+                "environment whose constructor returns at once (an episode builds it on the event loop every "
+                "episode shares, where it would stall them all)"
+            )
+        if thread.is_alive():
+            return (
+                f"environment.path={spec.path!r}: building it ran past environment.turn_timeout_s="
+                f"{spec.turn_timeout_s:g} (every episode would fail so); allowed: a constructor that returns within "
+                "it (or a larger turn_timeout_s)"
+            )
     e = outcome.get("error")
     if e is None:
         return None

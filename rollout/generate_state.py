@@ -38,7 +38,18 @@ from rollout.engines.base import RolloutEngine
 from rollout.types import AdapterRef, GenerateRequest, GenerateResult, RewardSpec, Sample, SampleStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
-_CLOSE_FAILURES_SAID: set[tuple[str, str]] = set()  # (environment path, failure) pairs already logged
+_SAID: set[tuple[str, str]] = set()  # (environment path, what) warnings already logged once in this process
+
+
+def _holds_an_observation(value) -> bool:
+    """Whether what an environment's `reset` returned carries text the model was meant to read (a string, messages,
+    or a tuple / list starting with one: gymnasium's `(observation, info)`)."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, tuple | list) and value:
+        return isinstance(value[0], str | dict | list)
+    return False
+
 
 _STATUS_BY_FINISH_REASON = {
     "stop": SampleStatus.COMPLETED,
@@ -529,13 +540,16 @@ class _Episode:
                 f"environment {spec.path} construction ran past environment.turn_timeout_s={spec.turn_timeout_s}"
             ) from None
         got = await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
-        if got is not None:  # a gymnasium port's (observation, info): its text would never reach the model
+        if _holds_an_observation(got):  # a gymnasium port's (observation, info): its text would never reach the model
             text = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
             raise _EpisodeError(
                 f"environment reset returned {text} ({type(got).__name__}); allowed: None (the episode's first "
                 "text is the dataset row's prompt; put an opening observation there, or return it from the first "
                 "step)"
             )
+        if got is not None and (spec.path, "reset") not in _SAID:  # anything else is ignored, as it always was
+            _SAID.add((spec.path, "reset"))
+            logger.warning("environment %s: reset returned %s, which is ignored", spec.path, type(got).__name__)
         adapter, sampling = state.request_params(sample)
         # the episode's tokens after the prompt: its max_tokens, and no more than the model's context holds (a prompt
         # too long for it is left to the engine, which fails the turn naming both lengths)
@@ -593,10 +607,13 @@ class _Episode:
             try:
                 await _call(self.env.close, timeout=self.spec.turn_timeout_s)
             except Exception as e:  # noqa: BLE001 - a failing close changes nothing about the episode
-                said = (self.spec.path, f"{type(e).__name__}: {e}")
-                if said not in _CLOSE_FAILURES_SAID:  # once per environment and message, not once per episode
-                    _CLOSE_FAILURES_SAID.add(said)
-                    logger.warning("environment %s: close failed: %s (the same failure again is not logged)", *said)
+                said = (self.spec.path, f"close {type(e).__name__}")
+                if said not in _SAID:  # the first per environment and exception type, not one per episode
+                    _SAID.add(said)
+                    logger.warning(
+                        "environment %s: close failed (%s again is not logged)",
+                        self.spec.path, type(e).__name__, exc_info=True,
+                    )  # fmt: skip
 
     def fill(self) -> None:
         s = self.sample

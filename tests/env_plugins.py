@@ -170,3 +170,21 @@ class CloseRaises(Environment):
 
     def close(self):
         raise RuntimeError("close boom")
+
+
+class ResetReturnsTrue(Environment):
+    def reset(self, task):
+        return True  # no observation in it: ignored, as before
+
+    def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=1.0, done=True)
+
+
+class BindsTheLoop(Environment):
+    """An async environment whose constructor binds the loop it is built on (as an episode builds it)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+
+    async def step(self, action: str) -> EnvStep:
+        return EnvStep(reward=1.0, done=True)

@@ -433,13 +433,41 @@ def test_a_numpy_done_and_reward_are_taken(setup):
         assert s.status != SampleStatus.FAILED and s.reward == 0.5 and s.metadata["turn_rewards"] == [0.5]
 
 
-def test_a_failing_close_is_logged_once_in_one_line(setup, caplog):
-    """Each episode logged a two-part traceback, chained to an internal "no running event loop" (a reviewer's find)."""
+def test_a_failing_close_is_logged_once_without_an_unrelated_context(setup, caplog, monkeypatch):
+    """Each episode logged a two-part traceback, chained to an internal "no running event loop" (a reviewer's find).
+    The first failure of a kind is logged with its own traceback; the same kind again is not."""
+    from rollout import generate_state
+
+    monkeypatch.setattr(generate_state, "_SAID", set())
     engine, tok = setup
     with caplog.at_level("WARNING", logger="rollout.generate_state"):
         done = _run(engine, tok, [_samples(tok, "env", _spec("CloseRaises"), n=4)])
     assert all(s.reward == 1.0 for s in done)
-    said = [r for r in caplog.records if "close failed" in r.getMessage()]
-    assert len(said) <= 1 and all(r.exc_info is None for r in said)
-    if said:  # an earlier test in this process may have said it already
-        assert "close failed: RuntimeError: close boom" in said[0].getMessage()
+    (said,) = [r for r in caplog.records if "close failed" in r.getMessage()]
+    assert said.exc_info is not None and str(said.exc_info[1]) == "close boom"
+    assert said.exc_info[1].__context__ is None  # no "no running event loop" chained to it
+
+
+def test_a_reset_that_returns_something_else_is_warned_about_once(setup, caplog, monkeypatch):
+    """A reset returning a non-observation (True, self) trained before and still does; it is said once."""
+    from rollout import generate_state
+
+    monkeypatch.setattr(generate_state, "_SAID", set())
+    engine, tok = setup
+    with caplog.at_level("WARNING", logger="rollout.generate_state"):
+        done = _run(engine, tok, [_samples(tok, "env", _spec("ResetReturnsTrue"), n=3)])
+    assert all(s.status != SampleStatus.FAILED and s.reward == 1.0 for s in done)
+    (said,) = [r for r in caplog.records if "reset returned" in r.getMessage()]
+    assert "reset returned bool, which is ignored" in said.getMessage()
+
+
+def test_validation_builds_an_async_environment_on_a_loop_as_an_episode_does(setup):
+    """Validation built every class in a bare thread: an async one that binds its loop in __init__ (valid, and built
+    on the rollout's loop by episodes) was refused with "no current event loop" (a reviewer's find)."""
+    from rl_multilora.validate import _build_environment_once
+
+    assert _build_environment_once(_spec("BindsTheLoop", turn_timeout_s=0.5)) is None
+    engine, tok = setup
+    assert all(s.reward == 1.0 for s in _run(engine, tok, [_samples(tok, "env", _spec("BindsTheLoop"))]))
+    slow = _build_environment_once(_spec("SlowInit", kwargs={"delay": 2.0}, turn_timeout_s=0.3))
+    assert "building it ran past environment.turn_timeout_s=0.3" in slow

@@ -172,6 +172,15 @@ def test_eval_cli_on_a_run_dir_whose_config_lists_no_adapters(runs, ws, tmp_path
     capsys.readouterr()
     assert cli.main(["eval", str(svc), "--adapter", "zzz"]) == 2
     assert "--adapter='zzz' is not allowed; allowed: an adapter of this run (a, b)" in capsys.readouterr().err
+    # A run whose config lists `a` only (b was taken out of it): `b` is evaluated when named, not by default, so a
+    # checkpoint of it that no longer checks out (its dataset moved) does not stop the eval of `a` (a reviewer's find)
+    (svc / "config.yaml").write_text(yaml.safe_dump({**cfg, "adapters": [listed["a"]]}))
+    for folder in (svc / "adapters" / "b").glob("step_*"):
+        moved = json.loads((folder / "checkpoint.json").read_text())
+        moved["config"]["dataset"]["data_files"] = {"train": str(tmp_path / "gone.jsonl")}
+        (folder / "checkpoint.json").write_text(json.dumps(moved))
+    assert cli.main(["eval", str(svc), "--n", "3", "--out", str(tmp_path / "only_a.json")]) == 0
+    assert [r["adapter"] for r in rows("only_a.json")] == ["a"]
 
 
 @pytest.mark.parametrize(
