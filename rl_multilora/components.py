@@ -300,7 +300,9 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
     return engine, launcher
 
 
-HTTP_ENGINE_WAIT_S = 10.0  # how long a run waits for rollout.url's server to answer before it says it does not
+# How long a run waits for rollout.url's server to answer GET /health before it says none does: a server still
+# starting, or a busy one (SGLang's /health runs a one-token generation), gets that long in all.
+HTTP_ENGINE_WAIT_S = 30.0
 
 
 def _answers(engine, wait_s: float) -> bool:

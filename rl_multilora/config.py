@@ -346,8 +346,8 @@ class AdapterConfig(_Strict):
                     "reward.name",
                     "reasoning_gym",
                     "reasoning_gym only with dataset.source: reasoning_gym (it scores with the task each such row "
-                    f"carries; rows of dataset.path {self.dataset.path!r} carry none): another reward, or "
-                    "reasoning-gym's rows (docs/guides/reasoning-gym.md)",
+                    f"carries; this adapter's rows are {self.dataset.describe()}): another reward, or reasoning-gym's "
+                    "rows (docs/guides/reasoning-gym.md)",
                 )
             )
         return self
@@ -371,8 +371,8 @@ class AdapterConfig(_Strict):
                     bad_value(
                         "environment.path",
                         path,
-                        f"{path} only with dataset.source: {source} (it plays the episode each such row names; rows of "
-                        f"dataset.path {self.dataset.path!r} name none)",
+                        f"{path} only with dataset.source: {source} (it plays the episode each such row names; this "
+                        f"adapter's rows are {self.dataset.describe()})",
                     )
                 )
         return self
@@ -631,6 +631,7 @@ def adapter_keys(adapters: Any) -> list[str]:
     keys = []
     for i, name in enumerate(names):
         ok = isinstance(name, str) and folded[name.casefold()] == 1 and not _name_problem(name, "")
+        ok = ok and (not name.isdigit() or name == str(i))  # "1" of the first adapter would read as the second's index
         keys.append(f"adapters.{name}" if ok else f"adapters.{i}")
     return keys
 

@@ -146,6 +146,12 @@ class DatasetSpec:
         if self.prompt_template is not None:
             _check_template(self.prompt_template)
 
+    def describe(self) -> str:
+        """These rows in a message: `dataset.path 'json'`, or `dataset.source 'textarena'` for generated rows."""
+        if self.source == "datasets":
+            return f"dataset.path {self.path!r}"
+        return f"dataset.source {self.source!r}"
+
     def _check_generated(self) -> None:
         source = self.source
         for file_field in ("path", "name", "data_files", "metadata_key"):

@@ -80,22 +80,38 @@ class _NoSignalHandlers:
 
 
 # verifiers' Rubric catches a reward function that raises (or returns what float() refuses, None say), logs "Error
-# calling reward function <name>: <error>" and scores it 0: the episode trained as a plain 0 and no metric counted it.
-# A handler on verifiers' loggers collects those records for the episode whose rollout emitted them (a context var,
-# which the rollout's task inherits from its episode), and the episode fails with the first.
+# calling reward function <name>: <error>" on its own logger and scores it 0: the episode trained as a plain 0 and no
+# metric counted it. Each rubric's logger is wrapped (`_RubricLogger`, whatever logging is configured to show): its
+# errors are collected for the episode whose rollout reported them (a context var, which the rollout's task inherits
+# from its episode), and the episode fails with the first.
 _RUBRIC_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("rubric_errors", default=None)
 
 
-class _RubricErrors(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
+class _RubricLogger:
+    """A rubric's logger that also hands its "Error calling ... reward function" messages to the episode."""
+
+    def __init__(self, inner: logging.Logger) -> None:
+        self._inner = inner
+
+    def error(self, msg, *args, **kwargs) -> None:
         errors = _RUBRIC_ERRORS.get()
-        if errors is not None and record.levelno >= logging.ERROR:
-            message = record.getMessage()
-            if message.startswith(("Error calling reward function", "Error calling group reward function")):
-                errors.append(message)
+        text = str(msg) % args if args else str(msg)
+        if errors is not None and text.startswith(("Error calling reward function", "Error calling group reward")):
+            errors.append(text)
+        self._inner.error(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
 
-_RUBRIC_HANDLER = _RubricErrors()
+def _watch_rubrics(rubric) -> None:
+    """Wrap the logger of `rubric` and of every rubric it groups (`RubricGroup.rubrics`), once."""
+    if rubric is None:
+        return
+    if isinstance(getattr(rubric, "logger", None), logging.Logger):
+        rubric.logger = _RubricLogger(rubric.logger)
+    for inner in getattr(rubric, "rubrics", None) or []:
+        _watch_rubrics(inner)
 
 
 def _import_verifiers():
@@ -111,9 +127,6 @@ def _import_verifiers():
         ) from exc
     if not isinstance(environment_module.signal, _NoSignalHandlers):
         environment_module.signal = _NoSignalHandlers(environment_module.signal)
-    root = logging.getLogger("verifiers")
-    if _RUBRIC_HANDLER not in root.handlers:
-        root.addHandler(_RUBRIC_HANDLER)
     return vf
 
 
@@ -156,6 +169,7 @@ def _load(env: str, env_args_json: str):
         raise ValueError(
             bad_value("dataset.task", env, "an environment whose rubric scores rollouts one by one (no group rewards)")
         )
+    _watch_rubrics(getattr(loaded, "rubric", None))
     return loaded
 
 

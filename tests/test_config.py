@@ -179,3 +179,12 @@ def test_build_model_passes_lora_autocast(tmp_path):
         assert m.lora_autocast is on
         slots = {p.dtype for n, p in m.named_parameters() if "lora_" in n}
         assert slots == {torch.float32}  # the slots stay float32 either way
+
+
+def test_adapter_keys_never_give_two_adapters_one_key():
+    """A name of digits is its key only where it is its own index: "1" on the first adapter read as the second's."""
+    from rl_multilora.config import adapter_keys
+
+    assert adapter_keys([{"name": "1"}, {"name": "bad/name"}]) == ["adapters.0", "adapters.1"]
+    assert adapter_keys([{"name": "0"}, {"name": "b"}, {"name": "B"}]) == ["adapters.0", "adapters.1", "adapters.2"]
+    assert adapter_keys([{"name": "math"}, {}]) == ["adapters.math", "adapters.1"]

@@ -207,7 +207,7 @@ def test_config_refuses_the_reward_on_rows_of_another_source_and_bad_sources():
 
     # it named dataset.source='datasets', a default the user never wrote (a reviewer's find)
     with pytest.raises(ConfigError, match="reward.name='reasoning_gym' is not allowed; allowed: reasoning_gym only with "
-                       "dataset.source: reasoning_gym .* rows of dataset.path 'json' carry none"):  # fmt: skip
+                       "dataset.source: reasoning_gym .* this adapter's rows are dataset.path 'json'"):  # fmt: skip
         parse_adapter_config(adapter({"path": "json"}, {"name": "reasoning_gym"}), model)
     with pytest.raises(ConfigError, match="dataset.source"):
         parse_adapter_config(adapter({"source": "gym", "task": "x"}, {"name": "reasoning_gym"}), model)

@@ -442,9 +442,17 @@ def test_a_verifiers_tenant_trains_and_evaluates_next_to_a_plain_tenant(tmp_path
 @pytest.mark.parametrize(
     ("task", "why"), [("raising_rubric", "broken: rubric boom"), ("raising_rubric_none", "NoneType")]
 )
-def test_a_rubric_function_that_raises_fails_its_own_episodes(setup, task, why):
+@pytest.mark.parametrize("quiet", [False, True], ids=["logging", "verifiers-logging-off"])
+def test_a_rubric_function_that_raises_fails_its_own_episodes(setup, task, why, quiet, monkeypatch):
     """verifiers scores a rubric function that raises (or returns None) 0 and logs it: the tenant trained on 0 with
-    reward_errors and failed_samples at 0 (a reviewer's find). The episode fails naming it, as a NaN reward does."""
+    reward_errors and failed_samples at 0 (a reviewer's find). The episode fails naming it, as a NaN reward does,
+    whatever logging shows (VF_LOG_LEVEL=CRITICAL, or a vf.setup_logging that clears handlers)."""
+    import logging
+
+    if quiet:
+        for name in ("verifiers", "verifiers.legacy.rubrics.rubric"):
+            monkeypatch.setattr(logging.getLogger(name), "level", logging.CRITICAL)
+        monkeypatch.setattr(logging.getLogger("verifiers"), "handlers", [])
     engine, tok = setup
     (bad, *_) = _groups(tok, task, prompts=1, n=2)
     (good, *_) = _groups(tok, "single_turn", prompts=1, n=2)
