@@ -339,7 +339,9 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             what = f"has no usable row: all {facts.n_rows} rows would be skipped ({said})"
         problems.append(
             bad_value(
-                f"{where}dataset.path", a.dataset.path, f"a dataset with at least one usable row; this one {what}"
+                f"{where}dataset.path" if a.dataset.source == "datasets" else f"{where}dataset.source",
+                a.dataset.path if a.dataset.source == "datasets" else a.dataset.source,  # generated rows have no path
+                f"a dataset with at least one usable row; this one {what}",
             )
         )
     elif facts.n_rows is not None and a.prompts_per_step > facts.n_rows:  # drawn by the row: 1e11 filled memory

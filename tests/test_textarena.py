@@ -169,3 +169,19 @@ def test_a_rows_seed_fixes_its_game_whatever_else_drew_from_random():
     assert play(2)[0] == first and play(1)[0] == first
     random.seed(1)
     assert draws == [random.random() for _ in draws]  # and the process's stream is its own, games in between
+
+
+def test_generated_rows_that_do_not_fit_are_named_by_their_source():
+    """TextArena's rows, none of which fits the model: the refusal named dataset.path=None, a field the user never
+    wrote (a reviewer's find); it names dataset.source."""
+    from rl_multilora.config import AdapterConfig
+    from rl_multilora.validate import Admission, OutsideFacts, adapter_problems
+
+    a = AdapterConfig(name="guess", dataset={"source": "textarena", "task": "GuessTheNumber-v0"},
+                      environment={"path": ENVIRONMENT_PATH}, max_steps=1)  # fmt: skip
+    facts = OutsideFacts({}, n_rows=500, usable=None, eval_rows=None, skipped={"prompt_exceeds_context": 500})
+    (problem,) = adapter_problems(a, Admission(), facts)
+    assert problem.startswith(
+        "adapters.guess.dataset.source='textarena' is not allowed; allowed: a dataset with at "
+        "least one usable row; this one has no usable row: all 500 rows would be skipped"
+    ), problem

@@ -10,7 +10,8 @@ the BLAS products only gave from 12 tokens up (`layer._rank_major_floor`).
 Built with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into a cache folder keyed by the source and
 flags (`$RL_MULTILORA_CACHE`, else `$XDG_CACHE_HOME/rl_multilora` or `~/.cache/rl_multilora`), written by rename so
 concurrent processes never load half a file. Where there is no compiler, no AVX2, another architecture or
-`RL_MULTILORA_CPU_KERNELS=0`, the layer keeps its torch path (the same math; a warning says why, once).
+`RL_MULTILORA_CPU_KERNELS=0`, the layer keeps its torch path (the same math; where the build fails, a compiler
+missing say, one warning says why).
 """
 
 from __future__ import annotations
