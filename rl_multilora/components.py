@@ -249,12 +249,12 @@ def build_engine(cfg: RunConfig, backend: TrainingBackend, tokenizer) -> tuple[R
     from rollout.sglang.protocol import sglang_expert_shapes
 
     if r.engine == "http":
+        field, value = ("rollout.url", r.url) if r.num_engines == 1 else ("rollout.urls", r.urls)
         urls = r.urls if r.num_engines > 1 else [r.url]
-        field = "rollout.url" if r.num_engines == 1 else "rollout.urls"
         try:
             engines = [SGLangEngine(u, api_key=r.api_key, tensor_format="safetensors") for u in urls]
         except (RuntimeError, ValueError, OSError) as e:
-            raise ConfigError([bad_value(field, r.url if r.num_engines == 1 else r.urls, str(e))]) from None
+            raise ConfigError([bad_value(field, value, str(e))]) from None
         for u, engine in zip(urls, engines, strict=True):  # no server there: said now, not as a crash at the sync
             if not _answers(engine, HTTP_ENGINE_WAIT_S):
                 raise ConfigError([bad_value(field, u, f"a server that answers GET /health (none did in "

@@ -309,7 +309,8 @@ def evaluate_checkpoints(
     # A service's config.yaml lists no adapters (they were submitted), nor a run's once one was taken out of it:
     # those are known by the config their newest checkpoint was trained with, evaluated when named (--adapter), or
     # by default where the config lists none (a service's run dir).
-    known = listed | checkpointed_adapters(CheckpointManager(root), skip=set(listed))
+    needed = not listed or any(x not in listed for x in adapters or [])  # each checkpoint's JSON read only then
+    known = listed | (checkpointed_adapters(CheckpointManager(root), skip=set(listed)) if needed else {})
     names = list(dict.fromkeys(adapters)) if adapters else list(listed or known)  # named twice: evaluated once
     problems = [
         bad_value("--adapter", x, f"an adapter of this run ({', '.join(known) or 'none'})")

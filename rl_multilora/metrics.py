@@ -200,18 +200,18 @@ def _reward_errors_part(rec: dict[str, Any]) -> str:
     n = (rec.get("reward_errors") or 0) + (rec.get("reward_timeouts") or 0)
     if not n:
         return ""
-    why = rec.get("reward_error_reason") or "?"
-    why = why if len(why) <= 160 else why[:157] + "..."
-    return f" | reward errors {n}/{rec['n_samples']}: {why}"
+    return f" | reward errors {n}/{rec['n_samples']}: {_cut(rec.get('reward_error_reason') or '?')}"
 
 
 def _failed_part(rec: dict[str, Any]) -> str:
     """` | failed 57/64: <why>` when samples failed this step (the reason shortened), else nothing."""
     if not rec.get("failed_samples"):
         return ""
-    why = rec.get("failed_reason") or "?"
-    why = why if len(why) <= 160 else why[:157] + "..."
-    return f" | failed {rec['failed_samples']}/{rec['n_samples']}: {why}"
+    return f" | failed {rec['failed_samples']}/{rec['n_samples']}: {_cut(rec.get('failed_reason') or '?')}"
+
+
+def _cut(reason: str, limit: int = 160) -> str:
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -39,6 +39,7 @@ from rl_multilora.config import (
     staleness_problems,
 )
 from rl_multilora.errors import bad_value
+from rollout.data_source import said_reasons
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -335,14 +336,10 @@ def adapter_problems(a: AdapterConfig, admission: Admission, facts: OutsideFacts
             else f"has no row with a non-empty {a.dataset.prompt_key!r} and {a.dataset.label_key!r}"
         )
         if facts.n_rows and facts.skipped:  # read as a run reads them: every row would be skipped, and why
-            said = ", ".join(f"{n} {reason}" for reason, n in sorted(facts.skipped.items(), key=lambda x: -x[1]))
-            what = f"has no usable row: all {facts.n_rows} rows would be skipped ({said})"
+            what = f"has no usable row: all {facts.n_rows} rows would be skipped ({said_reasons(facts.skipped)})"
+        field_name, value = a.dataset.named_by()
         problems.append(
-            bad_value(
-                f"{where}dataset.path" if a.dataset.source == "datasets" else f"{where}dataset.source",
-                a.dataset.path if a.dataset.source == "datasets" else a.dataset.source,  # generated rows have no path
-                f"a dataset with at least one usable row; this one {what}",
-            )
+            bad_value(f"{where}{field_name}", value, f"a dataset with at least one usable row; this one {what}")
         )
     elif facts.n_rows is not None and a.prompts_per_step > facts.n_rows:  # drawn by the row: 1e11 filled memory
         problems.append(

@@ -146,11 +146,15 @@ class DatasetSpec:
         if self.prompt_template is not None:
             _check_template(self.prompt_template)
 
+    def named_by(self) -> tuple[str, Any]:
+        """The field and value that name these rows in a message: `dataset.path`, or `dataset.source` for generated
+        rows (which have no path)."""
+        return ("dataset.path", self.path) if self.source == "datasets" else ("dataset.source", self.source)
+
     def describe(self) -> str:
         """These rows in a message: `dataset.path 'json'`, or `dataset.source 'textarena'` for generated rows."""
-        if self.source == "datasets":
-            return f"dataset.path {self.path!r}"
-        return f"dataset.source {self.source!r}"
+        field_name, value = self.named_by()
+        return f"{field_name} {value!r}"
 
     def _check_generated(self) -> None:
         source = self.source
@@ -364,6 +368,13 @@ def read_row(rows, index: int) -> Mapping[str, Any] | str:
         return rows[index]
     except UnicodeDecodeError:
         return "undecodable_row"
+
+
+def said_reasons(reasons) -> str:
+    """Skip reasons (one per row, or a mapping reason -> rows) in a message, the most common first: `20
+    prompt_exceeds_context, 2 missing_q`."""
+    counts = Counter(reasons) if not isinstance(reasons, Mapping) else Counter(dict(reasons))
+    return ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
 
 
 def first_usable_row(rows, spec: DatasetSpec) -> int | None:
@@ -668,8 +679,7 @@ class MultiLoRADataSource:
         stream = self._stream(name)
         if stream.n_rows == 0 or len(stream.bad_rows) < stream.n_rows:
             return None
-        said = ", ".join(f"{n} {reason}" for reason, n in Counter(stream.bad_rows.values()).most_common())
-        return f"no usable row: all {stream.n_rows} rows of its dataset were skipped ({said})"
+        return f"no usable row: all {stream.n_rows} rows of its dataset were skipped ({said_reasons(stream.bad_rows.values())})"
 
     def stats(self, name: str) -> dict[str, Any]:
         """Counters for metrics: rows and samples served, epoch progress, bad rows by reason."""

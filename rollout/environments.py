@@ -140,7 +140,8 @@ def environment_class(path: str) -> type[Environment]:
     return cls
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters for a message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -163,7 +164,7 @@ def check_step(result: Any) -> EnvStep:
             raise ValueError("step returned done=False without observation messages")
         if not isinstance(obs, list):
             raise ValueError(
-                f"step returned observation={_short(obs)} ({type(obs).__name__}); allowed: a list of "
+                f"step returned observation={short_repr(obs)} ({type(obs).__name__}); allowed: a list of "
                 "{'role': str, 'content': str} messages, e.g. [{'role': 'user', 'content': 'try again'}]"
             )
         for m in obs:

@@ -525,7 +525,14 @@ class _Episode:
             ) from None
 
     async def run(self) -> None:
-        from rollout.environments import Task, build_environment, check_step, environment_class, is_async
+        from rollout.environments import (
+            Task,
+            build_environment,
+            check_step,
+            environment_class,
+            is_async,
+            short_repr,
+        )
 
         state, sample, spec = self.state, self.sample, self.spec
         try:  # a plain class's constructor that blocks (opens a connection, loads a file) must not stall every other
@@ -541,9 +548,8 @@ class _Episode:
             ) from None
         got = await self._env("reset", Task(sample.prompt, sample.label, dict(sample.metadata)))
         if _holds_an_observation(got):  # a gymnasium port's (observation, info): its text would never reach the model
-            text = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
             raise _EpisodeError(
-                f"environment reset returned {text} ({type(got).__name__}); allowed: None (the episode's first "
+                f"environment reset returned {short_repr(got)} ({type(got).__name__}); allowed: None (the episode's first "
                 "text is the dataset row's prompt; put an opening observation there, or return it from the first "
                 "step)"
             )
